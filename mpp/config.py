@@ -1,0 +1,328 @@
+"""One config schema for every tool: dataclasses, loaded from YAML plus `key=value` overrides.
+
+`load_config(path, overrides)` returns a validated `Config`; any unknown key or bad value raises
+`ConfigError` with a one-line message before any work starts. Keys other code relies on:
+`output_dir`, `objective`, `model`, `data.train`, `batch_size`, `steps`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names it and says what is allowed."""
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from and how they are augmented (see mpp.data)."""
+    train: Any = ""            # manifest.json, a shard list, or a brace pattern
+    val: Any = ""              # held-out labeled shards: fine-tune evaluation, probe test set
+    num_samples: int = 0       # samples in `train` when it is not a manifest (brace pattern / list)
+    val_num_samples: int = 0   # the same for `val`
+    num_workers: int = 2       # DataLoader workers per rank
+    shuffle_buffer: int = 2000  # per-worker sample shuffle buffer (0: no sample shuffle)
+    resampled: bool = False    # draw shards with replacement, forever; epoch length = epoch_samples
+    epoch_samples: int = 0     # samples per epoch (all ranks) in resampled mode
+    crop_scale: tuple = (0.08, 1.0)  # inception crop area range (paper: 0.08-1)
+    hflip: float = 0.5
+    eval_crop_pct: float = 0.875     # evaluation: resize to img_size / crop_pct, centre crop
+    mean: tuple = (0.5, 0.5, 0.5)    # ViT normalisation to [-1, 1]
+    std: tuple = (0.5, 0.5, 0.5)
+    max_pixels: int = 64_000_000     # larger images are rejected as corrupt (decompression bombs)
+
+
+@dataclass
+class MPPConfig:
+    """Masked patch prediction (paper section 4.6 / B.1.2)."""
+    ratio: float = 0.5         # fraction of patches chosen per image
+    mask: float = 0.8          # of the chosen: replaced by the [mask] embedding
+    random: float = 0.1        # ... by the embedding of a random other patch of the same image
+    keep: float = 0.1          # ... left unchanged
+    target: str = "mean_color"  # mean_color | mean_color_regression | downsampled | pixels
+    bits: int = 3              # colour quantisation per channel (512 classes at 3)
+
+
+@dataclass
+class SupervisedConfig:
+    """Supervised pre-training head: one hidden layer (tanh), as the paper."""
+    hidden_dim: int = 0        # 0: the encoder width
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class FinetuneConfig:
+    """Fine-tuning (objective: classify): new zero-initialised linear head on the encoder."""
+    init: str = "none"         # none (from scratch) | path to encoder.safetensors or a run dir
+    pool: str = "token"        # token ([class] token) | avg (mean of patch tokens)
+    label_fraction: float = 1.0  # class-balanced, seeded subset of the labeled train shards
+    drop_path: float = 0.0
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and schedule (timm factory and schedulers)."""
+    name: str = "adamw"        # adamw | sgd (momentum) | adam
+    lr: float = 2e-4
+    weight_decay: float = 0.1  # not applied to norms, biases, position embeddings, tokens
+    beta1: float = 0.9
+    beta2: float = 0.999
+    momentum: float = 0.9      # sgd only
+    warmup_steps: int = 0
+    schedule: str = "cosine"   # cosine | linear | constant
+    min_lr: float = 0.0
+    clip_grad: float = 1.0     # max global gradient norm; 0 turns clipping off
+    layer_decay: float = 0.0   # layer-wise lr decay (e.g. 0.75); 0 turns it off
+
+
+@dataclass
+class TrainConfig:
+    """Loop machinery shared by pre-training and fine-tuning."""
+    precision: str = "bf16"    # bf16 | fp16 | no
+    grad_accum: int = 1
+    log_every: int = 10
+    ckpt_every: int = 500      # steps between checkpoints (0: only at the end)
+    keep_ckpts: int = 2
+    resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
+    max_bad_steps: int = 20    # consecutive non-finite steps before training stops
+    attn: str = "auto"         # auto (fastest per device/shape) | fused | math
+
+
+@dataclass
+class FewshotConfig:
+    """Few-shot linear evaluation (closed-form least squares onto {-1, 1})."""
+    train: Any = ""            # labeled shards to draw the shots from
+    test: Any = ""             # labeled shards to evaluate on
+    train_num_samples: int = 0
+    test_num_samples: int = 0
+    shots: tuple = (1, 5, 10, 25)
+    seeds: int = 3
+    l2: float = 1.0            # ridge regulariser on standardised features
+    every: int = 0             # during pre-training: evaluate every N steps (0: off)
+    max_test: int = 2000       # test images used during pre-training
+
+
+@dataclass
+class ProbeConfig:
+    """Linear probe on frozen features."""
+    pool: str = "token"        # token | avg
+    val_fraction: float = 0.1  # of the training features, to choose the regulariser
+    cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/default"
+    objective: str = "mpp"     # mpp | supervised | classify
+    model: str = "vit_ti4_32"  # a preset from mpp.models.PRESETS
+    img_size: int = 0          # 0: the preset's resolution
+    batch_size: int = 256      # global, across all ranks and accumulation steps
+    steps: int = 0             # total optimiser steps (0: from `epochs`)
+    epochs: float = 0.0        # run length in epochs of data.train when steps is 0
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    mpp: MPPConfig = field(default_factory=MPPConfig)
+    supervised: SupervisedConfig = field(default_factory=SupervisedConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fewshot: FewshotConfig = field(default_factory=FewshotConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+
+CHOICES = {
+    "objective": ("mpp", "supervised", "classify"),
+    "mpp.target": ("mean_color", "mean_color_regression", "downsampled", "pixels"),
+    "finetune.pool": ("token", "avg"),
+    "probe.pool": ("token", "avg"),
+    "optim.name": ("adamw", "adam", "sgd"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "train.precision": ("bf16", "fp16", "no"),
+    "train.attn": ("auto", "fused", "math"),
+}
+
+
+def valid_keys(cls=Config, prefix: str = "") -> list[str]:
+    """All dotted keys of the schema, for error messages and --help."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            keys += valid_keys(f.default_factory, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _coerce(key: str, value: Any, kind: str) -> Any:
+    """Convert a YAML value to the field's declared type `kind`, or raise ConfigError."""
+    if kind in ("int", "float") and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if not isinstance(value, bool):
+        if kind == "int" and isinstance(value, (int, float)) and float(value).is_integer():
+            return int(value)
+        if kind == "float" and isinstance(value, (int, float)):
+            return float(value)
+        if kind == "str" and isinstance(value, (str, int, float)):
+            return str(value)
+        if kind == "tuple" and isinstance(value, (list, tuple)) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+        if kind == "Any" and (isinstance(value, str) or (
+                isinstance(value, list) and all(isinstance(v, str) for v in value))):
+            return value
+    wanted = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
+              "tuple": "a list of numbers", "Any": "a string or a list of strings"}[kind]
+    raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
+
+
+def _apply(obj: Any, data: dict, prefix: str = "") -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = prefix + str(k)
+        if k not in fields:
+            raise ConfigError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys())}")
+        cur = getattr(obj, k)
+        if dataclasses.is_dataclass(cur):
+            if not isinstance(v, dict):
+                raise ConfigError(f"config key '{key}' is a section; give it a mapping, e.g. {key}.{dataclasses.fields(cur)[0].name}=...")
+            _apply(cur, v, key + ".")
+        else:
+            setattr(obj, k, _coerce(key, v, str(fields[k].type)))
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML (typed)."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value (e.g. steps=100 or mpp.ratio=0.4)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override of '{p}'")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping; `base: other.yaml` (relative to the file) is merged in first."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; see configs/ for the shipped ones")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
+    base = data.pop("base", None)
+    if base:
+        data = _merge(load_yaml(path.parent / base), data)
+    return data
+
+
+def build_config(data: dict) -> Config:
+    """A validated Config from a plain mapping (as read from YAML)."""
+    cfg = Config()
+    _apply(cfg, data)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data = load_yaml(path) if path else {}
+    return build_config(_merge(data, parse_overrides(overrides or [])))
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain data (tuples as lists) for config.yaml and metrics.json."""
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def validate(cfg: Config) -> None:
+    """Check every value that can be checked without touching data or devices."""
+    def check(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+
+    for key, allowed in CHOICES.items():
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        check(obj in allowed, f"config key '{key}' is {obj!r}; choose one of {', '.join(allowed)}")
+    from mpp.models import PRESETS  # late import: the preset table lives with the models
+    check(cfg.model in PRESETS, f"config key 'model' is {cfg.model!r}; choose a preset: {', '.join(PRESETS)}")
+    check(bool(cfg.output_dir), "config key 'output_dir' is empty; give a run directory")
+    check(cfg.batch_size > 0, f"config key 'batch_size' must be > 0, got {cfg.batch_size}")
+    check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")
+    check(cfg.img_size >= 0, "config key 'img_size' must be >= 0 (0: the preset's)")
+    m = cfg.mpp
+    check(0.0 < m.ratio <= 1.0, f"config key 'mpp.ratio' must be in (0, 1], got {m.ratio}")
+    for k in ("mask", "random", "keep"):
+        check(getattr(m, k) >= 0, f"config key 'mpp.{k}' must be >= 0")
+    check(abs(m.mask + m.random + m.keep - 1.0) < 1e-6,
+          f"config keys mpp.mask + mpp.random + mpp.keep must sum to 1, got {m.mask + m.random + m.keep:g}")
+    check(1 <= m.bits <= 8, f"config key 'mpp.bits' must be in 1..8, got {m.bits}")
+    d = cfg.data
+    check(d.num_workers >= 0 and d.shuffle_buffer >= 0, "config keys data.num_workers and data.shuffle_buffer must be >= 0")
+    check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,
+          f"config key 'data.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {list(d.crop_scale)}")
+    check(0.0 < d.eval_crop_pct <= 1.0, "config key 'data.eval_crop_pct' must be in (0, 1]")
+    check(0.0 <= d.hflip <= 1.0, "config key 'data.hflip' must be a probability in [0, 1]")
+    check(len(d.mean) == 3 and len(d.std) == 3 and all(s > 0 for s in d.std),
+          "config keys data.mean and data.std must be 3 numbers each, std > 0")
+    check(not d.resampled or d.epoch_samples > 0,
+          "data.resampled=true needs data.epoch_samples > 0 (the fixed epoch length)")
+    o = cfg.optim
+    check(o.lr > 0, f"config key 'optim.lr' must be > 0, got {o.lr}")
+    check(o.weight_decay >= 0 and o.min_lr >= 0 and o.warmup_steps >= 0 and o.clip_grad >= 0,
+          "config keys optim.weight_decay, optim.min_lr, optim.warmup_steps, optim.clip_grad must be >= 0")
+    check(0 <= o.layer_decay <= 1, "config key 'optim.layer_decay' must be in [0, 1] (0: off)")
+    t = cfg.train
+    check(t.grad_accum >= 1, "config key 'train.grad_accum' must be >= 1")
+    check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1,
+          "config keys train.log_every, train.keep_ckpts, train.max_bad_steps must be >= 1, train.ckpt_every >= 0")
+    f = cfg.finetune
+    check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
+    check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
+          "drop_path and label_smoothing must be in [0, 1)")
+    fs = cfg.fewshot
+    check(all(int(s) == s and s >= 1 for s in fs.shots) and fs.seeds >= 1 and fs.l2 >= 0,
+          "config keys fewshot.shots (whole numbers >= 1), fewshot.seeds (>= 1), fewshot.l2 (>= 0)")
+    check(0 < cfg.probe.val_fraction < 1, "config key 'probe.val_fraction' must be in (0, 1)")
