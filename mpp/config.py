@@ -103,7 +103,7 @@ class FewshotConfig:
     test_num_samples: int = 0
     shots: tuple = (1, 5, 10, 25)
     seeds: int = 3
-    l2: float = 1.0            # ridge regulariser on standardised features
+    l2: float = 1024.0         # ridge regulariser on standardised features (big_vision: 2**10)
     every: int = 0             # during pre-training: evaluate every N steps (0: off)
     max_test: int = 2000       # test images used during pre-training
 
@@ -114,6 +114,7 @@ class ProbeConfig:
     pool: str = "token"        # token | avg
     val_fraction: float = 0.1  # of the training features, to choose the regulariser
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
+    encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors
 
 
 @dataclass
