@@ -1,4 +1,36 @@
-"""Encoder presets by name (timm VisionTransformer underneath)."""
+"""The encoder: a timm VisionTransformer plus a [mask] embedding, presets by name, export to plain timm.
+
+`MaskedEncoder.forward(x, corruption)` runs timm's own modules in timm's `forward_features` order,
+with one step added: the MPP corruption (gather by `src`, then `mask_token` where `masked`) is
+applied to the patch embeddings BEFORE the position embeddings are added, so a masked token
+carries its position but no content. The clean encoder (`vit`, timm key names, no mask token)
+is what `save_encoder` writes; `timm.create_model(name, pretrained=True,
+pretrained_cfg_overlay=dict(file=".../encoder.safetensors"), **kwargs)` loads it.
+
+Attention path (`attn`): timm's `Attention` modules have a per-module `fused_attn` flag choosing
+`F.scaled_dot_product_attention` ("fused") or matmul-softmax-matmul ("math"). On CPU the fused
+kernel in bf16 was measured ~2x slower than math for 65-token sequences, so "auto" decides by
+measurement: CUDA always uses fused (flash / memory-efficient kernels); any other device times one
+attention call (forward, plus backward when grad is enabled) of each path at the model's shape
+(batch capped at 64), dtype (the autocast dtype if active) and thread count on the first forward
+with that key, and uses math only when it is more than 10% faster (ties go to fused, which needs
+less memory). Decisions are cached per process. Timing can differ between runs, so bit-exact
+reproduction across processes needs an explicit "fused" or "math".
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from timm.layers import resample_abs_pos_embed, trunc_normal_
+from timm.layers.attention import Attention
+from timm.models import checkpoint_seq
+from torch import nn
 
 # name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
 # small-image presets (patch 4 at 32 px) for CIFAR-scale work on CPU.
@@ -16,3 +48,171 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "vit_mini4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4)),
     "vit_micro4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=2)),
 }
+
+ATTN_MODES = ("auto", "fused", "math")
+_FUSED_FASTER: dict[tuple, bool] = {}  # auto decisions, keyed by device, shape, dtype, grad, threads
+
+
+def _time_attention(fused: bool, q, k, v, backward: bool) -> float:
+    start = time.perf_counter()
+    if fused:
+        out = F.scaled_dot_product_attention(q, k, v)
+    else:
+        out = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+    if backward:
+        out.backward(torch.ones_like(out))
+    if q.device.type != "cpu":
+        torch.accelerator.synchronize(q.device)
+    return time.perf_counter() - start
+
+
+def fused_attention_faster(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
+                           device: torch.device, backward: bool) -> bool:
+    """The "auto" rule: fused on CUDA; elsewhere fused unless a timed math call is >10% faster."""
+    if device.type == "cuda":
+        return True
+    key = (str(device), min(batch, 64), heads, tokens, head_dim, dtype, backward, torch.get_num_threads())
+    if key not in _FUSED_FASTER:
+        with torch.autocast(device.type, enabled=False), torch.enable_grad() if backward else torch.no_grad():
+            q, k, v = (torch.randn(key[1], heads, tokens, head_dim, device=device, dtype=dtype,
+                                   requires_grad=backward) for _ in range(3))
+            best = {True: float("inf"), False: float("inf")}
+            for _ in range(5):  # the first round warms up; the best of the rest is robust to noise
+                for fused in (True, False):
+                    best[fused] = min(best[fused], _time_attention(fused, q, k, v, backward))
+        _FUSED_FASTER[key] = best[False] * 1.1 >= best[True]
+    return _FUSED_FASTER[key]
+
+
+class MaskedEncoder(nn.Module):
+    """timm ViT ([class] token, learned 1-D position embeddings, pre-norm) + a [mask] embedding."""
+
+    def __init__(self, name: str, kwargs: dict, drop_path: float = 0.0, attn: str = "auto"):
+        super().__init__()
+        if attn not in ATTN_MODES:
+            raise ValueError(f"attn={attn!r}; choose one of {', '.join(ATTN_MODES)}")
+        self.spec = {"name": name, "kwargs": {**kwargs, "num_classes": 0}}
+        self.vit = timm.create_model(name, pretrained=False, drop_path_rate=drop_path, **self.spec["kwargs"])
+        if self.vit.cls_token is None or self.vit.pos_embed is None or self.vit.no_embed_class:
+            raise ValueError(f"{name} {kwargs}: the encoder needs a [class] token and position embeddings "
+                             "that include it (timm defaults: class_token=True, no_embed_class=False)")
+        # trunc-normal like BERT/BEiT rather than zeros: a zero mask embedding would equal the
+        # embedding of a patch whose projection is zero (e.g. a mid-grey patch with zero bias).
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim))
+        trunc_normal_(self.mask_token, std=0.02)
+        self.attn = attn
+        self._attn_modules = [m for m in self.vit.modules() if isinstance(m, Attention)]
+        if attn != "auto":
+            self._set_fused(attn == "fused")
+
+    @property
+    def embed_dim(self) -> int:
+        return self.vit.embed_dim
+
+    @property
+    def patch_size(self) -> int:
+        return self.vit.patch_embed.patch_size[0]
+
+    @property
+    def num_patches(self) -> int:
+        return self.vit.patch_embed.num_patches
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return tuple(self.vit.patch_embed.grid_size)
+
+    def _set_fused(self, fused: bool) -> None:
+        for m in self._attn_modules:
+            m.fused_attn = fused
+
+    @torch.compiler.disable
+    def _choose_attention(self, x: torch.Tensor) -> None:
+        """Apply the "auto" rule for this batch's shape, dtype and grad mode (cached)."""
+        if self.attn != "auto" or not self._attn_modules:
+            return
+        a = self._attn_modules[0]
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        self._set_fused(fused_attention_faster(x.shape[0], a.num_heads, x.shape[1], a.head_dim, dtype,
+                                               x.device, torch.is_grad_enabled()))
+
+    def forward(self, x: torch.Tensor, corruption=None) -> torch.Tensor:
+        """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm."""
+        v = self.vit
+        x = v.patch_embed(x)
+        if corruption is not None:
+            x = torch.gather(x, 1, corruption.src.unsqueeze(-1).expand_as(x))
+            x = torch.where(corruption.masked.unsqueeze(-1), self.mask_token.to(x.dtype), x)
+        x = v.norm_pre(v.patch_drop(v._pos_embed(x)))
+        self._choose_attention(x)
+        x = checkpoint_seq(v.blocks, x) if v.grad_checkpointing else v.blocks(x)
+        return v.norm(x)
+
+    def no_weight_decay(self) -> set[str]:
+        """Position embeddings and special tokens; the optimiser factory also skips 1-D params."""
+        names = {n for n, _ in self.named_parameters()}
+        return {"mask_token"} | ({f"vit.{n}" for n in self.vit.no_weight_decay()} & names)
+
+    def model_spec(self) -> dict:
+        """{"name", "kwargs"} such that `timm.create_model(name, **kwargs)` builds the clean encoder."""
+        return json.loads(json.dumps(self.spec))
+
+    def encoder_state_dict(self) -> dict[str, torch.Tensor]:
+        """The clean encoder's weights under timm key names (no mask token)."""
+        return self.vit.state_dict()
+
+
+def create_encoder(preset: str, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto") -> MaskedEncoder:
+    """A fresh encoder from a preset name; `img_size` 0 keeps the preset's resolution."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    name, kwargs = PRESETS[preset]
+    kwargs = dict(kwargs)
+    if img_size:
+        kwargs["img_size"] = img_size
+    kwargs.setdefault("img_size", timm.models.get_pretrained_cfg(name).input_size[-1])
+    return MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
+
+
+def save_encoder(encoder: MaskedEncoder, out_dir: str | Path) -> Path:
+    """Write `encoder.safetensors` (timm keys) and `model.json` ({"name", "kwargs"}) to `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in encoder.encoder_state_dict().items()}
+    save_file(state, str(out / "encoder.safetensors"), metadata={"format": "pt"})
+    (out / "model.json").write_text(json.dumps(encoder.model_spec(), indent=2) + "\n")
+    return out / "encoder.safetensors"
+
+
+def _grid(img_size, patch_size: int) -> list[int]:
+    size = img_size if isinstance(img_size, (list, tuple)) else (img_size, img_size)
+    return [s // patch_size for s in size]
+
+
+def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto") -> MaskedEncoder:
+    """An encoder from a run dir or an `encoder.safetensors` next to its `model.json` (safetensors only).
+
+    With `img_size` different from the saved one (same patch size), the position embeddings are
+    resampled with timm's `resample_abs_pos_embed`. The mask token is freshly initialised.
+    """
+    path = Path(path)
+    weights = path / "encoder.safetensors" if path.is_dir() else path
+    spec_file = weights.parent / "model.json"
+    if not weights.is_file() or weights.suffix != ".safetensors" or not spec_file.is_file():
+        raise FileNotFoundError(f"{path}: need a run dir or an encoder.safetensors file with model.json beside it")
+    spec = json.loads(spec_file.read_text())
+    kwargs = dict(spec["kwargs"])
+    old_img = kwargs.get("img_size", 224)
+    if img_size:
+        kwargs["img_size"] = img_size
+    encoder = MaskedEncoder(spec["name"], kwargs, drop_path=drop_path, attn=attn)
+    state = load_file(str(weights))
+    pos = state.get("pos_embed")
+    if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
+        state["pos_embed"] = resample_abs_pos_embed(
+            pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
+            num_prefix_tokens=encoder.vit.num_prefix_tokens)
+    try:
+        encoder.vit.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{weights}: weights do not match {spec['name']} {kwargs}: {str(e).splitlines()[0]}") from None
+    return encoder
