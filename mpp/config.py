@@ -137,6 +137,30 @@ class Config:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
+@dataclass
+class PrepareConfig:
+    """Data a comparison makes before it starts (skipped when the manifests exist)."""
+    synthetic: str = ""        # generate the embedded synthetic data set here (train/, test/)
+    synthetic_train: int = 5000
+    synthetic_test: int = 1000
+    shards_src: Any = ""       # image folders or tars to shard (tools/make_shards.py) ...
+    shards_out: Any = ""       # ... and their output directories, in the same order
+
+
+@dataclass
+class CompareConfig:
+    """The whole self-supervised vs supervised experiment (tools/compare.py)."""
+    output_dir: str = "runs/compare"
+    mpp: str = ""              # pre-training config (objective mpp)
+    supervised: str = ""       # pre-training config (objective supervised)
+    finetune: str = ""         # fine-tuning config (objective classify); init set per run
+    probe: str = ""            # linear-probe config; probe.encoder set per run
+    label_fractions: tuple = (0.1, 1.0)
+    overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
+    launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+
 CHOICES = {
     "objective": ("mpp", "supervised", "classify"),
     "mpp.target": ("mean_color", "mean_color_regression", "downsampled", "pixels"),
@@ -187,17 +211,17 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
 
 
-def _apply(obj: Any, data: dict, prefix: str = "") -> None:
+def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
-            raise ConfigError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys())}")
+            raise ConfigError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys(root))}")
         cur = getattr(obj, k)
         if dataclasses.is_dataclass(cur):
             if not isinstance(v, dict):
                 raise ConfigError(f"config key '{key}' is a section; give it a mapping, e.g. {key}.{dataclasses.fields(cur)[0].name}=...")
-            _apply(cur, v, key + ".")
+            _apply(cur, v, key + ".", root)
         else:
             setattr(obj, k, _coerce(key, v, str(fields[k].type)))
 
@@ -258,6 +282,26 @@ def build_config(data: dict) -> Config:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     data = load_yaml(path) if path else {}
     return build_config(_merge(data, parse_overrides(overrides or [])))
+
+
+def load_compare_config(path: str | Path, overrides: list[str] | None = None) -> CompareConfig:
+    """The comparison's own config (its stage configs are validated by mpp.compare)."""
+    cfg = CompareConfig()
+    _apply(cfg, _merge(load_yaml(path), parse_overrides(overrides or [])), root=CompareConfig)
+    for key in ("mpp", "supervised", "finetune", "probe"):
+        if not getattr(cfg, key):
+            raise ConfigError(f"compare config key '{key}' is empty; give the path of its stage config")
+    if not cfg.label_fractions or not all(0 < f <= 1 for f in cfg.label_fractions):
+        raise ConfigError("compare config key 'label_fractions' must list fractions in (0, 1]")
+    p = cfg.prepare
+    src, out = as_list(p.shards_src), as_list(p.shards_out)
+    if len(src) != len(out):
+        raise ConfigError("compare config keys prepare.shards_src and prepare.shards_out must have the same length")
+    return cfg
+
+
+def as_list(v: Any) -> list[str]:
+    return [v] if isinstance(v, str) and v else list(v or [])
 
 
 def to_dict(cfg: Config) -> dict:
