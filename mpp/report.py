@@ -1,0 +1,254 @@
+"""The gap report: how much MPP pre-training buys over scratch and how far it trails supervised.
+
+Reads run directories (each with `metrics.json` and `config.yaml`) and writes `report.md` (one
+table plus the derived figures), `report.json` and `report.png` (grouped bar chart).
+
+How a run declares what it is (no extra bookkeeping needed for runs made by this package):
+- kind: `metrics.json` `"kind": "linear_probe"` -> a linear probe (written by
+  `mpp.evaluate.run_linear_probe`); otherwise config `objective` mpp | supervised -> pre-training,
+  classify -> fine-tuning.
+- family (mpp | supervised | scratch): pre-training: its objective; fine-tuning: `scratch` when
+  `finetune.init` is `none`, else the objective of the pre-training run `finetune.init` points to
+  (a run dir or the `encoder.safetensors` inside one); probe: the same via `probe.encoder`.
+  An explicit `"role": "mpp" | "supervised" | "scratch"` in `metrics.json` overrides the lookup
+  (for encoders from elsewhere, e.g. a timm checkpoint).
+- label fraction of a fine-tune: config `finetune.label_fraction`.
+Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import yaml
+
+FAMILIES = ("supervised", "mpp", "scratch")
+FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot place; the message names it and says what to do."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReportError(f"{path} is missing; is {path.parent} a finished run directory?") from None
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path} is not valid JSON ({e}); rerun that step") from None
+
+
+def _read_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ReportError(f"{path} is missing; every run directory needs its resolved config.yaml")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _source_family(init: str, run_dir: Path) -> str:
+    """The pre-training objective of the run an encoder path points to."""
+    src = Path(init)
+    src = src if src.is_dir() else src.parent
+    cfg_file = src / "config.yaml"
+    if not cfg_file.is_file():
+        raise ReportError(f"{run_dir}: cannot tell which pre-training its encoder {init!r} comes from "
+                          f"(no {cfg_file}); add \"role\": \"mpp\"|\"supervised\" to {run_dir}/metrics.json")
+    objective = (yaml.safe_load(cfg_file.read_text()) or {}).get("objective")
+    if objective not in ("mpp", "supervised"):
+        raise ReportError(f"{run_dir}: its encoder's run {src} has objective {objective!r}, not a pre-training; "
+                          f"add \"role\" to {run_dir}/metrics.json")
+    return objective
+
+
+def describe_run(run_dir: str | Path) -> dict:
+    """{"dir", "kind": pretrain|finetune|probe, "family", "label_fraction", "metrics"} of one run."""
+    run_dir = Path(run_dir)
+    metrics = _read_json(run_dir / "metrics.json")
+    cfg = _read_config(run_dir)
+    objective = cfg.get("objective")
+    if metrics.get("kind") == "linear_probe":
+        kind, source = "probe", (cfg.get("probe") or {}).get("encoder", "")
+    elif objective in ("mpp", "supervised"):
+        kind, source = "pretrain", None
+    elif objective == "classify":
+        kind, source = "finetune", (cfg.get("finetune") or {}).get("init", "none")
+    else:
+        raise ReportError(f"{run_dir}/config.yaml: objective {objective!r} is none of mpp, supervised, classify")
+    family = metrics.get("role")
+    if family is None:
+        if kind == "pretrain":
+            family = objective
+        elif source in (None, "", "none"):
+            family = "scratch"
+        else:
+            family = _source_family(source, run_dir)
+    if family not in FAMILIES:
+        raise ReportError(f"{run_dir}/metrics.json: role {family!r} is none of {', '.join(FAMILIES)}")
+    if kind == "pretrain" and family == "scratch":
+        raise ReportError(f"{run_dir}: a pre-training run cannot have role 'scratch'")
+    fraction = float((cfg.get("finetune") or {}).get("label_fraction", 1.0)) if kind == "finetune" else None
+    return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics}
+
+
+def derive(supervised: float | None, mpp: float | None, scratch: float | None) -> dict:
+    """Gaps in percentage points and the share of the supervised gain that MPP recovers,
+    (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined."""
+    out: dict = {}
+    pct = lambda a, b: None if a is None or b is None else round(100.0 * (a - b), 4)  # noqa: E731
+    out["supervised_minus_mpp"] = pct(supervised, mpp)
+    out["mpp_minus_scratch"] = pct(mpp, scratch)
+    out["supervised_minus_scratch"] = pct(supervised, scratch)
+    out["recovered_share"] = None
+    gain = out["supervised_minus_scratch"]
+    if gain is None or out["mpp_minus_scratch"] is None:
+        out["note"] = "needs supervised, MPP and scratch results"
+    elif gain <= 0:
+        out["note"] = (f"undefined: supervised pre-training does not beat scratch "
+                       f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
+    else:
+        out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
+    return out
+
+
+def collect(runs: list[dict]) -> dict:
+    """Table per family: pre-training dir, fine-tune top-1 per label fraction, linear top-1, few-shot;
+    plus the derived figures per column. Two runs in one cell is an error."""
+    table = {f: {"pretrain": None, "finetune": {}, "linear_top1": None, "fewshot": {}, "fewshot_std": {}}
+             for f in FAMILIES}
+    seen: dict = {}
+
+    def place(key, run):
+        if key in seen:
+            raise ReportError(f"two runs fill the same report cell {key}: {seen[key]} and {run['dir']}; pass one")
+        seen[key] = run["dir"]
+
+    for r in runs:
+        row, m = table[r["family"]], r["metrics"]
+        if r["kind"] == "pretrain":
+            place((r["family"], "pretrain"), r)
+            row["pretrain"] = {"dir": r["dir"], "steps": m.get("steps"), "loss": m.get("loss")}
+        elif r["kind"] == "finetune":
+            key = f"{r['label_fraction']:g}"
+            place((r["family"], "finetune", key), r)
+            row["finetune"][key] = _accuracy(m, "top1", r["dir"])
+        else:
+            place((r["family"], "probe"), r)
+            row["linear_top1"] = _accuracy(m, "top1", r["dir"])
+            for k, v in m.items():
+                if k.endswith("shot_mean"):
+                    shots = k[: -len("shot_mean")]
+                    row["fewshot"][shots] = _accuracy(m, k, r["dir"])
+                    row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
+    fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
+    shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
+    column = lambda get: derive(*(get(table[f]) for f in FAMILIES))  # noqa: E731
+    derived = {
+        "finetune": {fr: column(lambda row: row["finetune"].get(fr)) for fr in fractions},
+        "linear_top1": column(lambda row: row["linear_top1"]),
+        "fewshot": {k: column(lambda row: row["fewshot"].get(k)) for k in shots},
+    }
+    return {"table": table, "derived": derived, "label_fractions": fractions, "shots": shots}
+
+
+def _accuracy(metrics: dict, key: str, run_dir: str) -> float:
+    v = metrics.get(key)
+    if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0 or math.isnan(v):
+        raise ReportError(f"{run_dir}/metrics.json: '{key}' is {v!r}; expected an accuracy in [0, 1]")
+    return float(v)
+
+
+def _pct(v) -> str:
+    return "—" if v is None else f"{100 * v:.1f}"
+
+
+def _pp(v) -> str:
+    return "—" if v is None else f"{v:+.1f}"
+
+
+def render_markdown(rep: dict) -> str:
+    t, d, fracs, shots = rep["table"], rep["derived"], rep["label_fractions"], rep["shots"]
+    head = (["", "pre-training"] + [f"fine-tune top-1 @ {100 * float(f):g}% labels" for f in fracs]
+            + ["linear top-1"] + [f"{k}-shot" for k in shots])
+    lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
+             "Top-1 accuracy in percent on the held-out set; few-shot: mean ± std over seeds.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for f in FAMILIES:
+        row = t[f]
+        pre = row["pretrain"]
+        pre_cell = "—" if pre is None else f"`{pre['dir']}`" + (f" ({pre['steps']} steps)" if pre.get("steps") else "")
+        cells = ([FAMILY_NAMES[f], pre_cell] + [_pct(row["finetune"].get(fr)) for fr in fracs]
+                 + [_pct(row["linear_top1"])]
+                 + [_pct(row["fewshot"].get(k)) + (f" ± {100 * row['fewshot_std'][k]:.1f}"
+                                                   if row["fewshot_std"].get(k) is not None else "") for k in shots])
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Derived figures", "",
+              "Gaps in percentage points; share = (MPP - scratch) / (supervised - scratch), the part of "
+              "the supervised pre-training gain that MPP recovers.", "",
+              "| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered |",
+              "|---|---|---|---|---|"]
+    rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
+            + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
+    notes = []
+    for name, g in rows:
+        share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}"
+        if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
+            notes.append(f"- {name}: {g['note']}")
+            share = "undefined"
+        lines.append(f"| {name} | {_pp(g['supervised_minus_mpp'])} | {_pp(g['mpp_minus_scratch'])} | "
+                     f"{_pp(g['supervised_minus_scratch'])} | {share} |")
+    if notes:
+        lines += [""] + notes
+    lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']})" for r in rep["runs"]), ""]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: Path) -> None:
+    """Grouped bars: one group per evaluation, one bar per family; titled with the share recovered."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t, fracs, shots = rep["table"], rep["label_fractions"], rep["shots"]
+    groups = ([(f"fine-tune {100 * float(fr):g}%", lambda row, fr=fr: row["finetune"].get(fr)) for fr in fracs]
+              + [("linear", lambda row: row["linear_top1"])]
+              + [(f"{k}-shot", lambda row, k=k: row["fewshot"].get(k)) for k in shots])
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 4.0))
+    width = 0.8 / len(FAMILIES)
+    for i, f in enumerate(FAMILIES):
+        vals = [get(t[f]) for _, get in groups]
+        xs = [g + (i - 1) * width for g in range(len(groups))]
+        bars = ax.bar(xs, [0 if v is None else 100 * v for v in vals], width, label=FAMILY_NAMES[f])
+        for b, v in zip(bars, vals):
+            if v is not None:
+                ax.annotate(f"{100 * v:.1f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)), [name for name, _ in groups])
+    ax.set_ylabel("top-1 accuracy (%)")
+    shares = [f"{100 * float(fr):g}%: {g['recovered_share']:.2f}" for fr, g in rep["derived"]["finetune"].items()
+              if g["recovered_share"] is not None]
+    ax.set_title("MPP vs supervised vs scratch" + (" — share recovered " + ", ".join(shares) if shares else ""),
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict:
+    """Read the runs, write report.md / report.json / report.png to `out_dir` (default: the runs'
+    common parent directory) and return the report dict."""
+    if not run_dirs:
+        raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
+    runs = [describe_run(d) for d in run_dirs]
+    rep = collect(runs)
+    rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction")} for r in runs]
+    out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(render_markdown(rep))
+    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    plot(rep, out / "report.png")
+    rep["out_dir"] = str(out)
+    return rep

@@ -1,0 +1,94 @@
+"""The gap report on hand-written run directories: roles, table cells and derived figures."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mpp.report import ReportError, derive, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(root: Path, name: str, config: dict, metrics: dict) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    return d
+
+
+def _paper_runs(root: Path) -> list[Path]:
+    """The paper's ViT-B/16 ImageNet figures (84.0 / 79.9 / 77.9) at 100% labels, plus a 10% column
+    and probes."""
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 100, "loss": 3.2})
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 100})
+    runs = [mpp, sup]
+    for fam, init, top1 in (("mpp", mpp, (0.799, 0.60)), ("sup", sup / "encoder.safetensors", (0.840, 0.70)),
+                            ("scratch", "none", (0.779, 0.50))):
+        for frac, acc in zip((1.0, 0.1), top1):
+            runs.append(_run(root, f"ft_{fam}_{frac:g}", {"objective": "classify",
+                                                          "finetune": {"init": str(init), "label_fraction": frac}},
+                             {"top1": acc, "top5": 0.95}))
+    runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
+                     {"kind": "linear_probe", "top1": 0.40, "5shot_mean": 0.30, "5shot_std": 0.01}))
+    runs.append(_run(root, "probe_sup", {"objective": "mpp", "probe": {"encoder": str(sup)}},
+                     {"kind": "linear_probe", "top1": 0.65, "5shot_mean": 0.55, "5shot_std": 0.02}))
+    return runs
+
+
+def test_paper_figures_give_a_third(tmp_path):
+    rep = write_report(_paper_runs(tmp_path / "runs"), tmp_path / "out")
+    full = rep["derived"]["finetune"]["1"]
+    assert full["supervised_minus_mpp"] == pytest.approx(4.1)
+    assert full["mpp_minus_scratch"] == pytest.approx(2.0)
+    assert full["recovered_share"] == pytest.approx(2.0 / 6.1, abs=1e-3)  # ~0.328
+    assert rep["derived"]["finetune"]["0.1"]["recovered_share"] == pytest.approx(0.5)
+    assert rep["derived"]["linear_top1"]["supervised_minus_mpp"] == pytest.approx(25.0)
+    assert rep["derived"]["linear_top1"]["recovered_share"] is None  # no scratch probe
+    assert rep["derived"]["fewshot"]["5"]["supervised_minus_mpp"] == pytest.approx(25.0)
+    t = rep["table"]
+    assert t["scratch"]["finetune"] == {"1": 0.779, "0.1": 0.5}
+    assert t["mpp"]["pretrain"]["dir"].endswith("mpp") and t["scratch"]["pretrain"] is None
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "0.33" in md and "79.9" in md and "84.0" in md
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["derived"] == rep["derived"]
+    assert (tmp_path / "out" / "report.png").stat().st_size > 1000
+
+
+def test_undefined_share_is_explained():
+    assert derive(0.5, 0.6, 0.5)["recovered_share"] is None
+    assert "does not beat scratch" in derive(0.5, 0.6, 0.5)["note"]
+    assert "does not beat scratch" in derive(0.4, 0.6, 0.5)["note"]
+    assert derive(0.6, 0.45, 0.5)["recovered_share"] == pytest.approx(-0.5)  # MPP below scratch: negative
+
+
+def test_role_override_and_clear_errors(tmp_path):
+    ext = _run(tmp_path, "ft_timm", {"objective": "classify", "finetune": {"init": "/elsewhere/vit.safetensors"}},
+               {"top1": 0.5})
+    with pytest.raises(ReportError, match="role"):
+        write_report([ext], tmp_path / "out")
+    (ext / "metrics.json").write_text(json.dumps({"top1": 0.5, "role": "supervised"}))
+    assert write_report([ext], tmp_path / "out")["table"]["supervised"]["finetune"] == {"1": 0.5}
+    a = _run(tmp_path, "a", {"objective": "classify"}, {"top1": 0.5})
+    b = _run(tmp_path, "b", {"objective": "classify"}, {"top1": 0.6})
+    with pytest.raises(ReportError, match="same report cell"):
+        write_report([a, b], tmp_path / "out")
+    pct = _run(tmp_path, "pct", {"objective": "classify"}, {"top1": 79.9})
+    with pytest.raises(ReportError, match=r"in \[0, 1\]"):
+        write_report([pct], tmp_path / "out")
+
+
+def test_tool_prints_table_and_fails_in_one_line(tmp_path):
+    runs = _paper_runs(tmp_path / "runs")
+    ok = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), *map(str, runs)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "share recovered" in ok.stdout and (tmp_path / "runs" / "report.md").is_file()
+    bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "metrics.json" in bad.stderr
