@@ -1,0 +1,251 @@
+"""Image folder or tar archive -> WebDataset shards `OUT/NNNNNN.tar` + `OUT/manifest.json`.
+
+Each sample holds `__key__` (from the file's relative path, unique and stable), the image bytes
+exactly as in the source under the extension of their real format (`jpg`, `png`, `webp`, ...;
+never re-encoded) and `cls` (the integer label) when labeled. Sample order is shuffled across
+shards with a seed, so a shard is never one class.
+
+Every file is checked before it is written: it must open as one of `FORMAT_EXT`'s formats, be at
+most `max_pixels` large and decode completely. JPEGs are decoded at 1/8 scale (PIL `draft`),
+which still reads the whole entropy-coded stream, so a truncated JPEG is caught at a fraction
+of a full decode; other formats are fully decoded. Files that fail are reported (count and first
+names, in the manifest and as a warning) and skipped, never written. Corruption that libjpeg
+only warns about (garbled data of the right length) is not caught here; the reader's decoder
+counts whatever still fails to decode.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import io
+import json
+import logging
+import os
+import random
+import re
+import tarfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+
+from mpp.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+# PIL format -> shard extension. Only these are accepted (and identified) as images.
+FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "TIFF": "tiff", "PPM": "ppm"}
+MANIFEST = "manifest.json"
+SHARD_RE = re.compile(r"^\d{6}\.tar$")
+SAMPLES_PER_SHARD = 2000
+BYTES_PER_SHARD = 256 * 2**20
+_MTIME = 0          # fixed member time: the same source and seed give byte-identical shards
+_BLOCK, _RECORD = 512, 10240  # tar block and record sizes (tarfile pads archives to a record)
+
+# A source entry: (path relative to the source root with '/' separators, reader of its bytes, label).
+Item = tuple[str, Callable[[], bytes], "int | None"]
+
+
+class ShardError(ValueError):
+    """A bad source or output folder; the message says what to do."""
+
+
+def probe_image(data: bytes, max_pixels: int = DataConfig.max_pixels) -> str:
+    """The shard extension of an image's bytes; raises ValueError saying why they are not usable."""
+    try:
+        with Image.open(io.BytesIO(data), formats=list(FORMAT_EXT)) as im:
+            fmt, (w, h) = im.format, im.size
+            if w * h > max_pixels:
+                raise ValueError(f"too large ({w}x{h} pixels, limit {max_pixels})")
+            if fmt == "JPEG":
+                im.draft(im.mode, (1, 1))  # 1/8-scale decode: still reads every byte
+            im.load()
+    except ValueError:
+        raise
+    except Exception as e:  # PIL raises many kinds for bad data
+        reason = "not an image" if isinstance(e, Image.UnidentifiedImageError) else f"corrupt ({e})"
+        raise ValueError(reason) from None
+    return FORMAT_EXT[fmt]
+
+
+def sample_keys(names: Sequence[str]) -> list[str]:
+    """`__key__` per relative path: the path without its extension, dots in the file stem turned
+    into '_' (webdataset splits a member name at the stem's first dot); clashes get '_2', '_3'..."""
+    keys, seen = [], set()
+    for name in names:
+        folder, _, base = name.rpartition("/")
+        stem = (base.rsplit(".", 1)[0] if "." in base[1:] else base).replace(".", "_") or "_"
+        key = f"{folder}/{stem}" if folder else stem
+        unique, n = key, 1
+        while unique in seen:
+            n += 1
+            unique = f"{key}_{n}"
+        seen.add(unique)
+        keys.append(unique)
+    return keys
+
+
+def _tar_bytes(members: int, payload: int) -> int:
+    """Size of a finished tar file: header + padded data per member, end blocks, record padding."""
+    size = members * _BLOCK + payload + 2 * _BLOCK
+    return -(-size // _RECORD) * _RECORD
+
+
+def _padded(n: int) -> int:
+    return -(-n // _BLOCK) * _BLOCK
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty `out` unless `overwrite`; then remove only old shards and manifest."""
+    if out.exists() and not out.is_dir():
+        raise ShardError(f"output '{out}' is a file; give a folder for the shards")
+    existing = list(out.iterdir()) if out.exists() else []
+    if existing and not overwrite:
+        raise ShardError(f"output folder '{out}' is not empty; choose a new folder or overwrite it (--overwrite)")
+    for p in existing:
+        if p.name == MANIFEST or SHARD_RE.match(p.name):
+            p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] | None, seed: int = 0,
+                  samples_per_shard: int = SAMPLES_PER_SHARD, bytes_per_shard: int = BYTES_PER_SHARD,
+                  max_pixels: int = DataConfig.max_pixels, made: dict | None = None,
+                  overwrite: bool = False, progress: bool = True) -> dict:
+    """Check, shuffle (seeded) and write `items` as shards in `out`; returns the manifest it writes.
+
+    A shard holds at most `samples_per_shard` samples and its file at most `bytes_per_shard`
+    bytes (unless one sample alone is bigger). `made` (source, options, ...) goes into the
+    manifest with the seed, tool version and time. The manifest is written last, so a folder
+    with a manifest is complete.
+    """
+    if samples_per_shard < 1 or bytes_per_shard < 1:
+        raise ShardError("samples per shard and bytes per shard must be >= 1")
+    out = Path(out)
+    _prepare_out(out, overwrite)
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    keys = sample_keys([name for name, _, _ in items])
+
+    shards: list[dict] = []
+    skipped: list[str] = []
+    formats: dict[str, int] = {}
+    writer, count, members, payload = None, 0, 0, 0
+    try:
+        for i in tqdm(order, desc=f"writing {out}", unit="img", disable=not progress):
+            name, read, label = items[i]
+            try:
+                data = read()
+                ext = probe_image(data, max_pixels)
+                tarfile.TarInfo(f"{keys[i]}.{ext}").tobuf(tarfile.USTAR_FORMAT)  # the name must fit a tar header
+            except (OSError, ValueError) as e:
+                skipped.append(f"{name}: {e}")
+                continue
+            sample = {"__key__": keys[i], ext: data}
+            if label is not None:
+                sample["cls"] = str(label).encode()
+            size = sum(_padded(len(v)) for k, v in sample.items() if k != "__key__")
+            if writer is None or count >= samples_per_shard or (
+                    count and _tar_bytes(members + len(sample) - 1, payload + size) > bytes_per_shard):
+                if writer is not None:
+                    writer.close()
+                shards.append({"name": f"{len(shards):06d}.tar", "num_samples": 0})
+                writer = wds.TarWriter(str(out / shards[-1]["name"]), encoder=False, mtime=_MTIME)
+                count = members = payload = 0
+            writer.write(sample)
+            count, members, payload = count + 1, members + len(sample) - 1, payload + size
+            shards[-1]["num_samples"] = count
+            formats[ext] = formats.get(ext, 0) + 1
+    finally:
+        if writer is not None:
+            writer.close()
+
+    report = {"count": len(skipped), "examples": skipped[:10]}
+    if skipped:
+        log.warning("skipped %d unreadable or non-image files, e.g. %s", len(skipped), "; ".join(skipped[:3]))
+    if not shards:
+        raise ShardError(f"no readable images to write ({len(skipped)} files skipped"
+                         + (f", e.g. {skipped[0]})" if skipped else ")"))
+    manifest = {
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "shards": shards,
+        "classes": classes,
+        "formats": formats,
+        "skipped": report,
+        "made": {**(made or {}), "seed": seed, "samples_per_shard": samples_per_shard,
+                 "bytes_per_shard": bytes_per_shard, "max_pixels": max_pixels,
+                 "tool": f"mpp {importlib.metadata.version('mpp')}, webdataset {importlib.metadata.version('webdataset')}",
+                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+def _outside_class_folder() -> bytes:
+    raise ValueError("outside any class folder")
+
+
+def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled: bool, src: Path
+                 ) -> tuple[list[Item], list[str] | None]:
+    """Items labeled by their top folder (classes sorted by name give 0, 1, ..., as ImageFolder);
+    files outside any class folder become items that are reported and skipped."""
+    if unlabeled:
+        return [(n, r, None) for n, r in zip(names, readers)], None
+    classes = sorted({n.split("/", 1)[0] for n in names if "/" in n})
+    if not classes:
+        raise ShardError(f"source '{src}' has no class sub-folders; put each class in its own folder "
+                         "or treat it as unlabeled (--unlabeled)")
+    index = {c: i for i, c in enumerate(classes)}
+    return [(n, r, index[n.split("/", 1)[0]]) if "/" in n else (n, _outside_class_folder, None)
+            for n, r in zip(names, readers)], classes
+
+
+def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    return names, [lambda p=root / n: p.read_bytes() for n in names]
+
+
+def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
+    """Member names (without a single common top folder) and readers for any order: seeks in a
+    plain tar; a compressed one is read once into memory (random access into a compressed stream
+    would decompress from the start every time)."""
+    members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
+    names = [os.path.normpath(m.name).lstrip("/") for m in members]
+    tops = {n.split("/", 1)[0] for n in names}
+    if len(tops) == 1 and all(n.count("/") >= 2 for n in names):  # 'train/CLASS/x.jpg': the folder is 'train/'
+        names = [n.split("/", 1)[1] for n in names]
+    if isinstance(tar.fileobj, io.BufferedReader):
+        return names, [lambda m=m: tar.extractfile(m).read() for m in members]
+    data = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    return names, [lambda d=data[m.name]: d for m in members]
+
+
+def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
+                 samples_per_shard: int = SAMPLES_PER_SHARD, bytes_per_shard: int = BYTES_PER_SHARD,
+                 seed: int = 0, overwrite: bool = False, progress: bool = True) -> dict:
+    """Shard an image folder (one sub-folder per class) or a tar archive holding one; returns the
+    manifest. `unlabeled`: every image file anywhere in the tree, no labels."""
+    src = Path(src)
+    made = {"source": str(src.resolve()), "unlabeled": unlabeled}
+    kw = dict(seed=seed, samples_per_shard=samples_per_shard, bytes_per_shard=bytes_per_shard,
+              made=made, overwrite=overwrite, progress=progress)
+    if src.is_dir():
+        items, classes = _label_items(*_folder_entries(src), unlabeled, src)
+        return write_samples(items, out, classes=classes, **kw)
+    if src.is_file():
+        try:
+            tar = tarfile.open(src, "r:*")
+        except tarfile.TarError as e:
+            raise ShardError(f"source '{src}' is neither a folder nor a readable tar archive ({e})") from None
+        with tar:
+            try:
+                entries = _tar_entries(tar)
+            except (tarfile.TarError, EOFError, OSError) as e:
+                raise ShardError(f"tar archive '{src}' is damaged ({e}); re-create or re-download it") from None
+            items, classes = _label_items(*entries, unlabeled, src)
+            return write_samples(items, out, classes=classes, **kw)
+    raise ShardError(f"source '{src}' does not exist; give an image folder or a tar archive")

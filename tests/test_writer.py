@@ -1,0 +1,192 @@
+"""Image folder / tar -> shards: content, labels, manifest, shuffling, limits, bad files, CLI."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from mpp.data.writer import ShardError, sample_keys, write_shards
+
+def _tool_main(name: str):
+    """`main` of tools/NAME.py (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+CLASSES = ["a_cls", "b_cls", "c_cls"]
+
+
+def _image_bytes(seed: int, fmt: str = "JPEG", size: tuple[int, int] = (12, 10)) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """3 classes x 6 images (one PNG, one nested, one with dots in its name) plus 4 bad files."""
+    root = tmp_path / "src"
+    for c, name in enumerate(reversed(CLASSES)):  # created out of order: labels come from sorting
+        for i in range(6):
+            path = root / name / (f"sub/{i:03d}.jpg" if i == 5 else f"{i:03d}.v1.jpg" if i == 4 else f"{i:03d}.jpg")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(_image_bytes(10 * c + i))
+        (root / name / "005.png").write_bytes(_image_bytes(100 + c, "PNG"))
+    good = _image_bytes(999)
+    (root / "a_cls" / "trunc.jpg").write_bytes(good[: len(good) // 2])
+    (root / "a_cls" / "garbage.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4)
+    (root / "b_cls" / "notes.txt").write_text("not an image")
+    (root / "loose.jpg").write_bytes(good)  # outside any class folder
+    return root
+
+
+def _source_samples(root: Path) -> dict[str, tuple[bytes, str]]:
+    """relative path -> (bytes, class) of the good images."""
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.relative_to(root).parts[0])
+            for p in root.rglob("*") if p.suffix in (".jpg", ".png") and p.parent != root
+            and p.name not in ("trunc.jpg", "garbage.jpg")}
+
+
+def _read_shards(out: Path) -> list[list[tuple[str, dict[str, bytes]]]]:
+    """Per shard, in order: (key, {ext: bytes}) read with plain tarfile."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    shards = []
+    for s in manifest["shards"]:
+        samples: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(out / s["name"]) as tar:
+            for m in tar.getmembers():
+                key, ext = m.name.rsplit(".", 1)
+                samples.setdefault(key, {})[ext] = tar.extractfile(m).read()
+        shards.append(list(samples.items()))
+    return shards
+
+
+def _check_round_trip(out: Path, root: Path, manifest: dict) -> None:
+    source = _source_samples(root)
+    shards = _read_shards(out)
+    assert manifest["classes"] == CLASSES
+    assert [s["num_samples"] for s in manifest["shards"]] == [len(s) for s in shards]
+    assert manifest["num_samples"] == len(source) == sum(len(s) for s in shards)
+    assert [s["name"] for s in manifest["shards"]] == [f"{i:06d}.tar" for i in range(len(shards))]
+    written = {key: fields for shard in shards for key, fields in shard}
+    keys = dict(zip(sorted(source), sample_keys(sorted(source))))
+    for rel, (data, cls) in source.items():
+        fields = written[keys[rel]]
+        ext = "png" if rel.endswith(".png") else "jpg"
+        assert set(fields) == {ext, "cls"}
+        assert fields[ext] == data  # bytes as in the source, never re-encoded
+        assert int(fields["cls"]) == CLASSES.index(cls)
+
+
+def test_folder_round_trip(folder: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    m = write_shards(folder, out, samples_per_shard=5, seed=0, progress=False)
+    _check_round_trip(out, folder, m)
+    assert all(s["num_samples"] <= 5 for s in m["shards"]) and len(m["shards"]) == 5
+    assert m["formats"] == {"jpg": 18, "png": 3}
+    # bad files and the loose file are reported and never written
+    assert m["skipped"]["count"] == 4
+    reasons = "\n".join(m["skipped"]["examples"])
+    for name in ("trunc.jpg", "garbage.jpg", "notes.txt: not an image", "loose.jpg: outside any class folder"):
+        assert name in reasons
+    assert not any(k.endswith(("trunc", "garbage", "notes", "loose")) for s in _read_shards(out) for k, _ in s)
+    assert m["made"]["seed"] == 0 and m["made"]["source"] == str(folder.resolve()) and "created" in m["made"]
+
+
+def test_shuffled_across_shards_seeded_and_reproducible(folder: Path, tmp_path: Path):
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        write_shards(folder, tmp_path / name, samples_per_shard=7, seed=seed, progress=False)
+        runs[name] = [(tmp_path / name / f"{i:06d}.tar").read_bytes() for i in range(3)]
+    assert runs["a"] == runs["b"]  # same seed: byte-identical shards
+    assert runs["a"] != runs["c"]
+    for shard in _read_shards(tmp_path / "a"):
+        assert len({fields["cls"] for _, fields in shard}) > 1  # not one class per shard
+
+
+def test_keys_unique_and_readable_by_webdataset(folder: Path, tmp_path: Path):
+    assert sample_keys(["x/a.jpg", "x/a.png", "x/a.b.jpg", "x/a_b.jpg", "y.z/c.jpg"]) == \
+        ["x/a", "x/a_2", "x/a_b", "x/a_b_2", "y.z/c"]
+    out = tmp_path / "out"
+    m = write_shards(folder, out, samples_per_shard=100, progress=False)
+    ds = wds.WebDataset(str(out / "000000.tar"), shardshuffle=False)
+    samples = list(ds)
+    assert len(samples) == m["num_samples"]
+    assert all(len([k for k in s if not k.startswith("__")]) == 2 for s in samples)
+
+
+def test_tar_sources_plain_compressed_and_with_top_folder(folder: Path, tmp_path: Path):
+    (folder / "loose.jpg").unlink()  # a tar with a top folder has no loose files at the folder's root
+    ref = write_shards(folder, tmp_path / "ref", seed=3, progress=False)
+    for mode in ("w", "w:gz"):
+        src = tmp_path / f"src_{mode[-2:]}.tar"
+        with tarfile.open(src, mode) as tar:
+            if mode == "w":  # the folder's content at the archive's root
+                tar.add(folder, arcname=".")
+            else:            # inside one top folder 'train/CLASS/...', which is taken as the root
+                tar.add(folder, arcname="train")
+        out = tmp_path / f"out_{mode[-2:]}"
+        m = write_shards(src, out, seed=3, progress=False)
+        _check_round_trip(out, folder, m)
+        assert _read_shards(out) == _read_shards(tmp_path / "ref")  # same keys and order as the folder
+        assert m["skipped"]["count"] == ref["skipped"]["count"] == 3
+
+
+def test_unlabeled(folder: Path, tmp_path: Path):
+    m = write_shards(folder, tmp_path / "out", unlabeled=True, progress=False)
+    assert m["classes"] is None and m["num_samples"] == 22  # 21 class images + the loose one
+    shards = _read_shards(tmp_path / "out")
+    assert all("cls" not in fields for s in shards for _, fields in s)
+    assert "loose" in {k for s in shards for k, _ in s}
+
+
+def test_bytes_per_shard_limit(folder: Path, tmp_path: Path):
+    limit = 40 * 1024
+    m = write_shards(folder, tmp_path / "out", bytes_per_shard=limit, progress=False)
+    sizes = [(tmp_path / "out" / s["name"]).stat().st_size for s in m["shards"]]
+    assert len(sizes) > 1 and max(sizes) <= limit
+    assert m["num_samples"] == 21
+
+
+def test_refuses_non_empty_output_and_overwrite_removes_stale_shards(folder: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    write_shards(folder, out, samples_per_shard=2, progress=False)
+    with pytest.raises(ShardError, match="not empty"):
+        write_shards(folder, out, progress=False)
+    m = write_shards(folder, out, samples_per_shard=100, overwrite=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", "manifest.json"] and m["num_samples"] == 21
+
+
+def test_bad_sources(tmp_path: Path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "x.jpg").write_bytes(_image_bytes(0))
+    with pytest.raises(ShardError, match="no class sub-folders"):
+        write_shards(flat, tmp_path / "o1", progress=False)
+    with pytest.raises(ShardError, match="does not exist"):
+        write_shards(tmp_path / "missing", tmp_path / "o2", progress=False)
+    (tmp_path / "not.tar").write_bytes(b"hello")
+    with pytest.raises(ShardError, match="neither a folder nor a readable tar"):
+        write_shards(tmp_path / "not.tar", tmp_path / "o3", progress=False)
+    (flat / "c").mkdir()
+    (flat / "c" / "bad.jpg").write_bytes(b"junk")
+    with pytest.raises(ShardError, match="no readable images"):
+        write_shards(flat, tmp_path / "o4", progress=False)
+
+
+def test_cli(folder: Path, tmp_path: Path, capsys):
+    make_shards_main = _tool_main("make_shards")
+    make_shards_main([str(folder), str(tmp_path / "out"), "--samples-per-shard", "10", "--seed", "5"])
+    assert "wrote 21 samples in 3 shards, 3 classes" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^error: output folder .* not empty"):
+        make_shards_main([str(folder), str(tmp_path / "out")])
