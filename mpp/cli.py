@@ -7,8 +7,10 @@ import sys
 from mpp.config import Config, ConfigError, load_config, valid_keys
 
 
-def parse_config_args(description: str, argv: list[str] | None = None) -> Config:
-    """Parse `--config FILE [key=value ...]` into a validated Config; exit 2 with one line on error."""
+def parse_config_args(description: str, argv: list[str] | None = None, defaults: list[str] | None = None) -> Config:
+    """Parse `--config FILE [key=value ...]` into a validated Config; exit 2 with one line on error.
+
+    `defaults` (key=value) are the tool's own overrides, applied before the user's."""
     parser = argparse.ArgumentParser(
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -19,7 +21,7 @@ def parse_config_args(description: str, argv: list[str] | None = None) -> Config
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     try:
-        return load_config(args.config, args.overrides)
+        return load_config(args.config, (defaults or []) + args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

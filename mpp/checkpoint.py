@@ -1,0 +1,106 @@
+"""Training checkpoints: written atomically, rotated, and found again by `resume=auto`.
+
+`OUTPUT_DIR/checkpoints/step_NNNNNNN/` holds
+  model.safetensors  the whole trained module (encoder and head), safetensors
+  state.pt           optimizer, scheduler and grad-scaler state, step, data position, counters
+  rng_R.pt           RNG states of rank R (python, numpy, torch CPU and CUDA; the MPP corruption
+                     and drop path draw from torch's default generators)
+The `.pt` files hold only tensors and plain Python values and are read with
+`torch.load(weights_only=True)`, so loading a checkpoint never unpickles code. A directory gets its
+`step_*` name by one rename after everything in it was written, so every `step_*` directory is
+complete; a kill leaves at most a `.tmp_*` directory, removed by the next save. The output
+directory must be visible to all ranks (a shared file system on several nodes).
+"""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+PREFIX = "step_"
+
+
+def rng_state() -> dict:
+    """Every RNG this process draws from, as tensors and plain values."""
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"]["key"] = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
+    return {
+        "python": random.getstate(),
+        "numpy": np_state,
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned."""
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np_state["state"]["key"] = np_state["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state(np_state)
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    return sorted(root.glob(PREFIX + "*")) if root.is_dir() else []
+
+
+def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Module,
+                    optimizer, scheduler, state: dict, keep: int = 2) -> Path:
+    """Write checkpoint `step` under `root` (all ranks call this) and keep the newest `keep`.
+
+    `model` is the unwrapped module; `state` holds plain values (step, data position, counters)."""
+    root = Path(root)
+    final = root / f"{PREFIX}{step:07d}"
+    tmp = root / f".tmp_{PREFIX}{step:07d}"
+    if accelerator.is_main_process:
+        for stale in root.glob(".tmp_*"):
+            shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    torch.save(rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+    if accelerator.is_main_process:
+        save_model(model, str(tmp / "model.safetensors"))
+        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+        torch.save({**state, "step": step, "world_size": accelerator.num_processes,
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "scaler": scaler}, tmp / "state.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # the same step saved before (a finished run saved again): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
+    """Restore a checkpoint written by `save_checkpoint` into `model` (unwrapped), optimizer,
+    scheduler, grad scaler and this rank's RNGs; returns the saved plain state (step, ...)."""
+    path = Path(path)
+    if not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"'{path}' is not a checkpoint directory (no state.pt); "
+                                f"give a checkpoints/{PREFIX}NNNNNNN directory or train.resume=auto")
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    if state["world_size"] != accelerator.num_processes:
+        raise ValueError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
+                         f"{accelerator.num_processes}; resume with the same number of processes (the data "
+                         "split and per-rank RNG depend on it) or start afresh with train.resume=none")
+    load_model(model, str(path / "model.safetensors"), device=str(accelerator.device))
+    optimizer.load_state_dict(state.pop("optimizer"))
+    scheduler.load_state_dict(state.pop("scheduler"))
+    scaler = state.pop("scaler")
+    if accelerator.scaler is not None and scaler is not None:
+        accelerator.scaler.load_state_dict(scaler)
+    set_rng_state(torch.load(path / f"rng_{accelerator.process_index}.pt", weights_only=True))
+    return state

@@ -1,0 +1,79 @@
+"""Optimiser and learning-rate schedule from the config, built with timm's factory and schedulers.
+
+Optimisers are created with `fused=True`: fused kernels read `optimizer.found_inf` (the hook torch's
+GradScaler uses) and leave weights and optimiser state untouched when it is non-zero, so the
+trainer can skip a non-finite step on the device without a host sync.
+"""
+from __future__ import annotations
+
+import torch
+from timm.models import group_parameters
+from timm.models.vision_transformer import VisionTransformer
+from timm.optim import create_optimizer_v2, param_groups_layer_decay
+from timm.scheduler import CosineLRScheduler, PolyLRScheduler, StepLRScheduler
+
+from mpp.config import Config
+
+# config name -> timm name; timm's "sgd" is Nesterov, the paper's fine-tuning uses plain momentum
+TIMM_OPT = {"adamw": "adamw", "adam": "adam", "sgd": "momentum"}
+
+
+class _LayerView:
+    """A model as timm's layer-decay grouping sees it: the ViT inside keeps timm's layer ids
+    (embeddings 0, block i -> i + 1, final norm last), the [mask] token joins the embeddings and
+    anything outside the ViT (objective heads) comes after the last layer."""
+
+    def __init__(self, model: torch.nn.Module):
+        vit_name, vit = next((n, m) for n, m in model.named_modules() if isinstance(m, VisionTransformer))
+        prefix = vit_name + "." if vit_name else ""
+        layers = group_parameters(vit, vit.group_matcher(coarse=False), reverse=True)
+        self._ids = {prefix + name: layer for name, layer in layers.items()}
+        self._head = max(layers.values()) + 1
+        self.model = model
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def group_matcher(self, coarse: bool = False):
+        def layer_of(name: str) -> int:
+            if name in self._ids:
+                return self._ids[name]
+            return 0 if name.rsplit(".", 1)[-1] == "mask_token" else self._head
+        return layer_of
+
+
+def create_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The configured optimiser over `model`'s trainable parameters (already on their device).
+
+    No weight decay on 1-D parameters (norms, biases) nor on `model.no_weight_decay()` (position
+    embeddings, [class] and [mask] tokens); optional layer-wise lr decay (`lr_scale` per group,
+    applied by the timm schedulers)."""
+    o = cfg.optim
+    kwargs = dict(momentum=o.momentum) if o.name == "sgd" else dict(betas=(o.beta1, o.beta2))
+    params: torch.nn.Module | list = model
+    if o.layer_decay:
+        params = param_groups_layer_decay(_LayerView(model), weight_decay=o.weight_decay,
+                                          no_weight_decay_list=model.no_weight_decay(), layer_decay=o.layer_decay)
+    optimizer = create_optimizer_v2(params, TIMM_OPT[o.name], lr=o.lr, weight_decay=o.weight_decay,
+                                    fused=True, **kwargs)
+    if o.name == "sgd":
+        # Fused SGD allocates momentum buffers uninitialised on its first step and keeps them even
+        # when that step is skipped (found_inf); zeros are the same first step (dampening 0) and safe.
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
+
+
+def create_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+    """timm scheduler stepped per optimiser step (`step_update(n)`): linear warmup from 0 over
+    `optim.warmup_steps`, then cosine / linear decay to `optim.min_lr` over the remaining steps,
+    or constant."""
+    o = cfg.optim
+    common = dict(warmup_t=o.warmup_steps, warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
+    decay_steps = max(1, total_steps - o.warmup_steps)
+    if o.schedule == "cosine":
+        return CosineLRScheduler(optimizer, t_initial=decay_steps, lr_min=o.min_lr, **common)
+    if o.schedule == "linear":
+        return PolyLRScheduler(optimizer, t_initial=decay_steps, power=1.0, lr_min=o.min_lr, **common)
+    return StepLRScheduler(optimizer, decay_t=total_steps + 1, decay_rate=1.0, **common)

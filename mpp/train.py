@@ -1,0 +1,339 @@
+"""The training loop: MPP or supervised pre-training and fine-tuning, one code path on CPU, one GPU
+or many GPUs and nodes (Accelerate; start with `python`, `accelerate launch` or `torchrun`).
+
+Read top to bottom: setup (accelerator, model, data, optimiser, resume), the loop (micro-batches,
+clipping, non-finite steps skipped on the device, schedule, logging, checkpoints, few-shot), the end
+(encoder export, fine-tune evaluation, metrics.json).
+
+Host syncs: the hot loop reads nothing from the device. Loss, metrics, gradient norm and the
+non-finite counters stay device tensors and are read every `train.log_every` steps (one gather),
+before checkpoints and at the end. A non-finite step is skipped by the fused optimiser kernel
+(`optimizer.found_inf`, see mpp.optim); the run stops when the longest run of consecutive
+non-finite steps reaches `train.max_bad_steps`, noticed at the next log or checkpoint step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import gather_object
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+
+from mpp.checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from mpp.config import Config, ConfigError, save_config, to_dict
+from mpp.data import DataError, make_loader
+from mpp.models import create_encoder, load_encoder, save_encoder
+from mpp.objectives import build_task
+from mpp.optim import create_optimizer, create_scheduler
+from mpp.runtime import seed_everything
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient: training stopped."""
+
+
+def train(cfg: Config) -> dict:
+    """Run `cfg` (objective mpp | supervised | classify) and write its run directory; returns
+    the figures also written to `OUTPUT_DIR/metrics.json`."""
+    t_begin = time.time()
+    accum = cfg.train.grad_accum
+    _check_settings(cfg)
+
+    # ---- accelerator: device, processes, mixed precision (autocast wraps the model's forward)
+    AcceleratorState._reset_state()  # a later train() in the same process may use another precision
+    accelerator = Accelerator(mixed_precision=cfg.train.precision)
+    device, main = accelerator.device, accelerator.is_main_process
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if cfg.batch_size % (world * accum):
+        raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by processes x train.grad_accum = "
+                          f"{world} x {accum}; choose a multiple of {world * accum}")
+    micro = cfg.batch_size // (world * accum)  # per rank and micro-batch
+    out = Path(cfg.output_dir)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+
+    # ---- model: the same initialisation on every rank
+    seed_everything(cfg.seed)
+    if cfg.objective == "classify" and cfg.finetune.init != "none":
+        encoder = load_encoder(cfg.finetune.init, img_size=cfg.img_size, drop_path=cfg.finetune.drop_path,
+                               attn=cfg.train.attn)
+    else:
+        drop_path = cfg.finetune.drop_path if cfg.objective == "classify" else 0.0
+        encoder = create_encoder(cfg.model, img_size=cfg.img_size, drop_path=drop_path, attn=cfg.train.attn)
+    img_size = encoder.grid_size[0] * encoder.patch_size
+
+    # ---- data: every rank reads its own part (the loader splits shards by rank itself)
+    labeled = cfg.objective != "mpp"
+    subset = (cfg.finetune.label_fraction, cfg.seed) if cfg.objective == "classify" else None
+    loader = make_loader(cfg.data.train, batch_size=micro, img_size=img_size, train=True, labeled=labeled,
+                         data_cfg=cfg.data, seed=cfg.seed, rank=rank, world_size=world,
+                         num_samples=cfg.data.num_samples, subset=subset)
+    num_classes = None
+    if labeled:
+        if not loader.classes:
+            raise ConfigError(f"objective={cfg.objective} needs labeled shards whose manifest.json lists "
+                              f"'classes'; data.train={cfg.data.train!r} has none")
+        num_classes = len(loader.classes)
+    steps = cfg.steps or math.ceil(cfg.epochs * loader.batches_per_epoch / accum)
+
+    # ---- task (encoder + objective head), optimiser, schedule
+    task = build_task(cfg, encoder, num_classes).to(device)
+    if cfg.objective != "mpp":  # no corruption: the [mask] token gets no gradient (DDP needs all used)
+        encoder.mask_token.requires_grad_(False)
+    optimizer = create_optimizer(cfg, task)
+    scheduler = create_scheduler(cfg, optimizer, steps)
+    model, optimizer = accelerator.prepare(task, optimizer)  # not the loader: it splits by rank itself
+
+    # ---- resume from a checkpoint, or seed this rank's own RNG stream (corruption, drop path)
+    ckpt_root = out / "checkpoints"
+    resume = _resume_path(cfg, ckpt_root)
+    if resume:
+        state = load_checkpoint(accelerator, resume, task, optimizer, scheduler)
+        accelerator.print(f"resumed from {resume} (step {state['step']})")
+    else:
+        seed_everything(int(np.random.SeedSequence([cfg.seed, rank]).generate_state(1)[0]))
+        state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0}
+    start = state["step"]
+    scheduler.step_update(start)
+
+    evaluator = None
+    if cfg.fewshot.every > 0 and main:
+        from mpp.evaluate import FewshotEvaluator  # only runs that ask for it pay for its import
+        evaluator = FewshotEvaluator(cfg, device)
+    writer = SummaryWriter(str(out / "tensorboard"), purge_step=start) if main else None
+    bar = tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True)
+
+    # ---- device-side accumulators, read only at log / checkpoint steps
+    zero = torch.zeros((), device=device)
+    win = _Window(zero)
+    bad_run, bad_max, bad_total = zero.clone(), zero.clone(), zero.clone()
+    last: dict = {}
+    t_loop, t_win, wait_win, wait_all = time.perf_counter(), time.perf_counter(), 0.0, 0.0
+
+    def check_finite(step: int) -> None:
+        if bad_max.item() >= cfg.train.max_bad_steps:
+            good = list_checkpoints(ckpt_root)
+            raise NonFiniteError(
+                f"training stopped near step {step}: {cfg.train.max_bad_steps} consecutive steps had a non-finite "
+                f"loss or gradient (train.max_bad_steps); they were skipped, the weights never saw them; last good "
+                f"checkpoint: {good[-1] if good else 'none'}. Lower optim.lr, raise warmup, try "
+                f"train.precision=no, or check the data")
+
+    batches = _batches(loader, start * accum)
+    model.train()
+    for step in range(start, steps):
+        # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
+        for i in range(accum):
+            t0 = time.perf_counter()
+            _, batch = next(batches)
+            wait_win += time.perf_counter() - t0
+            images = batch["image"].to(device, non_blocking=True)
+            labels = batch["label"].to(device, non_blocking=True) if labeled else None
+            with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
+                loss, metrics = model(images, labels) if labeled else model(images)
+                accelerator.backward(loss / accum)
+            win.add_micro(loss, metrics)
+
+        # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
+        finite = torch.isfinite(grad_norm)
+        optimizer.optimizer.found_inf = (~finite).float()  # fused kernels skip the update when set
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step_update(step + 1)
+        win.add_step(grad_norm, finite)
+        bad_run = torch.where(finite, zero, bad_run + 1)
+        bad_max = torch.maximum(bad_max, bad_run)
+        bad_total += (~finite).float()
+        bar.update(1)
+        done = step + 1
+
+        # -- log: one gather of the window's sums every log_every steps
+        if done % cfg.train.log_every == 0 or done == steps:
+            check_finite(done)
+            now = time.perf_counter()
+            figures = win.read(accelerator)
+            figures.update({"skipped_" + k: n for k, n in _skipped(loader).items()})
+            figures["lr"] = max(g["lr"] for g in optimizer.param_groups)
+            figures["images_per_s"] = win.steps * cfg.batch_size / (now - t_win)
+            figures["data_wait_frac"] = wait_win / (now - t_win)
+            figures["nonfinite_steps"] = state["nonfinite_steps"] + int(bad_total.item())
+            last = figures
+            if main:
+                for k, v in figures.items():
+                    writer.add_scalar(_TAGS.get(k, "train/" + k), v, done)
+                bar.set_postfix(loss=f"{figures['loss']:.4f}", lr=f"{figures['lr']:.2e}")
+            wait_all += wait_win
+            win.reset()
+            t_win, wait_win = now, 0.0
+
+        # -- checkpoint (also at the end, so a finished run resumes to nothing)
+        if (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == steps:
+            check_finite(done)
+            epoch, batch_pos = divmod(done * accum, loader.batches_per_epoch)
+            save_checkpoint(accelerator, ckpt_root, done, task, optimizer, scheduler, keep=cfg.train.keep_ckpts,
+                            state={"epoch": epoch, "batch": batch_pos,
+                                   "nonfinite_steps": state["nonfinite_steps"] + int(bad_total.item()),
+                                   "elapsed": state["elapsed"] + time.time() - t_begin})
+
+        # -- few-shot evaluation on the main process, training RNG saved and restored around it
+        if evaluator is not None and done % cfg.fewshot.every == 0:
+            rng = rng_state()
+            with accelerator.autocast():
+                for k, v in evaluator(encoder).items():
+                    writer.add_scalar("fewshot/" + k, v, done)
+            set_rng_state(rng)
+            model.train()
+    bar.close()
+    batches.close()  # ends the data workers of an unfinished epoch
+    loop_time = time.perf_counter() - t_loop
+
+    # ---- the end: exported encoder, evaluation of a fine-tune, metrics.json
+    if main:
+        save_encoder(encoder, out)
+    results = {
+        "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size, "batch_size": cfg.batch_size,
+        "steps": steps, "epochs": steps * cfg.batch_size / max(loader.num_samples, 1),
+        "train_samples": loader.num_samples,
+        **{k: v for k, v in last.items() if k not in ("lr", "images_per_s", "data_wait_frac")
+           and not k.startswith("skipped_")},
+        "skipped_samples": _skipped(loader),
+        # over this process's steps (a resumed run: since the resume)
+        "images_per_s": (steps - start) * cfg.batch_size / loop_time if steps > start else None,
+        "data_wait_frac": wait_all / loop_time if steps > start else None,
+    }
+    if cfg.objective == "classify":
+        results.update(evaluate_classifier(cfg, accelerator, task, img_size, micro))
+        results.update(init=cfg.finetune.init, label_fraction=cfg.finetune.label_fraction, pool=cfg.finetune.pool,
+                       optimizer=cfg.optim.name, lr=cfg.optim.lr)
+    results["wall_time_s"] = state["elapsed"] + time.time() - t_begin  # over all resumed segments
+    if main:
+        with open(out / "metrics.json", "w") as f:
+            json.dump(results, f, indent=2)
+        writer.close()
+    accelerator.wait_for_everyone()
+    return results
+
+
+def main(cfg: Config) -> dict:
+    """`train` for the command-line tools: bad input or a diverged run ends with one line on stderr."""
+    try:
+        return train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    except (DataError, NonFiniteError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+@torch.no_grad()
+def evaluate_classifier(cfg: Config, accelerator: Accelerator, task: torch.nn.Module, img_size: int,
+                        batch_size: int) -> dict:
+    """Top-1 / top-5 of a classify task on `data.val` (eval transform), summed over all ranks."""
+    loader = make_loader(cfg.data.val, batch_size=batch_size, img_size=img_size, train=False, labeled=True,
+                         data_cfg=cfg.data, rank=accelerator.process_index, world_size=accelerator.num_processes,
+                         num_samples=cfg.data.val_num_samples)
+    device = accelerator.device
+    counts = torch.zeros(3, device=device)  # top-1 hits, top-5 hits, samples
+    task.eval()
+    bar = tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="evaluate",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    with accelerator.autocast():
+        for batch in bar:
+            labels = batch["label"].to(device, non_blocking=True)
+            logits = task.logits(batch["image"].to(device, non_blocking=True))
+            hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
+            counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
+    top1, top5, n = accelerator.reduce(counts, "sum").tolist()
+    return {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n)}
+
+
+# ---- helpers
+
+_TAGS = {"lr": "train/lr", "images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac",
+         "grad_norm": "train/grad_norm", "nonfinite_steps": "train/nonfinite_steps"}
+
+
+class _Window:
+    """Device-side sums over the steps since the last log; `read` brings them to the host once."""
+
+    def __init__(self, zero: torch.Tensor):
+        self.zero = zero
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.micro = 0
+        self.steps = 0
+        self.norm, self.finite = self.zero.clone(), self.zero.clone()
+
+    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+        for k, v in {"loss": loss, **metrics}.items():
+            self.sums[k] = self.sums.get(k, self.zero) + v.detach().float()
+        self.micro += 1
+
+    def add_step(self, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
+        self.norm = self.norm + torch.where(finite, grad_norm.float(), self.zero)
+        self.finite = self.finite + finite.float()
+        self.steps += 1
+
+    def read(self, accelerator: Accelerator) -> dict[str, float]:
+        """Means over micro-batches and ranks; the gradient norm (the same on every rank) over the
+        window's finite steps."""
+        names = sorted(self.sums)
+        row = torch.stack([self.sums[k] / self.micro for k in names] + [self.norm, self.finite])
+        mean = accelerator.gather(row[None]).mean(0).tolist()
+        figures = dict(zip(names, mean[:-2]))
+        figures["grad_norm"] = mean[-2] / mean[-1] if mean[-1] else float("nan")
+        return figures
+
+
+def _skipped(loader) -> dict[str, int]:
+    """The loader's skipped-sample counters summed over ranks (each rank has only the kinds it saw)."""
+    total: dict[str, int] = {}
+    for counters in gather_object([loader.counters()]):
+        for k, n in counters.items():
+            total[k] = total.get(k, 0) + n
+    return total
+
+
+def _check_settings(cfg: Config) -> None:
+    """Checks of settings the trainer needs, before any work."""
+    if not cfg.steps and not cfg.epochs:
+        raise ConfigError("set the run length: steps=N (optimiser steps) or epochs=E (passes over data.train)")
+    if not cfg.data.train:
+        raise ConfigError("config key 'data.train' is empty; give a manifest.json, a shard list or a brace pattern")
+    if cfg.objective == "classify" and not cfg.data.val:
+        raise ConfigError("objective=classify evaluates on held-out labeled shards; set data.val")
+    if cfg.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.precision=fp16 needs a GPU (loss scaling); use bf16 or no on CPU")
+
+
+def _resume_path(cfg: Config, root: Path) -> Path | None:
+    """The checkpoint to continue from: the newest complete one (auto), none, or a given directory."""
+    if cfg.train.resume == "none":
+        return None
+    if cfg.train.resume == "auto":
+        found = list_checkpoints(root)
+        return found[-1] if found else None
+    return Path(cfg.train.resume)
+
+
+def _batches(loader, start: int):
+    """(epoch, micro-batch) pairs from global micro-batch position `start` on, across epochs."""
+    epoch, k = divmod(start, loader.batches_per_epoch)
+    while True:
+        for batch in loader.epoch(epoch, start_batch=k):
+            yield epoch, batch
+        epoch, k = epoch + 1, 0
