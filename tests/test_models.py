@@ -1,0 +1,122 @@
+"""The masked encoder: corruption before position embeddings, export to plain timm, loading."""
+import json
+
+import pytest
+import timm
+import torch
+
+from mpp.models import PRESETS, create_encoder, load_encoder, save_encoder
+from mpp.objectives import Corruption
+
+PRESET = "vit_micro4_32"  # 2 blocks, dim 64, 8x8 patches of 4 px
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    torch.manual_seed(0)
+    return create_encoder(PRESET).eval()
+
+
+def plan(masked, src):
+    chosen = masked | (src != torch.arange(src.shape[1]))
+    return Corruption(chosen=chosen, masked=masked, src=src, index=torch.zeros(src.shape[0], 0, dtype=torch.long))
+
+
+def test_shapes_and_properties(encoder):
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = encoder(x)
+    assert out.shape == (2, 1 + 64, 64)
+    assert (encoder.embed_dim, encoder.patch_size, encoder.num_patches, encoder.grid_size) == (64, 4, 64, (8, 8))
+    assert encoder.mask_token.shape == (1, 1, 64)
+    params = dict(encoder.named_parameters())
+    assert encoder.no_weight_decay() == {"vit.pos_embed", "vit.cls_token", "mask_token"}
+    assert encoder.no_weight_decay() <= params.keys()
+
+
+def test_all_masked_tokens_depend_only_on_position(encoder):
+    """Mask replaces the patch embedding BEFORE position embeddings are added."""
+    x = torch.randn(2, 3, 32, 32)
+    masked = torch.ones(2, 64, dtype=torch.bool)
+    with torch.no_grad():
+        out = encoder(x, plan(masked, torch.arange(64).expand(2, 64)))
+    torch.testing.assert_close(out[0], out[1])  # the images' content is gone entirely
+    assert (out[0, 1] - out[0, 2]).abs().max() > 1e-3  # but positions still tell tokens apart
+
+
+def test_random_other_takes_the_source_patch_content(encoder):
+    """src gathers patch embeddings before position embeddings: equal to moving the pixels."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 3, 32, 32)
+    src = torch.randperm(64).unsqueeze(0)
+    grid = x.reshape(1, 3, 8, 4, 8, 4).permute(0, 2, 4, 1, 3, 5).reshape(1, 64, 3, 4, 4)
+    moved = grid[:, src[0]].reshape(1, 8, 8, 3, 4, 4).permute(0, 3, 1, 4, 2, 5).reshape(1, 3, 32, 32)
+    with torch.no_grad():
+        out = encoder(x, plan(torch.zeros(1, 64, dtype=torch.bool), src))
+        ref = encoder(moved)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_export_loads_into_plain_timm_with_equal_features(encoder, tmp_path):
+    x = torch.randn(3, 3, 32, 32)
+    path = save_encoder(encoder, tmp_path)
+    spec = json.loads((tmp_path / "model.json").read_text())
+    assert set(spec) == {"name", "kwargs"} and spec["name"] == PRESETS[PRESET][0]
+    model = timm.create_model(spec["name"], pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                              **spec["kwargs"]).eval()
+    assert model.state_dict().keys() == encoder.encoder_state_dict().keys()
+    assert "mask_token" not in encoder.encoder_state_dict()
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x), encoder(x))
+        torch.testing.assert_close(model(x), encoder(x)[:, 0])  # pooled [class] token, no head
+
+
+def test_load_encoder_same_and_new_resolution(encoder, tmp_path):
+    save_encoder(encoder, tmp_path)
+    x = torch.randn(2, 3, 32, 32)
+    same = load_encoder(tmp_path).eval()  # a run dir
+    with torch.no_grad():
+        torch.testing.assert_close(same(x), encoder(x))
+    big = load_encoder(tmp_path / "encoder.safetensors", img_size=48).eval()
+    assert big.grid_size == (12, 12) and big.vit.pos_embed.shape == (1, 1 + 144, 64)
+    pos, old = big.vit.pos_embed[0], encoder.vit.pos_embed[0]
+    torch.testing.assert_close(pos[0], old[0])  # the [class] position is kept, the grid resampled
+    assert json.loads(json.dumps(big.model_spec()))["kwargs"]["img_size"] == 48
+    big_sd, sd = big.encoder_state_dict(), encoder.encoder_state_dict()
+    assert all(torch.equal(big_sd[k], sd[k]) for k in sd if k != "pos_embed")
+    # resampling back to the original grid lands close to the original embeddings (smooth map)
+    save_encoder(big, tmp_path / "big")
+    back = load_encoder(tmp_path / "big", img_size=32)
+    assert (back.vit.pos_embed - encoder.vit.pos_embed).abs().mean() < encoder.vit.pos_embed.abs().mean()
+    with torch.no_grad():
+        assert big(torch.randn(2, 3, 48, 48)).shape == (2, 145, 64)
+
+
+def test_load_encoder_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.json"):
+        load_encoder(tmp_path)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        create_encoder("vit_nope")
+
+
+def test_attention_paths_agree():
+    torch.manual_seed(0)
+    fused = create_encoder(PRESET, attn="fused").eval()
+    math_ = create_encoder(PRESET, attn="math").eval()
+    auto = create_encoder(PRESET, attn="auto").eval()
+    math_.load_state_dict(fused.state_dict())
+    auto.load_state_dict(fused.state_dict())
+    assert all(m.fused_attn for m in fused._attn_modules) and not any(m.fused_attn for m in math_._attn_modules)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref = fused(x)
+        torch.testing.assert_close(math_(x), ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(auto(x), ref, atol=1e-5, rtol=1e-4)
+    assert len({m.fused_attn for m in auto._attn_modules}) == 1
+    with pytest.raises(ValueError, match="attn"):
+        create_encoder(PRESET, attn="flash")
+
+
+def test_drop_path_reaches_timm():
+    enc = create_encoder(PRESET, drop_path=0.2)
+    assert enc.vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)

@@ -1,0 +1,196 @@
+"""MPP targets and corruption, the four target variants, supervised and classify heads."""
+import math
+
+import pytest
+import torch
+
+from mpp.config import build_config
+from mpp.models import create_encoder
+from mpp.objectives import MPP_TARGETS, build_task, mean_color_targets, quantize, sample_corruption
+
+PRESET = "vit_micro4_32"
+
+
+def image(patch_colors, p=4):
+    """A (1, 3, 2p, 2p) image from 4 per-patch (3, p, p) tensors in row-major patch order."""
+    rows = [torch.cat(patch_colors[0:2], dim=2), torch.cat(patch_colors[2:4], dim=2)]
+    return torch.cat(rows, dim=1).unsqueeze(0)
+
+
+def flat(r, g, b, p=4):
+    return torch.tensor([r, g, b], dtype=torch.float32).view(3, 1, 1).expand(3, p, p).clone()
+
+
+def test_mean_color_targets_hand_computed():
+    half = flat(0, 0, 0)
+    half[:, :, 2:] = 0.25  # mean exactly 1/8 built from unequal pixels
+    below = flat(0.125, 0.125, 0.125)
+    below[0, 0, 0] -= 1e-6  # red mean just under 1/8
+    img = image([flat(0.125, 0.125, 0.125), flat(0.999, 1.0, 0.0), half, below])
+    # levels: (1,1,1); (7, 7 clamped from 8, 0); (1,1,1); (0,1,1)
+    expect = [(1 << 6) | (1 << 3) | 1, (7 << 6) | (7 << 3), (1 << 6) | (1 << 3) | 1, (1 << 3) | 1]
+    assert mean_color_targets(img, 4).tolist() == [expect]
+    assert mean_color_targets(img, 4).dtype == torch.long
+    # 1 bit: class = r << 2 | g << 1 | b with the boundary at 0.5
+    img1 = image([flat(0.5, 0.4999, 1.0), flat(0, 0, 0), flat(1, 1, 1), flat(0.75, 0.0, 0.5)])
+    assert mean_color_targets(img1, 4, bits=1).tolist() == [[0b101, 0, 0b111, 0b101]]
+    # uint8-derived pixels: 32/255 is just above 1/8 -> level 1; 31/255 -> level 0
+    u8 = image([flat(32 / 255, 31 / 255, 255 / 255), flat(0, 0, 0), flat(0, 0, 0), flat(0, 0, 0)])
+    assert mean_color_targets(u8, 4)[0, 0].item() == (1 << 6) | (0 << 3) | 7
+    assert quantize(torch.tensor([[1.5, -0.2, 0.5]])).tolist() == [(7 << 6) | (0 << 3) | 4]
+
+
+def test_mean_color_targets_row_major_order():
+    img = torch.zeros(1, 3, 8, 12)  # 2 x 3 patches of 4 px; red level = patch index
+    for i in range(6):
+        r, c = divmod(i, 3)
+        img[0, 0, 4 * r:4 * r + 4, 4 * c:4 * c + 4] = i / 8 + 0.01
+    assert mean_color_targets(img, 4).tolist() == [[i << 6 for i in range(6)]]
+
+
+@pytest.mark.parametrize("N,ratio", [(64, 0.5), (65, 0.5), (196, 0.4), (10, 1.0)])
+def test_corruption_exact_counts_per_image(N, ratio):
+    g = torch.Generator().manual_seed(0)
+    c = sample_corruption(300, N, ratio, 0.8, 0.1, 0.1, generator=g)
+    K = math.floor(ratio * N + 0.5)
+    own = torch.arange(N)
+    swapped = c.src != own
+    assert (c.chosen.sum(1) == K).all()
+    assert c.index.shape == (300, K) and c.chosen.gather(1, c.index).all()
+    assert (c.index.sort(1).values.diff(dim=1) > 0).all()  # distinct positions
+    assert not (c.masked & ~c.chosen).any() and not (swapped & ~c.chosen).any()
+    assert not (c.masked & swapped).any()
+    for count, frac in ((c.masked.sum(1), 0.8), (swapped.sum(1), 0.1)):
+        assert ((count == math.floor(frac * K)) | (count == math.ceil(frac * K))).all()
+
+
+def test_corruption_split_over_many_draws():
+    g = torch.Generator().manual_seed(1)
+    c = sample_corruption(4000, 64, 0.5, 0.8, 0.1, 0.1, generator=g)
+    chosen = c.chosen.sum().item()
+    swapped = c.src != torch.arange(64)
+    keep = c.chosen & ~c.masked & ~swapped
+    for part, frac in ((c.masked, 0.8), (swapped, 0.1), (keep, 0.1)):
+        assert part.sum().item() / chosen == pytest.approx(frac, abs=0.005)
+    assert c.chosen.float().mean(0).sub(0.5).abs().max() < 0.05  # every position equally likely
+    # "random other patch": never itself, and every other position reachable
+    assert (c.src[swapped] != torch.arange(64).expand(4000, 64)[swapped]).all()
+    assert len(c.src[swapped].unique()) == 64
+
+
+def test_corruption_config_variants_and_generator():
+    c = sample_corruption(8, 16, 0.5, 1.0, 0.0, 0.0)
+    assert torch.equal(c.masked, c.chosen) and torch.equal(c.src, torch.arange(16).expand(8, 16))
+    c = sample_corruption(8, 16, 0.5, 0.0, 1.0, 0.0)
+    assert not c.masked.any() and torch.equal(c.src != torch.arange(16), c.chosen)
+    a = sample_corruption(4, 16, generator=torch.Generator().manual_seed(3))
+    b = sample_corruption(4, 16, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.src, b.src) and torch.equal(a.masked, b.masked)
+    with pytest.raises(ValueError, match="ratio"):
+        sample_corruption(2, 4, ratio=0.1)
+
+
+def task_for(objective="mpp", num_classes=None, **over):
+    cfg = build_config({"model": PRESET, "objective": objective, **over})
+    torch.manual_seed(0)
+    return build_task(cfg, create_encoder(PRESET, attn="math"), num_classes)
+
+
+def batch(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
+
+
+def palette_batch(n=8, seed=0):
+    """Patches of one colour from a 4-colour palette: every target has learnable structure."""
+    g = torch.Generator().manual_seed(seed)
+    palette = torch.tensor([[250, 10, 10], [10, 250, 10], [10, 10, 250], [128, 128, 128]], dtype=torch.uint8)
+    idx = torch.randint(0, 4, (n, 8, 8), generator=g)
+    return palette[idx].permute(0, 3, 1, 2).repeat_interleave(4, 2).repeat_interleave(4, 3).contiguous()
+
+
+@pytest.mark.parametrize("target", MPP_TARGETS)
+def test_loss_only_on_chosen_patches(target):
+    task = task_for(mpp={"target": target})
+    seen = {}
+
+    def keep_plan(module, args):
+        seen["plan"] = args[1]
+
+    def keep_tokens(module, args, out):
+        out.retain_grad()
+        seen["tokens"] = out
+
+    task.encoder.register_forward_pre_hook(keep_plan)
+    task.encoder.register_forward_hook(keep_tokens)
+    loss, _ = task(batch(4))
+    loss.backward()
+    grad = seen["tokens"].grad[:, 1:].abs().sum(-1)
+    chosen = seen["plan"].chosen
+    assert (grad[~chosen] == 0).all() and (grad[chosen] > 0).all()
+    assert (seen["tokens"].grad[:, 0] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", MPP_TARGETS)
+def test_each_target_trains(target):
+    task = task_for(mpp={"target": target})
+    opt = torch.optim.AdamW(task.parameters(), lr=1e-3)
+    images = palette_batch()
+    losses = []
+    for _ in range(10):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, metrics = task(images)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < 0.9 * losses[0]
+    assert set(metrics) == {"loss", "acc", "baseline"}
+    assert all(v.dim() == 0 and 0 <= v.item() for v in metrics.values())
+    assert 0 < metrics["baseline"].item() <= 1 and metrics["acc"].item() <= 1
+
+
+def test_baseline_is_batch_mode_accuracy():
+    task = task_for()
+    img = torch.zeros(2, 3, 32, 32, dtype=torch.uint8)
+    img[1] = 255  # one black and one white image: mode class covers half the chosen patches
+    _, metrics = task(img)
+    assert metrics["baseline"].item() == pytest.approx(0.5)
+
+
+def test_supervised_head_and_training():
+    task = task_for("supervised", num_classes=5, supervised={"hidden_dim": 32})
+    assert isinstance(task.head[1], torch.nn.Tanh) and task.head[0].out_features == 32
+    images, labels = batch(20, seed=1), torch.arange(20) % 5
+    opt = torch.optim.AdamW(task.parameters(), lr=2e-3)
+    first = None
+    for _ in range(8):
+        loss, metrics = task(images, labels)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first and set(metrics) == {"loss", "acc"}
+    with pytest.raises(ValueError, match="labels"):
+        task(images)
+
+
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_classify_head_starts_at_zero(pool):
+    task = task_for("classify", num_classes=7, finetune={"pool": pool, "label_smoothing": 0.1})
+    images = batch(4)
+    logits = task.logits(images)
+    assert logits.shape == (4, 7) and logits.dtype == torch.float32 and (logits == 0).all()
+    loss, metrics = task(images, torch.arange(4))
+    assert loss.item() == pytest.approx(math.log(7), rel=1e-5)
+    assert metrics["acc"].dim() == 0
+    assert task.no_weight_decay() <= dict(task.named_parameters()).keys()
+
+
+def test_bad_inputs():
+    task = task_for()
+    with pytest.raises(ValueError, match="uint8"):
+        task(torch.rand(2, 3, 32, 32))
+    with pytest.raises(ValueError, match="num_classes"):
+        task_for("supervised", num_classes=None)
