@@ -1,0 +1,137 @@
+"""Where samples come from: a data spec resolved to shards with sample counts, the balanced
+assignment of shards to rank x worker slots, and raw (undecoded) samples read from one shard.
+
+Specs: a `manifest.json` (or a directory holding one; exact per-shard counts), a list of shard
+paths/URLs, or a brace pattern such as `/data/train/{000000..000099}.tar`. Without a manifest the
+total `num_samples` must be given and is assumed spread evenly over the shards (the documented
+fallback; a rank's surplus is then dropped or its shortfall padded, both counted). URLs are opened
+with webdataset's gopen: local paths, `file:`, `http(s)://`, `pipe:`.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import braceexpand
+from webdataset.gopen import gopen
+from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+from mpp.data.decode import DataError
+
+
+@dataclass
+class ShardSet:
+    """Shards with their sample counts; `keys` (per shard) restricts them to a subset."""
+    urls: list[str]
+    counts: list[int]
+    classes: list[str] | None = None
+    exact: bool = True
+    keys: list[frozenset] | None = field(default=None, repr=False)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.counts)
+
+
+def _is_url(s: str) -> bool:
+    return "://" in s or s.startswith(("pipe:", "file:"))
+
+
+def _local_path(url: str) -> str | None:
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if url.startswith("file:"):
+        return url[len("file:"):]
+    return None if _is_url(url) else url
+
+
+def _read_manifest(path: str) -> ShardSet:
+    try:
+        with gopen(path, "rb") as f:
+            m = json.load(f)
+        shards = m["shards"]
+        names = [s["name"] for s in shards]
+        counts = [int(s["num_samples"]) for s in shards]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"manifest '{path}' is unreadable or lacks 'shards' [{{name, num_samples}}] "
+                        f"({type(e).__name__}: {e}); rewrite it with tools/make_shards.py") from e
+    base = path.rsplit("/", 1)[0] if "/" in path else "."
+    urls = [n if (_is_url(n) or os.path.isabs(n)) else f"{base}/{n}" for n in names]
+    classes = m.get("classes") or None
+    return ShardSet(urls, counts, list(classes) if classes else None, exact=True)
+
+
+def resolve(spec, num_samples: int = 0) -> ShardSet:
+    """A ShardSet for a manifest path, a shard list, or a brace pattern (+ num_samples)."""
+    if isinstance(spec, (list, tuple)) and len(spec) == 1:
+        spec = spec[0]
+    if not spec:
+        raise DataError("no data given: set a manifest.json, a shard list or a brace pattern (e.g. data.train)")
+    if isinstance(spec, str):
+        local = _local_path(spec)
+        if local is not None and os.path.isdir(local):
+            spec, local = f"{spec.rstrip('/')}/manifest.json", os.path.join(local, "manifest.json")
+        if spec.endswith(".json"):
+            if local is not None and not os.path.isfile(local):
+                raise DataError(f"manifest '{spec}' does not exist; write shards with tools/make_shards.py")
+            shards = _read_manifest(spec)
+            _check_local(shards.urls)
+            return shards
+        urls = list(braceexpand.braceexpand(spec))
+    else:
+        urls = [u for s in spec for u in braceexpand.braceexpand(s)]
+    if num_samples <= 0:
+        raise DataError(f"data spec {spec!r} is not a manifest.json: give its total sample count "
+                        "(data.num_samples / data.val_num_samples, or num_samples=...)")
+    _check_local(urls)
+    n = len(urls)
+    counts = [num_samples // n + (i < num_samples % n) for i in range(n)]
+    return ShardSet(urls, counts, None, exact=False)
+
+
+def _check_local(urls: list[str]) -> None:
+    for url in urls:
+        path = _local_path(url)
+        if path is not None and not os.path.isfile(path):
+            raise DataError(f"shard '{url}' does not exist; check the data path or rewrite the shards")
+
+
+def assign(counts: list[int], order: list[int], bins: int, largest_first: bool = True) -> list[list[int]]:
+    """Shards (taken in `order`) each go to the bin with the fewest samples so far. With
+    `largest_first` (stable sort by count: LPT) the bin totals depend only on the counts, not on
+    `order`, so every epoch's shuffle gives the same totals and hence the same batch count."""
+    out: list[list[int]] = [[] for _ in range(bins)]
+    heap = [(0, b) for b in range(bins)]
+    for i in (sorted(order, key=lambda i: -counts[i]) if largest_first else order):
+        total, b = heapq.heappop(heap)
+        out[b].append(i)
+        heapq.heappush(heap, (total + counts[i], b))
+    return out
+
+
+def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
+    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard. A truncated or unreadable
+    shard is counted in `skips` and its last (possibly incomplete) sample dropped; no retry, no
+    sleep."""
+    errors: list[Exception] = []
+
+    def handler(exn: Exception) -> bool:
+        errors.append(exn)
+        return False  # stop this shard at the first error
+
+    samples = group_by_keys(tar_file_expander(url_opener([{"url": url}], handler=handler),
+                                              handler=handler), handler=handler)
+    prev = None
+    for sample in samples:
+        if prev is not None:
+            yield prev
+        prev = sample
+    if errors:
+        kind = "truncated_tar" if isinstance(errors[0], (tarfile.TarError, EOFError)) else "unreadable_shard"
+        skips[kind] = skips.get(kind, 0) + 1
+    elif prev is not None:
+        yield prev

@@ -1,0 +1,298 @@
+"""Sharded, distributed, exactly-sized batch streams: `make_loader(...) -> ShardLoader`.
+
+Per epoch e (identical computation on every rank and worker):
+1. shards are shuffled with a seed of (seed, e) (train only) and packed into one bin per rank by
+   largest-first greedy (`sources.assign`): the bin totals depend only on the shard counts, so they
+   are the same every epoch; in training the rank bins are then permuted with the same seed. A
+   rank's shards are split over its DataLoader workers greedily in the shuffled order. Fewer shards
+   than ranks x workers: fewer workers per rank (logged); fewer shards than ranks: an error;
+2. each DataLoader worker reads its bin's shards, drops samples outside a subset, shuffles raw
+   (undecoded) samples in a buffer, decodes (`decode.decode_sample`) and yields uint8 batches of
+   `batch_size` together with its cumulative skip counters;
+3. the main process re-chunks the worker stream into exactly K batches, K the same on every rank
+   (K = ceil(largest rank bin total / batch_size), fixed for all epochs); a worker batch
+   that already has the planned size is passed through untouched, the tail batches may be smaller.
+   Skips that leave a rank short are absorbed by smaller tail batches, or if a rank ran out
+   entirely, by repeating its last samples (counted as `padded`), so no rank ever waits for
+   another at an epoch end.
+Resampled mode: each worker draws shards with replacement, forever; the epoch ends after K batches
+of the fixed `data.epoch_samples / world_size` samples per rank.
+`epoch(e, start_batch=k)` replays epoch e and discards its first k batches, so resuming yields
+exactly what an uninterrupted epoch would (the run is deterministic given seed, epoch, rank and
+worker count: DataLoader collects from workers in a fixed round-robin order).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.filters import shuffle as wds_shuffle
+
+from mpp.data.decode import SKIP_KINDS, DataError, decode_sample
+from mpp.data.sources import ShardSet, assign, read_shard, resolve
+from mpp.data.subset import select_subset
+from mpp.data.transforms import build_transform
+
+log = logging.getLogger(__name__)
+
+
+def batch_plan(n: int, k: int, batch_size: int) -> list[int]:
+    """k batch sizes <= batch_size summing to n (needs k <= n <= k * batch_size): full batches
+    first, the remainder spread evenly over the last ones."""
+    full = min(k, (n - k) // (batch_size - 1)) if batch_size > 1 else k
+    rest, tail = n - full * batch_size, k - full
+    return [batch_size] * full + [rest // tail + (j < rest % tail) for j in range(tail)]
+
+
+class _EpochPlan:
+    """Which shards each of this rank's workers reads in one epoch, and the rank's batch sizes."""
+
+    def __init__(self, shards: ShardSet, epoch: int, *, seed: int, train: bool, rank: int,
+                 world_size: int, workers: int, batch_size: int, batches: int):
+        order = list(range(len(shards.urls)))
+        rng = random.Random(f"{seed}:{epoch}:shards")
+        if train:
+            rng.shuffle(order)
+        ranks = assign(shards.counts, order, world_size)
+        if train:
+            rng.shuffle(ranks)  # permuting whole rank bins keeps their totals (and so K) intact
+        mine = sorted(ranks[rank], key=order.index)
+        self.bins = assign(shards.counts, mine, workers, largest_first=False)
+        self.sizes = batch_plan(sum(shards.counts[i] for i in mine), batches, batch_size)
+
+
+class _ShardStream(IterableDataset):
+    """One rank's worker side: per worker, its shards -> raw shuffle -> decode -> uint8 batches."""
+
+    def __init__(self, shards: ShardSet, transform, *, batch_size: int, labeled: bool,
+                 max_pixels: int, shuffle_buffer: int, resampled: bool, seed: int, rank: int):
+        self.shards, self.transform = shards, transform
+        self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
+        self.shuffle_buffer, self.resampled, self.seed, self.rank = shuffle_buffer, resampled, seed, rank
+        self.epoch, self.plan = 0, None  # set by ShardLoader before each epoch's workers start
+
+    def _urls(self, worker: int, rng: random.Random) -> Iterator[int]:
+        if self.resampled:
+            while True:
+                yield rng.randrange(len(self.shards.urls))
+        yield from self.plan.bins[worker]
+
+    def _raw(self, worker: int, skips: dict) -> Iterator[dict]:
+        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:order")
+        for s in self._urls(worker, rng):
+            keys = self.shards.keys[s] if self.shards.keys is not None else None
+            for sample in read_shard(self.shards.urls[s], skips):
+                if keys is None or sample["__key__"] in keys:
+                    yield sample
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        skips: dict[str, int] = {}
+        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:augment")
+        samples = self._raw(worker, skips)
+        if self.shuffle_buffer > 0:
+            samples = wds_shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
+                                  rng=random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:buffer"))(samples)
+        num_classes = len(self.shards.classes) if self.shards.classes else None
+        images, labels = [], []
+        try:
+            for sample in samples:
+                out = decode_sample(sample, self.transform, rng, labeled=self.labeled,
+                                    num_classes=num_classes, max_pixels=self.max_pixels, skips=skips)
+                if out is None:
+                    continue
+                images.append(out[0])
+                labels.append(out[1])
+                if len(images) == self.batch_size:
+                    yield self._batch(images, labels, worker, skips)
+                    images, labels = [], []
+        except DataError as e:  # sent as an item so the main process raises it with a clean message
+            yield {"worker": worker, "skips": dict(skips), "error": str(e)}
+            return
+        if images:
+            yield self._batch(images, labels, worker, skips)
+        yield {"worker": worker, "skips": dict(skips)}  # the final counts of this worker
+
+    def _batch(self, images, labels, worker, skips) -> dict:
+        out = {"image": torch.stack(images), "worker": worker, "skips": dict(skips)}
+        if self.labeled:
+            out["label"] = torch.tensor(labels, dtype=torch.long)
+        return out
+
+
+class ShardLoader:
+    """Exactly `batches_per_epoch` batches per epoch on every rank; see the module docstring."""
+
+    def __init__(self, shards: ShardSet, *, batch_size: int, img_size: int, train: bool,
+                 labeled: bool, data_cfg, seed: int, rank: int, world_size: int):
+        self.shards, self.classes = shards, shards.classes
+        self.batch_size, self.train, self.seed = batch_size, train, seed
+        self.rank, self.world_size = rank, world_size
+        self.resampled = bool(train and data_cfg.resampled)
+        workers = max(1, data_cfg.num_workers)
+        if not self.resampled:
+            if len(shards.urls) < world_size:
+                raise DataError(
+                    f"{len(shards.urls)} shard(s) cannot feed {world_size} ranks: need at least "
+                    f"{world_size * workers} shards ({world_size} ranks x {workers} workers, {world_size} at "
+                    "the very least); rewrite the data with more, smaller shards "
+                    "(tools/make_shards.py --samples-per-shard)")
+            if len(shards.urls) < world_size * workers:  # documented fallback: fewer workers
+                log.info("mpp.data: %d shards for %d ranks x %d workers: using %d worker(s) per rank",
+                         len(shards.urls), world_size, workers, len(shards.urls) // world_size)
+                workers = len(shards.urls) // world_size
+        self.workers = workers
+        self.num_workers = workers if data_cfg.num_workers > 0 else 0
+        if self.resampled:
+            per_rank = data_cfg.epoch_samples // world_size
+            self.num_samples = data_cfg.epoch_samples
+            most = least = per_rank
+        else:
+            self.num_samples = shards.num_samples
+            totals = [sum(shards.counts[i] for i in b)
+                      for b in assign(shards.counts, list(range(len(shards.urls))), world_size)]
+            most, least = max(totals), min(totals)
+        self.batches_per_epoch = math.ceil(most / batch_size)
+        if least < self.batches_per_epoch or self.batches_per_epoch == 0:
+            raise DataError(
+                f"too few samples ({self.num_samples}) for {world_size} rank(s) x {workers} worker(s) at "
+                f"batch_size {batch_size}: a rank would get fewer samples than batches; use fewer ranks, "
+                "workers or a smaller batch size")
+        self.stream = _ShardStream(
+            shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
+            max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
+            resampled=self.resampled, seed=seed, rank=rank)
+        self._skips: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def counters(self) -> dict[str, int]:
+        """Skipped (and padded/dropped) samples by kind on this rank, cumulative over epochs."""
+        return dict(self._skips)
+
+    def _count(self, kind: str, n: int) -> None:
+        if n <= 0:
+            return
+        if kind not in self._skips:
+            log.warning("mpp.data: %s: %s (rank %d); further ones are only counted "
+                        "(ShardLoader.counters())", kind, SKIP_KINDS.get(kind, kind), self.rank)
+        self._skips[kind] = self._skips.get(kind, 0) + n
+
+    def _worker_items(self, epoch: int) -> Iterator[dict]:
+        """The rank's worker stream for `epoch` (plan already set), with skip counters folded into
+        `counters()` and worker errors raised here."""
+        loader = DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
+                            pin_memory=torch.cuda.is_available(), persistent_workers=False)
+        seen: dict[int, dict[str, int]] = {}
+        for item in loader:
+            last = seen.get(item["worker"], {})
+            for kind, n in item["skips"].items():
+                self._count(kind, n - last.get(kind, 0))
+            seen[item["worker"]] = item["skips"]
+            if "error" in item:
+                raise DataError(item["error"])
+            if "image" in item:
+                yield item
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[dict]:
+        """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W)[, 'label']}."""
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch must be in [0, {self.batches_per_epoch}], got {start_batch}")
+        for i, batch in enumerate(self._rechunk(epoch)):
+            if i >= start_batch:
+                yield batch
+
+    def _rechunk(self, epoch: int) -> Iterator[dict]:
+        """Exactly batches_per_epoch batches from the worker stream (see the module docstring)."""
+        self.stream.epoch = epoch
+        if self.resampled:
+            sizes = batch_plan(self.num_samples // self.world_size, self.batches_per_epoch, self.batch_size)
+        else:
+            self.stream.plan = _EpochPlan(
+                self.shards, epoch, seed=self.seed, train=self.train, rank=self.rank,
+                world_size=self.world_size, workers=self.workers, batch_size=self.batch_size,
+                batches=self.batches_per_epoch)
+            sizes = list(self.stream.plan.sizes)
+        keys = ("image", "label") if self.stream.labeled else ("image",)
+        items = self._worker_items(epoch)
+        pieces: list[dict] = []  # pending worker batches (the first possibly partly used)
+        have, last, i = 0, None, 0
+        while i < len(sizes):
+            while have < sizes[i]:
+                item = next(items, None)
+                if item is None:
+                    break
+                pieces.append(item)
+                have += len(item["image"])
+            if have < sizes[i]:  # the stream ended early (skips, inexact counts): re-plan the rest
+                rest = len(sizes) - i
+                if have >= rest:
+                    sizes[i:] = batch_plan(have, rest, self.batch_size)
+                elif have > 0:
+                    sizes[i] = have  # the leftovers, then repeats of them
+                elif last is None:
+                    raise DataError(f"rank {self.rank} decoded no samples in epoch {epoch}: all were "
+                                    f"skipped ({self.counters()}); check the shards")
+                else:
+                    self._count("padded", len(last["image"]))
+                    i += 1
+                    yield last
+                    continue
+            last = _take(pieces, sizes[i], keys)
+            have -= sizes[i]
+            i += 1
+            yield last
+        if not self.resampled:  # read the workers' final counters; count any surplus samples
+            self._count("dropped", have + sum(len(item["image"]) for item in items))
+
+
+def _take(pieces: list[dict], n: int, keys) -> dict:
+    """The next n samples from the pending pieces; a piece of exactly n is passed through."""
+    if len(pieces[0]["image"]) == n:
+        whole = pieces.pop(0)
+        return {k: whole[k] for k in keys}
+    parts, got = [], 0
+    while got < n:
+        p = pieces[0]
+        m = min(len(p["image"]), n - got)
+        parts.append({k: p[k][:m] for k in keys})
+        if m == len(p["image"]):
+            pieces.pop(0)
+        else:
+            pieces[0] = {k: p[k][m:] for k in keys}
+        got += m
+    return {k: torch.cat([p[k] for p in parts]) for k in keys}
+
+
+def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg,
+                seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                num_samples: int = 0, subset: tuple[float, int] | None = None) -> ShardLoader:
+    """A ShardLoader over `spec` (manifest.json, shard list/URLs, or brace pattern + num_samples).
+
+    batch_size is per rank. rank/world_size default to torch.distributed's when it is initialised
+    (else 0/1). train: augmentation + shuffling; else evaluation crop, shard order, every sample
+    once. labeled: batches carry 'label' (unlabeled shards are an error). subset=(fraction, seed):
+    a class-balanced seeded subset of a labeled set.
+    """
+    if rank is None or world_size is None:
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = (torch.distributed.get_rank() if dist else 0) if rank is None else rank
+        world_size = (torch.distributed.get_world_size() if dist else 1) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if batch_size < 1 or img_size < 1:
+        raise ValueError(f"batch_size and img_size must be >= 1, got {batch_size} and {img_size}")
+    shards = resolve(spec, num_samples)
+    if labeled and shards.exact and not shards.classes:
+        raise DataError(f"data {spec!r} has no 'classes' in its manifest, but a labeled loader was asked "
+                        "for: these shards look unlabeled; use labeled shards or an unlabeled objective (mpp)")
+    if subset is not None:
+        shards = select_subset(shards, *subset)
+    return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
+                       data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)

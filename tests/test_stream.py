@@ -1,0 +1,230 @@
+"""mpp.data streaming: round trip, rank/worker splitting, exact batch counts, determinism, resume,
+resampled mode, subsets, input specs and transforms. Shards come from tests/shardutil.py."""
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mpp.config import DataConfig
+from mpp.data import DataError, make_loader, normalize, to_float01
+from mpp.data.stream import batch_plan
+from mpp.data.transforms import EvalTransform, TrainTransform
+from shardutil import encode, write_shards
+
+UNEVEN = [9, 3, 14, 6, 11, 5, 8]
+
+
+def cfg(**kw) -> DataConfig:
+    kw.setdefault("num_workers", 2)
+    kw.setdefault("eval_crop_pct", 1.0)
+    return DataConfig(**kw)
+
+
+def lookup(source: dict) -> dict:
+    """Pixel bytes (HWC) -> key, to identify samples in eval batches at native size."""
+    return {px.tobytes(): key for key, (_, px) in source.items()}
+
+
+def batch_keys(batch, table) -> list[str]:
+    return [table[img.permute(1, 2, 0).numpy().tobytes()] for img in batch["image"]]
+
+
+def test_round_trip_pixels_labels_counts(tmp_path):
+    manifest, source = write_shards(tmp_path, UNEVEN)
+    loader = make_loader(manifest, batch_size=8, img_size=16, train=False, labeled=True, data_cfg=cfg())
+    assert loader.num_samples == sum(UNEVEN) and loader.classes == ["c0", "c1", "c2"]
+    batches = list(loader.epoch(0))
+    assert len(batches) == loader.batches_per_epoch == len(loader)
+    table, seen = lookup(source), []
+    for b in batches:
+        assert b["image"].dtype == torch.uint8 and b["image"].shape[1:] == (3, 16, 16)
+        assert b["label"].dtype == torch.long and len(b["label"]) == len(b["image"]) <= 8
+        keys = batch_keys(b, table)
+        assert b["label"].tolist() == [source[k][0] for k in keys]
+        seen += keys
+    assert sorted(seen) == sorted(source)
+    assert loader.counters() == {}
+
+
+def test_jpeg_pixels_equal_pil_decode(tmp_path):
+    rng = np.random.default_rng(1)
+    px = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
+    data = encode(px, "jpeg", quality=90)
+    manifest, _ = write_shards(tmp_path, [2], extra=lambda s, j: {"jpg": data, "png": None})
+    loader = make_loader(manifest, batch_size=2, img_size=24, train=False, labeled=False,
+                         data_cfg=cfg(num_workers=0))
+    (batch,) = loader.epoch(0)
+    want = torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+    assert "label" not in batch
+    assert torch.equal(batch["image"][0], want) and torch.equal(batch["image"][1], want)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_two_ranks_two_workers_disjoint_complete_equal(tmp_path, train):
+    manifest, source = write_shards(tmp_path, UNEVEN)
+    table = lookup(source)
+    for epoch in (0, 1):
+        seen, counts = [], []
+        for rank in range(2):
+            loader = make_loader(manifest, batch_size=4, img_size=16, train=train, labeled=True,
+                                 data_cfg=cfg(crop_scale=(1.0, 1.0), hflip=0.0), seed=3, rank=rank,
+                                 world_size=2)
+            batches = list(loader.epoch(epoch))
+            counts.append(len(batches))
+            assert all(1 <= len(b["image"]) <= 4 for b in batches)
+            seen += [k for b in batches for k in batch_keys(b, table)]
+        assert counts[0] == counts[1] == loader.batches_per_epoch
+        assert sorted(seen) == sorted(source)  # disjoint across ranks and complete
+
+
+def test_epoch_shuffle_deterministic_and_changes(tmp_path):
+    manifest, _ = write_shards(tmp_path, [10] * 6)
+
+    def run(epoch, seed=0):
+        loader = make_loader(manifest, batch_size=6, img_size=8, train=True, labeled=True,
+                             data_cfg=cfg(shuffle_buffer=8), seed=seed)
+        return [b["image"] for b in loader.epoch(epoch)]
+
+    a, b, c = run(1), run(1), run(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 10
+    assert not torch.equal(torch.cat(a), torch.cat(c))
+
+
+def test_resume_start_batch_equals_uninterrupted(tmp_path):
+    manifest, _ = write_shards(tmp_path, UNEVEN)
+    loader = make_loader(manifest, batch_size=5, img_size=8, train=True, labeled=True,
+                         data_cfg=cfg(shuffle_buffer=10), seed=7)
+    full = list(loader.epoch(2))
+    resumed = list(loader.epoch(2, start_batch=4))
+    assert len(resumed) == loader.batches_per_epoch - 4
+    for x, y in zip(full[4:], resumed):
+        assert torch.equal(x["image"], y["image"]) and torch.equal(x["label"], y["label"])
+    assert list(loader.epoch(2, start_batch=loader.batches_per_epoch)) == []
+
+
+def test_resampled_fixed_epoch_length(tmp_path):
+    manifest, _ = write_shards(tmp_path, [5, 3])
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True, seed=1,
+                         data_cfg=cfg(resampled=True, epoch_samples=46, shuffle_buffer=4),
+                         rank=1, world_size=2)
+    assert loader.num_samples == 46 and loader.batches_per_epoch == 6  # 23 per rank
+    sizes = [len(b["image"]) for b in loader.epoch(0)]
+    assert sum(sizes) == 23 and len(sizes) == 6
+
+
+def test_subset_class_balanced_exact(tmp_path):
+    manifest, source = write_shards(tmp_path, [15, 15, 15, 15], classes=3)  # 20 per class
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
+                         data_cfg=cfg(), subset=(0.1, 5))
+    assert loader.num_samples == 6
+    labels = torch.cat([b["label"] for b in loader.epoch(0)])
+    assert Counter(labels.tolist()) == {0: 2, 1: 2, 2: 2}
+    again = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
+                        data_cfg=cfg(), subset=(0.1, 5))
+    table = lookup(source)
+    assert ({k for b in loader.epoch(0) for k in batch_keys(b, table)}
+            == {k for b in again.epoch(0) for k in batch_keys(b, table)})
+
+
+def test_labeled_loader_on_unlabeled_shards_errors(tmp_path):
+    manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=None)
+    with pytest.raises(DataError, match="unlabeled"):
+        make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg())
+    # a manifest with classes but samples without cls: the first sample stops the epoch
+    manifest, _ = write_shards(tmp_path / "b", [4, 4], extra=lambda s, j: {"cls": None})
+    loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg())
+    with pytest.raises(DataError, match="no 'cls' label"):
+        list(loader.epoch(0))
+    # unlabeled loaders are fine with them
+    loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=False, data_cfg=cfg())
+    assert len(list(loader.epoch(0))) == 4
+
+
+def test_too_few_shards(tmp_path):
+    manifest, _ = write_shards(tmp_path, [8])
+    with pytest.raises(DataError, match="need at least 4 shards"):
+        make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg(),
+                    rank=0, world_size=2)
+    # fewer shards than ranks x workers: documented fallback to fewer workers
+    manifest, _ = write_shards(tmp_path / "two", [8, 8])
+    loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg(),
+                         rank=1, world_size=2)
+    assert loader.num_workers == 1 and len(list(loader.epoch(0))) == 4
+
+
+def test_specs_brace_list_urls_pipe(tmp_path):
+    manifest, source = write_shards(tmp_path, [6, 6, 6])
+    n = len(source)
+    specs = [str(tmp_path / "{000000..000002}.tar"),
+             [f"file:{tmp_path}/00000{i}.tar" for i in range(3)],
+             [f"pipe:cat {tmp_path}/00000{i}.tar" for i in range(3)]]
+    for spec in specs:
+        loader = make_loader(spec, batch_size=4, img_size=16, train=False, labeled=True,
+                             data_cfg=cfg(), num_samples=n)
+        assert sum(len(b["image"]) for b in loader.epoch(0)) == n and loader.counters() == {}
+    with pytest.raises(DataError, match="sample count"):
+        make_loader(specs[0], batch_size=4, img_size=16, train=False, labeled=True, data_cfg=cfg())
+    with pytest.raises(DataError, match="does not exist"):
+        make_loader(str(tmp_path / "nope.json"), batch_size=4, img_size=16, train=False, labeled=True,
+                    data_cfg=cfg())
+    loader = make_loader(str(tmp_path), batch_size=4, img_size=16, train=False, labeled=True,
+                         data_cfg=cfg())  # a directory means its manifest.json
+    assert loader.num_samples == n
+
+
+def test_inexact_counts_still_exact_batch_count(tmp_path):
+    """Without a manifest, counts are assumed even: a rank's surplus is dropped, a shortfall fills
+    the last batches with repeats; both counted, the batch count stays exact."""
+    write_shards(tmp_path, [10, 2])
+    for claimed, dropped in ((8, 4), (12, 0), (20, 0)):
+        loader = make_loader(str(tmp_path / "{000000..000001}.tar"), batch_size=3, img_size=8,
+                             train=True, labeled=True, data_cfg=cfg(num_workers=0), num_samples=claimed)
+        batches = list(loader.epoch(0))
+        assert len(batches) == loader.batches_per_epoch == -(-claimed // 3)
+        counts = loader.counters()
+        assert sum(len(b["image"]) for b in batches) == 12 - dropped + counts.get("padded", 0)
+        assert counts.get("dropped", 0) == dropped and (claimed <= 12) == ("padded" not in counts)
+
+
+def test_batch_plan():
+    assert batch_plan(10, 3, 4) == [4, 4, 2]
+    assert batch_plan(12, 3, 4) == [4, 4, 4]
+    assert batch_plan(10, 7, 4) == [4, 1, 1, 1, 1, 1, 1]
+    assert batch_plan(22, 7, 4) == [4, 4, 4, 4, 4, 1, 1]
+    for n, k, b in [(100, 9, 12), (50, 50, 3), (37, 4, 10)]:
+        p = batch_plan(n, k, b)
+        assert len(p) == k and sum(p) == n and all(1 <= s <= b for s in p)
+
+
+def test_float_and_normalize():
+    x = torch.tensor([0, 255, 51], dtype=torch.uint8).view(1, 3, 1, 1)
+    f = to_float01(x)
+    assert f.dtype == torch.float32 and torch.allclose(f.flatten(), torch.tensor([0.0, 1.0, 0.2]))
+    n = normalize(f, (0.5, 0.5, 0.5), (0.5, 0.5, 0.25))
+    assert torch.allclose(n.flatten(), torch.tensor([-1.0, 1.0, -1.2]))
+
+
+def test_transforms_shapes_and_jpeg_draft():
+    import random
+    big = np.zeros((512, 384, 3), dtype=np.uint8)
+    big[:, :192] = 255
+    data = encode(big, "jpeg", quality=95)
+    img = Image.open(io.BytesIO(data))
+    out = EvalTransform(32, 0.875)(img)
+    assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
+    assert img.size[0] <= 384 // 4  # decoded with draft at reduced scale
+    rng = random.Random(0)
+    for _ in range(5):
+        img = Image.open(io.BytesIO(data))
+        t = TrainTransform(16, (0.08, 1.0), hflip=0.5)(img, rng)
+        assert t.shape == (3, 16, 16) and t.dtype == torch.uint8
+    # a flip-only train transform at full scale mirrors the image
+    img = Image.open(io.BytesIO(encode(big[:256, :256], "png")))
+    t = TrainTransform(256, (1.0, 1.0), hflip=1.0)(img, random.Random(0))
+    assert torch.equal(t, torch.from_numpy(np.ascontiguousarray(big[:256, :256][:, ::-1])).permute(2, 0, 1))
