@@ -190,3 +190,29 @@ def test_cli(folder: Path, tmp_path: Path, capsys):
     assert "wrote 21 samples in 3 shards, 3 classes" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="^error: output folder .* not empty"):
         make_shards_main([str(folder), str(tmp_path / "out")])
+
+
+def test_every_written_format_is_one_the_loader_decodes():
+    from mpp.data import decode
+    from mpp.data.writer import FORMAT_EXT
+    assert set(FORMAT_EXT) <= set(decode.PIL_FORMATS) and set(FORMAT_EXT.values()) <= set(decode.IMAGE_EXTS)
+
+
+def test_folder_to_shards_to_batches(tmp_path: Path):
+    """The issue's round trip: lossless source images come out of the loader with their labels."""
+    from mpp.config import DataConfig
+    from mpp.data import make_loader
+    source = []
+    for c in range(3):
+        for i in range(7):
+            arr = np.random.default_rng(10 * c + i).integers(0, 255, (16, 16, 3), dtype=np.uint8)
+            (tmp_path / "src" / f"k{c}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(arr).save(tmp_path / "src" / f"k{c}" / f"{i}.png")
+            source.append((c, arr.tobytes()))
+    m = write_shards(tmp_path / "src", tmp_path / "out", samples_per_shard=4, progress=False)
+    loader = make_loader(str(tmp_path / "out" / "manifest.json"), batch_size=5, img_size=16, train=False,
+                         labeled=True, data_cfg=DataConfig(num_workers=0, eval_crop_pct=1.0))
+    got = [(int(lab), img.permute(1, 2, 0).numpy().tobytes())
+           for b in loader.epoch(0) for img, lab in zip(b["image"], b["label"])]
+    assert loader.num_samples == m["num_samples"] == 21 and loader.classes == ["k0", "k1", "k2"]
+    assert sorted(got) == sorted(source)

@@ -36,7 +36,7 @@ from mpp.config import DataConfig
 log = logging.getLogger(__name__)
 
 # PIL format -> shard extension. Only these are accepted (and identified) as images.
-FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "TIFF": "tiff", "PPM": "ppm"}
+FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tiff", "PPM": "ppm"}
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^\d{6}\.tar$")
 SAMPLES_PER_SHARD = 2000
