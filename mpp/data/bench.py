@@ -1,0 +1,181 @@
+"""Data-loading benchmark: decoded + augmented samples/s of the shard loader, side by side with
+torchvision `ImageFolder` + `DataLoader` on the same images and a single-process decode loop.
+
+Two data sets: (a) CIFAR-10 from its image-folder tar (32x32 JPEGs, 32 crops) and (b) generated
+256x256 JPEGs at 224 crops. Both are prepared once in a work folder outside the project (images
+extracted to a folder for ImageFolder, and the same files sharded with `write_shards`) and reused.
+
+Rows, all with the pre-training augmentation (random resized crop + horizontal flip) to uint8:
+- `decode loop`: one process, image bytes already in memory, `decode.open_image` + the loader's
+  own `TrainTransform` per sample: the decode limit of one core;
+- `shards (mpp)`: `make_loader` with `workers` DataLoader workers;
+- `ImageFolder`: torchvision's `ImageFolder` (its loader decodes every image fully) with
+  `RandomResizedCrop` + `RandomHorizontalFlip` + `PILToTensor`, `DataLoader(shuffle=True)` with
+  the same workers and batch size.
+Rates are measured from the first batch on (worker start-up and shuffle-buffer fill excluded) and
+reported with the ratios the issue targets: shards / ImageFolder >= 2 and shards / (decode loop x
+workers) >= 0.8.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import random
+import shutil
+import tarfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision import datasets
+from torchvision.transforms import v2 as T
+from tqdm import tqdm
+
+from mpp.config import DataConfig
+from mpp.data.decode import open_image
+from mpp.data.stream import make_loader
+from mpp.data.synthetic import render
+from mpp.data.transforms import TrainTransform
+from mpp.data.writer import MANIFEST, write_shards
+
+MIN_SHARDS = 16  # enough for 2 ranks x 8 workers
+
+
+@dataclass
+class BenchSet:
+    """One prepared data set: an image folder and the same images as shards."""
+    name: str
+    folder: Path
+    manifest: Path
+    img_size: int
+
+
+def _done(marker: Path, expected: dict) -> bool:
+    return marker.is_file() and json.loads(marker.read_text()) == expected
+
+
+def _shard(folder: Path, out: Path, n: int) -> Path:
+    write_shards(folder, out, samples_per_shard=math.ceil(n / MIN_SHARDS), overwrite=True, progress=True)
+    return out / MANIFEST
+
+
+def prepare_cifar(tar_path: str | Path, work: Path, max_images: int = 0) -> BenchSet:
+    """Extract (every k-th file, up to max_images; 0: all) CIFAR-10's tar to a folder and shard it."""
+    root = work / "cifar10"
+    expected = {"source": str(Path(tar_path).resolve()), "max_images": max_images}
+    if not _done(root / "done.json", expected):
+        shutil.rmtree(root, ignore_errors=True)
+        with tarfile.open(tar_path) as tar:
+            members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
+            if max_images:
+                members = members[::max(1, len(members) // max_images)][:max_images]
+            tar.extractall(root / "folder", members=members, filter="data")
+        _shard(root / "folder", root / "shards", len(members))
+        (root / "done.json").write_text(json.dumps(expected))
+    return BenchSet("CIFAR-10 32px", root / "folder", root / "shards" / MANIFEST, 32)
+
+
+def _photo_like(index: int, size: int) -> bytes:
+    """A size x size JPEG with smooth structure plus grain, so it compresses like a photo (a
+    synthetic 64px scene upscaled: cheap and varied)."""
+    rng = np.random.default_rng(index)
+    img = np.asarray(render(index, seed=1, size=64)[0].resize((size, size), Image.BICUBIC), np.float32)
+    img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def prepare_generated(work: Path, num_images: int, size: int = 256, crop: int = 224) -> BenchSet:
+    """num_images generated size x size JPEGs in 10 class folders, and the same as shards."""
+    root = work / f"generated{size}"
+    expected = {"num_images": num_images, "size": size}
+    if not _done(root / "done.json", expected):
+        shutil.rmtree(root, ignore_errors=True)
+        for i in tqdm(range(num_images), desc=f"generating {size}px JPEGs", unit="img"):
+            path = root / "folder" / f"class{i % 10}" / f"{i:06d}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(_photo_like(i, size))
+        _shard(root / "folder", root / "shards", num_images)
+        (root / "done.json").write_text(json.dumps(expected))
+    return BenchSet(f"generated {size}px, {crop} crops", root / "folder", root / "shards" / MANIFEST, crop)
+
+
+def _rate(batches, samples: int) -> float:
+    """Samples/s over `samples` samples from an iterator of batches (dicts or (images, labels)),
+    timed from the first batch's arrival on."""
+    seen, start = 0, None
+    first = 0
+    for batch in batches:
+        n = len(batch["image"] if isinstance(batch, dict) else batch[0])
+        if start is None:
+            start, first = time.perf_counter(), n
+        seen += n
+        if seen >= samples:
+            break
+    elapsed = time.perf_counter() - start
+    return (seen - first) / elapsed if elapsed > 0 and seen > first else float("nan")
+
+
+def rate_decode_loop(ds: BenchSet, samples: int, data_cfg: DataConfig) -> float:
+    """Single-process decode + augment of in-memory JPEG bytes with the loader's own code."""
+    files = sorted(ds.folder.rglob("*.jpg"))[:samples]
+    blobs = [f.read_bytes() for f in files]
+    transform = TrainTransform(ds.img_size, data_cfg.crop_scale, data_cfg.hflip)
+    rng = random.Random(0)
+    start = time.perf_counter()
+    n = 0
+    for data in itertools.islice(itertools.cycle(blobs), samples):
+        with open_image(data, data_cfg.max_pixels) as img:
+            transform(img, rng)
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def rate_shards(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
+    loader = make_loader(str(ds.manifest), batch_size=batch_size, img_size=ds.img_size, train=True,
+                         labeled=True, data_cfg=data_cfg, rank=0, world_size=1)
+    return _rate((b for e in itertools.count() for b in loader.epoch(e)), samples)
+
+
+def rate_imagefolder(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
+    transform = T.Compose([T.RandomResizedCrop(ds.img_size, scale=tuple(data_cfg.crop_scale), antialias=True),
+                           T.RandomHorizontalFlip(data_cfg.hflip), T.PILToTensor()])
+    loader = DataLoader(datasets.ImageFolder(str(ds.folder), transform=transform), batch_size=batch_size,
+                        shuffle=True, num_workers=data_cfg.num_workers, drop_last=False)
+    return _rate((b for _ in itertools.count() for b in loader), samples)
+
+
+def bench(sets: list[BenchSet], *, samples: dict[str, int], batch_size: int, workers: int) -> list[dict]:
+    """One row per data set: samples/s of each method and the target ratios."""
+    cfg = replace(DataConfig(), num_workers=workers)
+    torch.set_num_threads(1)  # the decode loop is one core; workers are single-threaded too
+    rows = []
+    for ds in sets:
+        n = samples[ds.name]
+        row = {"data": ds.name, "samples": n, "workers": workers, "batch_size": batch_size}
+        row["decode_loop"] = rate_decode_loop(ds, n, cfg)
+        row["shards"] = rate_shards(ds, n, batch_size, cfg)
+        row["imagefolder"] = rate_imagefolder(ds, n, batch_size, cfg)
+        row["vs_imagefolder"] = row["shards"] / row["imagefolder"]
+        row["vs_decode_limit"] = row["shards"] / (row["decode_loop"] * workers)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A Markdown table of the rows (samples/s and ratios with their targets)."""
+    lines = ["| data | decode loop (1 proc) | shards (mpp) | ImageFolder | shards / ImageFolder (>= 2) "
+             "| shards / (decode x workers) (>= 0.8) |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['data']} | {r['decode_loop']:.0f} | {r['shards']:.0f} | {r['imagefolder']:.0f} "
+                     f"| {r['vs_imagefolder']:.2f} | {r['vs_decode_limit']:.2f} |")
+    w = rows[0] if rows else {}
+    lines.append(f"\nsamples/s, decoded + augmented to uint8; {w.get('workers')} workers, batch {w.get('batch_size')}")
+    return "\n".join(lines)
