@@ -26,6 +26,7 @@ SKIP_KINDS = {
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": "samples beyond a rank's expected count (shards without exact counts in a manifest)",
 }
+SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label")  # kinds that are one sample each
 
 
 class DataError(ValueError):

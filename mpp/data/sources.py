@@ -12,15 +12,18 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import re
 import tarfile
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import braceexpand
 from webdataset.gopen import gopen
-from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+from webdataset.tariterators import group_by_keys, url_opener
 
 from mpp.data.decode import DataError
+
+META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
 
 
 @dataclass
@@ -113,25 +116,43 @@ def assign(counts: list[int], order: list[int], bins: int, largest_first: bool =
     return out
 
 
+def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[dict]:
+    """Members {'fname', 'data', '__url__'} of one tar, as webdataset's tar_file_expander yields
+    them (opened with its gopen), plus the check it lacks: tarfile's stream mode ends silently at
+    a truncated header, so a tar must end with a whole end-of-archive block. Read errors are
+    appended to `errors` (the shard then just ends)."""
+    for source in url_opener([{"url": url}], handler=lambda e: errors.append(e) or False):
+        stream = source["stream"]
+        try:
+            tar = tarfile.open(fileobj=stream, mode="r|*")
+            for info in tar:
+                if info.isreg() and not META.match(info.name) and (select is None or select(info.name)):
+                    yield {"fname": info.name, "data": tar.extractfile(info).read(), "__url__": url}
+                tar.members = []
+            if tar.fileobj.tell() - tar.offset != tarfile.BLOCKSIZE:
+                raise tarfile.ReadError(f"'{url}' is truncated (no end-of-archive block)")
+        except Exception as e:  # noqa: BLE001 - any read error ends this shard, counted by the caller
+            errors.append(e)
+        finally:
+            try:
+                stream.close()
+            except Exception as e:  # noqa: BLE001 - e.g. a pipe: command that exited non-zero
+                errors.append(e)
+
+
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
-    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard. A truncated or unreadable
-    shard is counted in `skips` and its last (possibly incomplete) sample dropped; no retry, no
-    sleep."""
+    """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard (webdataset's group_by_keys).
+    A truncated or unreadable shard is counted in `skips` and its last (possibly incomplete) sample
+    dropped; no retry, no sleep."""
     errors: list[Exception] = []
-
-    def handler(exn: Exception) -> bool:
-        errors.append(exn)
-        return False  # stop this shard at the first error
-
-    samples = group_by_keys(tar_file_expander(url_opener([{"url": url}], handler=handler),
-                                              handler=handler), handler=handler)
     prev = None
-    for sample in samples:
+    for sample in group_by_keys(tar_members(url, errors)):
         if prev is not None:
             yield prev
         prev = sample
     if errors:
-        kind = "truncated_tar" if isinstance(errors[0], (tarfile.TarError, EOFError)) else "unreadable_shard"
+        tar_only = all(isinstance(e, (tarfile.TarError, EOFError)) for e in errors)
+        kind = "truncated_tar" if tar_only else "unreadable_shard"
         skips[kind] = skips.get(kind, 0) + 1
     elif prev is not None:
         yield prev

@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.filters import shuffle as wds_shuffle
 
-from mpp.data.decode import SKIP_KINDS, DataError, decode_sample
+from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_sample
 from mpp.data.sources import ShardSet, assign, read_shard, resolve
 from mpp.data.subset import select_subset
 from mpp.data.transforms import build_transform
@@ -49,10 +49,10 @@ def batch_plan(n: int, k: int, batch_size: int) -> list[int]:
 
 
 class _EpochPlan:
-    """Which shards each of this rank's workers reads in one epoch, and the rank's batch sizes."""
+    """Which shards each of this rank's workers reads in one epoch, and their sample count."""
 
     def __init__(self, shards: ShardSet, epoch: int, *, seed: int, train: bool, rank: int,
-                 world_size: int, workers: int, batch_size: int, batches: int):
+                 world_size: int, workers: int):
         order = list(range(len(shards.urls)))
         rng = random.Random(f"{seed}:{epoch}:shards")
         if train:
@@ -62,7 +62,7 @@ class _EpochPlan:
             rng.shuffle(ranks)  # permuting whole rank bins keeps their totals (and so K) intact
         mine = sorted(ranks[rank], key=order.index)
         self.bins = assign(shards.counts, mine, workers, largest_first=False)
-        self.sizes = batch_plan(sum(shards.counts[i] for i in mine), batches, batch_size)
+        self.num_samples = sum(shards.counts[i] for i in mine)
 
 
 class _ShardStream(IterableDataset):
@@ -184,9 +184,9 @@ class ShardLoader:
                         "(ShardLoader.counters())", kind, SKIP_KINDS.get(kind, kind), self.rank)
         self._skips[kind] = self._skips.get(kind, 0) + n
 
-    def _worker_items(self, epoch: int) -> Iterator[dict]:
-        """The rank's worker stream for `epoch` (plan already set), with skip counters folded into
-        `counters()` and worker errors raised here."""
+    def _worker_items(self, tally: dict[str, int]) -> Iterator[dict]:
+        """The rank's worker stream for the epoch set on `self.stream`; skip counters are folded into
+        `counters()` and this epoch's `tally`, worker errors are raised here."""
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
                             pin_memory=torch.cuda.is_available(), persistent_workers=False)
         seen: dict[int, dict[str, int]] = {}
@@ -194,6 +194,7 @@ class ShardLoader:
             last = seen.get(item["worker"], {})
             for kind, n in item["skips"].items():
                 self._count(kind, n - last.get(kind, 0))
+                tally[kind] = tally.get(kind, 0) + n - last.get(kind, 0)
             seen[item["worker"]] = item["skips"]
             if "error" in item:
                 raise DataError(item["error"])
@@ -204,52 +205,65 @@ class ShardLoader:
         """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W)[, 'label']}."""
         if not 0 <= start_batch <= self.batches_per_epoch:
             raise ValueError(f"start_batch must be in [0, {self.batches_per_epoch}], got {start_batch}")
+        if start_batch == self.batches_per_epoch:
+            return
         for i, batch in enumerate(self._rechunk(epoch)):
             if i >= start_batch:
                 yield batch
 
     def _rechunk(self, epoch: int) -> Iterator[dict]:
-        """Exactly batches_per_epoch batches from the worker stream (see the module docstring)."""
+        """Exactly batches_per_epoch batches from the worker stream (see the module docstring).
+
+        Each batch size comes from the plan for what is still expected (the rank's count minus what
+        was emitted and what workers reported skipped so far), so skips shrink the tail batches
+        instead of leaving the rank short."""
         self.stream.epoch = epoch
         if self.resampled:
-            sizes = batch_plan(self.num_samples // self.world_size, self.batches_per_epoch, self.batch_size)
+            expected = self.num_samples // self.world_size
         else:
-            self.stream.plan = _EpochPlan(
-                self.shards, epoch, seed=self.seed, train=self.train, rank=self.rank,
-                world_size=self.world_size, workers=self.workers, batch_size=self.batch_size,
-                batches=self.batches_per_epoch)
-            sizes = list(self.stream.plan.sizes)
+            self.stream.plan = _EpochPlan(self.shards, epoch, seed=self.seed, train=self.train,
+                                          rank=self.rank, world_size=self.world_size, workers=self.workers)
+            expected = self.stream.plan.num_samples
         keys = ("image", "label") if self.stream.labeled else ("image",)
-        items = self._worker_items(epoch)
+        tally: dict[str, int] = {}
+        items = self._worker_items(tally)
         pieces: list[dict] = []  # pending worker batches (the first possibly partly used)
-        have, last, i = 0, None, 0
-        while i < len(sizes):
-            while have < sizes[i]:
+        have, last, ended, k = 0, None, False, self.batches_per_epoch
+        for i in range(k):
+            while True:
+                left = expected - sum(tally.get(kind, 0) for kind in SAMPLE_SKIPS)
+                size = first_batch(max(left, k - i), k - i, self.batch_size)
+                if have >= size or ended:
+                    break
                 item = next(items, None)
                 if item is None:
-                    break
-                pieces.append(item)
-                have += len(item["image"])
-            if have < sizes[i]:  # the stream ended early (skips, inexact counts): re-plan the rest
-                rest = len(sizes) - i
-                if have >= rest:
-                    sizes[i:] = batch_plan(have, rest, self.batch_size)
+                    ended = True
+                else:
+                    pieces.append(item)
+                    have += len(item["image"])
+            if have < size:  # the stream ended early (lost shard data, inexact counts)
+                if have >= k - i:
+                    size = first_batch(have, k - i, self.batch_size)
                 elif have > 0:
-                    sizes[i] = have  # the leftovers, then repeats of them
+                    size = have  # the leftovers, then repeats of them
                 elif last is None:
                     raise DataError(f"rank {self.rank} decoded no samples in epoch {epoch}: all were "
                                     f"skipped ({self.counters()}); check the shards")
                 else:
                     self._count("padded", len(last["image"]))
-                    i += 1
                     yield last
                     continue
-            last = _take(pieces, sizes[i], keys)
-            have -= sizes[i]
-            i += 1
+            last = _take(pieces, size, keys)
+            have -= size
+            expected -= size
             yield last
         if not self.resampled:  # read the workers' final counters; count any surplus samples
             self._count("dropped", have + sum(len(item["image"]) for item in items))
+
+
+def first_batch(n: int, k: int, batch_size: int) -> int:
+    """batch_plan(n, k, batch_size)[0] in O(1)."""
+    return batch_size if n - k >= batch_size - 1 else -(-n // k)
 
 
 def _take(pieces: list[dict], n: int, keys) -> dict:

@@ -9,17 +9,16 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from webdataset.tariterators import base_plus_ext, tar_file_expander, url_opener
+from webdataset.tariterators import base_plus_ext
 
 from mpp.data.decode import DataError, read_label
-from mpp.data.sources import ShardSet
+from mpp.data.sources import ShardSet, tar_members
 
 
 def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
     """(key, label) of every sample of a shard with a valid `cls` member."""
     out = []
-    for member in tar_file_expander(url_opener([{"url": url}]), eof_value=None,
-                                    select_files=lambda name: name.endswith(".cls")):
+    for member in tar_members(url, [], select=lambda name: name.endswith(".cls")):
         key, _ = base_plus_ext(member["fname"])
         try:
             out.append((key, read_label(member["data"], num_classes)))

@@ -1,0 +1,92 @@
+"""mpp.data never decodes anything but images and labels, and skips bad data by kind without
+crashing: pickle payloads, corrupt/truncated/oversized images, missing images, bad labels,
+truncated tars."""
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import pickle
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from mpp.config import DataConfig
+from mpp.data import make_loader
+from shardutil import encode, write_shards
+
+
+class Payload:
+    """Unpickling this creates the file `path` (what a malicious .pyd member could do)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return builtins.open, (self.path, "w")
+
+
+def test_pickle_members_are_never_unpickled(tmp_path):
+    canary = tmp_path / "proof.txt"
+    pickle.loads(pickle.dumps(Payload(canary)))  # the payload is live: unpickling writes a file
+    assert canary.exists()
+    target = tmp_path / "pwned.txt"
+    bomb = pickle.dumps(Payload(target))
+
+    def extra(shard, j):
+        if j == 0:  # a sample holding only pickles
+            return {"png": None, "cls": None, "pyd": bomb, "pickle": bomb, "pth": bomb}
+        return {"pyd": bomb, "pickle": bomb, "pth": bomb}  # next to a good image and label
+
+    manifest, _ = write_shards(tmp_path / "shards", [4, 4, 4, 4], extra=extra)
+    for train, workers in ((True, 2), (False, 0)):
+        for labeled in (True, False):
+            loader = make_loader(manifest, batch_size=3, img_size=8, train=train, labeled=labeled,
+                                 data_cfg=DataConfig(num_workers=workers))
+            n = sum(len(b["image"]) for b in loader.epoch(0))
+            assert loader.counters()["missing_image"] == 4 and n == 12
+    assert not target.exists()
+
+
+def test_bad_samples_skipped_and_counted(tmp_path, caplog):
+    rng = np.random.default_rng(0)
+    jpeg = encode(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), "jpeg")
+    big = encode(np.zeros((64, 64, 3), dtype=np.uint8), "png")
+    bad = {0: {"png": None, "jpg": os.urandom(300)},           # corrupt JPEG
+           1: {"png": None, "jpg": jpeg[: len(jpeg) // 2]},    # truncated JPEG
+           2: {"png": None, "txt": b"not an image"},           # non-image member only
+           3: {"cls": b"7"},                                   # label out of range (3 classes)
+           4: {"cls": b"cat"},                                 # label not an integer
+           5: {"png": big}}                                    # over data.max_pixels
+
+    manifest, source = write_shards(tmp_path, [8, 8, 8, 8],
+                                    extra=lambda s, j: bad.get(j, {}) if s == 1 else {})
+    tar = tmp_path / "000002.tar"  # truncated tar: cut in the middle of the archive
+    tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2 + 100])
+    caplog.set_level(logging.WARNING, logger="mpp.data")
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
+                         data_cfg=DataConfig(num_workers=2, eval_crop_pct=1.0, max_pixels=1000))
+    for epoch in (0, 1):
+        batches = list(loader.epoch(epoch))
+        assert len(batches) == loader.batches_per_epoch
+    table = {px.tobytes(): key for key, (_, px) in source.items()}
+    keys = [table[img.permute(1, 2, 0).numpy().tobytes()] for b in batches for img in b["image"]]
+    good = {k for k in source if not k.startswith(("s1_", "s2_"))} | {f"s1_{j}" for j in (6, 7)}
+    padded = loader.counters().get("padded", 0) // 2
+    assert good <= set(keys) and len(keys) - padded == len(set(keys))
+    assert {k for k in keys if k.startswith("s2_")} < {f"s2_{j}" for j in range(8)}
+    c = loader.counters()
+    assert (c["corrupt_image"], c["missing_image"], c["bad_label"], c["truncated_tar"]) == (6, 2, 4, 2)
+    warned = [r.getMessage() for r in caplog.records]
+    for kind in ("corrupt_image", "missing_image", "bad_label", "truncated_tar"):
+        assert sum(kind in m for m in warned) == 1  # one warning line per kind, then only counts
+
+
+def test_unreadable_shard_url_counted(tmp_path):
+    manifest, _ = write_shards(tmp_path, [5, 5])
+    loader = make_loader([f"pipe:cat {tmp_path}/000000.tar", f"pipe:cat {tmp_path}/missing.tar"],
+                         batch_size=5, img_size=8, train=False, labeled=True, num_samples=10,
+                         data_cfg=DataConfig(num_workers=0))
+    batches = list(loader.epoch(0))
+    assert len(batches) == 2 and loader.counters()["unreadable_shard"] == 1
