@@ -72,9 +72,15 @@ def eval_mode(module: torch.nn.Module):
         module.train(was_training)
 
 
-def _weights_hash(module: torch.nn.Module) -> str:
+def _eval_batch(cfg: Config) -> int:
+    """Inference batch size: the training batch, at most 256 (no activations kept, memory is small)."""
+    return max(1, min(cfg.batch_size, 256))
+
+
+def _weights_hash(encoder) -> str:
+    """sha256 of the clean encoder weights (not the mask token: unused here, fresh on every load)."""
     h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
+    for name, t in sorted(encoder.encoder_state_dict().items()):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -121,8 +127,8 @@ def extract_features(encoder, spec, *, cfg: Config, pool: str, num_samples: int 
         if path.is_file():
             cached = load_file(str(path))
             return cached["features"], cached["labels"]
-    loader = make_loader(spec, batch_size=max(1, min(cfg.batch_size, 256)), img_size=img_size, train=False,
-                         labeled=True, data_cfg=cfg.data, num_samples=num_samples)
+    loader = make_loader(spec, batch_size=_eval_batch(cfg), img_size=img_size, train=False, labeled=True,
+                         data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1)
     feats, labels = [], []
     with eval_mode(encoder):
         for batch in tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="features",
@@ -258,3 +264,124 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     logits = sx @ w[:-1] + w[-1]
     return {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
             "val_top1": {f"{k:g}": v for k, v in sorted(val_acc.items())}}
+
+
+# ----------------------------------------------------------------------------- during pre-training
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Python, numpy and torch (CPU and CUDA) global RNG states are restored on exit, so whatever
+    runs inside (DataLoader seeding, attention timing with random tensors) leaves training as is."""
+    py, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(np_state)
+
+
+def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -> tuple[torch.Tensor, torch.Tensor]:
+    """All images (uint8, eval transform) and labels of labeled shards, in memory. `limit(n, classes)`
+    gives the most samples to keep; beyond it a class-balanced seeded subset is read instead."""
+    from mpp.data import make_loader
+    kw = dict(batch_size=_eval_batch(cfg), img_size=img_size, train=False, labeled=True, data_cfg=cfg.data,
+              num_samples=num_samples, rank=0, world_size=1)
+    loader = make_loader(spec, **kw)
+    cap = limit(loader.num_samples, loader.classes)
+    if cap and loader.num_samples > cap:
+        loader = make_loader(spec, subset=(cap / loader.num_samples, cfg.seed), **kw)
+    batches = list(loader.epoch(0))
+    return torch.cat([b["image"] for b in batches]), torch.cat([b["label"] for b in batches]).long()
+
+
+class FewshotEvaluator:
+    """Few-shot accuracy of an encoder during pre-training (`fewshot.every` steps; the paper chose
+    among MPP variants by it). The small labeled sets `fewshot.train` / `fewshot.test` are decoded
+    once into memory (uint8): the test set capped at `fewshot.max_test` images and the shot pool
+    at `max(shots) * seeds` images per class, both class-balanced seeded subsets. Each call puts
+    the encoder in eval mode (restored after), runs it without grad under autocast and solves the
+    few-shot problems with fixed seeds; the global RNGs are left exactly as they were.
+
+    Call it on the main process with the unwrapped encoder; returns {"{k}shot_mean", "{k}shot_std"}.
+    """
+
+    def __init__(self, cfg: Config, device: torch.device | str):
+        fs = cfg.fewshot
+        if not fs.train or not fs.test:
+            raise ValueError("fewshot.every > 0 needs labeled shards in fewshot.train and fewshot.test "
+                             "(e.g. the synthetic train/ and test/ manifests); or set fewshot.every=0")
+        self.cfg, self.device = cfg, torch.device(device)
+        self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
+
+    def _load(self, img_size: int) -> tuple:
+        fs = self.cfg.fewshot
+        per_class = max(int(k) for k in fs.shots) * fs.seeds
+        train = _read_images(fs.train, fs.train_num_samples, cfg=self.cfg, img_size=img_size,
+                             limit=lambda n, classes: per_class * len(classes) if classes else 0)
+        test = _read_images(fs.test, fs.test_num_samples, cfg=self.cfg, img_size=img_size,
+                            limit=lambda n, classes: fs.max_test)
+        return self._data.setdefault(img_size, (*train, *test))
+
+    def _features(self, encoder, images: torch.Tensor) -> torch.Tensor:
+        bs = _eval_batch(self.cfg)
+        return torch.cat([encode_images(encoder, images[i:i + bs], cfg=self.cfg, pool=self.cfg.probe.pool,
+                                        device=self.device, precision=self.cfg.train.precision)
+                          for i in range(0, len(images), bs)])
+
+    def __call__(self, encoder) -> dict[str, float]:
+        fs = self.cfg.fewshot
+        img_size = encoder_img_size(encoder)
+        with preserved_rng():
+            tr_x, tr_y, te_x, te_y = self._data.get(img_size) or self._load(img_size)
+            with eval_mode(encoder):
+                tr_f, te_f = self._features(encoder, tr_x), self._features(encoder, te_x)
+        return fewshot_eval(tr_f, tr_y, te_f, te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
+                            num_classes=int(max(tr_y.max(), te_y.max())) + 1)
+
+
+# ----------------------------------------------------------------------------- the probe tool
+
+def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_dir: str | Path | None = None) -> dict:
+    """Linear probe and few-shot figures of a frozen encoder on `data.train` -> `data.val`.
+
+    Features come from (and go to) the cache `probe.cache_dir` (default OUT/../feature_cache).
+    Writes OUT/config.yaml and then OUT/metrics.json (`kind: linear_probe`, `top1`, `top5`,
+    `{k}shot_mean/std`, settings); returns the metrics. Under torchrun only rank 0 works.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    from mpp.models import load_encoder
+    encoder_path = encoder_path or cfg.probe.encoder
+    out = Path(out_dir or cfg.output_dir)
+    if not encoder_path:
+        raise ValueError("no encoder to probe: set probe.encoder to a pre-training run dir or its encoder.safetensors")
+    if not cfg.data.train or not cfg.data.val:
+        raise ValueError("the linear probe needs labeled shards in data.train (fit) and data.val (test)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+    cache = Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else out.parent / "feature_cache"
+    kw = dict(cfg=cfg, pool=cfg.probe.pool, cache_dir=cache, device=device, precision=cfg.train.precision)
+    t0 = time.time()
+    tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
+    te_x, te_y = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
+    t1 = time.time()
+    num_classes = int(max(tr_y.max(), te_y.max())) + 1
+    lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
+                       seed=cfg.seed)
+    t2 = time.time()
+    fs = fewshot_eval(tr_x, tr_y, te_x, te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
+                      l2=cfg.fewshot.l2, num_classes=num_classes)
+    metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "top1": lin["top1"], "top5": lin["top5"],
+               **fs, "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"], "pool": cfg.probe.pool,
+               "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
+               "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x.shape[1],
+               "img_size": encoder_img_size(encoder), "seconds_features": round(t1 - t0, 2),
+               "seconds_probe": round(t2 - t1, 2), "seconds_fewshot": round(time.time() - t2, 2),
+               "config": to_dict(cfg)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+    tmp.replace(out / "metrics.json")  # last and atomic: compare treats metrics.json as "done"
+    return metrics

@@ -2,10 +2,27 @@
 during-training evaluator and the probe end to end on generated shards."""
 from __future__ import annotations
 
+import io
+import json
+import random
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
+import webdataset as wds
+from PIL import Image
 
-from mpp.evaluate import BIAS_CONSTANT, fewshot_eval, fewshot_lstsq, linear_probe
+from mpp.config import build_config
+from mpp.evaluate import (BIAS_CONSTANT, FewshotEvaluator, extract_features, fewshot_eval, fewshot_lstsq,
+                          linear_probe)
+from mpp.models import create_encoder, save_encoder
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _blobs(n: int, centers: torch.Tensor, g: torch.Generator):
@@ -64,3 +81,110 @@ def test_linear_probe_picks_interior_regulariser_on_weak_dense_signal():
     assert grid[0] < out["l2"] < grid[-1]
     weakest = linear_probe(x, y, xt, yt, val_fraction=0.3, l2_grid=grid[:1])
     assert out["top1"] > weakest["top1"] + 0.02
+
+
+# ----------------------------------------------------------------------------- on shards
+
+PALETTE = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (220, 220, 40)]
+
+
+def _colour_shards(root: Path, n: int, *, seed: int, shards: int = 2, size: int = 16) -> str:
+    """Labeled shards written with webdataset.TarWriter: class c is a noisy image of PALETTE[c],
+    so even a random encoder's features separate the classes. Returns the manifest path."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True)
+    entries, per = [], -(-n // shards)
+    for s in range(shards):
+        count = min(per, n - s * per)
+        with wds.TarWriter(str(root / f"{s:06d}.tar")) as w:
+            for j in range(count):
+                c = int(rng.integers(len(PALETTE)))
+                pixels = np.clip(np.array(PALETTE[c]) + rng.normal(0, 30, (size, size, 3)), 0, 255).astype(np.uint8)
+                buf = io.BytesIO()
+                Image.fromarray(pixels).save(buf, format="png")
+                w.write({"__key__": f"s{s}_{j}", "png": buf.getvalue(), "cls": str(c).encode()})
+        entries.append({"name": f"{s:06d}.tar", "num_samples": count})
+    manifest = {"num_samples": n, "shards": entries, "classes": [f"c{i}" for i in range(len(PALETTE))]}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return str(root / "manifest.json")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colours")
+    return {"train": _colour_shards(root / "train", 240, seed=0), "test": _colour_shards(root / "test", 80, seed=1)}
+
+
+def _cfg(shards: dict, out: Path, **extra):
+    data = {"output_dir": str(out), "model": "vit_micro4_32", "img_size": 16, "batch_size": 32,
+            "data": {"train": shards["train"], "val": shards["test"], "num_workers": 1},
+            "fewshot": {"train": shards["train"], "test": shards["test"], "shots": [1, 5], "seeds": 2,
+                        "max_test": 40}}
+    for k, v in extra.items():
+        data.setdefault(k, {}).update(v) if isinstance(v, dict) else data.__setitem__(k, v)
+    return build_config(data)
+
+
+def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatch):
+    cfg = _cfg(shards, tmp_path / "run")
+    torch.manual_seed(0)
+    enc_a, enc_b = create_encoder("vit_micro4_32", img_size=16), create_encoder("vit_micro4_32", img_size=16)
+    kw = dict(cfg=cfg, pool="token", cache_dir=tmp_path / "cache", progress=False)
+    x1, y1 = extract_features(enc_a, shards["test"], **kw)
+    assert x1.dtype == torch.float32 and x1.shape == (80, enc_a.embed_dim) and len(y1) == 80
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
+
+    import mpp.data
+    def no_loader(*a, **k):
+        raise AssertionError("a cache hit must not read the shards")
+    monkeypatch.setattr(mpp.data, "make_loader", no_loader)
+    x2, y2 = extract_features(enc_a, shards["test"], **kw)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    monkeypatch.undo()
+
+    x3, y3 = extract_features(enc_b, shards["test"], **kw)
+    assert torch.equal(y1, y3) and not torch.allclose(x1, x3)
+    x4, _ = extract_features(enc_a, shards["test"], **{**kw, "pool": "avg"})
+    assert not torch.allclose(x1, x4)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
+
+
+def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
+    cfg = _cfg(shards, tmp_path / "run", train={"precision": "bf16"})
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16).train()
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    evaluator = FewshotEvaluator(cfg, "cpu")
+    first = evaluator(encoder)
+    second = evaluator(encoder)
+    assert (random.getstate(), torch.get_rng_state().tolist()) == (states[0], states[2].tolist())
+    assert np.array_equal(np.random.get_state()[1], states[1])
+    assert encoder.training
+    assert first == second and set(first) == {"1shot_mean", "1shot_std", "5shot_mean", "5shot_std"}
+    assert first["5shot_mean"] > 0.5  # 4 colour classes: chance is 0.25
+    tr_x, _, te_x, _ = evaluator._data[16]
+    # class-balanced subsets: per-class rounding moves the totals by at most one per class
+    assert tr_x.dtype == torch.uint8 and abs(len(te_x) - 40) <= 4 and len(tr_x) <= 5 * 2 * 4 + 4
+
+
+@pytest.mark.slow
+def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
+    torch.manual_seed(0)
+    save_encoder(create_encoder("vit_micro4_32", img_size=16), tmp_path / "pretrain")
+    out = tmp_path / "probe"
+    cmd = [sys.executable, str(ROOT / "tools/linear_probe.py"), "model=vit_micro4_32", "img_size=16",
+           "batch_size=32", f"output_dir={out}", f"probe.encoder={tmp_path / 'pretrain'}",
+           f"data.train={shards['train']}", f"data.val={shards['test']}", "data.num_workers=1",
+           "fewshot.shots=[1,5]", "fewshot.seeds=2"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["kind"] == "linear_probe" and m["num_train"] == 240 and m["num_test"] == 80
+    assert m["top1"] > 0.6 and m["5shot_mean"] > 0.5  # chance is 0.25
+    assert (out / "config.yaml").is_file() and (tmp_path / "feature_cache").is_dir()
+    monkeypatch.setattr(sys, "argv", cmd[1:] + [f"probe.encoder={tmp_path / 'missing'}"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(cmd[1], run_name="__main__")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "missing" in err
