@@ -25,6 +25,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from mpp.config import Config, save_config, to_dict
+from mpp.data import make_loader, normalize, to_float01
+from mpp.models import load_encoder
 from mpp.runtime import autocast
 
 BIAS_CONSTANT = 100.0  # big_vision: a large constant bias feature is almost unregularised
@@ -35,10 +37,7 @@ PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, st
 
 def encoder_img_size(encoder) -> int:
     """The square input resolution the encoder's position embeddings are built for."""
-    grid, patch = encoder.grid_size, encoder.patch_size
-    grid = grid[0] if isinstance(grid, (tuple, list)) else grid
-    patch = patch[0] if isinstance(patch, (tuple, list)) else patch
-    return int(grid) * int(patch)
+    return encoder.grid_size[0] * encoder.patch_size
 
 
 def pool_tokens(tokens: torch.Tensor, pool: str, num_prefix: int = 1) -> torch.Tensor:
@@ -54,11 +53,10 @@ def pool_tokens(tokens: torch.Tensor, pool: str, num_prefix: int = 1) -> torch.T
 def encode_images(encoder, images_uint8: torch.Tensor, *, cfg: Config, pool: str,
                   device: torch.device, precision: str) -> torch.Tensor:
     """Features float32 (B, D) of one uint8 batch, normalised as in training."""
-    from mpp.data.transforms import normalize, to_float01
     x = normalize(to_float01(images_uint8.to(device, non_blocking=True)), cfg.data.mean, cfg.data.std)
     with autocast(device, precision):
         tokens = encoder(x)
-    return pool_tokens(tokens, pool, getattr(encoder.vit, "num_prefix_tokens", 1)).float().cpu()
+    return pool_tokens(tokens, pool, encoder.vit.num_prefix_tokens).float().cpu()
 
 
 @contextlib.contextmanager
@@ -98,9 +96,10 @@ def _data_fingerprint(spec) -> list:
 
 def feature_cache_key(encoder, spec, *, cfg: Config, pool: str, img_size: int, num_samples: int,
                       precision: str) -> str:
-    """Hash of everything the features depend on: weights, data, transform, pooling, precision."""
+    """Hash of everything the features depend on: architecture, weights, data, transform, pooling,
+    precision."""
     d = cfg.data
-    key = dict(weights=_weights_hash(encoder), data=_data_fingerprint(spec), num_samples=num_samples,
+    key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder), data=_data_fingerprint(spec), num_samples=num_samples,
                img_size=img_size, pool=pool, precision=precision, mean=list(d.mean), std=list(d.std),
                eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -116,7 +115,6 @@ def extract_features(encoder, spec, *, cfg: Config, pool: str, num_samples: int 
     under a key of weights + data + transform + pool + precision, and a later call with the same
     key loads it instead of running the encoder.
     """
-    from mpp.data import make_loader
     device = torch.device(device)
     img_size = encoder_img_size(encoder)
     path = None
@@ -284,7 +282,6 @@ def preserved_rng():
 def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -> tuple[torch.Tensor, torch.Tensor]:
     """All images (uint8, eval transform) and labels of labeled shards, in memory. `limit(n, classes)`
     gives the most samples to keep; beyond it a class-balanced seeded subset is read instead."""
-    from mpp.data import make_loader
     kw = dict(batch_size=_eval_batch(cfg), img_size=img_size, train=False, labeled=True, data_cfg=cfg.data,
               num_samples=num_samples, rank=0, world_size=1)
     loader = make_loader(spec, **kw)
@@ -351,7 +348,6 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
     """
     if int(os.environ.get("RANK", "0")) != 0:
         return {}
-    from mpp.models import load_encoder
     encoder_path = encoder_path or cfg.probe.encoder
     out = Path(out_dir or cfg.output_dir)
     if not encoder_path:

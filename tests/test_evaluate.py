@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import webdataset as wds
 from PIL import Image
 
+import mpp.evaluate
 from mpp.config import build_config
 from mpp.evaluate import (BIAS_CONSTANT, FewshotEvaluator, extract_features, fewshot_eval, fewshot_lstsq,
                           linear_probe)
@@ -134,10 +135,9 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     assert x1.dtype == torch.float32 and x1.shape == (80, enc_a.embed_dim) and len(y1) == 80
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
 
-    import mpp.data
     def no_loader(*a, **k):
         raise AssertionError("a cache hit must not read the shards")
-    monkeypatch.setattr(mpp.data, "make_loader", no_loader)
+    monkeypatch.setattr(mpp.evaluate, "make_loader", no_loader)
     x2, y2 = extract_features(enc_a, shards["test"], **kw)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     monkeypatch.undo()
