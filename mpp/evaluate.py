@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from mpp.config import Config, save_config, to_dict
 from mpp.data import make_loader, normalize, to_float01
+from mpp.data.sources import resolve
 from mpp.models import load_encoder
 from mpp.runtime import autocast
 
@@ -85,12 +86,13 @@ def _weights_hash(encoder) -> str:
     return h.hexdigest()
 
 
-def _data_fingerprint(spec) -> list:
-    """The spec plus size and mtime of every local file it names, so rewritten shards miss the cache."""
+def _data_fingerprint(spec, num_samples: int) -> list:
+    """Every shard the spec resolves to, with size and mtime when local (rewritten shards miss the cache)."""
+    shards = resolve(spec, num_samples)
     out = []
-    for s in [spec] if isinstance(spec, str) else list(spec):
-        p = Path(s)
-        out.append([str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [s])
+    for url, count in zip(shards.urls, shards.counts):
+        p = Path(url)
+        out.append([str(p.resolve()), count, p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [url, count])
     return out
 
 
@@ -99,9 +101,9 @@ def feature_cache_key(encoder, spec, *, cfg: Config, pool: str, img_size: int, n
     """Hash of everything the features depend on: architecture, weights, data, transform, pooling,
     precision."""
     d = cfg.data
-    key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder), data=_data_fingerprint(spec), num_samples=num_samples,
-               img_size=img_size, pool=pool, precision=precision, mean=list(d.mean), std=list(d.std),
-               eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
+    key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder),
+               data=_data_fingerprint(spec, num_samples), img_size=img_size, pool=pool, precision=precision,
+               mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -294,9 +296,10 @@ def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -
 
 class FewshotEvaluator:
     """Few-shot accuracy of an encoder during pre-training (`fewshot.every` steps; the paper chose
-    among MPP variants by it). The small labeled sets `fewshot.train` / `fewshot.test` are decoded
-    once into memory (uint8): the test set capped at `fewshot.max_test` images and the shot pool
-    at `max(shots) * seeds` images per class, both class-balanced seeded subsets. Each call puts
+    among MPP variants by it). The small labeled sets `fewshot.train` / `fewshot.test` are checked
+    at construction and decoded once, at the first call and the encoder's resolution, into memory
+    (uint8): the test set capped at `fewshot.max_test` images and the shot pool at
+    `max(shots) * seeds` images per class, both class-balanced seeded subsets. Each call puts
     the encoder in eval mode (restored after), runs it without grad under autocast and solves the
     few-shot problems with fixed seeds; the global RNGs are left exactly as they were.
 
@@ -308,6 +311,7 @@ class FewshotEvaluator:
         if not fs.train or not fs.test:
             raise ValueError("fewshot.every > 0 needs labeled shards in fewshot.train and fewshot.test "
                              "(e.g. the synthetic train/ and test/ manifests); or set fewshot.every=0")
+        resolve(fs.train, fs.train_num_samples), resolve(fs.test, fs.test_num_samples)  # bad specs fail now
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
 

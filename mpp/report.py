@@ -178,7 +178,8 @@ def render_markdown(rep: dict) -> str:
     for f in FAMILIES:
         row = t[f]
         pre = row["pretrain"]
-        pre_cell = "—" if pre is None else f"`{pre['dir']}`" + (f" ({pre['steps']} steps)" if pre.get("steps") else "")
+        steps = f" ({pre['steps']} steps)" if pre and pre.get("steps") else ""
+        pre_cell = "—" if pre is None else f"`{pre['dir']}`{steps}"
         cells = ([FAMILY_NAMES[f], pre_cell] + [_pct(row["finetune"].get(fr)) for fr in fracs]
                  + [_pct(row["linear_top1"])]
                  + [_pct(row["fewshot"].get(k)) + (f" ± {100 * row['fewshot_std'][k]:.1f}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import runpy
 import subprocess
@@ -147,6 +148,10 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     x4, _ = extract_features(enc_a, shards["test"], **{**kw, "pool": "avg"})
     assert not torch.allclose(x1, x4)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
+    shard = Path(shards["test"]).parent / "000000.tar"  # a rewritten shard must miss the cache
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    extract_features(enc_a, shards["test"], **kw)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 4
 
 
 def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
