@@ -187,8 +187,11 @@ class ShardLoader:
     def _worker_items(self, tally: dict[str, int]) -> Iterator[dict]:
         """The rank's worker stream for the epoch set on `self.stream`; skip counters are folded into
         `counters()` and this epoch's `tally`, worker errors are raised here."""
+        # own generator: creating the iterator draws a base seed, which must not come from (and
+        # shift) the global torch RNG that training draws from, or a resumed run would diverge
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=torch.cuda.is_available(), persistent_workers=False)
+                            pin_memory=torch.cuda.is_available(), persistent_workers=False,
+                            generator=torch.Generator())
         seen: dict[int, dict[str, int]] = {}
         for item in loader:
             last = seen.get(item["worker"], {})
