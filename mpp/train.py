@@ -123,6 +123,9 @@ def train(cfg: Config) -> dict:
     def check_finite(step: int) -> None:
         if bad_max.item() >= cfg.train.max_bad_steps:
             good = list_checkpoints(ckpt_root)
+            bar.close()
+            if writer:
+                writer.close()  # keep the logged scalars that show what happened
             raise NonFiniteError(
                 f"training stopped near step {step}: {cfg.train.max_bad_steps} consecutive steps had a non-finite "
                 f"loss or gradient (train.max_bad_steps); they were skipped, the weights never saw them; last good "
@@ -188,12 +191,10 @@ def train(cfg: Config) -> dict:
 
         # -- few-shot evaluation on the main process, training RNG saved and restored around it
         if evaluator is not None and done % cfg.fewshot.every == 0:
-            rng = rng_state()
-            with accelerator.autocast():
-                for k, v in evaluator(encoder).items():
-                    writer.add_scalar("fewshot/" + k, v, done)
+            rng = rng_state()  # the evaluator promises this too; training exactness depends on it
+            for k, v in evaluator(encoder).items():
+                writer.add_scalar("fewshot/" + k, v, done)
             set_rng_state(rng)
-            model.train()
     bar.close()
     batches.close()  # ends the data workers of an unfinished epoch
     loop_time = time.perf_counter() - t_loop
