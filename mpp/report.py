@@ -9,7 +9,8 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
   classify -> fine-tuning.
 - family (mpp | supervised | scratch): pre-training: its objective; fine-tuning: `scratch` when
   `finetune.init` is `none`, else the objective of the pre-training run `finetune.init` points to
-  (a run dir or the `encoder.safetensors` inside one); probe: the same via `probe.encoder`.
+  (a run dir or the `encoder.safetensors` inside one; a relative path is looked up from the
+  current directory, then from the run dir's parents); probe: the same via `probe.encoder`.
   An explicit `"role": "mpp" | "supervised" | "scratch"` in `metrics.json` overrides the lookup
   (for encoders from elsewhere, e.g. a timm checkpoint).
 - label fraction of a fine-tune: config `finetune.label_fraction`.
@@ -50,7 +51,9 @@ def _read_config(run_dir: Path) -> dict:
 
 def _source_family(init: str, run_dir: Path) -> str:
     """The pre-training objective of the run an encoder path points to."""
-    src = Path(init)
+    # a relative path was relative to where the run was launched: try here, then the run's parents
+    found = [b / init for b in (Path.cwd(), *run_dir.resolve().parents) if (b / init).exists()]
+    src = found[0] if found else Path(init)
     src = src if src.is_dir() else src.parent
     cfg_file = src / "config.yaml"
     if not cfg_file.is_file():

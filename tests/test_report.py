@@ -83,6 +83,16 @@ def test_role_override_and_clear_errors(tmp_path):
         write_report([pct], tmp_path / "out")
 
 
+def test_relative_init_paths_resolve_from_elsewhere(tmp_path, monkeypatch):
+    """Runs launched from tmp_path with relative paths, reported from another directory."""
+    monkeypatch.chdir(tmp_path)
+    _run(tmp_path, "exp/pre", {"objective": "supervised"}, {"steps": 5})
+    _run(tmp_path, "exp/ft", {"objective": "classify", "finetune": {"init": "exp/pre"}}, {"top1": 0.5})
+    monkeypatch.chdir(ROOT)
+    rep = write_report([tmp_path / "exp/pre", tmp_path / "exp/ft"], tmp_path / "out")
+    assert rep["table"]["supervised"]["finetune"] == {"1": 0.5}
+
+
 def test_tool_prints_table_and_fails_in_one_line(tmp_path):
     runs = _paper_runs(tmp_path / "runs")
     ok = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), *map(str, runs)],
