@@ -22,6 +22,7 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, url_opener
 
 from mpp.data.decode import DataError
+from mpp.data.tarstream import tar_files
 
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
 
@@ -118,19 +119,15 @@ def assign(counts: list[int], order: list[int], bins: int, largest_first: bool =
 
 def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[dict]:
     """Members {'fname', 'data', '__url__'} of one tar, as webdataset's tar_file_expander yields
-    them (opened with its gopen), plus the check it lacks: tarfile's stream mode ends silently at
-    a truncated header, so a tar must end with a whole end-of-archive block. Read errors are
-    appended to `errors` (the shard then just ends)."""
+    them, opened with webdataset's gopen but read with `tarstream.tar_files` (several times
+    faster than tarfile, and it detects truncation). Read errors are appended to `errors` (the
+    shard then just ends)."""
     for source in url_opener([{"url": url}], handler=lambda e: errors.append(e) or False):
         stream = source["stream"]
         try:
-            tar = tarfile.open(fileobj=stream, mode="r|*")
-            for info in tar:
-                if info.isreg() and not META.match(info.name) and (select is None or select(info.name)):
-                    yield {"fname": info.name, "data": tar.extractfile(info).read(), "__url__": url}
-                tar.members = []
-            if tar.fileobj.tell() - tar.offset != tarfile.BLOCKSIZE:
-                raise tarfile.ReadError(f"'{url}' is truncated (no end-of-archive block)")
+            for name, data in tar_files(stream):
+                if not META.match(name) and (select is None or select(name)):
+                    yield {"fname": name, "data": data, "__url__": url}
         except Exception as e:  # noqa: BLE001 - any read error ends this shard, counted by the caller
             errors.append(e)
         finally:
