@@ -50,7 +50,9 @@ def train(cfg: Config) -> dict:
 
     # ---- accelerator: device, processes, mixed precision (autocast wraps the model's forward)
     AcceleratorState._reset_state()  # a later train() in the same process may use another precision
-    accelerator = Accelerator(mixed_precision=cfg.train.precision)
+    # cpu=True on machines without an accelerator: only then does Accelerate treat torchrun /
+    # accelerate launch processes as MULTI_CPU (gloo) ranks instead of independent single runs
+    accelerator = Accelerator(mixed_precision=cfg.train.precision, cpu=not torch.accelerator.is_available())
     device, main = accelerator.device, accelerator.is_main_process
     rank, world = accelerator.process_index, accelerator.num_processes
     if cfg.batch_size % (world * accum):
