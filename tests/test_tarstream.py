@@ -53,3 +53,11 @@ def test_truncation_and_corruption_raise():
     bad[520] ^= 0xFF  # inside the second header
     with pytest.raises(tarfile.ReadError, match="checksum"):
         list(tar_files(io.BytesIO(bytes(bad))))
+
+
+def test_select_skips_other_members():
+    raw = make_tar(tarfile.PAX_FORMAT)
+    for f in (io.BytesIO(raw), io.BufferedReader(io.BytesIO(gzip.compress(raw)))):
+        assert list(tar_files(f, select=lambda n: n.endswith(".cls"))) == [MEMBERS[1]]
+    with pytest.raises(tarfile.ReadError):  # truncation inside a skipped member is still caught
+        list(tar_files(io.BytesIO(raw[:1700]), select=lambda n: False))

@@ -125,8 +125,8 @@ def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[dict
     for source in url_opener([{"url": url}], handler=lambda e: errors.append(e) or False):
         stream = source["stream"]
         try:
-            for name, data in tar_files(stream):
-                if not META.match(name) and (select is None or select(name)):
+            for name, data in tar_files(stream, select):
+                if not META.match(name):
                     yield {"fname": name, "data": data, "__url__": url}
         except Exception as e:  # noqa: BLE001 - any read error ends this shard, counted by the caller
             errors.append(e)

@@ -10,16 +10,20 @@ Per epoch e (identical computation on every rank and worker):
    (undecoded) samples in a buffer, decodes (`decode.decode_sample`) and yields uint8 batches of
    `batch_size` together with its cumulative skip counters;
 3. the main process re-chunks the worker stream into exactly K batches, K the same on every rank
-   (K = ceil(largest rank bin total / batch_size), fixed for all epochs); a worker batch
-   that already has the planned size is passed through untouched, the tail batches may be smaller.
-   Skips that leave a rank short are absorbed by smaller tail batches, or if a rank ran out
-   entirely, by repeating its last samples (counted as `padded`), so no rank ever waits for
-   another at an epoch end.
+   (K = ceil(largest rank bin total / batch_size), fixed for all epochs): full batches first, the
+   tail ones smaller; each size is planned from what the rank still expects (its count minus what
+   was emitted and what workers reported skipped), so per-sample skips shrink the tail batches. A
+   worker batch that already has the planned size is passed through untouched. If a rank still
+   runs dry (a truncated or unreadable shard, counts that were only estimated), its last batch is
+   repeated (counted as `padded`); a surplus beyond its count is `dropped`. So no rank ever waits
+   for another at an epoch end.
 Resampled mode: each worker draws shards with replacement, forever; the epoch ends after K batches
 of the fixed `data.epoch_samples / world_size` samples per rank.
 `epoch(e, start_batch=k)` replays epoch e and discards its first k batches, so resuming yields
 exactly what an uninterrupted epoch would (the run is deterministic given seed, epoch, rank and
-worker count: DataLoader collects from workers in a fixed round-robin order).
+worker count: DataLoader collects from workers in a fixed round-robin order, and shuffling and
+augmentation use Python RNGs seeded from (seed, epoch, rank, worker)). The price: a resume in
+the middle of an epoch re-reads and decodes that epoch's first k batches (no model compute).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.filters import shuffle as wds_shuffle
 
+from mpp.config import DataConfig
 from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_sample
 from mpp.data.sources import ShardSet, assign, read_shard, resolve
 from mpp.data.subset import select_subset
@@ -75,7 +80,7 @@ class _ShardStream(IterableDataset):
         self.shuffle_buffer, self.resampled, self.seed, self.rank = shuffle_buffer, resampled, seed, rank
         self.epoch, self.plan = 0, None  # set by ShardLoader before each epoch's workers start
 
-    def _urls(self, worker: int, rng: random.Random) -> Iterator[int]:
+    def _shard_ids(self, worker: int, rng: random.Random) -> Iterator[int]:
         if self.resampled:
             while True:
                 yield rng.randrange(len(self.shards.urls))
@@ -83,7 +88,7 @@ class _ShardStream(IterableDataset):
 
     def _raw(self, worker: int, skips: dict) -> Iterator[dict]:
         rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:order")
-        for s in self._urls(worker, rng):
+        for s in self._shard_ids(worker, rng):
             keys = self.shards.keys[s] if self.shards.keys is not None else None
             for sample in read_shard(self.shards.urls[s], skips):
                 if keys is None or sample["__key__"] in keys:
@@ -287,7 +292,7 @@ def _take(pieces: list[dict], n: int, keys) -> dict:
     return {k: torch.cat([p[k] for p in parts]) for k in keys}
 
 
-def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg,
+def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg=None,
                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
                 num_samples: int = 0, subset: tuple[float, int] | None = None) -> ShardLoader:
     """A ShardLoader over `spec` (manifest.json, shard list/URLs, or brace pattern + num_samples).
@@ -295,8 +300,10 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
     batch_size is per rank. rank/world_size default to torch.distributed's when it is initialised
     (else 0/1). train: augmentation + shuffling; else evaluation crop, shard order, every sample
     once. labeled: batches carry 'label' (unlabeled shards are an error). subset=(fraction, seed):
-    a class-balanced seeded subset of a labeled set.
+    a class-balanced seeded subset of a labeled set. data_cfg: a `DataConfig` (workers, shuffle
+    buffer, augmentation, resampling, pixel cap; None: its defaults).
     """
+    data_cfg = data_cfg if data_cfg is not None else DataConfig()
     if rank is None or world_size is None:
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = (torch.distributed.get_rank() if dist else 0) if rank is None else rank

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 import tarfile
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 BLOCK = 512
 
@@ -44,11 +44,13 @@ def _read(f: BinaryIO, n: int) -> bytes:
     return data
 
 
-def tar_files(f: BinaryIO) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file in the tar stream `f`, in archive order."""
+def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each regular file in the tar stream `f`, in archive order; with `select`,
+    only of the names it accepts (the others' bytes are skipped: seeked over when `f` can seek)."""
     peek = getattr(f, "peek", None)
     if peek is not None and peek(2)[:2] == b"\x1f\x8b":
         f = gzip.GzipFile(fileobj=f)
+    seekable = f.seekable() if hasattr(f, "seekable") else False
     pax: dict[str, str] = {}
     longname = None
     while True:
@@ -59,20 +61,22 @@ def tar_files(f: BinaryIO) -> Iterator[tuple[str, bytes]]:
             raise tarfile.ReadError("bad tar header checksum: the tar is corrupt")
         kind = header[156:157]
         size = int(pax["size"]) if "size" in pax else _number(header[124:136])
-        data = _read(f, size)
-        if size % BLOCK:
-            _read(f, BLOCK - size % BLOCK)
-        if kind == b"x":  # PAX header for the next member
-            pax = _pax(data)
-            continue
-        if kind == b"L":  # GNU long name for the next member
-            longname = _text(data)
-            continue
-        if kind in (b"g", b"K"):  # global PAX header, GNU long link name
-            continue
+        padded = size + (-size % BLOCK)
+        if kind in (b"x", b"L", b"g", b"K"):
+            data = _read(f, padded)[:size]
+            if kind == b"x":  # PAX header for the next member
+                pax = _pax(data)
+            elif kind == b"L":  # GNU long name for the next member
+                longname = _text(data)
+            continue  # g: global PAX header, K: GNU long link name
         name = pax.get("path") or longname or _text(header[0:100])
         if not (pax.get("path") or longname) and header[257:262] == b"ustar" and header[345] != 0:
             name = _text(header[345:500]) + "/" + name
         pax, longname = {}, None
-        if kind in (b"0", b"\0", b"7"):
-            yield name, data
+        if kind in (b"0", b"\0", b"7") and (select is None or select(name)):
+            data = _read(f, padded)
+            yield name, data[:size] if padded != size else data
+        elif padded and seekable:
+            f.seek(padded, 1)
+        else:
+            _read(f, padded)
