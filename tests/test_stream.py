@@ -212,19 +212,23 @@ def test_float_and_normalize():
 
 def test_transforms_shapes_and_jpeg_draft():
     import random
-    big = np.zeros((512, 384, 3), dtype=np.uint8)
-    big[:, :192] = 255
-    data = encode(big, "jpeg", quality=95)
-    img = Image.open(io.BytesIO(data))
-    out = EvalTransform(32, 0.875)(img)
-    assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
-    assert img.size[0] <= 384 // 4  # decoded with draft at reduced scale
-    rng = random.Random(0)
-    for _ in range(5):
-        img = Image.open(io.BytesIO(data))
-        t = TrainTransform(16, (0.08, 1.0), hflip=0.5)(img, rng)
-        assert t.shape == (3, 16, 16) and t.dtype == torch.uint8
+    y, x = np.mgrid[0:600, 0:800]
+    smooth = np.stack([x * 255 // 800, y * 255 // 600, (x + y) * 255 // 1400], -1).astype(np.uint8)
+    data = encode(smooth, "jpeg", quality=95)
+
+    def full(img):  # an already decoded image: draft cannot apply
+        img.load()
+        return img
+
+    for transform in (EvalTransform(64, 0.875), TrainTransform(64, (0.08, 1.0), hflip=0.5)):
+        for seed in range(3):
+            lazy = Image.open(io.BytesIO(data))
+            drafted = transform(lazy, random.Random(seed))
+            assert lazy.size[0] <= 800 // 2  # decoded at reduced scale
+            exact = transform(full(Image.open(io.BytesIO(data))), random.Random(seed))
+            assert drafted.shape == (3, 64, 64) and drafted.dtype == torch.uint8
+            assert (drafted.float() - exact.float()).abs().mean() < 1.0  # same geometry
     # a flip-only train transform at full scale mirrors the image
-    img = Image.open(io.BytesIO(encode(big[:256, :256], "png")))
+    img = Image.open(io.BytesIO(encode(smooth[:256, :256], "png")))
     t = TrainTransform(256, (1.0, 1.0), hflip=1.0)(img, random.Random(0))
-    assert torch.equal(t, torch.from_numpy(np.ascontiguousarray(big[:256, :256][:, ::-1])).permute(2, 0, 1))
+    assert torch.equal(t, torch.from_numpy(np.ascontiguousarray(smooth[:256, :256, :][:, ::-1])).permute(2, 0, 1))

@@ -34,13 +34,13 @@ def normalize(images01: torch.Tensor, mean: Sequence[float], std: Sequence[float
 def _draft(img: Image.Image, need_w: float, need_h: float) -> float:
     """Let a JPEG decode at the smallest 1/2^k scale that keeps >= need_w x need_h pixels.
 
-    Returns the reduction factor (1.0 when nothing changed); the image is not decoded yet.
+    Returns the exact reduction factor (1.0 when nothing changed); the image is not decoded yet.
     """
     if img.format != "JPEG" or img.width < 2 * need_w or img.height < 2 * need_h:
         return 1.0
     width = img.width
-    img.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
-    return width / img.width if img.width else 1.0
+    drafted = img.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
+    return width / drafted[1][2] if drafted else 1.0  # draft's box: the original in new pixels
 
 
 def _rgb_tensor(img: Image.Image) -> torch.Tensor:
@@ -99,15 +99,15 @@ class EvalTransform:
         self.resize = math.floor(img_size / crop_pct)
 
     def __call__(self, img: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
-        short = min(img.width, img.height)
-        f = _draft(img, img.width * self.resize / short, img.height * self.resize / short)
+        width, height = img.size
+        side = min(width, height) * self.size / self.resize  # the centre square, original pixels
+        f = _draft(img, width * self.size / side, height * self.size / side)
         img = img.convert("RGB") if img.mode != "RGB" else img
-        # source box (in original pixels) that maps onto the centre crop after the resize
-        side = short * self.size / self.resize
-        left, top = (img.width * f - side) / 2, (img.height * f - side) / 2
-        if f == 1.0 and side == self.size and float(left).is_integer() and float(top).is_integer():
-            out = img.crop((int(left), int(top), int(left) + self.size, int(top) + self.size))
+        if f == 1.0 and side == self.size:  # no resize: a plain centre crop (exact pixels)
+            left, top = round((width - side) / 2), round((height - side) / 2)
+            out = img.crop((left, top, left + self.size, top + self.size))
         else:
+            left, top = (width - side) / 2, (height - side) / 2
             out = img.resize((self.size, self.size), INTERPOLATION,
                              box=(left / f, top / f, (left + side) / f, (top + side) / f))
         return _rgb_tensor(out)
