@@ -1,0 +1,251 @@
+"""The trainer end to end on small synthetic shards: MPP and supervised runs learn, the run
+directory is complete and loads into plain timm, kill -9 + resume=auto is bit-exact (with the
+few-shot hook on, which must not disturb training), two torchrun ranks stay identical, non-finite
+steps never reach the weights, fine-tuning loads its init, and bad settings fail before any work."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+import yaml
+from safetensors.torch import load_file
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import mpp.train
+from mpp.config import ConfigError, build_config, load_config
+from mpp.data.synthetic import make_synthetic
+from mpp.data.writer import write_samples
+from mpp.models import load_encoder
+from mpp.train import NonFiniteError, train
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synthetic")
+    make_synthetic(out, train=256, test=64, shards=4, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> Path:
+    """256 noisy images whose class is their dominant colour channel: learnable in a few steps."""
+    out = tmp_path_factory.mktemp("colours")
+    rng = np.random.default_rng(0)
+
+    def png(label: int) -> bytes:
+        pixels = rng.integers(0, 90, (32, 32, 3))
+        pixels[..., label] += 140
+        buf = io.BytesIO()
+        Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+    items = [(f"{i:04d}.png", lambda b=png(i % 3): b, i % 3) for i in range(256)]
+    write_samples(items, out / "train", classes=["red", "green", "blue"], samples_per_shard=64, progress=False)
+    return out
+
+
+def settings(data: Path, out: Path, **extra) -> list[str]:
+    """key=value settings of a small run (micro ViT, explicit attention path: bit-exact reruns)."""
+    base = dict(output_dir=out, model="vit_micro4_32", batch_size=16, steps=24, seed=3,
+                **{"data.train": data / "train/manifest.json", "data.num_workers": 1, "data.shuffle_buffer": 64,
+                   "optim.lr": 2e-3, "optim.warmup_steps": 2, "train.log_every": 4, "train.ckpt_every": 8,
+                   "train.attn": "math"})
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def config(items: list[str]):
+    return load_config(None, items)
+
+
+def scalars(run: Path, tag: str) -> list[float]:
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return [e.value for e in events.Scalars(tag)]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def mpp_run(data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "mpp"
+    train(config(settings(data, out)))
+    return out
+
+
+def test_mpp_run_learns_and_writes_its_run_dir(mpp_run):
+    losses = scalars(mpp_run, "train/loss")
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.3, losses
+    for tag in ("train/lr", "train/grad_norm", "train/acc", "train/baseline", "perf/images_per_s",
+                "perf/data_wait_frac", "train/nonfinite_steps"):
+        assert scalars(mpp_run, tag), tag
+    metrics = json.loads((mpp_run / "metrics.json").read_text())
+    assert metrics["steps"] == 24 and metrics["nonfinite_steps"] == 0 and metrics["loss"] == pytest.approx(losses[-1])
+    assert metrics["images_per_s"] > 0 and 0 <= metrics["data_wait_frac"] < 1
+    assert build_config(yaml.safe_load((mpp_run / "config.yaml").read_text())).steps == 24
+    # atomic, rotated checkpoints: the last two (keep_ckpts=2), no temporary leftovers
+    assert sorted(p.name for p in (mpp_run / "checkpoints").iterdir()) == ["step_0000016", "step_0000024"]
+
+
+def test_exported_encoder_loads_into_plain_timm(mpp_run):
+    spec = json.loads((mpp_run / "model.json").read_text())
+    vit = timm.create_model(spec["name"], pretrained=True,
+                            pretrained_cfg_overlay=dict(file=str(mpp_run / "encoder.safetensors")), **spec["kwargs"])
+    ours = load_encoder(mpp_run, attn="math").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(vit.eval().forward_features(x), ours(x), rtol=1e-5, atol=1e-5)
+    # the exported encoder is the trained one: equal to the task's encoder in the last checkpoint
+    task = load_file(str(mpp_run / "checkpoints/step_0000024/model.safetensors"))
+    assert_same(weights(mpp_run / "encoder.safetensors"),
+                {k.removeprefix("encoder.vit."): v for k, v in task.items() if k.startswith("encoder.vit.")})
+
+
+def test_supervised_run_learns(colours, tmp_path):
+    train(config(settings(colours, tmp_path, objective="supervised", steps=16, **{
+        "train.grad_accum": 2, "optim.lr": 3e-3})))
+    losses, acc = scalars(tmp_path, "train/loss"), scalars(tmp_path, "train/acc")
+    assert losses[-1] < losses[0] - 0.3 and acc[-1] > 0.6, (losses, acc)
+
+
+def run_tool(args: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path):
+    """Kill -9 after the first checkpoint, resume=auto: bit-identical final weights to `mpp_run`.
+    The resumed run also evaluates few-shot every 4 steps, which must not change training."""
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "tools/pretrain.py", *settings(data, out)]
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log)
+    deadline = time.time() + 120
+    while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
+    assert not (out / "metrics.json").exists()
+    fewshot = {"fewshot.every": 4, "fewshot.train": data / "train/manifest.json",
+               "fewshot.test": data / "test/manifest.json", "fewshot.shots": "[1,2]", "fewshot.seeds": 1}
+    done = run_tool(["tools/pretrain.py", *settings(data, out, **fewshot)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout + done.stderr
+    assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+    assert scalars(out, "fewshot/1shot_mean")
+
+
+def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        from safetensors.torch import save_model
+        import mpp.train
+        from mpp.cli import parse_config_args
+        tasks = []
+        build = mpp.train.build_task
+        mpp.train.build_task = lambda *a: tasks.append(build(*a)) or tasks[-1]
+        cfg = parse_config_args("train, then save this rank's weights")
+        mpp.train.train(cfg)
+        save_model(tasks[0], f"{cfg.output_dir}/rank{dist.get_rank()}.safetensors")
+    """))
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *settings(data, tmp_path, steps=6, batch_size=32, **{"train.log_every": 2, "train.ckpt_every": 3})]
+    done = run_tool(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(weights(tmp_path / "rank0.safetensors"), weights(tmp_path / "rank1.safetensors"))
+    ckpt = tmp_path / "checkpoints/step_0000006"
+    rng = [torch.load(ckpt / f"rng_{r}.pt", weights_only=True)["torch"] for r in (0, 1)]
+    assert not torch.equal(*rng), "ranks must draw different corruptions"
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 6
+
+
+def nan_after(calls: int):
+    """build_task patched so that every forward from call `calls` on returns a NaN loss."""
+    build = mpp.train.build_task
+
+    def patched(*args):
+        task = build(*args)
+        forward, count = task.forward, [0]
+
+        def nan_forward(*a, **kw):
+            loss, metrics = forward(*a, **kw)
+            count[0] += 1
+            return (loss * float("nan") if count[0] > calls else loss), metrics
+        task.forward = nan_forward
+        return task
+    return patched
+
+
+def test_nonfinite_steps_are_skipped_then_stop_training(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(mpp.train, "build_task", nan_after(8))
+    cfg = config(settings(data, tmp_path, steps=20, **{"train.log_every": 2, "train.max_bad_steps": 3}))
+    with pytest.raises(NonFiniteError, match=r"3 consecutive steps had a non-finite .*step_0000008"):
+        train(cfg)
+    # steps 9.. were skipped: the run stopped at its next log step (10 would be 2 bad, 12 is 4), no
+    # checkpoint after the last good one, and the weights at the stop are finite
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000008"]
+    assert not (tmp_path / "encoder.safetensors").exists()
+    assert scalars(tmp_path, "train/nonfinite_steps") == [0, 0, 0, 0, 2]
+
+
+def test_a_few_nonfinite_steps_leave_the_weights_alone(data, tmp_path, monkeypatch):
+    # calls 1-2 fine, then NaN forever: with max_bad_steps large the run finishes, every step after
+    # the second skipped, so the weights equal a 2-step run's (no update, no optimiser state change)
+    monkeypatch.setattr(mpp.train, "build_task", nan_after(2))
+    items = dict(steps=6, **{"train.log_every": 3, "train.max_bad_steps": 100, "optim.schedule": "constant",
+                             "optim.warmup_steps": 0, "data.num_workers": 0})
+    metrics = train(config(settings(data, tmp_path / "nan", **items)))
+    assert metrics["nonfinite_steps"] == 4
+    monkeypatch.undo()
+    train(config(settings(data, tmp_path / "short", **{**items, "steps": 2})))
+    assert_same(weights(tmp_path / "nan/encoder.safetensors"), weights(tmp_path / "short/encoder.safetensors"))
+
+
+def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
+    done = run_tool(["tools/finetune.py", *settings(data, tmp_path, steps=1, **{
+        "finetune.init": mpp_run, "finetune.label_fraction": 0.5, "data.val": data / "test/manifest.json",
+        "optim.name": "sgd", "optim.weight_decay": 0, "optim.warmup_steps": 0})])
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["objective"] == "classify" and metrics["init"] == str(mpp_run)
+    assert 100 < metrics["train_samples"] < 160 and metrics["val_samples"] == 64  # half of 256
+    assert 0 <= metrics["top1"] <= metrics["top5"] <= 1
+    # the head starts at zero, so the first step leaves the encoder exactly as pre-trained
+    assert_same(weights(tmp_path / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+
+
+def test_bad_settings_fail_before_any_work(data, tmp_path):
+    done = run_tool(["tools/pretrain.py", f"output_dir={tmp_path / 'x'}", "optim.lrr=0.1"])
+    assert done.returncode == 2
+    assert "unknown config key 'optim.lrr'" in done.stderr and "optim.lr," in done.stderr
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ConfigError, match="not divisible"):
+        train(config(settings(data, tmp_path / "y", batch_size=10, **{"train.grad_accum": 4})))
+    with pytest.raises(ConfigError, match="steps=N"):
+        train(config(settings(data, tmp_path / "z", steps=0)))
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
