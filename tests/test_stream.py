@@ -2,8 +2,11 @@
 resampled mode, subsets, input specs and transforms. Shards come from tests/shardutil.py."""
 from __future__ import annotations
 
+import functools
+import http.server
 import io
-import json
+import shutil
+import threading
 from collections import Counter
 
 import numpy as np
@@ -232,3 +235,25 @@ def test_transforms_shapes_and_jpeg_draft():
     img = Image.open(io.BytesIO(encode(smooth[:256, :256], "png")))
     t = TrainTransform(256, (1.0, 1.0), hflip=1.0)(img, random.Random(0))
     assert torch.equal(t, torch.from_numpy(np.ascontiguousarray(smooth[:256, :256, :][:, ::-1])).permute(2, 0, 1))
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset's gopen reads http with curl")
+def test_http_manifest_and_shards(tmp_path):
+    manifest, source = write_shards(tmp_path, [5, 5, 5])
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for spec, n in ((f"{url}/manifest.json", 0), (url + "/{000000..000002}.tar", 15)):
+            loader = make_loader(spec, batch_size=4, img_size=16, train=False, labeled=True,
+                                 data_cfg=cfg(), num_samples=n)
+            table = lookup(source)
+            assert sorted(k for b in loader.epoch(0) for k in batch_keys(b, table)) == sorted(source)
+    finally:
+        server.shutdown()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
