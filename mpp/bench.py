@@ -1,0 +1,256 @@
+"""Training-step benchmark of the MPP objective: this project against two straightforward ways.
+
+Methods, each a full optimiser step (forward, backward, gradient clipping, AdamW) on the same
+in-memory uint8 batch, at equal precision (bf16 autocast, or fp32):
+- `mpp`: `build_task` + `create_optimizer` exactly as the trainer builds them (attention path
+  "auto", fused AdamW, corruption sampled on the device, head and loss on the chosen patches
+  only, no host sync), optionally `torch.compile`d;
+- `timm+loop`: a timm ViT as created by default (timm's attention choice) with a hand-written MPP
+  loss (boolean-mask corruption, head over all tokens, loss on the chosen ones) and
+  `torch.optim.AdamW` defaults;
+- `vit-pytorch`: the `vit_pytorch` package's `ViT` + `MPP` at 50% / 80-10-10 (its `cls_token`
+  and `pos_embedding` reshaped to the 3-D tensors its MPP expects), `torch.optim.AdamW`.
+Model FLOPs of one step are counted with `torch.utils.flop_counter` (matmuls, convolutions,
+attention; forward and backward) and set against the machine's bf16 matmul peak, measured here
+with a large bf16 matmul. The loader check times the `mpp` step on batches from `make_loader`
+over generated synthetic shards against the same step on an in-memory batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from mpp.config import build_config
+from mpp.models import create_encoder
+from mpp.objectives import build_task, mean_color_targets
+from mpp.optim import create_optimizer
+from mpp.runtime import autocast
+
+# benchmark name -> (preset, default batch size)
+MODELS = {"ti4": ("vit_ti4_32", 128), "s16": ("vit_s16", 128)}
+METHODS = ("mpp", "timm+loop", "vit-pytorch")
+PRECISIONS = {"bf16": "bf16", "fp32": "no"}
+CPU = torch.device("cpu")
+
+
+def matmul_peak(n: int = 4096, reps: int = 5, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of the best of `reps` n x n x n matmuls in `dtype` (the machine's practical peak)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def _arch(preset: str) -> tuple[str, dict, dict]:
+    """(timm name, kwargs, resolved dims) of a preset, read from a timm model's own attributes."""
+    enc = create_encoder(preset, attn="fused")
+    vit = enc.vit
+    dims = dict(img=enc.grid_size[0] * enc.patch_size, patch=enc.patch_size, dim=enc.embed_dim,
+                depth=len(vit.blocks), heads=vit.blocks[0].attn.num_heads,
+                mlp=vit.blocks[0].mlp.fc1.out_features)
+    spec = enc.model_spec()
+    return spec["name"], spec["kwargs"], dims
+
+
+def _clip_and_step(params, optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def ours(preset: str, precision: str, compile: bool = False) -> tuple[Callable, nn.Module]:
+    """The trainer's step: Task + fused AdamW; non-finite steps skipped on the device."""
+    cfg = build_config({"model": preset, "train": {"precision": precision}})
+    task = build_task(cfg, create_encoder(preset, attn=cfg.train.attn), None)
+    optimizer = create_optimizer(cfg, task)
+    forward = torch.compile(task) if compile else task
+    params = [p for p in task.parameters() if p.requires_grad]
+
+    def step(images):
+        with autocast(CPU, precision):
+            loss, _ = forward(images)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad)
+        optimizer.found_inf = (~torch.isfinite(norm)).float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step, task
+
+
+class PlainMPP(nn.Module):
+    """A straightforward timm ViT + hand-written MPP loss (what one writes without this project)."""
+
+    def __init__(self, preset: str):
+        super().__init__()
+        name, kwargs, _ = _arch(preset)
+        self.vit = timm.create_model(name, **kwargs)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, self.vit.embed_dim))
+        self.head = nn.Linear(self.vit.embed_dim, 512)
+
+    def forward(self, images):
+        x01 = images.float() / 255
+        x = (x01 - 0.5) / 0.5
+        t = self.vit.patch_embed(x)
+        B, N, _ = t.shape
+        chosen = torch.rand(B, N).argsort(1).argsort(1) < N // 2
+        r = torch.rand(B, N)
+        swapped = chosen & (r >= 0.8) & (r < 0.9)
+        t = t.clone()
+        t[swapped] = t[torch.arange(B)[:, None], torch.randint(0, N, (B, N))][swapped]
+        t[chosen & (r < 0.8)] = self.mask_token.to(t.dtype)
+        t = self.vit.norm(self.vit.blocks(self.vit._pos_embed(t)))
+        logits = self.head(t[:, 1:])
+        return F.cross_entropy(logits[chosen].float(), mean_color_targets(x01, self.vit.patch_embed.patch_size[0])[chosen])
+
+
+def timm_loop(preset: str, precision: str) -> tuple[Callable, nn.Module]:
+    model = PlainMPP(preset)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def step(images):
+        with autocast(CPU, precision):
+            loss = model(images)
+        loss.backward()
+        _clip_and_step(model.parameters(), optimizer)
+    return step, model
+
+
+def vit_pytorch(preset: str, precision: str) -> tuple[Callable, nn.Module]:
+    try:
+        from vit_pytorch import ViT
+        from vit_pytorch.mpp import MPP
+    except ImportError:
+        raise RuntimeError("the vit-pytorch comparison needs the package: pip install vit-pytorch") from None
+    _, _, d = _arch(preset)
+    vit = ViT(image_size=d["img"], patch_size=d["patch"], num_classes=1000, dim=d["dim"], depth=d["depth"],
+              heads=d["heads"], dim_head=d["dim"] // d["heads"], mlp_dim=d["mlp"])
+    vit.cls_token = nn.Parameter(vit.cls_token.data.view(1, 1, -1))  # the MPP class expects 3-D
+    vit.pos_embedding = nn.Parameter(vit.pos_embedding.data.unsqueeze(0))
+    model = MPP(transformer=vit, patch_size=d["patch"], dim=d["dim"], mask_prob=0.5, replace_prob=0.8,
+                random_patch_prob=0.1, mean=[0.5] * 3, std=[0.5] * 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def step(images):
+        with autocast(CPU, precision):
+            loss = model((images.float() / 255 - 0.5) / 0.5)
+        loss.backward()
+        _clip_and_step(model.parameters(), optimizer)
+    return step, model
+
+
+BUILDERS = {"mpp": ours, "timm+loop": timm_loop, "vit-pytorch": vit_pytorch}
+
+
+def time_steps(step: Callable, batches, warmup: int, steps: int) -> float:
+    """Seconds per step over `steps` steps after `warmup` untimed ones (batches: an iterator)."""
+    for _ in range(warmup):
+        step(next(batches))
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(next(batches))
+    return (time.perf_counter() - start) / steps
+
+
+def step_flops(step: Callable, images: torch.Tensor) -> int:
+    """FLOPs of one training step (forward + backward) as torch's flop counter sees them."""
+    with FlopCounterMode(display=False) as counter:
+        step(images)
+    return counter.get_total_flops()
+
+
+def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS, *, steps: int = 5,
+        warmup: int = 2, batch_size: int = 0, compile: bool = False, peak: float | None = None,
+        progress: Callable[[str], None] = print) -> list[dict]:
+    """One row per (model, precision, method): images/s, speed-up of `mpp` over the faster other
+    method at the same precision, and (for `mpp`) model FLOP/s as a fraction of the bf16 peak."""
+    rows = []
+    for key in models:
+        preset, default_batch = MODELS[key]
+        B = batch_size or default_batch
+        img = _arch(preset)[2]["img"]
+        images = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8)
+        for prec in precisions:
+            group = []
+            for method in methods:
+                progress(f"{key} {prec} {method}: building")
+                torch.manual_seed(0)
+                kwargs = {"compile": compile} if method == "mpp" else {}
+                step, _ = BUILDERS[method](preset, PRECISIONS[prec], **kwargs)
+                sec = time_steps(step, _repeat(images), warmup, steps)
+                row = dict(model=key, preset=preset, batch=B, precision=prec, method=method,
+                           step_s=sec, images_per_s=B / sec)
+                if method == "mpp" and peak:
+                    row["model_tflops"] = step_flops(step, images) / sec / 1e12
+                    row["of_bf16_peak"] = row["model_tflops"] * 1e12 / peak
+                progress(f"{key} {prec} {method}: {B / sec:.1f} images/s")
+                group.append(row)
+            others = [r["images_per_s"] for r in group if r["method"] != "mpp"]
+            for r in group:
+                if r["method"] == "mpp" and others:
+                    r["speedup"] = r["images_per_s"] / max(others)
+            rows += group
+    return rows
+
+
+def _repeat(images):
+    while True:
+        yield images
+
+
+def loader_check(work_dir: str | Path, model: str = "ti4", *, steps: int = 10, warmup: int = 2,
+                 batch_size: int = 0, precision: str = "bf16", num_workers: int = 2,
+                 progress: Callable[[str], None] = print) -> dict:
+    """The `mpp` step fed by `make_loader` over synthetic shards vs an in-memory batch."""
+    from mpp.data import make_loader
+    from mpp.data.synthetic import make_synthetic
+
+    preset, default_batch = MODELS[model]
+    B = batch_size or default_batch
+    step, task = ours(preset, PRECISIONS[precision])
+    img = task.encoder.grid_size[0] * task.encoder.patch_size
+    n = B * (steps + warmup + 2)
+    progress(f"loader: writing {n} synthetic images to {work_dir}")
+    manifests = make_synthetic(work_dir, train=n, test=0, size=min(img, 64), progress=False)
+    cfg = build_config({"model": preset, "data": {"num_workers": num_workers, "shuffle_buffer": min(2000, n)}})
+    loader = make_loader(str(Path(work_dir) / "train" / "manifest.json"), batch_size=B, img_size=img,
+                         train=True, labeled=False, data_cfg=cfg.data)
+    assert manifests["train"]["num_samples"] == n
+    with contextlib.closing(loader.epoch(0)) as batches:
+        loaded = time_steps(step, (b["image"] for b in batches), warmup, steps)
+    memory = time_steps(step, _repeat(torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8)), warmup, steps)
+    return dict(model=model, batch=B, precision=precision, workers=num_workers, loader_step_s=loaded,
+                memory_step_s=memory, slowdown=loaded / memory - 1)
+
+
+def format_table(rows: list[dict], peak: float | None, loader: dict | None) -> str:
+    lines = []
+    if peak:
+        lines.append(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s")
+    lines.append(f"{'model':6} {'prec':5} {'method':12} {'batch':>5} {'step s':>8} {'img/s':>8} "
+                 f"{'speed-up':>8} {'TFLOP/s':>8} {'of peak':>7}")
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        tf = f"{r['model_tflops']:.3f}" if "model_tflops" in r else ""
+        of = f"{100 * r['of_bf16_peak']:.0f}%" if "of_bf16_peak" in r else ""
+        lines.append(f"{r['model']:6} {r['precision']:5} {r['method']:12} {r['batch']:>5} {r['step_s']:>8.3f} "
+                     f"{r['images_per_s']:>8.1f} {sp:>8} {tf:>8} {of:>7}")
+    lines.append("speed-up: mpp images/s over the faster of the other methods at the same precision "
+                 "(target >= 1.3x); of peak: model FLOP/s over the bf16 matmul peak (target >= 45% for s16)")
+    if loader:
+        lines.append(f"loader ({loader['model']}, batch {loader['batch']}, {loader['precision']}, "
+                     f"{loader['workers']} workers): step {loader['loader_step_s']:.3f} s with make_loader vs "
+                     f"{loader['memory_step_s']:.3f} s in memory: {100 * loader['slowdown']:+.1f}% (target <= +5%)")
+    return "\n".join(lines)

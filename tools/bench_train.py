@@ -1,0 +1,52 @@
+"""Training-step benchmark of the MPP objective (see mpp.bench): images/s of this project's step
+vs a plain timm ViT + hand-written MPP loop and vit-pytorch's MPP, at bf16 autocast and fp32, for
+ViT-Ti/4 at 32 px and ViT-S/16 at 224 px; model FLOP/s against the measured bf16 matmul peak; and
+the step with the real shard loader against in-memory batches. Take final figures on a quiet
+machine. A quick check: --only ti4 --steps 2 --warmup 1 --no-loader."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from mpp.bench import METHODS, MODELS, PRECISIONS, format_table, loader_check, matmul_peak, run
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default: all)")
+    p.add_argument("--precision", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--batch-size", type=int, default=0, help="0: 128 for both models")
+    p.add_argument("--compile", action="store_true", help="torch.compile the mpp task (slow first steps)")
+    p.add_argument("--no-loader", action="store_true", help="skip the shard-loader check")
+    p.add_argument("--loader-model", choices=list(MODELS), default="ti4")
+    p.add_argument("--workers", type=int, default=2, help="loader workers for the loader check")
+    p.add_argument("--work-dir", default="", help="synthetic shards for the loader check (default: a temp dir)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.warmup < 0 or a.batch_size < 0 or a.workers < 0:
+        sys.exit("error: --steps must be >= 1, --warmup, --batch-size and --workers >= 0")
+    try:
+        peak = matmul_peak()
+        print(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s", flush=True)
+        rows = run(a.only, a.precision, a.methods, steps=a.steps, warmup=a.warmup, batch_size=a.batch_size,
+                   compile=a.compile, peak=peak, progress=lambda m: print(m, flush=True))
+        loader = None
+        if not a.no_loader:
+            with tempfile.TemporaryDirectory() as tmp:
+                loader = loader_check(a.work_dir or tmp, a.loader_model, steps=a.steps, warmup=a.warmup,
+                                      batch_size=a.batch_size, num_workers=a.workers)
+    except (RuntimeError, ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    print(format_table(rows, peak, loader))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"peak_flops": peak, "rows": rows, "loader": loader}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
