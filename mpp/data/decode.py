@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import random
+import struct
 from typing import Callable
 
 import torch
@@ -22,10 +23,13 @@ SKIP_KINDS = {
     "missing_image": "sample without an image member (e.g. only non-image members)",
     "bad_label": "'cls' that is not an integer in [0, number of classes)",
     "truncated_tar": "shard that ends mid-archive (its last, possibly incomplete sample is dropped)",
-    "unreadable_shard": "shard that could not be opened or read",
+    "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": "samples beyond a rank's expected count (shards without exact counts in a manifest)",
 }
+# what PIL raises on corrupt, truncated or hostile bytes (a bug in our code still raises)
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, ZeroDivisionError, struct.error,
+                Image.DecompressionBombError)
 SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label")  # kinds that are one sample each
 
 
@@ -81,7 +85,7 @@ def decode_sample(sample: dict, transform: Callable[[Image.Image, random.Random]
     try:
         with open_image(data, max_pixels) as img:
             image = transform(img, rng)
-    except Exception:  # corrupt bytes make PIL raise many types (OSError, SyntaxError, struct.error...)
+    except IMAGE_ERRORS:
         skips["corrupt_image"] = skips.get("corrupt_image", 0) + 1
         return None
     return image, label

@@ -139,11 +139,11 @@ def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[dict
 
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard (webdataset's group_by_keys).
-    A truncated or unreadable shard is counted in `skips` and its last (possibly incomplete) sample
-    dropped; no retry, no sleep."""
+    A truncated, unreadable or malformed (e.g. a member twice in a sample) shard ends there, is
+    counted in `skips` and its last (possibly incomplete) sample dropped; no retry, no sleep."""
     errors: list[Exception] = []
     prev = None
-    for sample in group_by_keys(tar_members(url, errors)):
+    for sample in group_by_keys(tar_members(url, errors), handler=lambda e: errors.append(e) or False):
         if prev is not None:
             yield prev
         prev = sample

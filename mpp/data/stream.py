@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import warnings
 from typing import Iterator
 
 import torch
@@ -97,6 +98,8 @@ class _ShardStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker = info.id if info is not None else 0
+        if info is not None:  # a worker process: corrupt images are counted, not warned about by PIL
+            warnings.filterwarnings("ignore", module="PIL")
         skips: dict[str, int] = {}
         rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:augment")
         samples = self._raw(worker, skips)
