@@ -159,6 +159,11 @@ def test_too_few_shards(tmp_path):
     loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg(),
                          rank=1, world_size=2)
     assert loader.num_workers == 1 and len(list(loader.epoch(0))) == 4
+    # shards so uneven that one rank cannot fill the batch count the other needs
+    manifest, _ = write_shards(tmp_path / "uneven", [14, 1])
+    with pytest.raises(DataError, match="equal batch counts"):
+        make_loader(manifest, batch_size=7, img_size=8, train=True, labeled=True, data_cfg=cfg(),
+                    rank=0, world_size=2)
 
 
 def test_specs_brace_list_urls_pipe(tmp_path):

@@ -168,9 +168,9 @@ class ShardLoader:
         self.batches_per_epoch = math.ceil(most / batch_size)
         if least < self.batches_per_epoch or self.batches_per_epoch == 0:
             raise DataError(
-                f"too few samples ({self.num_samples}) for {world_size} rank(s) x {workers} worker(s) at "
-                f"batch_size {batch_size}: a rank would get fewer samples than batches; use fewer ranks, "
-                "workers or a smaller batch size")
+                f"{self.num_samples} samples cannot give {world_size} rank(s) equal batch counts at batch_size "
+                f"{batch_size}: the largest rank share ({most}) needs {self.batches_per_epoch} batches but the "
+                f"smallest has {least} samples; use more (evenly sized) shards, fewer ranks or a smaller batch")
         self.stream = _ShardStream(
             shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
