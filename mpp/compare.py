@@ -102,4 +102,5 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         print(f"[{i}/{total}] {s.name}: finished in {time.time() - t0:.0f} s", flush=True)
     from mpp.report import write_report
     print(f"[{total}/{total}] report", flush=True)
-    return write_report([s.out for s in stages], Path(cfg.output_dir))
+    write_report([s.out for s in stages], Path(cfg.output_dir))
+    return Path(cfg.output_dir) / "report.md"
