@@ -66,7 +66,8 @@ class _EpochPlan:
         ranks = assign(shards.counts, order, world_size)
         if train:
             rng.shuffle(ranks)  # permuting whole rank bins keeps their totals (and so K) intact
-        mine = sorted(ranks[rank], key=order.index)
+        position = {s: i for i, s in enumerate(order)}
+        mine = sorted(ranks[rank], key=position.__getitem__)  # this epoch's shuffled order
         self.bins = assign(shards.counts, mine, workers, largest_first=False)
         self.num_samples = sum(shards.counts[i] for i in mine)
 
