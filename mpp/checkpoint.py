@@ -2,7 +2,10 @@
 
 `OUTPUT_DIR/checkpoints/step_NNNNNNN/` holds
   model.safetensors  the whole trained module (encoder and head), safetensors
-  state.pt           optimizer, scheduler and grad-scaler state, step, data position, counters
+  state.pt           optimizer and grad-scaler state, step, data position, counters, and the
+                     scheduler's state for inspection: the learning rate is a function of the
+                     step and the config, so resuming rebuilds the schedule from the (possibly
+                     changed, e.g. longer) config and positions it at the step
   rng_R.pt           RNG states of rank R (python, numpy, torch CPU and CUDA; the MPP corruption
                      and drop path draw from torch's default generators)
 The `.pt` files hold only tensors and plain Python values and are read with
@@ -20,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
+
+from mpp.config import ConfigError
 
 PREFIX = "step_"
 
@@ -84,21 +89,17 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     return final
 
 
-def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
+def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer) -> dict:
     """Restore a checkpoint written by `save_checkpoint` into `model` (unwrapped), optimizer,
-    scheduler, grad scaler and this rank's RNGs; returns the saved plain state (step, ...)."""
+    grad scaler and this rank's RNGs; returns the saved plain state (step, ...)."""
     path = Path(path)
-    if not (path / "state.pt").is_file():
-        raise FileNotFoundError(f"'{path}' is not a checkpoint directory (no state.pt); "
-                                f"give a checkpoints/{PREFIX}NNNNNNN directory or train.resume=auto")
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     if state["world_size"] != accelerator.num_processes:
-        raise ValueError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
+        raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "
                          "split and per-rank RNG depend on it) or start afresh with train.resume=none")
     load_model(model, str(path / "model.safetensors"), device=str(accelerator.device))
     optimizer.load_state_dict(state.pop("optimizer"))
-    scheduler.load_state_dict(state.pop("scheduler"))
     scaler = state.pop("scaler")
     if accelerator.scaler is not None and scaler is not None:
         accelerator.scaler.load_state_dict(scaler)

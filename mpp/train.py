@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import gather_object
@@ -60,7 +61,11 @@ def train(cfg: Config) -> dict:
                           f"{world} x {accum}; choose a multiple of {world * accum}")
     micro = cfg.batch_size // (world * accum)  # per rank and micro-batch
     out = Path(cfg.output_dir)
+    ckpt_root = out / "checkpoints"
+    resume = _resume_path(cfg, ckpt_root)
     if main:
+        if resume and (out / "config.yaml").is_file():
+            _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
 
@@ -97,14 +102,12 @@ def train(cfg: Config) -> dict:
     model, optimizer = accelerator.prepare(task, optimizer)  # not the loader: it splits by rank itself
 
     # ---- resume from a checkpoint, or seed this rank's own RNG stream (corruption, drop path)
-    ckpt_root = out / "checkpoints"
-    resume = _resume_path(cfg, ckpt_root)
     if resume:
-        state = load_checkpoint(accelerator, resume, task, optimizer, scheduler)
+        state = load_checkpoint(accelerator, resume, task, optimizer)
         accelerator.print(f"resumed from {resume} (step {state['step']})")
     else:
         seed_everything(int(np.random.SeedSequence([cfg.seed, rank]).generate_state(1)[0]))
-        state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0}
+        state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0, "last": {}}
     start = state["step"]
     scheduler.step_update(start)
 
@@ -119,8 +122,15 @@ def train(cfg: Config) -> dict:
     zero = torch.zeros((), device=device)
     win = _Window(zero)
     bad_run, bad_max, bad_total = zero.clone(), zero.clone(), zero.clone()
-    last: dict = {}
+    last: dict = state["last"]  # the latest log window's figures
     t_loop, t_win, wait_win, wait_all = time.perf_counter(), time.perf_counter(), 0.0, 0.0
+
+    def totals() -> dict:
+        """Run totals over the checkpointed segments plus this process's (plain values)."""
+        return {"nonfinite_steps": state["nonfinite_steps"] + int(bad_total.item()),
+                "elapsed": state["elapsed"] + time.time() - t_begin,
+                "train_time": state["train_time"] + time.perf_counter() - t_loop,
+                "data_wait": state["data_wait"] + wait_all + wait_win, "last": last}
 
     def check_finite(step: int) -> None:
         if bad_max.item() >= cfg.train.max_bad_steps:
@@ -176,7 +186,7 @@ def train(cfg: Config) -> dict:
             last = figures
             if main:
                 for k, v in figures.items():
-                    writer.add_scalar(_TAGS.get(k, "train/" + k), v, done)
+                    writer.add_scalar(_TAGS.get(k, ("data/" if k.startswith("skipped_") else "train/") + k), v, done)
                 bar.set_postfix(loss=f"{figures['loss']:.4f}", lr=f"{figures['lr']:.2e}")
             wait_all += wait_win
             win.reset()
@@ -187,9 +197,7 @@ def train(cfg: Config) -> dict:
             check_finite(done)
             epoch, batch_pos = divmod(done * accum, loader.batches_per_epoch)
             save_checkpoint(accelerator, ckpt_root, done, task, optimizer, scheduler, keep=cfg.train.keep_ckpts,
-                            state={"epoch": epoch, "batch": batch_pos,
-                                   "nonfinite_steps": state["nonfinite_steps"] + int(bad_total.item()),
-                                   "elapsed": state["elapsed"] + time.time() - t_begin})
+                            state={"epoch": epoch, "batch": batch_pos, **totals()})
 
         # -- few-shot evaluation on the main process, training RNG saved and restored around it
         if evaluator is not None and done % cfg.fewshot.every == 0:
@@ -199,27 +207,29 @@ def train(cfg: Config) -> dict:
             set_rng_state(rng)
     bar.close()
     batches.close()  # ends the data workers of an unfinished epoch
-    loop_time = time.perf_counter() - t_loop
+    run = totals()
 
     # ---- the end: exported encoder, evaluation of a fine-tune, metrics.json
     if main:
         save_encoder(encoder, out)
     results = {
-        "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size, "batch_size": cfg.batch_size,
-        "steps": steps, "epochs": steps * cfg.batch_size / max(loader.num_samples, 1),
+        "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size,
+        "batch_size": cfg.batch_size, "steps": steps, "epochs": steps * cfg.batch_size / max(loader.num_samples, 1),
         "train_samples": loader.num_samples,
-        **{k: v for k, v in last.items() if k not in ("lr", "images_per_s", "data_wait_frac")
+        # the last log window: loss and objective metrics (averaged over its steps and all ranks), grad norm
+        **{k: v for k, v in last.items() if k not in ("lr", "images_per_s", "data_wait_frac", "nonfinite_steps")
            and not k.startswith("skipped_")},
-        "skipped_samples": _skipped(loader),
-        # over this process's steps (a resumed run: since the resume)
-        "images_per_s": (steps - start) * cfg.batch_size / loop_time if steps > start else None,
-        "data_wait_frac": wait_all / loop_time if steps > start else None,
+        "nonfinite_steps": run["nonfinite_steps"],
+        "skipped_samples": _skipped(loader),  # by this process's loader (a resumed run: since the resume)
+        # end to end over the whole run (all resumed segments; checkpoint and few-shot time included)
+        "images_per_s": steps * cfg.batch_size / run["train_time"],
+        "data_wait_frac": run["data_wait"] / run["train_time"],
     }
     if cfg.objective == "classify":
         results.update(evaluate_classifier(cfg, accelerator, task, img_size, micro))
         results.update(init=cfg.finetune.init, label_fraction=cfg.finetune.label_fraction, pool=cfg.finetune.pool,
                        optimizer=cfg.optim.name, lr=cfg.optim.lr)
-    results["wall_time_s"] = state["elapsed"] + time.time() - t_begin  # over all resumed segments
+    results["wall_time_s"] = state["elapsed"] + time.time() - t_begin  # all segments, evaluation included
     if main:
         with open(out / "metrics.json", "w") as f:
             json.dump(results, f, indent=2)
@@ -264,8 +274,7 @@ def evaluate_classifier(cfg: Config, accelerator: Accelerator, task: torch.nn.Mo
 
 # ---- helpers
 
-_TAGS = {"lr": "train/lr", "images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac",
-         "grad_norm": "train/grad_norm", "nonfinite_steps": "train/nonfinite_steps"}
+_TAGS = {"images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac"}  # others: train/...
 
 
 class _Window:
@@ -319,6 +328,9 @@ def _check_settings(cfg: Config) -> None:
         raise ConfigError("config key 'data.train' is empty; give a manifest.json, a shard list or a brace pattern")
     if cfg.objective == "classify" and not cfg.data.val:
         raise ConfigError("objective=classify evaluates on held-out labeled shards; set data.val")
+    if cfg.objective == "classify" and cfg.finetune.init != "none" and not Path(cfg.finetune.init).exists():
+        raise ConfigError(f"finetune.init={cfg.finetune.init!r} does not exist; give a pre-training run directory, "
+                          "an encoder.safetensors (with model.json beside it) or none")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision=fp16 needs a GPU (loss scaling); use bf16 or no on CPU")
 
@@ -330,7 +342,21 @@ def _resume_path(cfg: Config, root: Path) -> Path | None:
     if cfg.train.resume == "auto":
         found = list_checkpoints(root)
         return found[-1] if found else None
+    if not Path(cfg.train.resume, "state.pt").is_file():
+        raise ConfigError(f"train.resume={cfg.train.resume!r} is not a checkpoint directory (no state.pt); give "
+                          "OUTPUT_DIR/checkpoints/step_NNNNNNN, auto (the newest) or none")
     return Path(cfg.train.resume)
+
+
+def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:
+    """Print the settings that differ from the interrupted run's config.yaml (the optimiser state,
+    e.g. weight decay and betas, comes from the checkpoint; the schedule from the new config)."""
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            _warn_changes(a, b, f"{prefix}{k}.")
+        elif a != b and prefix + k != "train.resume":
+            print(f"warning: resuming with {prefix}{k}={b!r} (the checkpointed run had {a!r})", file=sys.stderr)
 
 
 def _batches(loader, start: int):

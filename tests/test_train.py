@@ -249,3 +249,41 @@ def test_bad_settings_fail_before_any_work(data, tmp_path):
     with pytest.raises(ConfigError, match="steps=N"):
         train(config(settings(data, tmp_path / "z", steps=0)))
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_a_finished_run_resumes_to_nothing_and_keeps_its_figures(mpp_run, tmp_path):
+    before = json.loads((mpp_run / "metrics.json").read_text())
+    encoder = weights(mpp_run / "encoder.safetensors")
+    after = train(load_config(mpp_run / "config.yaml"))
+    assert after["loss"] == before["loss"] and after["steps"] == 24
+    assert_same(weights(mpp_run / "encoder.safetensors"), encoder)
+
+
+def test_optimizer_groups_and_schedule():
+    from mpp.models import create_encoder
+    from mpp.objectives import build_task
+    from mpp.optim import create_optimizer, create_scheduler
+    cfg = build_config({"model": "vit_micro4_32", "optim": {"layer_decay": 0.5, "warmup_steps": 2, "min_lr": 1e-5}})
+    task = build_task(cfg, create_encoder(cfg.model, attn="math"), None)
+    opt = create_optimizer(cfg, task)
+    names = {id(p): n for n, p in task.named_parameters()}
+    group = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}
+    assert len(group) == len(names)
+    for n in ("encoder.mask_token", "encoder.vit.pos_embed", "encoder.vit.cls_token", "encoder.vit.norm.weight",
+              "encoder.vit.blocks.0.attn.qkv.bias", "head.bias"):
+        assert group[n]["weight_decay"] == 0, n
+    assert group["encoder.vit.blocks.1.mlp.fc1.weight"]["weight_decay"] == 0.1
+    # layer-wise lr decay through the wrappers: embeddings + [mask] 0.5^3, blocks 0.5^2, 0.5^1, head 1
+    scale = {n: group[n]["lr_scale"] for n in group}
+    assert scale["encoder.mask_token"] == scale["encoder.vit.patch_embed.proj.weight"] == 0.125
+    assert scale["encoder.vit.blocks.0.attn.qkv.weight"] == 0.25 and scale["encoder.vit.blocks.1.mlp.fc2.weight"] == 0.5
+    assert scale["head.weight"] == 1.0
+    sched = create_scheduler(cfg, opt, total_steps=12)
+    lrs = []
+    for step in range(13):
+        sched.step_update(step)
+        lrs.append(group["head.weight"]["lr"])
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(1e-4) and lrs[2] == pytest.approx(2e-4)  # linear warmup
+    assert all(a > b for a, b in zip(lrs[2:-1], lrs[3:])) and lrs[-1] == pytest.approx(1e-5)  # cosine to min_lr
+    sgd = create_optimizer(build_config({"model": "vit_micro4_32", "optim": {"name": "sgd"}}), task)
+    assert not sgd.param_groups[0]["nesterov"] and sgd.param_groups[0]["momentum"] == 0.9
