@@ -98,7 +98,7 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "
                          "split and per-rank RNG depend on it) or start afresh with train.resume=none")
-    load_model(model, str(path / "model.safetensors"), device=str(accelerator.device))
+    load_model(model, str(path / "model.safetensors"))  # copied into the parameters on their device
     optimizer.load_state_dict(state.pop("optimizer"))
     scaler = state.pop("scaler")
     if accelerator.scaler is not None and scaler is not None:

@@ -160,28 +160,38 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
 
 
 def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
+    """Two gloo ranks: MPP pre-training, then (same processes) a fine-tune from it whose evaluation
+    counts every test image once across the ranks; both ranks end with the same weights."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
+        import sys
         import torch.distributed as dist
         from safetensors.torch import save_model
         import mpp.train
-        from mpp.cli import parse_config_args
+        from mpp.config import load_config
         tasks = []
         build = mpp.train.build_task
         mpp.train.build_task = lambda *a: tasks.append(build(*a)) or tasks[-1]
-        cfg = parse_config_args("train, then save this rank's weights")
+        cfg = load_config(None, sys.argv[1:])
         mpp.train.train(cfg)
-        save_model(tasks[0], f"{cfg.output_dir}/rank{dist.get_rank()}.safetensors")
+        ft = load_config(None, sys.argv[1:] + ["objective=classify", f"finetune.init={cfg.output_dir}",
+                                               f"output_dir={cfg.output_dir}/ft"])
+        mpp.train.train(ft)
+        for task, out in zip(tasks, (cfg.output_dir, ft.output_dir)):
+            save_model(task, f"{out}/rank{dist.get_rank()}.safetensors")
     """))
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           *settings(data, tmp_path, steps=6, batch_size=32, **{"train.log_every": 2, "train.ckpt_every": 3})]
+           *settings(data, tmp_path, steps=6, batch_size=32, **{"train.log_every": 2, "train.ckpt_every": 3,
+                                                                "data.val": data / "test/manifest.json"})]
     done = run_tool(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_same(weights(tmp_path / "rank0.safetensors"), weights(tmp_path / "rank1.safetensors"))
+    for run in (tmp_path, tmp_path / "ft"):
+        assert_same(weights(run / "rank0.safetensors"), weights(run / "rank1.safetensors"))
     ckpt = tmp_path / "checkpoints/step_0000006"
     rng = [torch.load(ckpt / f"rng_{r}.pt", weights_only=True)["torch"] for r in (0, 1)]
     assert not torch.equal(*rng), "ranks must draw different corruptions"
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 6
+    assert json.loads((tmp_path / "ft/metrics.json").read_text())["val_samples"] == 64
 
 
 def nan_after(calls: int):
