@@ -112,7 +112,7 @@ def train(cfg: Config) -> dict:
     scheduler.step_update(start)
 
     evaluator = None
-    if cfg.fewshot.every > 0 and main:
+    if cfg.fewshot.every > 0:  # built on every rank, so bad few-shot settings fail everywhere; run on main
         from mpp.evaluate import FewshotEvaluator  # only runs that ask for it pay for its import
         evaluator = FewshotEvaluator(cfg, device)
     writer = SummaryWriter(str(out / "tensorboard"), purge_step=start) if main else None
@@ -150,7 +150,7 @@ def train(cfg: Config) -> dict:
         # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
         for i in range(accum):
             t0 = time.perf_counter()
-            _, batch = next(batches)
+            batch = next(batches)
             wait_win += time.perf_counter() - t0
             images = batch["image"].to(device, non_blocking=True)
             labels = batch["label"].to(device, non_blocking=True) if labeled else None
@@ -200,7 +200,7 @@ def train(cfg: Config) -> dict:
                             state={"epoch": epoch, "batch": batch_pos, **totals()})
 
         # -- few-shot evaluation on the main process, training RNG saved and restored around it
-        if evaluator is not None and done % cfg.fewshot.every == 0:
+        if main and evaluator is not None and done % cfg.fewshot.every == 0:
             rng = rng_state()  # the evaluator promises this too; training exactness depends on it
             for k, v in evaluator(encoder).items():
                 writer.add_scalar("fewshot/" + k, v, done)
@@ -360,9 +360,8 @@ def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:
 
 
 def _batches(loader, start: int):
-    """(epoch, micro-batch) pairs from global micro-batch position `start` on, across epochs."""
+    """Micro-batches from global position `start` on, across epochs (epoch e, batch k of it)."""
     epoch, k = divmod(start, loader.batches_per_epoch)
     while True:
-        for batch in loader.epoch(epoch, start_batch=k):
-            yield epoch, batch
+        yield from loader.epoch(epoch, start_batch=k)
         epoch, k = epoch + 1, 0
