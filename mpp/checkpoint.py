@@ -12,7 +12,9 @@ The `.pt` files hold only tensors and plain Python values and are read with
 `torch.load(weights_only=True)`, so loading a checkpoint never unpickles code. A directory gets its
 `step_*` name by one rename after everything in it was written, so every `step_*` directory is
 complete; a kill leaves at most a `.tmp_*` directory, removed by the next save. The output
-directory must be visible to all ranks (a shared file system on several nodes).
+directory must be visible to all ranks (a shared file system on several nodes). (Accelerate's
+`save_state` is not used: it writes in place, not atomically, and its RNG and custom-object files
+need full unpickling to load.)
 """
 from __future__ import annotations
 
