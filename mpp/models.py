@@ -74,7 +74,8 @@ def fused_attention_faster(batch: int, heads: int, tokens: int, head_dim: int, d
     key = (str(device), min(batch, 64), heads, tokens, head_dim, dtype, backward, torch.get_num_threads())
     if key not in _FUSED_FASTER:
         with torch.autocast(device.type, enabled=False), torch.enable_grad() if backward else torch.no_grad():
-            q, k, v = (torch.randn(key[1], heads, tokens, head_dim, device=device, dtype=dtype,
+            g = torch.Generator(device).manual_seed(0)  # its own generator: training RNG untouched
+            q, k, v = (torch.randn(key[1], heads, tokens, head_dim, device=device, dtype=dtype, generator=g,
                                    requires_grad=backward) for _ in range(3))
             best = {True: float("inf"), False: float("inf")}
             for _ in range(5):  # the first round warms up; the best of the rest is robust to noise
