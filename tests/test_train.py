@@ -54,8 +54,10 @@ def colours(tmp_path_factory) -> Path:
         buf = io.BytesIO()
         Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
         return buf.getvalue()
-    items = [(f"{i:04d}.png", lambda b=png(i % 3): b, i % 3) for i in range(256)]
-    write_samples(items, out / "train", classes=["red", "green", "blue"], samples_per_shard=64, progress=False)
+    for split, n in (("train", 256), ("val", 96)):
+        items = [(f"{i:04d}.png", lambda b=png(i % 3): b, i % 3) for i in range(n)]
+        write_samples(items, out / split, classes=["red", "green", "blue"], samples_per_shard=64 if n > 96 else 24,
+                      progress=False)
     return out
 
 
@@ -247,6 +249,13 @@ def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
     assert 0 <= metrics["top1"] <= metrics["top5"] <= 1
     # the head starts at zero, so the first step leaves the encoder exactly as pre-trained
     assert_same(weights(tmp_path / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+
+
+def test_finetune_from_scratch_beats_chance_on_held_out_data(colours, tmp_path):
+    metrics = train(config(settings(colours, tmp_path, objective="classify", steps=16, **{
+        "data.val": colours / "val/manifest.json", "optim.name": "sgd", "optim.lr": 0.05,
+        "optim.weight_decay": 0, "data.eval_crop_pct": 1.0})))
+    assert metrics["val_samples"] == 96 and metrics["top1"] > 0.6, metrics  # chance: 1/3
 
 
 def test_bad_settings_fail_before_any_work(data, tmp_path):
