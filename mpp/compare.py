@@ -28,6 +28,9 @@ class Stage:
     overrides: list[str]  # its key=value overrides
     out: Path             # its output_dir; done when out/metrics.json exists
 
+    def command(self, launcher: list[str]) -> list[str]:
+        return launcher + [str(TOOLS / self.tool), "--config", self.config] + self.overrides
+
 
 def plan(cfg: CompareConfig) -> list[Stage]:
     """The stages in run order, each with its fully resolved overrides."""
@@ -84,8 +87,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     total = len(stages) + 2
     if dry_run:
         for i, s in enumerate(stages, 2):
-            cmd = launcher + [str(TOOLS / s.tool), "--config", s.config] + s.overrides
-            print(f"[{i}/{total}] {s.name}: {shlex.join(cmd)}")
+            print(f"[{i}/{total}] {s.name}: {shlex.join(s.command(launcher))}")
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
@@ -95,7 +97,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             continue
         print(f"[{i}/{total}] {s.name} -> {s.out}", flush=True)
         t0 = time.time()
-        cmd = launcher + [str(TOOLS / s.tool), "--config", s.config] + s.overrides
+        cmd = s.command(launcher)
         if subprocess.run(cmd).returncode != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")

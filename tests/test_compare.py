@@ -86,7 +86,12 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
         assert (stage.out / "metrics.json").is_file(), stage.name
     ft = json.loads((runs / "finetune_mpp_50pct" / "metrics.json").read_text())
     assert 0.0 <= ft["top1"] <= 1.0 and ft["label_fraction"] == 0.5
-    assert json.dumps(report)  # plain data
+    # the derived figures are computed from the fine-tunes' own metrics
+    tops = {init: json.loads((runs / f"finetune_{init}_50pct" / "metrics.json").read_text())["top1"] * 100
+            for init in ("mpp", "scratch", "supervised")}
+    gap = report["derived"]["finetune"]["0.5"]
+    assert gap["mpp_minus_scratch"] == pytest.approx(tops["mpp"] - tops["scratch"], abs=0.06)
+    assert gap["supervised_minus_mpp"] == pytest.approx(tops["supervised"] - tops["mpp"], abs=0.06)
 
     t0 = time.time()
     r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
