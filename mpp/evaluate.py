@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tqdm.auto import tqdm
 from mpp.config import Config, save_config, to_dict
 from mpp.data import make_loader, normalize, to_float01
 from mpp.data.sources import resolve
+from mpp.checkpoint import rng_state, set_rng_state
 from mpp.models import load_encoder
 from mpp.runtime import autocast
 
@@ -270,15 +270,13 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 
 @contextlib.contextmanager
 def preserved_rng():
-    """Python, numpy and torch (CPU and CUDA) global RNG states are restored on exit, so whatever
-    runs inside (DataLoader seeding, attention timing with random tensors) leaves training as is."""
-    py, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
-        try:
-            yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(np_state)
+    """Every global RNG (mpp.checkpoint.rng_state) is restored on exit, so whatever runs inside
+    (DataLoader seeding, attention timing with random tensors) leaves training as is."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from accelerate.utils import gather_object
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
-from mpp.checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from mpp.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data import DataError, make_loader
 from mpp.models import create_encoder, load_encoder, save_encoder
@@ -199,12 +199,10 @@ def train(cfg: Config) -> dict:
             save_checkpoint(accelerator, ckpt_root, done, task, optimizer, scheduler, keep=cfg.train.keep_ckpts,
                             state={"epoch": epoch, "batch": batch_pos, **totals()})
 
-        # -- few-shot evaluation on the main process, training RNG saved and restored around it
+        # -- few-shot evaluation on the main process (the evaluator restores every RNG it touches)
         if main and evaluator is not None and done % cfg.fewshot.every == 0:
-            rng = rng_state()  # the evaluator promises this too; training exactness depends on it
             for k, v in evaluator(encoder).items():
                 writer.add_scalar("fewshot/" + k, v, done)
-            set_rng_state(rng)
     bar.close()
     batches.close()  # ends the data workers of an unfinished epoch
     run = totals()
