@@ -17,7 +17,7 @@ from PIL import Image
 from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.stream import batch_plan
-from mpp.data.transforms import EvalTransform, TrainTransform
+from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, resized_crop
 from shardutil import encode, write_shards
 
 UNEVEN = [9, 3, 14, 6, 11, 5, 8]
@@ -240,6 +240,33 @@ def test_transforms_shapes_and_jpeg_draft():
     img = Image.open(io.BytesIO(encode(smooth[:256, :256], "png")))
     t = TrainTransform(256, (1.0, 1.0), hflip=1.0)(img, random.Random(0))
     assert torch.equal(t, torch.from_numpy(np.ascontiguousarray(smooth[:256, :256, :][:, ::-1])).permute(2, 0, 1))
+
+
+@pytest.mark.parametrize("size", [32, TORCH_RESIZE_FROM, 224])
+def test_resized_crop_matches_pil(size):
+    """Both resize engines (PIL below TORCH_RESIZE_FROM, torch from it) give PIL's antialiased
+    bilinear crop + resize, up- and downscaling, within +-1 (torch's uint8 kernel rounds like
+    PIL's) except on the 2-pixel rim of a crop (PIL's filter also reads pixels just outside the
+    box), and torch.stack makes a contiguous batch."""
+    rng = np.random.default_rng(0)
+    smooth = np.asarray(Image.fromarray(rng.integers(0, 256, (40, 50, 3), np.uint8)).resize((300, 260), Image.BICUBIC))
+    img = Image.fromarray(np.ascontiguousarray(smooth))
+    outs = []
+    for box in [(10, 20, 150, 120), (0, 0, 300, 260), (5, 7, size // 2, size // 3), (3, 4, size, size)]:
+        left, top, w, h = box
+        ref = np.array(img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h)))
+        ref = torch.from_numpy(ref).permute(2, 0, 1)
+        out = resized_crop(img, box, size)
+        assert out.shape == (3, size, size) and out.dtype == torch.uint8
+        diff = (out.int() - ref.int()).abs()
+        rim = 0 if (w, h) == img.size else 2
+        assert diff[:, rim:size - rim, rim:size - rim].max() <= 1 and diff.float().mean() < 0.5, box
+        assert torch.equal(resized_crop(img, box, size, flip=True), out.flip(-1))
+        outs.append(out)
+    if (w, h) == (size, size):
+        assert torch.equal(out, ref)  # no resize: the exact pixels
+    batch = torch.stack(outs)
+    assert batch.is_contiguous() and torch.equal(batch[1], outs[1])
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset's gopen reads http with curl")

@@ -23,10 +23,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gen-samples", type=int, default=2000, metavar="N", help="samples timed per method on them")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method, best kept (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
-    if min(a.cifar_images, 0) < 0 or min(a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers) < 1:
-        sys.exit("error: sample and image counts, --batch-size and --workers must be >= 1 (--cifar-images >= 0)")
+    if min(a.cifar_images, 0) < 0 or min(a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers, a.repeats) < 1:
+        sys.exit("error: sample and image counts, --batch-size, --workers and --repeats must be >= 1 (--cifar-images >= 0)")
     work = Path(a.work_dir)
     sets, samples = [], {}
     try:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.only != "cifar":
             sets.append(prepare_generated(work, a.gen_images))
             samples[sets[-1].name] = a.gen_samples
-        rows = bench(sets, samples=samples, batch_size=a.batch_size, workers=a.workers)
+        rows = bench(sets, samples=samples, batch_size=a.batch_size, workers=a.workers, repeats=a.repeats)
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(format_table(rows))
