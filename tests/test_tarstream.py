@@ -61,3 +61,46 @@ def test_select_skips_other_members():
         assert list(tar_files(f, select=lambda n: n.endswith(".cls"))) == [MEMBERS[1]]
     with pytest.raises(tarfile.ReadError):  # truncation inside a skipped member is still caught
         list(tar_files(io.BytesIO(raw[:1700]), select=lambda n: False))
+
+
+def _tar(path, members) -> str:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_read_shard_groups_like_webdataset(tmp_path):
+    """Samples are consecutive members sharing the name up to the base name's first dot (multi-dot
+    names, directories with dots, upper-case extensions, names without a dot, metadata members,
+    a sample without an image), exactly as webdataset's group_by_keys groups them."""
+    from webdataset.tariterators import group_by_keys
+
+    from mpp.data.sources import read_shard, tar_members
+    members = [("__key__", b"meta"), ("a.b/x.seg.png", b"1"), ("a.b/x.seg.CLS", b"2"), ("a.b/x.jpg", b"3"),
+               ("noext", b"4"), ("d/y.cls", b"5"), ("d/y.txt.gz", b"6"), ("y.jpg", b"7"), ("z.jpg", b"8")]
+    url = _tar(tmp_path / "s.tar", members)
+    skips: dict = {}
+    got = list(read_shard(url, skips))
+    ref = list(group_by_keys({"fname": n, "data": d, "__url__": url} for n, d in tar_members(url, [])))
+    assert got == ref and not skips
+    assert [s["__key__"] for s in got] == ["a.b/x", "d/y", "y", "z"]
+    assert got[0] == {"__key__": "a.b/x", "__url__": url, "seg.png": b"1", "seg.cls": b"2", "jpg": b"3"}
+
+
+def test_read_shard_malformed_ends_shard(tmp_path):
+    """A member twice in one sample, or a truncated tar, ends the shard: the samples before it are
+    kept, the last (possibly incomplete) one is dropped, and the shard is counted once."""
+    from mpp.data.sources import read_shard
+    twice = _tar(tmp_path / "twice.tar", [("a.jpg", b"1"), ("a.cls", b"0"), ("b.jpg", b"2"), ("b.jpg", b"3"),
+                                          ("c.jpg", b"4")])
+    skips: dict = {}
+    assert [s["__key__"] for s in read_shard(twice, skips)] == ["a"] and skips == {"unreadable_shard": 1}
+    good = _tar(tmp_path / "good.tar", [(f"{k}.{e}", b"x" * 600) for k in "abc" for e in ("jpg", "cls")])
+    raw = open(good, "rb").read()
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(raw[:len(raw) // 2])
+    skips = {}
+    assert [s["__key__"] for s in read_shard(str(cut), skips)] == ["a"] and skips == {"truncated_tar": 1}

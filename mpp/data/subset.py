@@ -18,10 +18,10 @@ from mpp.data.sources import ShardSet, tar_members
 def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
     """(key, label) of every sample of a shard with a valid `cls` member."""
     out = []
-    for member in tar_members(url, [], select=lambda name: name.endswith(".cls")):
-        key, _ = base_plus_ext(member["fname"])
+    for name, data in tar_members(url, [], select=lambda name: name.endswith(".cls")):
+        key, _ = base_plus_ext(name)
         try:
-            out.append((key, read_label(member["data"], num_classes)))
+            out.append((key, read_label(data, num_classes)))
         except (ValueError, UnicodeDecodeError):
             continue  # a bad label is skipped (and counted) by the stream as well
     return out
