@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -210,10 +211,20 @@ def _repeat(images):
         yield images
 
 
-def loader_check(work_dir: str | Path, model: str = "ti4", *, steps: int = 10, warmup: int = 2,
-                 batch_size: int = 0, precision: str = "bf16", num_workers: int = 2,
-                 progress: Callable[[str], None] = print) -> dict:
-    """The `mpp` step fed by `make_loader` over synthetic shards vs an in-memory batch."""
+def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, block_steps: int = 4,
+                 warmup: int = 2, batch_size: int = 0, precision: str = "bf16", num_workers: int = 2,
+                 shuffle_buffer: int = 2000, progress: Callable[[str], None] = print) -> dict:
+    """The `mpp` step fed by `make_loader` over synthetic shards vs the same step on an in-memory
+    batch, as a training run feels it: steady state, per-step time including the wait for the batch.
+
+    After `warmup` steps of each kind, `blocks` pairs of blocks of `block_steps` steps alternate
+    (memory, loader, memory, loader, ...) so the machine's drift hits both sides alike; the loader
+    steps all come from one epoch. The figure is the median over the block pairs of (loader block
+    time / memory block time - 1): a burst of other work on the machine spoils one pair, not the
+    figure; the mean step times are reported too. The cold start (the wait for an epoch's first batch: worker
+    start-up, shuffle-buffer fill, first decode) is timed separately. Caveat: during a memory block
+    the idle workers decode up to `num_workers x prefetch_factor` batches ahead, which moves that
+    decoding CPU into the memory block; with the default blocks this is a small share of a block."""
     from mpp.data import make_loader
     from mpp.data.synthetic import make_synthetic
 
@@ -221,18 +232,44 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, steps: int = 10, w
     B = batch_size or default_batch
     step, task = ours(preset, PRECISIONS[precision])
     img = task.encoder.grid_size[0] * task.encoder.patch_size
-    n = B * (steps + warmup + 2)
+    n = B * (warmup + blocks * block_steps + 1)  # one epoch holds every loader step
     progress(f"loader: writing {n} synthetic images to {work_dir}")
     manifests = make_synthetic(work_dir, train=n, test=0, size=min(img, 64), progress=False)
-    cfg = build_config({"model": preset, "data": {"num_workers": num_workers, "shuffle_buffer": min(2000, n)}})
+    assert manifests["train"]["num_samples"] == n
+    cfg = build_config({"model": preset, "data": {"num_workers": num_workers, "shuffle_buffer": shuffle_buffer}})
     loader = make_loader(str(Path(work_dir) / "train" / "manifest.json"), batch_size=B, img_size=img,
                          train=True, labeled=False, data_cfg=cfg.data)
-    assert manifests["train"]["num_samples"] == n
+    memory = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8)
+    for _ in range(warmup):
+        step(memory)
+    times: dict[str, list[float]] = {"memory": [], "loader": []}
+    waits = []
     with contextlib.closing(loader.epoch(0)) as batches:
-        loaded = time_steps(step, (b["image"] for b in batches), warmup, steps)
-    memory = time_steps(step, _repeat(torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8)), warmup, steps)
-    return dict(model=model, batch=B, precision=precision, workers=num_workers, loader_step_s=loaded,
-                memory_step_s=memory, slowdown=loaded / memory - 1)
+        start = time.perf_counter()
+        first = next(batches)
+        cold = time.perf_counter() - start
+        step(first["image"])
+        for _ in range(warmup - 1):
+            step(next(batches)["image"])
+        for b in range(blocks):
+            progress(f"loader: block {b + 1}/{blocks}")
+            for _ in range(block_steps):
+                start = time.perf_counter()
+                step(memory)
+                times["memory"].append(time.perf_counter() - start)
+            for _ in range(block_steps):
+                start = time.perf_counter()
+                images = next(batches)["image"]
+                waits.append(time.perf_counter() - start)
+                step(images)
+                times["loader"].append(time.perf_counter() - start)
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    per_block = [sum(times["loader"][i:i + block_steps]) / sum(times["memory"][i:i + block_steps]) - 1
+                 for i in range(0, len(times["loader"]), block_steps)]
+    return dict(model=model, batch=B, precision=precision, workers=num_workers, steps=blocks * block_steps,
+                blocks=blocks, loader_step_s=mean["loader"], memory_step_s=mean["memory"],
+                slowdown=statistics.median(per_block), block_slowdowns=per_block,
+                wait_s=sum(waits) / len(waits), cold_start_s=cold)
 
 
 def format_table(rows: list[dict], peak: float | None, loader: dict | None) -> str:
@@ -250,7 +287,13 @@ def format_table(rows: list[dict], peak: float | None, loader: dict | None) -> s
     lines.append("speed-up: mpp images/s over the faster of the other methods at the same precision "
                  "(target >= 1.3x); of peak: model FLOP/s over the bf16 matmul peak (target >= 45% for s16)")
     if loader:
-        lines.append(f"loader ({loader['model']}, batch {loader['batch']}, {loader['precision']}, "
-                     f"{loader['workers']} workers): step {loader['loader_step_s']:.3f} s with make_loader vs "
-                     f"{loader['memory_step_s']:.3f} s in memory: {100 * loader['slowdown']:+.1f}% (target <= +5%)")
+        blocks = ", ".join(f"{100 * x:+.1f}%" for x in loader["block_slowdowns"])
+        lines.append(f"loader ({loader['model']}, batch {loader['batch']}, {loader['precision']}, {loader['workers']} "
+                     f"workers, steady state, {loader['steps']} steps each way in {loader['blocks']} interleaved "
+                     f"blocks): mean step {loader['loader_step_s']:.3f} s with make_loader (waiting "
+                     f"{1000 * loader['wait_s']:.0f} ms for the batch) vs {loader['memory_step_s']:.3f} s in memory; "
+                     f"slowdown, median of the blocks: {100 * loader['slowdown']:+.1f}% (target <= +5%; per block "
+                     f"{blocks})")
+        lines.append(f"loader cold start: {loader['cold_start_s']:.2f} s until an epoch's first batch (worker "
+                     f"start-up, shuffle-buffer fill), once per epoch, not in the figure above")
     return "\n".join(lines)

@@ -26,11 +26,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-loader", action="store_true", help="skip the shard-loader check")
     p.add_argument("--loader-model", choices=list(MODELS), default="ti4")
     p.add_argument("--workers", type=int, default=2, help="loader workers for the loader check")
+    p.add_argument("--loader-blocks", type=int, default=5,
+                   help="loader check: pairs of interleaved blocks, memory then loader (default 5)")
+    p.add_argument("--loader-block-steps", type=int, default=4, help="loader check: steps per block (default 4)")
     p.add_argument("--work-dir", default="", help="synthetic shards for the loader check (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0 or a.batch_size < 0 or a.workers < 0:
-        sys.exit("error: --steps must be >= 1, --warmup, --batch-size and --workers >= 0")
+    if min(a.steps, a.loader_blocks, a.loader_block_steps) < 1 or min(a.warmup, a.batch_size, a.workers) < 0:
+        sys.exit("error: --steps, --loader-blocks and --loader-block-steps must be >= 1, --warmup, --batch-size "
+                 "and --workers >= 0")
     try:
         peak = matmul_peak()
         print(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s", flush=True)
@@ -39,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         loader = None
         if not a.no_loader:
             with tempfile.TemporaryDirectory() as tmp:
-                loader = loader_check(a.work_dir or tmp, a.loader_model, steps=a.steps, warmup=a.warmup,
+                loader = loader_check(a.work_dir or tmp, a.loader_model, blocks=a.loader_blocks,
+                                      block_steps=a.loader_block_steps, warmup=max(a.warmup, 1),
                                       batch_size=a.batch_size, num_workers=a.workers)
     except (RuntimeError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
