@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from timm.layers.attention import Attention
 from timm.models import checkpoint_seq
+from timm.models.vision_transformer import Block
 from torch import nn
 
 # name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
@@ -85,6 +86,28 @@ def fused_attention_faster(batch: int, heads: int, tokens: int, head_dim: int, d
     return _FUSED_FASTER[key]
 
 
+def _block_rows(block: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """timm's pre-norm `Block.forward` evaluated only at token positions `rows` (B, K): keys and
+    values come from all tokens, everything row-wise (queries, attention output, projection,
+    residual, MLP) only for the K rows. Other block types run whole and are then gathered."""
+    a = getattr(block, "attn", None)
+    if type(block) is not Block or type(a) is not Attention or getattr(a, "gate", None) is not None:
+        return torch.gather(block(x), 1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    B, N, C = x.shape
+    K = rows.shape[1]
+    qkv = a.qkv(block.norm1(x)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q, k = a.q_norm(q), a.k_norm(k)
+    q = torch.gather(q, 2, rows[:, None, :, None].expand(-1, a.num_heads, -1, a.head_dim))
+    if a.fused_attn:
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=a.attn_drop.p if a.training else 0.0)
+    else:
+        o = a.attn_drop(((q * a.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+    o = a.proj_drop(a.proj(a.norm(o.transpose(1, 2).reshape(B, K, a.attn_dim))))
+    x = torch.gather(x, 1, rows.unsqueeze(-1).expand(-1, -1, C)) + block.drop_path1(block.ls1(o))
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
 class MaskedEncoder(nn.Module):
     """timm ViT ([class] token, learned 1-D position embeddings, pre-norm) + a [mask] embedding."""
 
@@ -136,8 +159,11 @@ class MaskedEncoder(nn.Module):
         self._set_fused(fused_attention_faster(x.shape[0], a.num_heads, x.shape[1], a.head_dim, dtype,
                                                x.device, torch.is_grad_enabled()))
 
-    def forward(self, x: torch.Tensor, corruption=None) -> torch.Tensor:
-        """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm."""
+    def forward(self, x: torch.Tensor, corruption=None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm; with `rows`
+        (long (B, K), token positions, 0 the [class] token) only those K tokens (B, K, D): the last
+        block then computes queries, projection, MLP and the final norm for them alone (exact: every
+        other output of the last block is discarded anyway), keys and values for all tokens."""
         v = self.vit
         x = v.patch_embed(x)
         if corruption is not None:
@@ -145,8 +171,12 @@ class MaskedEncoder(nn.Module):
             x = torch.where(corruption.masked.unsqueeze(-1), self.mask_token.to(x.dtype), x)
         x = v.norm_pre(v.patch_drop(v._pos_embed(x)))
         self._choose_attention(x)
-        x = checkpoint_seq(v.blocks, x) if v.grad_checkpointing else v.blocks(x)
-        return v.norm(x)
+        if rows is None:
+            x = checkpoint_seq(v.blocks, x) if v.grad_checkpointing else v.blocks(x)
+            return v.norm(x)
+        first = v.blocks[:-1]
+        x = checkpoint_seq(first, x) if v.grad_checkpointing else first(x)
+        return v.norm(_block_rows(v.blocks[-1], x, rows))
 
     def no_weight_decay(self) -> set[str]:
         """Position embeddings and special tokens; the optimiser factory also skips 1-D params."""

@@ -10,7 +10,8 @@ MPP (ViT paper, section 4.6 / B.1.2): per image exactly K = round(ratio * N) pat
 fractions, rounded per image by systematic stochastic rounding, so each image's counts are the
 floor or ceiling of K * fraction, always sum to K, and their expectation is exactly K * fraction
 (80/10/10 over many draws, with no rounding bias). The head and loss see only the K chosen
-tokens (gathered by index: a fixed count, so no host sync and K/N of the head's cost).
+tokens (gathered by index: a fixed count, so no host sync and K/N of the head's cost), and the
+encoder's last block computes its row-wise parts for them alone (`MaskedEncoder.forward(rows=)`).
 """
 from __future__ import annotations
 
@@ -154,9 +155,8 @@ class MPPTask(Task):
         c = self.cfg
         B, N = images.shape[0], self.encoder.num_patches
         corruption = sample_corruption(B, N, c.ratio, c.mask, c.random, c.keep, device=images.device)
-        tokens = self.encoder(x, corruption)[:, 1:]
         index = corruption.index
-        chosen = torch.gather(tokens, 1, index.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
+        chosen = self.encoder(x, corruption, rows=index + self.encoder.vit.num_prefix_tokens)  # (B, K, D)
         pred = self.head(chosen).float()  # (B, K, out): the loss in fp32
         with torch.autocast(images.device.type, enabled=False):
             pix = patches(images01, self.encoder.patch_size)

@@ -117,6 +117,24 @@ def test_attention_paths_agree():
         create_encoder(PRESET, attn="flash")
 
 
+@pytest.mark.parametrize("attn", ["fused", "math"])
+def test_rows_equal_the_same_tokens_of_the_full_output(attn):
+    """forward(rows=) computes the last block only at the asked positions: same values and
+    gradients as taking those rows of the full output."""
+    torch.manual_seed(0)
+    enc = create_encoder(PRESET, attn=attn)
+    x = torch.randn(3, 3, 32, 32)
+    rows = torch.stack([torch.randperm(65)[:20] for _ in range(3)])  # [class] token (0) may be among them
+    full = enc(x)
+    ref = torch.gather(full, 1, rows.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
+    got = enc(x, rows=rows)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(ref)
+    params = list(enc.vit.parameters())  # no corruption: the [mask] token is unused
+    for a, b in zip(torch.autograd.grad((ref * w).sum(), params), torch.autograd.grad((got * w).sum(), params)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_drop_path_reaches_timm():
     enc = create_encoder(PRESET, drop_path=0.2)
     assert enc.vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)
