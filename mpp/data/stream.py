@@ -27,6 +27,7 @@ the middle of an epoch re-reads and decodes that epoch's first k batches (no mod
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -34,7 +35,7 @@ import warnings
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.filters import shuffle as wds_shuffle
 
 from mpp.config import DataConfig
@@ -44,6 +45,17 @@ from mpp.data.subset import select_subset
 from mpp.data.transforms import build_transform
 
 log = logging.getLogger(__name__)
+
+# raw samples read from the tars at a time: alternating tar reading and decoding one sample at a
+# time cost ~10% more per sample at 32 px (the two code paths keep evicting each other from the
+# CPU's caches); measured 138 -> 125 us per CIFAR sample in one process
+RAW_BLOCK = 64
+
+
+def _in_blocks(items: Iterator, n: int) -> Iterator:
+    """The same items, taken from `items` n at a time."""
+    while block := list(itertools.islice(items, n)):
+        yield from block
 
 
 def batch_plan(n: int, k: int, batch_size: int) -> list[int]:
@@ -103,7 +115,7 @@ class _ShardStream(IterableDataset):
             warnings.filterwarnings("ignore", module="PIL")
         skips: dict[str, int] = {}
         rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:augment")
-        samples = self._raw(worker, skips)
+        samples = _in_blocks(self._raw(worker, skips), RAW_BLOCK)
         if self.shuffle_buffer > 0:
             samples = wds_shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
                                   rng=random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:buffer"))(samples)
@@ -128,7 +140,9 @@ class _ShardStream(IterableDataset):
         yield {"worker": worker, "skips": dict(skips)}  # the final counts of this worker
 
     def _batch(self, images, labels, worker, skips) -> dict:
-        out = {"image": torch.stack(images), "worker": worker, "skips": dict(skips)}
+        # default_collate stacks straight into shared memory in a worker process, so sending the
+        # batch to the main process does not copy it once more
+        out = {"image": default_collate(images), "worker": worker, "skips": dict(skips)}
         if self.labeled:
             out["label"] = torch.tensor(labels, dtype=torch.long)
         return out
