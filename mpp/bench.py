@@ -12,7 +12,8 @@ in-memory uint8 batch, at equal precision (bf16 autocast, or fp32):
   and `pos_embedding` reshaped to the 3-D tensors its MPP expects), `torch.optim.AdamW`.
 Model FLOPs of one step are counted with `torch.utils.flop_counter` (matmuls, convolutions,
 attention; forward and backward) and set against the machine's bf16 matmul peak, measured here
-with a large bf16 matmul. The loader check times the `mpp` step on batches from `make_loader`
+with a large bf16 matmul; the `ceiling` column is the images/s the step would reach if all its
+FLOPs ran at the matmul peak of its precision and everything else were free. The loader check times the `mpp` step on batches from `make_loader`
 over generated synthetic shards against the same step on an in-memory batch.
 """
 from __future__ import annotations
@@ -53,6 +54,14 @@ def matmul_peak(n: int = 4096, reps: int = 5, dtype: torch.dtype = torch.bfloat1
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
+
+
+def matmul_peaks(precisions=("bf16", "fp32")) -> dict[str, float]:
+    """{precision: matmul peak FLOP/s}; bf16 always (the reference of the "of peak" column)."""
+    peaks = {"bf16": matmul_peak()}
+    if "fp32" in precisions:
+        peaks["fp32"] = matmul_peak(n=2048, dtype=torch.float32)
+    return peaks
 
 
 def _arch(preset: str) -> tuple[str, dict, dict]:
@@ -173,10 +182,11 @@ def step_flops(step: Callable, images: torch.Tensor) -> int:
 
 
 def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS, *, steps: int = 5,
-        warmup: int = 2, batch_size: int = 0, compile: bool = False, peak: float | None = None,
+        warmup: int = 2, batch_size: int = 0, compile: bool = False, peaks: dict[str, float] | None = None,
         progress: Callable[[str], None] = print) -> list[dict]:
     """One row per (model, precision, method): images/s, speed-up of `mpp` over the faster other
-    method at the same precision, and (for `mpp`) model FLOP/s as a fraction of the bf16 peak."""
+    method at the same precision, and (for `mpp`, given `peaks` {precision: matmul FLOP/s}) model
+    FLOP/s as a fraction of the bf16 peak and the matmul-only ceiling in images/s."""
     rows = []
     for key in models:
         preset, default_batch = MODELS[key]
@@ -193,9 +203,11 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS, *, 
                 sec = time_steps(step, _repeat(images), warmup, steps)
                 row = dict(model=key, preset=preset, batch=B, precision=prec, method=method,
                            step_s=sec, images_per_s=B / sec)
-                if method == "mpp" and peak:
-                    row["model_tflops"] = step_flops(step, images) / sec / 1e12
-                    row["of_bf16_peak"] = row["model_tflops"] * 1e12 / peak
+                if method == "mpp" and peaks:
+                    flops = step_flops(step, images)
+                    row["model_tflops"] = flops / sec / 1e12
+                    row["of_bf16_peak"] = flops / sec / peaks["bf16"]
+                    row["ceiling_images_per_s"] = B * peaks[prec] / flops
                 progress(f"{key} {prec} {method}: {B / sec:.1f} images/s")
                 group.append(row)
             others = [r["images_per_s"] for r in group if r["method"] != "mpp"]
@@ -272,20 +284,22 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
                 wait_s=sum(waits) / len(waits), cold_start_s=cold)
 
 
-def format_table(rows: list[dict], peak: float | None, loader: dict | None) -> str:
+def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict | None) -> str:
     lines = []
-    if peak:
-        lines.append(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s")
+    if peaks:
+        lines.append("matmul peak: " + ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in peaks.items()))
     lines.append(f"{'model':6} {'prec':5} {'method':12} {'batch':>5} {'step s':>8} {'img/s':>8} "
-                 f"{'speed-up':>8} {'TFLOP/s':>8} {'of peak':>7}")
+                 f"{'speed-up':>8} {'TFLOP/s':>8} {'of peak':>7} {'ceiling':>8}")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
         tf = f"{r['model_tflops']:.3f}" if "model_tflops" in r else ""
         of = f"{100 * r['of_bf16_peak']:.0f}%" if "of_bf16_peak" in r else ""
+        ce = f"{r['ceiling_images_per_s']:.1f}" if "ceiling_images_per_s" in r else ""
         lines.append(f"{r['model']:6} {r['precision']:5} {r['method']:12} {r['batch']:>5} {r['step_s']:>8.3f} "
-                     f"{r['images_per_s']:>8.1f} {sp:>8} {tf:>8} {of:>7}")
+                     f"{r['images_per_s']:>8.1f} {sp:>8} {tf:>8} {of:>7} {ce:>8}")
     lines.append("speed-up: mpp images/s over the faster of the other methods at the same precision "
-                 "(target >= 1.3x); of peak: model FLOP/s over the bf16 matmul peak (target >= 45% for s16)")
+                 "(target >= 1.3x); of peak: model FLOP/s over the bf16 matmul peak (target >= 45% for s16); "
+                 "ceiling: images/s with every model FLOP at the matmul peak of the row's precision, nothing else")
     if loader:
         blocks = ", ".join(f"{100 * x:+.1f}%" for x in loader["block_slowdowns"])
         lines.append(f"loader ({loader['model']}, batch {loader['batch']}, {loader['precision']}, {loader['workers']} "
