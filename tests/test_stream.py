@@ -17,7 +17,7 @@ from PIL import Image
 from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.stream import batch_plan
-from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, resized_crop
+from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, resized_crop, stack
 from shardutil import encode, write_shards
 
 UNEVEN = [9, 3, 14, 6, 11, 5, 8]
@@ -47,6 +47,7 @@ def test_round_trip_pixels_labels_counts(tmp_path):
     table, seen = lookup(source), []
     for b in batches:
         assert b["image"].dtype == torch.uint8 and b["image"].shape[1:] == (3, 16, 16)
+        assert b["image"].is_contiguous(memory_format=torch.channels_last)  # re-chunked ones too
         assert b["label"].dtype == torch.long and len(b["label"]) == len(b["image"]) <= 8
         keys = batch_keys(b, table)
         assert b["label"].tolist() == [source[k][0] for k in keys]
@@ -247,7 +248,7 @@ def test_resized_crop_matches_pil(size):
     """Both resize engines (PIL below TORCH_RESIZE_FROM, torch from it) give PIL's antialiased
     bilinear crop + resize, up- and downscaling, within +-1 (torch's uint8 kernel rounds like
     PIL's) except on the 2-pixel rim of a crop (PIL's filter also reads pixels just outside the
-    box), and torch.stack makes a contiguous batch."""
+    box), and `stack` makes a channels-last batch of them."""
     rng = np.random.default_rng(0)
     smooth = np.asarray(Image.fromarray(rng.integers(0, 256, (40, 50, 3), np.uint8)).resize((300, 260), Image.BICUBIC))
     img = Image.fromarray(np.ascontiguousarray(smooth))
@@ -265,8 +266,8 @@ def test_resized_crop_matches_pil(size):
         outs.append(out)
     if (w, h) == (size, size):
         assert torch.equal(out, ref)  # no resize: the exact pixels
-    batch = torch.stack(outs)
-    assert batch.is_contiguous() and torch.equal(batch[1], outs[1])
+    batch = stack(outs)
+    assert batch.is_contiguous(memory_format=torch.channels_last) and torch.equal(batch, torch.stack(outs))
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset's gopen reads http with curl")

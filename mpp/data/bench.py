@@ -43,7 +43,7 @@ from mpp.config import DataConfig
 from mpp.data.decode import open_image
 from mpp.data.stream import make_loader
 from mpp.data.synthetic import render
-from mpp.data.transforms import TrainTransform
+from mpp.data.transforms import TrainTransform, stack
 from mpp.data.writer import MANIFEST, write_shards
 
 MIN_SHARDS = 16  # enough for 2 ranks x 8 workers
@@ -138,7 +138,7 @@ def rate_decode_loop(ds: BenchSet, samples: int, batch_size: int, data_cfg: Data
         with open_image(data, data_cfg.max_pixels) as img:
             images.append(transform(img, rng))
         if len(images) == batch_size:
-            torch.stack(images)
+            stack(images)
             images = []
     return samples / (time.perf_counter() - start)
 

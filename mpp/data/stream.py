@@ -8,7 +8,8 @@ Per epoch e (identical computation on every rank and worker):
    than ranks x workers: fewer workers per rank (logged); fewer shards than ranks: an error;
 2. each DataLoader worker reads its bin's shards, drops samples outside a subset, shuffles raw
    (undecoded) samples in a buffer, decodes (`decode.decode_sample`) and yields uint8 batches of
-   `batch_size` together with its cumulative skip counters;
+   `batch_size` (channels-last memory format, `transforms.stack`) together with its cumulative
+   skip counters;
 3. the main process re-chunks the worker stream into exactly K batches, K the same on every rank
    (K = ceil(largest rank bin total / batch_size), fixed for all epochs): full batches first, the
    tail ones smaller; each size is planned from what the rank still expects (its count minus what
@@ -35,14 +36,14 @@ import warnings
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.filters import shuffle as wds_shuffle
 
 from mpp.config import DataConfig
 from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_sample
 from mpp.data.sources import ShardSet, assign, read_shard, resolve
 from mpp.data.subset import select_subset
-from mpp.data.transforms import build_transform
+from mpp.data.transforms import build_transform, stack
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +141,7 @@ class _ShardStream(IterableDataset):
         yield {"worker": worker, "skips": dict(skips)}  # the final counts of this worker
 
     def _batch(self, images, labels, worker, skips) -> dict:
-        # default_collate stacks straight into shared memory in a worker process, so sending the
-        # batch to the main process does not copy it once more
-        out = {"image": default_collate(images), "worker": worker, "skips": dict(skips)}
+        out = {"image": stack(images), "worker": worker, "skips": dict(skips)}
         if self.labeled:
             out["label"] = torch.tensor(labels, dtype=torch.long)
         return out
@@ -228,7 +227,8 @@ class ShardLoader:
                 yield item
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[dict]:
-        """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W)[, 'label']}."""
+        """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W) (channels-last
+        memory format)[, 'label']}."""
         if not 0 <= start_batch <= self.batches_per_epoch:
             raise ValueError(f"start_batch must be in [0, {self.batches_per_epoch}], got {start_batch}")
         if start_batch == self.batches_per_epoch:
