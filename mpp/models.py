@@ -86,25 +86,34 @@ def fused_attention_faster(batch: int, heads: int, tokens: int, head_dim: int, d
     return _FUSED_FASTER[key]
 
 
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (B, N, ...), rows long (B, K) -> (B, K, ...) with out[b, k] = x[b, rows[b, k]]. The same as
+    `torch.gather` along dim 1 but through `index_select` on (B * N) rows, whose backward
+    (`index_add_`) is ~4x faster on CPU than gather's element-wise scatter_add."""
+    B, N = x.shape[:2]
+    flat = (rows + torch.arange(B, device=rows.device).unsqueeze(1) * N).flatten()
+    return x.flatten(0, 1).index_select(0, flat).view(B, rows.shape[1], *x.shape[2:])
+
+
 def _block_rows(block: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """timm's pre-norm `Block.forward` evaluated only at token positions `rows` (B, K): keys and
     values come from all tokens, everything row-wise (queries, attention output, projection,
     residual, MLP) only for the K rows. Other block types run whole and are then gathered."""
     a = getattr(block, "attn", None)
     if type(block) is not Block or type(a) is not Attention or getattr(a, "gate", None) is not None:
-        return torch.gather(block(x), 1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return take_rows(block(x), rows)
     B, N, C = x.shape
     K = rows.shape[1]
-    qkv = a.qkv(block.norm1(x)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
+    qkv = a.qkv(block.norm1(x))  # (B, N, 3 * attn_dim): queries only at the rows
+    q = take_rows(qkv[..., :a.attn_dim], rows).reshape(B, K, a.num_heads, a.head_dim).transpose(1, 2)
+    k, v = qkv[..., a.attn_dim:].reshape(B, N, 2, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = a.q_norm(q), a.k_norm(k)
-    q = torch.gather(q, 2, rows[:, None, :, None].expand(-1, a.num_heads, -1, a.head_dim))
     if a.fused_attn:
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=a.attn_drop.p if a.training else 0.0)
     else:
         o = a.attn_drop(((q * a.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
     o = a.proj_drop(a.proj(a.norm(o.transpose(1, 2).reshape(B, K, a.attn_dim))))
-    x = torch.gather(x, 1, rows.unsqueeze(-1).expand(-1, -1, C)) + block.drop_path1(block.ls1(o))
+    x = take_rows(x, rows) + block.drop_path1(block.ls1(o))
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
@@ -167,7 +176,7 @@ class MaskedEncoder(nn.Module):
         v = self.vit
         x = v.patch_embed(x)
         if corruption is not None:
-            x = torch.gather(x, 1, corruption.src.unsqueeze(-1).expand_as(x))
+            x = take_rows(x, corruption.src)
             x = torch.where(corruption.masked.unsqueeze(-1), self.mask_token.to(x.dtype), x)
         x = v.norm_pre(v.patch_drop(v._pos_embed(x)))
         self._choose_attention(x)
