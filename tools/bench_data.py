@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gen-samples", type=int, default=2000, metavar="N", help="samples timed per method on them")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method, best kept (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per method, interleaved, best kept (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
     if min(a.cifar_images, 0) < 0 or min(a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers, a.repeats) < 1:
