@@ -1,7 +1,8 @@
 """Training-step benchmark of the MPP objective: this project against two straightforward ways.
 
 Methods, each a full optimiser step (forward, backward, gradient clipping, AdamW) on the same
-in-memory uint8 batch, at equal precision (bf16 autocast, or fp32):
+in-memory uint8 batch, at equal precision (bf16 autocast, or fp32), timed one step at a time in
+turn and summarised by the median step time:
 - `mpp`: `build_task` + `create_optimizer` exactly as the trainer builds them (attention path
   "auto", fused AdamW, corruption sampled on the device, head and loss on the chosen patches
   only, no host sync), optionally `torch.compile`d;
@@ -44,7 +45,7 @@ PRECISIONS = {"bf16": "bf16", "fp32": "no"}
 CPU = torch.device("cpu")
 
 
-def matmul_peak(n: int = 4096, reps: int = 5, dtype: torch.dtype = torch.bfloat16) -> float:
+def matmul_peak(n: int = 4096, reps: int = 10, dtype: torch.dtype = torch.bfloat16) -> float:
     """FLOP/s of the best of `reps` n x n x n matmuls in `dtype` (the machine's practical peak)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
@@ -62,6 +63,15 @@ def matmul_peaks(precisions=("bf16", "fp32")) -> dict[str, float]:
     if "fp32" in precisions:
         peaks["fp32"] = matmul_peak(n=2048, dtype=torch.float32)
     return peaks
+
+
+def add_peaks(rows: list[dict], peaks: dict[str, float]) -> None:
+    """Rows with `flops` get model FLOP/s as a fraction of the bf16 matmul peak and the ceiling:
+    images/s with every model FLOP at the matmul peak of the row's precision, nothing else."""
+    for r in rows:
+        if "flops" in r:
+            r["of_bf16_peak"] = r["flops"] / r["step_s"] / peaks["bf16"]
+            r["ceiling_images_per_s"] = r["batch"] * peaks[r["precision"]] / r["flops"]
 
 
 def _arch(preset: str) -> tuple[str, dict, dict]:
@@ -164,14 +174,20 @@ def vit_pytorch(preset: str, precision: str) -> tuple[Callable, nn.Module]:
 BUILDERS = {"mpp": ours, "timm+loop": timm_loop, "vit-pytorch": vit_pytorch}
 
 
-def time_steps(step: Callable, batches, warmup: int, steps: int) -> float:
-    """Seconds per step over `steps` steps after `warmup` untimed ones (batches: an iterator)."""
-    for _ in range(warmup):
-        step(next(batches))
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(next(batches))
-    return (time.perf_counter() - start) / steps
+def time_interleaved(steps: dict[str, Callable], images: torch.Tensor, warmup: int, rounds: int) -> dict[str, float]:
+    """Median seconds per step of each method, timed one step at a time in turn (A, B, C, A, B, C,
+    ...) after `warmup` untimed steps each: drift or a burst of other work on the machine hits all
+    methods alike, and the median drops the bursts."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step(images)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(images)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def step_flops(step: Callable, images: torch.Tensor) -> int:
@@ -182,11 +198,10 @@ def step_flops(step: Callable, images: torch.Tensor) -> int:
 
 
 def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS, *, steps: int = 5,
-        warmup: int = 2, batch_size: int = 0, compile: bool = False, peaks: dict[str, float] | None = None,
+        warmup: int = 2, batch_size: int = 0, compile: bool = False,
         progress: Callable[[str], None] = print) -> list[dict]:
     """One row per (model, precision, method): images/s, speed-up of `mpp` over the faster other
-    method at the same precision, and (for `mpp`, given `peaks` {precision: matmul FLOP/s}) model
-    FLOP/s as a fraction of the bf16 peak and the matmul-only ceiling in images/s."""
+    method at the same precision, and (for `mpp`) the model FLOPs of one step (see `add_peaks`)."""
     rows = []
     for key in models:
         preset, default_batch = MODELS[key]
@@ -194,22 +209,24 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS, *, 
         img = _arch(preset)[2]["img"]
         images = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8)
         for prec in precisions:
-            group = []
+            built = {}
             for method in methods:
                 progress(f"{key} {prec} {method}: building")
                 torch.manual_seed(0)
                 kwargs = {"compile": compile} if method == "mpp" else {}
-                step, _ = BUILDERS[method](preset, PRECISIONS[prec], **kwargs)
-                sec = time_steps(step, _repeat(images), warmup, steps)
+                built[method] = BUILDERS[method](preset, PRECISIONS[prec], **kwargs)[0]
+            progress(f"{key} {prec}: timing {', '.join(methods)} in turn")
+            seconds = time_interleaved(built, images, warmup, steps)
+            group = []
+            for method, sec in seconds.items():
                 row = dict(model=key, preset=preset, batch=B, precision=prec, method=method,
                            step_s=sec, images_per_s=B / sec)
-                if method == "mpp" and peaks:
-                    flops = step_flops(step, images)
-                    row["model_tflops"] = flops / sec / 1e12
-                    row["of_bf16_peak"] = flops / sec / peaks["bf16"]
-                    row["ceiling_images_per_s"] = B * peaks[prec] / flops
+                if method == "mpp":
+                    row["flops"] = step_flops(built[method], images)
+                    row["model_tflops"] = row["flops"] / sec / 1e12
                 progress(f"{key} {prec} {method}: {B / sec:.1f} images/s")
                 group.append(row)
+            del built
             others = [r["images_per_s"] for r in group if r["method"] != "mpp"]
             for r in group:
                 if r["method"] == "mpp" and others:
@@ -218,9 +235,15 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS, *, 
     return rows
 
 
-def _repeat(images):
-    while True:
-        yield images
+def run_with_peaks(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=METHODS,
+                   **kwargs) -> tuple[list[dict], dict[str, float]]:
+    """`run` plus the matmul peaks (measured before and after it, the higher counts: other work on
+    the machine only lowers a peak) and the columns that depend on them (`add_peaks`)."""
+    before = matmul_peaks(precisions)
+    rows = run(models, precisions, methods, **kwargs)
+    peaks = {k: max(v, before[k]) for k, v in matmul_peaks(precisions).items()}
+    add_peaks(rows, peaks)
+    return rows, peaks
 
 
 def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, block_steps: int = 4,

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mpp.bench import METHODS, MODELS, PRECISIONS, format_table, loader_check, matmul_peaks, run
+from mpp.bench import METHODS, MODELS, PRECISIONS, format_table, loader_check, run_with_peaks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default: all)")
     p.add_argument("--precision", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    p.add_argument("--steps", type=int, default=5, help="timed steps per row (default 5)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method, one at a time in turn with the other methods; the median counts (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--batch-size", type=int, default=0, help="0: 128 for both models")
     p.add_argument("--compile", action="store_true", help="torch.compile the mpp task (slow first steps)")
@@ -36,10 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --steps, --loader-blocks and --loader-block-steps must be >= 1, --warmup, --batch-size "
                  "and --workers >= 0")
     try:
-        peaks = matmul_peaks(a.precision)
-        print("matmul peak: " + ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in peaks.items()), flush=True)
-        rows = run(a.only, a.precision, a.methods, steps=a.steps, warmup=a.warmup, batch_size=a.batch_size,
-                   compile=a.compile, peaks=peaks, progress=lambda m: print(m, flush=True))
+        rows, peaks = run_with_peaks(a.only, a.precision, a.methods, steps=a.steps, warmup=a.warmup,
+                                     batch_size=a.batch_size, compile=a.compile,
+                                     progress=lambda m: print(m, flush=True))
         loader = None
         if not a.no_loader:
             with tempfile.TemporaryDirectory() as tmp:
