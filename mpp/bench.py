@@ -4,8 +4,8 @@ Methods, each a full optimiser step (forward, backward, gradient clipping, AdamW
 in-memory uint8 batch, at equal precision (bf16 autocast, or fp32), timed one step at a time in
 turn and summarised by the median step time:
 - `mpp`: `build_task` + `create_optimizer` exactly as the trainer builds them (attention path
-  "auto", fused AdamW, corruption sampled on the device, head and loss on the chosen patches
-  only, no host sync), optionally `torch.compile`d;
+  "auto", fused AdamW, corruption sampled on the device, the last block's row-wise parts, head
+  and loss on the chosen patches only, no host sync), optionally `torch.compile`d;
 - `timm+loop`: a timm ViT as created by default (timm's attention choice) with a hand-written MPP
   loss (boolean-mask corruption, head over all tokens, loss on the chosen ones) and
   `torch.optim.AdamW` defaults;
@@ -14,8 +14,9 @@ turn and summarised by the median step time:
 Model FLOPs of one step are counted with `torch.utils.flop_counter` (matmuls, convolutions,
 attention; forward and backward) and set against the machine's bf16 matmul peak, measured here
 with a large bf16 matmul; the `ceiling` column is the images/s the step would reach if all its
-FLOPs ran at the matmul peak of its precision and everything else were free. The loader check times the `mpp` step on batches from `make_loader`
-over generated synthetic shards against the same step on an in-memory batch.
+FLOPs ran at the matmul peak of its precision and everything else were free. The loader check
+(`loader_check`) times the `mpp` step in steady state on batches from `make_loader` over
+generated synthetic shards against the same step on an in-memory batch.
 """
 from __future__ import annotations
 
