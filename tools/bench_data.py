@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per method, interleaved, best kept (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
-    if min(a.cifar_images, 0) < 0 or min(a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers, a.repeats) < 1:
-        sys.exit("error: sample and image counts, --batch-size, --workers and --repeats must be >= 1 (--cifar-images >= 0)")
+    counts = (a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers, a.repeats)
+    if a.cifar_images < 0 or min(counts) < 1:
+        sys.exit("error: sample and image counts, --batch-size, --workers and --repeats must be >= 1 "
+                 "(--cifar-images >= 0)")
     work = Path(a.work_dir)
     sets, samples = [], {}
     try:

@@ -1,11 +1,11 @@
 """Per-sample image transforms (PIL -> uint8 CHW tensor) and the per-batch float conversion.
 
 Workers produce uint8 images (4x less to move than float), batched channels-last (`stack`); the
-model side calls `to_float01` and `normalize` on the device. The per-sample transforms receive a lazily opened PIL image so they can
-ask PIL's JPEG `draft` mode to decode at a reduced size when the crop is much smaller than the
-image (a 1/2, 1/4 or 1/8 scale IDCT costs a fraction of a full decode). PIL decodes; the crop,
-antialiased bilinear resize and flip run in torch on the decoded HWC (= channels-last) pixels
-for outputs of 64 px and more, in PIL below (`resized_crop`).
+model side calls `to_float01` and `normalize` on the device. The per-sample transforms receive a
+lazily opened PIL image so they can ask PIL's JPEG `draft` mode to decode at a reduced size when
+the crop is much smaller than the image (a 1/2, 1/4 or 1/8 scale IDCT costs a fraction of a full
+decode). PIL decodes; the crop, antialiased bilinear resize and flip run in torch on the decoded
+HWC (= channels-last) pixels for outputs of 64 px and more, in PIL below (`resized_crop`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import math
 import random
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
