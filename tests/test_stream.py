@@ -245,10 +245,10 @@ def test_transforms_shapes_and_jpeg_draft():
 
 @pytest.mark.parametrize("size", [32, TORCH_RESIZE_FROM, 224])
 def test_resized_crop_matches_pil(size):
-    """Both resize engines (PIL below TORCH_RESIZE_FROM, torch from it) give PIL's antialiased
-    bilinear crop + resize, up- and downscaling, within +-1 (torch's uint8 kernel rounds like
-    PIL's) except on the 2-pixel rim of a crop (PIL's filter also reads pixels just outside the
-    box), and `stack` makes a channels-last batch of them."""
+    """Both resize engines (PIL for PIL images below TORCH_RESIZE_FROM, torch from it and for
+    decoded tensors) give PIL's antialiased bilinear crop + resize, up- and downscaling, within +-1
+    (torch's uint8 kernel rounds like PIL's) except on the 2-pixel rim of a crop (PIL's filter also
+    reads pixels just outside the box), and `stack` makes a channels-last batch of them."""
     rng = np.random.default_rng(0)
     smooth = np.asarray(Image.fromarray(rng.integers(0, 256, (40, 50, 3), np.uint8)).resize((300, 260), Image.BICUBIC))
     img = Image.fromarray(np.ascontiguousarray(smooth))
@@ -263,6 +263,12 @@ def test_resized_crop_matches_pil(size):
         rim = 0 if (w, h) == img.size else 2
         assert diff[:, rim:size - rim, rim:size - rim].max() <= 1 and diff.float().mean() < 0.5, box
         assert torch.equal(resized_crop(img, box, size, flip=True), out.flip(-1))
+        decoded = torch.from_numpy(smooth.copy()).permute(2, 0, 1)  # decoded (3, H, W): torch resizes
+        from_tensor = resized_crop(decoded, box, size)
+        assert from_tensor.stride()[0] == 1  # (H, W, 3) pixels
+        assert torch.equal(resized_crop(decoded, box, size, True), from_tensor.flip(-1))
+        diff = (from_tensor.int() - ref.int()).abs()
+        assert diff[:, rim:size - rim, rim:size - rim].max() <= 1 and diff.float().mean() < 0.5, box
         outs.append(out)
     if (w, h) == (size, size):
         assert torch.equal(out, ref)  # no resize: the exact pixels

@@ -1,11 +1,14 @@
-"""Per-sample image transforms (PIL -> uint8 CHW tensor) and the per-batch float conversion.
+"""Per-sample image transforms (undecoded image -> uint8 CHW tensor) and the per-batch float
+conversion.
 
 Workers produce uint8 images (4x less to move than float), batched channels-last (`stack`); the
-model side calls `to_float01` and `normalize` on the device. The per-sample transforms receive a
-lazily opened PIL image so they can ask PIL's JPEG `draft` mode to decode at a reduced size when
-the crop is much smaller than the image (a 1/2, 1/4 or 1/8 scale IDCT costs a fraction of a full
-decode). PIL decodes; the crop, antialiased bilinear resize and flip run in torch on the decoded
-HWC (= channels-last) pixels for outputs of 64 px and more, in PIL below (`resized_crop`).
+model side calls `to_float01` and `normalize` on the device. The per-sample transforms receive an
+undecoded image (`decode.open_image`: a `decode.Jpeg` or a lazily opened PIL image) so they can
+choose the decoder (`_load`): PIL's JPEG `draft` mode decodes at a reduced size when the crop is
+much smaller than the image (a 1/2, 1/4 or 1/8 scale IDCT costs a fraction of a full decode),
+other JPEGs decode with libjpeg-turbo through torchvision, everything else with PIL. The crop,
+antialiased bilinear resize and flip run in torch on the decoded HWC (= channels-last) pixels, in
+PIL for PIL-decoded images below 64 px (`resized_crop`).
 """
 from __future__ import annotations
 
@@ -18,9 +21,12 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import default_collate
 
-# output side from which the resize runs in torch: PyTorch's uint8 channels-last antialiased
+from mpp.data.decode import Jpeg
+
+# output side from which PIL images resize in torch: PyTorch's uint8 channels-last antialiased
 # bilinear kernel (made to match PIL's) is 2-4x faster than PIL from ~100 px, but its per-call
-# overhead makes it ~1.5x slower at 32 px (measured crossover ~64 px)
+# overhead makes it ~1.5x slower at 32 px (measured crossover ~64 px). Decoded tensors (JPEGs
+# decoded by libjpeg-turbo) always resize in torch: making them a PIL image costs more than that.
 TORCH_RESIZE_FROM = 64
 
 
@@ -36,16 +42,23 @@ def normalize(images01: torch.Tensor, mean: Sequence[float], std: Sequence[float
     return (images01 - m) / s
 
 
-def _draft(img: Image.Image, need_w: float, need_h: float) -> float:
-    """Let a JPEG decode at the smallest 1/2^k scale that keeps >= need_w x need_h pixels.
+def _load(img: Image.Image | Jpeg, box: Sequence[float], size: int
+          ) -> tuple[Image.Image | torch.Tensor, tuple[int, int, int, int]]:
+    """Decode `img` for a crop `box` (left, top, w, h in its pixels) that is resized to size x size:
+    the decoded pixels (PIL image or uint8 (3, H, W) tensor) and the box in them (whole pixels).
 
-    Returns the exact reduction factor (1.0 when nothing changed); the image is not decoded yet.
+    A JPEG at least twice as large as the crop needs decodes at the smallest 1/2^k scale that keeps
+    enough pixels (PIL `draft`), other `Jpeg`s with libjpeg-turbo (`Jpeg.pixels`), the rest with PIL.
     """
-    if img.format != "JPEG" or img.width < 2 * need_w or img.height < 2 * need_h:
-        return 1.0
-    width = img.width
-    drafted = img.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
-    return width / drafted[1][2] if drafted else 1.0  # draft's box: the original in new pixels
+    width, height = img.size
+    need_w, need_h = width * size / box[2], height * size / box[3]
+    if img.format == "JPEG" and width >= 2 * need_w and height >= 2 * need_h:
+        img = img.pil() if isinstance(img, Jpeg) else img
+        drafted = img.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
+        if drafted:  # draft's box: the original in new pixels
+            return img, _scaled(box, width / drafted[1][2], *img.size)
+    pixels = img.pixels() if isinstance(img, Jpeg) else img
+    return pixels, _scaled(box, 1.0, width, height)
 
 
 def _hwc(img: Image.Image) -> torch.Tensor:
@@ -54,17 +67,20 @@ def _hwc(img: Image.Image) -> torch.Tensor:
     return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3)
 
 
-def resized_crop(img: Image.Image, box: tuple[int, int, int, int], size: int, flip: bool = False) -> torch.Tensor:
+def resized_crop(img: Image.Image | torch.Tensor, box: tuple[int, int, int, int], size: int,
+                 flip: bool = False) -> torch.Tensor:
     """uint8 (3, size, size), channels-last (a view of (H, W, 3) pixels, see `stack`): the integer
-    pixel box (left, top, w, h) of `img` resized with antialiased bilinear interpolation (PIL's
-    BILINEAR) and mirrored if `flip`. (In torch the filter reads only pixels inside the box, PIL's
-    also those just outside: a crop's 2-pixel rim can differ slightly, the rest is within +-1.)"""
-    img = img if img.mode == "RGB" else img.convert("RGB")
+    pixel box (left, top, w, h) of `img` (a PIL image or RGB uint8 (3, H, W) pixels) resized with
+    antialiased bilinear interpolation (PIL's BILINEAR) and mirrored if `flip`. (In torch the filter
+    reads only pixels inside the box, PIL's also those just outside: a crop's 2-pixel rim can differ
+    slightly, the rest is within +-1.)"""
     left, top, w, h = box
-    if size < TORCH_RESIZE_FROM:
+    if isinstance(img, Image.Image) and size < TORCH_RESIZE_FROM:
+        img = img if img.mode == "RGB" else img.convert("RGB")
         img = img.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
         return _hwc(img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img).permute(2, 0, 1)
-    crop = _hwc(img)[top:top + h, left:left + w].permute(2, 0, 1)[None]
+    hwc = img.permute(1, 2, 0) if isinstance(img, torch.Tensor) else _hwc(img)
+    crop = hwc[top:top + h, left:left + w][None].permute(0, 3, 1, 2)  # (1, 3, h, w), channels-last
     if (w, h) != (size, size):
         crop = F.interpolate(crop.contiguous(memory_format=torch.channels_last), size=(size, size),
                              mode="bilinear", antialias=True)
@@ -120,11 +136,10 @@ class TrainTransform:
     def __init__(self, img_size: int, scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5):
         self.size, self.scale, self.hflip = img_size, tuple(scale), hflip
 
-    def __call__(self, img: Image.Image, rng: random.Random) -> torch.Tensor:
+    def __call__(self, img: Image.Image | Jpeg, rng: random.Random) -> torch.Tensor:
         box = crop_box(rng, img.width, img.height, self.scale)
         flip = rng.random() < self.hflip
-        f = _draft(img, img.width * self.size / box[2], img.height * self.size / box[3])
-        return resized_crop(img, _scaled(box, f, img.width, img.height) if f != 1.0 else box, self.size, flip)
+        return resized_crop(*_load(img, box, self.size), self.size, flip)
 
 
 class EvalTransform:
@@ -135,12 +150,11 @@ class EvalTransform:
         self.size = img_size
         self.resize = math.floor(img_size / crop_pct)
 
-    def __call__(self, img: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
+    def __call__(self, img: Image.Image | Jpeg, rng: random.Random | None = None) -> torch.Tensor:
         width, height = img.size
         side = min(width, height) * self.size / self.resize  # the centre square, original pixels
-        f = _draft(img, width * self.size / side, height * self.size / side)
         box = ((width - side) / 2, (height - side) / 2, side, side)
-        return resized_crop(img, _scaled(box, f, img.width, img.height), self.size)
+        return resized_crop(*_load(img, box, self.size), self.size)
 
 
 def build_transform(img_size: int, train: bool, data_cfg) -> TrainTransform | EvalTransform:
