@@ -1,6 +1,7 @@
 """Data-loading benchmark (see mpp.data.bench): decoded + augmented samples/s of the shard loader
-vs torchvision ImageFolder + DataLoader vs a single-process decode loop, on CIFAR-10 (32px) and on
-generated 256px JPEGs at 224 crops. Data are prepared once in --work-dir (outside the project)."""
+vs torchvision ImageFolder + DataLoader vs single-process decode loops (plain PIL, the decode limit,
+and the loader's own per-sample code), on CIFAR-10 (32px) and on generated 256px JPEGs at 224
+crops. Data are prepared once in --work-dir (outside the project)."""
 from __future__ import annotations
 
 import argparse

@@ -1,21 +1,26 @@
 """Data-loading benchmark: decoded + augmented samples/s of the shard loader, side by side with
-torchvision `ImageFolder` + `DataLoader` on the same images and a single-process decode loop.
+torchvision `ImageFolder` + `DataLoader` on the same images and with single-process decode loops.
 
 Two data sets: (a) CIFAR-10 from its image-folder tar (32x32 JPEGs, 32 crops) and (b) generated
 256x256 JPEGs at 224 crops. Both are prepared once in a work folder outside the project (images
 extracted to a folder for ImageFolder, and the same files sharded with `write_shards`) and reused.
 
-Rows, all with the pre-training augmentation (random resized crop + horizontal flip) to uint8:
-- `decode loop`: one process, image bytes already in memory, `decode.open_image` + the loader's
-  own `TrainTransform` per sample, stacked into batches as the workers do: the decode limit of
-  one core;
+Rows, all with the pre-training augmentation (random resized crop + horizontal flip) to uint8, on
+one core each (torch single-threaded):
+- `PIL decode loop`: the issue's decode limit, a plain single-process PIL loop over image bytes
+  already in memory: `Image.open`, `.convert("RGB")`, the crop box from the loader's `crop_box`,
+  PIL `resize(box=...)` (bilinear), flip, to a uint8 array;
+- `mpp decode (1 proc)`: the same bytes through the loader's own per-sample code
+  (`decode.open_image` + `TrainTransform`: libjpeg-turbo or PIL draft decode, torch resize) and
+  batch stacking, as a worker runs it: what the loader's workers can reach at most;
 - `shards (mpp)`: `make_loader` with `workers` DataLoader workers;
 - `ImageFolder`: torchvision's `ImageFolder` (its loader decodes every image fully) with
   `RandomResizedCrop` + `RandomHorizontalFlip` + `PILToTensor`, `DataLoader(shuffle=True)` with
   the same workers and batch size.
 Rates are measured from the first batch on (worker start-up and shuffle-buffer fill excluded) and
-reported with the ratios the issue targets: shards / ImageFolder >= 2 and shards / (decode loop x
-workers) >= 0.8. On a small shared machine one timing is noisy, so the methods run in turn
+reported with the ratios the issue targets, shards / ImageFolder >= 2 and shards / (PIL decode
+loop x workers) >= 0.8, plus shards / (mpp decode x workers), the pipeline's efficiency over its own
+per-sample code. On a small shared machine one timing is noisy, so the methods run in turn
 `repeats` times (interleaved, so a busy moment hits all of them alike) and each keeps its best.
 """
 from __future__ import annotations
@@ -43,7 +48,7 @@ from mpp.config import DataConfig
 from mpp.data.decode import open_image
 from mpp.data.stream import make_loader
 from mpp.data.synthetic import render
-from mpp.data.transforms import TrainTransform, stack
+from mpp.data.transforms import TrainTransform, crop_box, stack
 from mpp.data.writer import MANIFEST, write_shards
 
 MIN_SHARDS = 16  # enough for 2 ranks x 8 workers
@@ -125,18 +130,34 @@ def _rate(batches, samples: int) -> float:
     return (seen - first) / elapsed if elapsed > 0 and seen > first else float("nan")
 
 
-def rate_decode_loop(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
-    """Single-process decode + augment + batch stacking of in-memory JPEG bytes with the loader's
-    own code."""
-    files = sorted(ds.folder.rglob("*.jpg"))[:samples]
-    blobs = [f.read_bytes() for f in files]
+def _blobs(ds: BenchSet, samples: int) -> list[bytes]:
+    return [f.read_bytes() for f in sorted(ds.folder.rglob("*.jpg"))[:samples]]
+
+
+def rate_pil_loop(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
+    """The decode limit: a plain single-process PIL decode + augment loop over in-memory bytes."""
+    blobs, rng = _blobs(ds, samples), random.Random(0)
+    size = (ds.img_size, ds.img_size)
+    start = time.perf_counter()
+    for data in itertools.islice(itertools.cycle(blobs), samples):
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        left, top, w, h = crop_box(rng, img.width, img.height, data_cfg.crop_scale)
+        img = img.resize(size, Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+        if rng.random() < data_cfg.hflip:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        np.asarray(img)
+    return samples / (time.perf_counter() - start)
+
+
+def rate_mpp_decode(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
+    """Single-process decode + augment + batch stacking of in-memory bytes with the loader's own
+    per-sample code (what one worker does, without reading shards)."""
+    blobs, rng = _blobs(ds, samples), random.Random(0)
     transform = TrainTransform(ds.img_size, data_cfg.crop_scale, data_cfg.hflip)
-    rng = random.Random(0)
     start = time.perf_counter()
     images = []
     for data in itertools.islice(itertools.cycle(blobs), samples):
-        with open_image(data, data_cfg.max_pixels) as img:
-            images.append(transform(img, rng))
+        images.append(transform(open_image(data, data_cfg.max_pixels), rng))
         if len(images) == batch_size:
             stack(images)
             images = []
@@ -162,8 +183,9 @@ def bench(sets: list[BenchSet], *, samples: dict[str, int], batch_size: int, wor
     """One row per data set: samples/s of each method (best of `repeats` interleaved runs) and the
     target ratios."""
     cfg = replace(DataConfig(), num_workers=workers)
-    torch.set_num_threads(1)  # the decode loop is one core; workers are single-threaded too
-    methods = {"decode_loop": rate_decode_loop, "shards": rate_shards, "imagefolder": rate_imagefolder}
+    torch.set_num_threads(1)  # the decode loops are one core; workers are single-threaded too
+    methods = {"pil_loop": rate_pil_loop, "mpp_decode": rate_mpp_decode, "shards": rate_shards,
+               "imagefolder": rate_imagefolder}
     rows = []
     for ds in sets:
         n = samples[ds.name]
@@ -175,18 +197,22 @@ def bench(sets: list[BenchSet], *, samples: dict[str, int], batch_size: int, wor
         row.update({name: max(r) for name, r in runs.items()})
         row["runs"] = runs
         row["vs_imagefolder"] = row["shards"] / row["imagefolder"]
-        row["vs_decode_limit"] = row["shards"] / (row["decode_loop"] * workers)
+        row["vs_decode_limit"] = row["shards"] / (row["pil_loop"] * workers)
+        row["vs_mpp_decode"] = row["shards"] / (row["mpp_decode"] * workers)
         rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table of the rows (samples/s and ratios with their targets)."""
-    lines = ["| data | decode loop (1 proc) | shards (mpp) | ImageFolder | shards / ImageFolder (>= 2) "
-             "| shards / (decode x workers) (>= 0.8) |", "|---|---:|---:|---:|---:|---:|"]
+    """A Markdown table of the rows (samples/s and ratios, with their targets where the issue sets
+    one)."""
+    lines = ["| data | PIL decode loop (1 proc) | mpp decode (1 proc) | shards (mpp) | ImageFolder "
+             "| shards / ImageFolder (>= 2) | shards / (PIL loop x workers) (>= 0.8) "
+             "| shards / (mpp decode x workers) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['data']} | {r['decode_loop']:.0f} | {r['shards']:.0f} | {r['imagefolder']:.0f} "
-                     f"| {r['vs_imagefolder']:.2f} | {r['vs_decode_limit']:.2f} |")
+        lines.append(f"| {r['data']} | {r['pil_loop']:.0f} | {r['mpp_decode']:.0f} | {r['shards']:.0f} "
+                     f"| {r['imagefolder']:.0f} | {r['vs_imagefolder']:.2f} | {r['vs_decode_limit']:.2f} "
+                     f"| {r['vs_mpp_decode']:.2f} |")
     w = rows[0] if rows else {}
     lines.append(f"\nsamples/s, decoded + augmented to uint8; {w.get('workers')} workers, batch {w.get('batch_size')}, "
                  f"best of {w.get('repeats')} interleaved runs per method")
