@@ -123,3 +123,12 @@ def test_transforms_same_draws_and_pixels_on_both_decoders(size):
     drafted, _ = _load(open_image(jpeg(2000, 1500), CAP), (0, 0, 1500, 1500), size)
     assert isinstance(drafted, Image.Image) and drafted.width <= 1000  # PIL, at reduced scale
     assert isinstance(_load(open_image(jpeg(256, 256), CAP), (0, 0, 256, 256), 224)[0], torch.Tensor)
+
+
+def test_without_torchvision_decoder_every_jpeg_goes_through_pil(monkeypatch):
+    """Should a torchvision release drop its deprecated decoder, images still decode (with PIL)."""
+    data = jpeg(40, 30)
+    assert isinstance(open_image(data, max_pixels=10_000), Jpeg)
+    monkeypatch.setattr(decode, "decode_jpeg", None)
+    img = open_image(data, max_pixels=10_000)
+    assert not isinstance(img, Jpeg) and img.size == (40, 30)

@@ -5,7 +5,8 @@ libjpeg-turbo through torchvision (same pixels as PIL's decode, ~25 us less per 
 copy out of PIL) unless the transform asks PIL to decode it at reduced size; every other image (and
 any JPEG that is truncated, has a malformed header or that torchvision refuses) goes through PIL,
 which decodes it or raises as before. Two costs of that path: torchvision deprecated its image
-decoders in 0.29 (a DeprecationWarning, silent outside pytest), and libjpeg prints one "Corrupt
+decoders in 0.29 (a DeprecationWarning, silent outside pytest, filtered in pyproject's pytest
+settings; should a release drop them, every image goes through PIL again), and libjpeg prints one "Corrupt
 JPEG data" line to stderr for a complete JPEG with damaged data, which it decodes as PIL does
 (torchvision does not route libjpeg's warnings through Python).
 
@@ -23,7 +24,10 @@ from typing import Callable
 
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
+try:  # deprecated since torchvision 0.29 (TorchCodec supersedes it); once removed, PIL decodes all
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:
+    decode_jpeg = None
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
 PIL_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF")
@@ -125,7 +129,7 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image | Jpeg:
     its header) or else opened with PIL's image plugins only; either way refused (ValueError) when
     larger than max_pixels, before decoding. JPEGs above PIL's decompression-bomb threshold are left
     to PIL (which warns or refuses as before)."""
-    size = jpeg_size(data) if data.endswith(b"\xff\xd9") else None
+    size = jpeg_size(data) if decode_jpeg is not None and data.endswith(b"\xff\xd9") else None
     if size is None or size[0] * size[1] > (Image.MAX_IMAGE_PIXELS or max_pixels):
         return _open_pil(data, max_pixels)
     if size[0] * size[1] > max_pixels:
