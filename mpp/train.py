@@ -107,7 +107,8 @@ def train(cfg: Config) -> dict:
         accelerator.print(f"resumed from {resume} (step {state['step']})")
     else:
         seed_everything(int(np.random.SeedSequence([cfg.seed, rank]).generate_state(1)[0]))
-        state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0, "last": {}}
+        state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0, "last": {},
+                 "skipped": {}}
     start = state["step"]
     scheduler.step_update(start)
 
@@ -131,6 +132,10 @@ def train(cfg: Config) -> dict:
                 "elapsed": state["elapsed"] + time.time() - t_begin,
                 "train_time": state["train_time"] + time.perf_counter() - t_loop,
                 "data_wait": state["data_wait"] + wait_all + wait_win, "last": last}
+
+    def skipped() -> dict[str, int]:
+        """Skipped samples by kind over all ranks and all resumed segments (a collective: every rank)."""
+        return _add(state.get("skipped", {}), _skipped(loader))
 
     def check_finite(step: int) -> None:
         if bad_max.item() >= cfg.train.max_bad_steps:
@@ -178,7 +183,7 @@ def train(cfg: Config) -> dict:
             check_finite(done)
             now = time.perf_counter()
             figures = win.read(accelerator)
-            figures.update({"skipped_" + k: n for k, n in _skipped(loader).items()})
+            figures.update({"skipped_" + k: n for k, n in skipped().items()})
             figures["lr"] = max(g["lr"] for g in optimizer.param_groups)
             figures["images_per_s"] = win.steps * cfg.batch_size / (now - t_win)
             figures["data_wait_frac"] = wait_win / (now - t_win)
@@ -197,7 +202,7 @@ def train(cfg: Config) -> dict:
             check_finite(done)
             epoch, batch_pos = divmod(done * accum, loader.batches_per_epoch)
             save_checkpoint(accelerator, ckpt_root, done, task, optimizer, scheduler, keep=cfg.train.keep_ckpts,
-                            state={"epoch": epoch, "batch": batch_pos, **totals()})
+                            state={"epoch": epoch, "batch": batch_pos, "skipped": skipped(), **totals()})
 
         # -- few-shot evaluation on the main process (the evaluator restores every RNG it touches)
         if main and evaluator is not None and done % cfg.fewshot.every == 0:
@@ -218,7 +223,7 @@ def train(cfg: Config) -> dict:
         **{k: v for k, v in last.items() if k not in ("lr", "images_per_s", "data_wait_frac", "nonfinite_steps")
            and not k.startswith("skipped_")},
         "nonfinite_steps": run["nonfinite_steps"],
-        "skipped_samples": _skipped(loader),  # by this process's loader (a resumed run: since the resume)
+        "skipped_samples": skipped(),  # all ranks, all resumed segments
         # end to end over the whole run (all resumed segments; checkpoint and few-shot time included)
         "images_per_s": steps * cfg.batch_size / run["train_time"],
         "data_wait_frac": run["data_wait"] / run["train_time"],
@@ -313,9 +318,13 @@ def _skipped(loader) -> dict[str, int]:
     """The loader's skipped-sample counters summed over ranks (each rank has only the kinds it saw)."""
     total: dict[str, int] = {}
     for counters in gather_object([loader.counters()]):
-        for k, n in counters.items():
-            total[k] = total.get(k, 0) + n
+        total = _add(total, counters)
     return total
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Counters by kind, summed."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
 
 
 def _check_settings(cfg: Config) -> None:

@@ -112,6 +112,28 @@ def test_resume_start_batch_equals_uninterrupted(tmp_path):
     assert list(loader.epoch(2, start_batch=loader.batches_per_epoch)) == []
 
 
+def test_resumed_epoch_does_not_count_the_replayed_skips_again(tmp_path):
+    """A run that checkpoints after batch k and resumes with start_batch=k must end with the counts
+    of an uninterrupted epoch: skips in the replayed batches were counted before the checkpoint."""
+    bad = lambda s, j: {"png": b"not an image"} if j % 4 == 1 else {}  # noqa: E731
+    manifest, _ = write_shards(tmp_path, UNEVEN, extra=bad)
+    def loader():
+        return make_loader(manifest, batch_size=5, img_size=8, train=True, labeled=True,
+                           data_cfg=cfg(shuffle_buffer=10), seed=7)
+    whole = loader()
+    list(whole.epoch(0))
+    first = loader()  # the run that was killed after its batch 4 (the counts its checkpoint saved)
+    for i, _ in enumerate(first.epoch(0)):
+        if i == 3:
+            break
+    second = loader()  # the resumed run: replays batches 0-3, then the rest of the epoch
+    list(second.epoch(0, start_batch=4))
+    total = whole.counters()["corrupt_image"]
+    assert total == sum((n + 2) // 4 for n in UNEVEN)
+    assert 0 < first.counters()["corrupt_image"] < total
+    assert first.counters()["corrupt_image"] + second.counters().get("corrupt_image", 0) == total
+
+
 def test_resampled_fixed_epoch_length(tmp_path):
     manifest, _ = write_shards(tmp_path, [5, 3])
     loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True, seed=1,

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -276,6 +277,24 @@ def test_a_finished_run_resumes_to_nothing_and_keeps_its_figures(mpp_run, tmp_pa
     after = train(load_config(mpp_run / "config.yaml"))
     assert after["loss"] == before["loss"] and after["steps"] == 24
     assert_same(weights(mpp_run / "encoder.safetensors"), encoder)
+
+
+def test_resumed_run_counts_skipped_samples_once(tmp_path):
+    """Skip counters survive a crash: a run resumed from its first checkpoint reports the same
+    skipped-sample counts as the uninterrupted run (the replayed batches are not counted twice)."""
+    from shardutil import write_shards
+    bad = lambda s, j: {"png": b"not an image"} if j % 5 == 2 else {}  # noqa: E731
+    manifest, _ = write_shards(tmp_path / "data", [40, 40, 40, 40], extra=bad)
+    out = tmp_path / "run"
+    items = settings(tmp_path, out, **{"data.train": manifest, "batch_size": 8, "steps": 20,
+                                       "train.ckpt_every": 6, "train.keep_ckpts": 5})
+    whole = train(config(items))["skipped_samples"]
+    assert whole["corrupt_image"] >= 20 * 8 // 5  # 20 steps of 8 read >= 160 of the 1-in-5 bad samples
+    for ckpt in sorted((out / "checkpoints").iterdir())[1:]:  # "crash" after the first checkpoint
+        shutil.rmtree(ckpt)
+    (out / "metrics.json").unlink()
+    resumed = train(config(items))
+    assert resumed["skipped_samples"] == whole
 
 
 def test_optimizer_groups_and_schedule():

@@ -195,7 +195,9 @@ class ShardLoader:
         return self.batches_per_epoch
 
     def counters(self) -> dict[str, int]:
-        """Skipped (and padded/dropped) samples by kind on this rank, cumulative over epochs."""
+        """Skipped (and padded/dropped) samples by kind on this rank, cumulative over epochs; the
+        batches an `epoch(e, start_batch=k)` replays and discards do not count (a resumed run
+        counted them before its checkpoint)."""
         return dict(self._skips)
 
     def _count(self, kind: str, n: int) -> None:
@@ -235,9 +237,12 @@ class ShardLoader:
             raise ValueError(f"start_batch must be in [0, {self.batches_per_epoch}], got {start_batch}")
         if start_batch == self.batches_per_epoch:
             return
+        before = dict(self._skips)  # a resumed run counted the replayed batches' skips already
         for i, batch in enumerate(self._rechunk(epoch)):
             if i >= start_batch:
                 yield batch
+            elif i == start_batch - 1:
+                self._skips = before
 
     def _rechunk(self, epoch: int) -> Iterator[dict]:
         """Exactly batches_per_epoch batches from the worker stream (see the module docstring).
