@@ -46,16 +46,21 @@ PRECISIONS = {"bf16": "bf16", "fp32": "no"}
 CPU = torch.device("cpu")
 
 
-def matmul_peak(n: int = 4096, reps: int = 10, dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of the best of `reps` n x n x n matmuls in `dtype` (the machine's practical peak)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, reps: int = 10) -> float:
+    """FLOP/s of the best of `reps` (m x k) @ (k x n) matmuls in `dtype`."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     a @ b
     best = math.inf
     for _ in range(reps):
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * m * k * n / best
+
+
+def matmul_peak(n: int = 4096, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of a large n x n x n matmul in `dtype` (the machine's practical peak)."""
+    return matmul_rate(n, n, n, dtype)
 
 
 def matmul_peaks(precisions=("bf16", "fp32")) -> dict[str, float]:
@@ -64,6 +69,17 @@ def matmul_peaks(precisions=("bf16", "fp32")) -> dict[str, float]:
     if "fp32" in precisions:
         peaks["fp32"] = matmul_peak(n=2048, dtype=torch.float32)
     return peaks
+
+
+def gemm_rates(model: str, batch_size: int = 0) -> dict[str, float]:
+    """bf16 FLOP/s (`matmul_rate`) of the forward GEMM shapes of a model's linear layers at a batch
+    (tokens x dim times dim x {3 dim, dim, mlp}, tokens x mlp times mlp x dim): how close the step's
+    own matrix multiplies come to the large-matmul peak."""
+    preset, default_batch = MODELS[model]
+    d = _arch(preset)[2]
+    tokens = (batch_size or default_batch) * ((d["img"] // d["patch"]) ** 2 + 1)
+    shapes = ((d["dim"], 3 * d["dim"]), (d["dim"], d["dim"]), (d["dim"], d["mlp"]), (d["mlp"], d["dim"]))
+    return {f"{tokens}x{k}x{n}": matmul_rate(tokens, k, n) for k, n in shapes}
 
 
 def add_peaks(rows: list[dict], peaks: dict[str, float]) -> None:
@@ -308,10 +324,14 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
                 wait_s=sum(waits) / len(waits), cold_start_s=cold)
 
 
-def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict | None) -> str:
+def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict | None,
+                 gemms: dict[str, dict[str, float]] | None = None) -> str:
     lines = []
     if peaks:
         lines.append("matmul peak: " + ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in peaks.items()))
+    for model, rates in (gemms or {}).items():
+        shapes = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in rates.items())
+        lines.append(f"{model} bf16 linear-layer GEMM shapes: {shapes} TFLOP/s")
     lines.append(f"{'model':6} {'prec':5} {'method':12} {'batch':>5} {'step s':>8} {'img/s':>8} "
                  f"{'speed-up':>8} {'TFLOP/s':>8} {'of peak':>7} {'ceiling':>8}")
     for r in rows:

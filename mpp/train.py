@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +136,7 @@ def train(cfg: Config) -> dict:
 
     def skipped() -> dict[str, int]:
         """Skipped samples by kind over all ranks and all resumed segments (a collective: every rank)."""
-        return _add(state.get("skipped", {}), _skipped(loader))
+        return dict(Counter(state.get("skipped", {})) + Counter(_skipped(loader)))
 
     def check_finite(step: int) -> None:
         if bad_max.item() >= cfg.train.max_bad_steps:
@@ -316,15 +317,10 @@ class _Window:
 
 def _skipped(loader) -> dict[str, int]:
     """The loader's skipped-sample counters summed over ranks (each rank has only the kinds it saw)."""
-    total: dict[str, int] = {}
+    total: Counter = Counter()
     for counters in gather_object([loader.counters()]):
-        total = _add(total, counters)
-    return total
-
-
-def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    """Counters by kind, summed."""
-    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+        total.update(counters)
+    return dict(total)
 
 
 def _check_settings(cfg: Config) -> None:

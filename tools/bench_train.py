@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mpp.bench import METHODS, MODELS, PRECISIONS, format_table, loader_check, run_with_peaks
+from mpp.bench import METHODS, MODELS, PRECISIONS, format_table, gemm_rates, loader_check, run_with_peaks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, peaks = run_with_peaks(a.only, a.precision, a.methods, steps=a.steps, warmup=a.warmup,
                                      batch_size=a.batch_size, compile=a.compile,
                                      progress=lambda m: print(m, flush=True))
+        gemms = {m: gemm_rates(m, a.batch_size) for m in a.only} if "bf16" in a.precision else {}
         loader = None
         if not a.no_loader:
             with tempfile.TemporaryDirectory() as tmp:
@@ -47,9 +48,10 @@ def main(argv: list[str] | None = None) -> None:
                                       batch_size=a.batch_size, num_workers=a.workers)
     except (RuntimeError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    print(format_table(rows, peaks, loader))
+    print(format_table(rows, peaks, loader, gemms))
     if a.json:
-        Path(a.json).write_text(json.dumps({"peak_flops": peaks, "rows": rows, "loader": loader}, indent=1))
+        Path(a.json).write_text(json.dumps({"peak_flops": peaks, "gemm_flops": gemms, "rows": rows, "loader": loader},
+                                           indent=1))
 
 
 if __name__ == "__main__":

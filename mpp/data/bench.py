@@ -11,8 +11,8 @@ one core each (torch single-threaded):
   already in memory: `Image.open`, `.convert("RGB")`, the crop box from the loader's `crop_box`,
   PIL `resize(box=...)` (bilinear), flip, to a uint8 array;
 - `mpp decode (1 proc)`: the same bytes through the loader's own per-sample code
-  (`decode.open_image` + `TrainTransform`: libjpeg-turbo or PIL draft decode, torch resize) and
-  batch stacking, as a worker runs it: what the loader's workers can reach at most;
+  (`decode.decode_sample` with `TrainTransform`: libjpeg-turbo or PIL draft decode, torch resize)
+  and batch stacking, as a worker runs it: what the loader's workers can reach at most;
 - `shards (mpp)`: `make_loader` with `workers` DataLoader workers;
 - `ImageFolder`: torchvision's `ImageFolder` (its loader decodes every image fully) with
   `RandomResizedCrop` + `RandomHorizontalFlip` + `PILToTensor`, `DataLoader(shuffle=True)` with
@@ -45,7 +45,7 @@ from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
 from mpp.config import DataConfig
-from mpp.data.decode import open_image
+from mpp.data.decode import decode_sample
 from mpp.data.stream import make_loader
 from mpp.data.synthetic import render
 from mpp.data.transforms import TrainTransform, crop_box, stack
@@ -157,7 +157,9 @@ def rate_mpp_decode(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataC
     start = time.perf_counter()
     images = []
     for data in itertools.islice(itertools.cycle(blobs), samples):
-        images.append(transform(open_image(data, data_cfg.max_pixels), rng))
+        image, _ = decode_sample({"jpg": data}, transform, rng, labeled=False, num_classes=None,
+                                 max_pixels=data_cfg.max_pixels, skips={})
+        images.append(image)
         if len(images) == batch_size:
             stack(images)
             images = []
