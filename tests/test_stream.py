@@ -16,8 +16,9 @@ from PIL import Image
 
 from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
+from mpp.data.decode import open_image
 from mpp.data.stream import batch_plan
-from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, resized_crop, stack
+from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, _load, resized_crop, stack
 from shardutil import encode, write_shards
 
 UNEVEN = [9, 3, 14, 6, 11, 5, 8]
@@ -241,27 +242,28 @@ def test_float_and_normalize():
     assert torch.allclose(n.flatten(), torch.tensor([-1.0, 1.0, -1.2]))
 
 
-def test_transforms_shapes_and_jpeg_draft():
+def test_transforms_shapes_and_reduced_scale_jpeg_decode():
     import random
     y, x = np.mgrid[0:600, 0:800]
     smooth = np.stack([x * 255 // 800, y * 255 // 600, (x + y) * 255 // 1400], -1).astype(np.uint8)
     data = encode(smooth, "jpeg", quality=95)
-
-    def full(img):  # an already decoded image: draft cannot apply
-        img.load()
-        return img
-
+    scales = []
     for transform in (EvalTransform(64, 0.875), TrainTransform(64, (0.08, 1.0), hflip=0.5)):
         for seed in range(3):
-            lazy = Image.open(io.BytesIO(data))
-            drafted = transform(lazy, random.Random(seed))
-            assert lazy.size[0] <= 800 // 2  # decoded at reduced scale
-            exact = transform(full(Image.open(io.BytesIO(data))), random.Random(seed))
-            assert drafted.shape == (3, 64, 64) and drafted.dtype == torch.uint8
-            assert (drafted.float() - exact.float()).abs().mean() < 1.0  # same geometry
+            jpeg = open_image(data, 10**8)  # libjpeg-turbo, at 1/r scale when the crop has r x 64 px
+            box, _ = transform.params(jpeg, random.Random(seed))
+            r = max(r for r in (1, 2, 4, 8) if r == 1 or min(box[2], box[3]) >= r * 64)
+            decoded, scaled_box = _load(jpeg, box, 64)
+            assert decoded.shape == (3, -(-600 // r), -(-800 // r)) and min(scaled_box[2:]) >= 63
+            scales.append(r)
+            fast = transform.batch([jpeg], random.Random(seed))[0]
+            exact = transform.batch([Image.open(io.BytesIO(data))], random.Random(seed))[0]  # PIL: full scale
+            assert fast.shape == (3, 64, 64) and fast.dtype == torch.uint8
+            assert (fast.float() - exact.float()).abs().mean() < 1.0  # same geometry
+    assert max(scales) == 8 and min(scales) < 8
     # a flip-only train transform at full scale mirrors the image
     img = Image.open(io.BytesIO(encode(smooth[:256, :256], "png")))
-    t = TrainTransform(256, (1.0, 1.0), hflip=1.0)(img, random.Random(0))
+    t = TrainTransform(256, (1.0, 1.0), hflip=1.0).batch([img], random.Random(0))[0]
     assert torch.equal(t, torch.from_numpy(np.ascontiguousarray(smooth[:256, :256, :][:, ::-1])).permute(2, 0, 1))
 
 

@@ -11,8 +11,9 @@ one core each (torch single-threaded):
   already in memory: `Image.open`, `.convert("RGB")`, the crop box from the loader's `crop_box`,
   PIL `resize(box=...)` (bilinear), flip, to a uint8 array;
 - `mpp decode (1 proc)`: the same bytes through the loader's own per-sample code
-  (`decode.decode_sample` with `TrainTransform`: libjpeg-turbo or PIL draft decode, torch resize)
-  and batch stacking, as a worker runs it: what the loader's workers can reach at most;
+  (`decode.decode_batch` with `TrainTransform`: libjpeg-turbo decode, at reduced scale where the
+  crop allows, torch resize) and batch stacking, as a worker runs it: what the loader's workers can
+  reach at most;
 - `shards (mpp)`: `make_loader` with `workers` DataLoader workers;
 - `ImageFolder`: torchvision's `ImageFolder` (its loader decodes every image fully) with
   `RandomResizedCrop` + `RandomHorizontalFlip` + `PILToTensor`, `DataLoader(shuffle=True)` with
@@ -45,7 +46,7 @@ from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
 from mpp.config import DataConfig
-from mpp.data.decode import decode_sample
+from mpp.data.decode import decode_batch
 from mpp.data.stream import make_loader
 from mpp.data.synthetic import render
 from mpp.data.transforms import TrainTransform, crop_box, stack
@@ -155,14 +156,10 @@ def rate_mpp_decode(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataC
     blobs, rng = _blobs(ds, samples), random.Random(0)
     transform = TrainTransform(ds.img_size, data_cfg.crop_scale, data_cfg.hflip)
     start = time.perf_counter()
-    images = []
-    for data in itertools.islice(itertools.cycle(blobs), samples):
-        image, _ = decode_sample({"jpg": data}, transform, rng, labeled=False, num_classes=None,
-                                 max_pixels=data_cfg.max_pixels, skips={})
-        images.append(image)
-        if len(images) == batch_size:
-            stack(images)
-            images = []
+    stream = ({"jpg": data} for data in itertools.islice(itertools.cycle(blobs), samples))
+    while chunk := list(itertools.islice(stream, batch_size)):
+        stack(decode_batch(chunk, transform, rng, labeled=False, num_classes=None,
+                           max_pixels=data_cfg.max_pixels, skips={})[0])
     return samples / (time.perf_counter() - start)
 
 

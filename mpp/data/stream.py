@@ -7,9 +7,9 @@ Per epoch e (identical computation on every rank and worker):
    rank's shards are split over its DataLoader workers greedily in the shuffled order. Fewer shards
    than ranks x workers: fewer workers per rank (logged); fewer shards than ranks: an error;
 2. each DataLoader worker reads its bin's shards, drops samples outside a subset, shuffles raw
-   (undecoded) samples in a buffer, decodes (`decode.decode_sample`) and yields uint8 batches of
-   `batch_size` (channels-last memory format, `transforms.stack`) together with its cumulative
-   skip counters;
+   (undecoded) samples in a buffer, decodes them a batch at a time (`decode.decode_batch`) and
+   yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`) together
+   with its cumulative skip counters;
 3. the main process re-chunks the worker stream into exactly K batches, K the same on every rank
    (K = ceil(largest rank bin total / batch_size), fixed for all epochs): full batches first, the
    tail ones smaller; each size is planned from what the rank still expects (its count minus what
@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.filters import shuffle as wds_shuffle
 
 from mpp.config import DataConfig
-from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_sample
+from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_batch
 from mpp.data.sources import ShardSet, assign, read_shard, resolve
 from mpp.data.subset import select_subset
 from mpp.data.transforms import build_transform, stack
@@ -122,14 +122,12 @@ class _ShardStream(IterableDataset):
                                   rng=random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:buffer"))(samples)
         num_classes = len(self.shards.classes) if self.shards.classes else None
         images, labels = [], []
-        try:
-            for sample in samples:
-                out = decode_sample(sample, self.transform, rng, labeled=self.labeled,
-                                    num_classes=num_classes, max_pixels=self.max_pixels, skips=skips)
-                if out is None:
-                    continue
-                images.append(out[0])
-                labels.append(out[1])
+        try:  # decode only as many samples as the batch still needs: batches stay in stream order
+            while chunk := list(itertools.islice(samples, self.batch_size - len(images))):
+                got = decode_batch(chunk, self.transform, rng, labeled=self.labeled, num_classes=num_classes,
+                                   max_pixels=self.max_pixels, skips=skips)
+                images += got[0]
+                labels += got[1]
                 if len(images) == self.batch_size:
                     yield self._batch(images, labels, worker, skips)
                     images, labels = [], []
