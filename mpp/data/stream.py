@@ -8,8 +8,9 @@ Per epoch e (identical computation on every rank and worker):
    than ranks x workers: fewer workers per rank (logged); fewer shards than ranks: an error;
 2. each DataLoader worker reads its bin's shards, drops samples outside a subset, shuffles raw
    (undecoded) samples in a buffer, decodes them a batch at a time (`decode.decode_batch`) and
-   yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`) together
-   with its cumulative skip counters;
+   yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`), in
+   shared-memory slots it reuses (`slots.BatchSlots`) unless the DataLoader pins memory for CUDA,
+   together with its cumulative skip counters;
 3. the main process re-chunks the worker stream into exactly K batches, K the same on every rank
    (K = ceil(largest rank bin total / batch_size), fixed for all epochs): full batches first, the
    tail ones smaller; each size is planned from what the rank still expects (its count minus what
@@ -41,6 +42,7 @@ from webdataset.filters import shuffle as wds_shuffle
 
 from mpp.config import DataConfig
 from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_batch
+from mpp.data.slots import BatchSlots
 from mpp.data.sources import ShardSet, assign, read_shard, resolve
 from mpp.data.subset import select_subset
 from mpp.data.transforms import build_transform, stack
@@ -51,6 +53,8 @@ log = logging.getLogger(__name__)
 # time cost ~10% more per sample at 32 px (the two code paths keep evicting each other from the
 # CPU's caches); measured 138 -> 125 us per CIFAR sample in one process
 RAW_BLOCK = 64
+# batch slots per worker: DataLoader's 2 prefetched batches, 1 being filled, 1 held by the consumer
+SLOTS_PER_WORKER = 4
 
 
 def _in_blocks(items: Iterator, n: int) -> Iterator:
@@ -94,6 +98,7 @@ class _ShardStream(IterableDataset):
         self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
         self.shuffle_buffer, self.resampled, self.seed, self.rank = shuffle_buffer, resampled, seed, rank
         self.epoch, self.plan = 0, None  # set by ShardLoader before each epoch's workers start
+        self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
 
     def _shard_ids(self, worker: int, rng: random.Random) -> Iterator[int]:
         if self.resampled:
@@ -139,7 +144,13 @@ class _ShardStream(IterableDataset):
         yield {"worker": worker, "skips": dict(skips)}  # the final counts of this worker
 
     def _batch(self, images, labels, worker, skips) -> dict:
-        out = {"image": stack(images), "worker": worker, "skips": dict(skips)}
+        out = {"worker": worker, "skips": dict(skips)}
+        slot = self.slots.acquire(worker) if self.slots is not None else None
+        if slot is None:
+            out["image"] = stack(images)
+        else:  # stacked into a reused shared-memory slot: only its number travels
+            stack(images, slot[1])
+            out["slot"], out["size"] = slot[0], len(images)
         if self.labeled:  # a list: pickled inline, while each tensor costs the main process a
             out["label"] = labels  # shared-memory file to receive (~0.2 ms per batch)
         return out
@@ -188,6 +199,10 @@ class ShardLoader:
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
             resampled=self.resampled, seed=seed, rank=rank)
         self._skips: dict[str, int] = {}
+        self.pin_memory = torch.cuda.is_available()
+        if self.num_workers and not self.pin_memory:  # pinned batches would need CUDA events to reuse slots
+            self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
+        self._running = 0  # epoch iterators whose workers may still hold slots
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -212,21 +227,30 @@ class ShardLoader:
         # own generator: creating the iterator draws a base seed, which must not come from (and
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=torch.cuda.is_available(), persistent_workers=False,
+                            pin_memory=self.pin_memory, persistent_workers=False,
                             generator=torch.Generator())
+        slots = self.stream.slots
+        if slots is not None and not self._running:
+            slots.reclaim()
         seen: dict[int, dict[str, int]] = {}
-        for item in loader:
-            last = seen.get(item["worker"], {})
-            for kind, n in item["skips"].items():
-                self._count(kind, n - last.get(kind, 0))
-                tally[kind] = tally.get(kind, 0) + n - last.get(kind, 0)
-            seen[item["worker"]] = item["skips"]
-            if "error" in item:
-                raise DataError(item["error"])
-            if "image" in item:
-                if "label" in item:
-                    item["label"] = torch.tensor(item["label"], dtype=torch.long)
-                yield item
+        self._running += 1
+        try:
+            for item in loader:
+                last = seen.get(item["worker"], {})
+                for kind, n in item["skips"].items():
+                    self._count(kind, n - last.get(kind, 0))
+                    tally[kind] = tally.get(kind, 0) + n - last.get(kind, 0)
+                seen[item["worker"]] = item["skips"]
+                if "error" in item:
+                    raise DataError(item["error"])
+                if "slot" in item:
+                    item["image"] = slots.receive(item.pop("slot"), item.pop("size")).permute(0, 3, 1, 2)
+                if "image" in item:
+                    if "label" in item:
+                        item["label"] = torch.tensor(item["label"], dtype=torch.long)
+                    yield item
+        finally:
+            self._running -= 1
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[dict]:
         """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W) (channels-last

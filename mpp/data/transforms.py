@@ -94,13 +94,15 @@ def resized_crop(img: Image.Image | torch.Tensor, box: tuple[int, int, int, int]
     return (crop.flip(-1) if flip else crop)[0]
 
 
-def stack(images: list[torch.Tensor]) -> torch.Tensor:
+def stack(images: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The transforms' (3, H, W) images as one uint8 (B, 3, H, W) batch in channels-last memory
     format: stacking their (H, W, 3) pixels is a plain copy, where a contiguous (B, 3, H, W) batch
     needs a transposing one (~90 us per 224 px image, about the resize's cost). Every torch op and
-    the model accept it. In a DataLoader worker default_collate stacks straight into shared
-    memory, so sending the batch to the main process copies nothing more."""
-    return default_collate([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
+    the model accept it. Stacked into `out` (a (B', H, W, 3) buffer, B' >= B) when given, else by
+    default_collate, which in a DataLoader worker stacks straight into fresh shared memory."""
+    hwc = [image.permute(1, 2, 0) for image in images]
+    batch = default_collate(hwc) if out is None else torch.stack(hwc, out=out[:len(hwc)])
+    return batch.permute(0, 3, 1, 2)
 
 
 def _scaled(box: Sequence[float], f: float, width: int, height: int) -> tuple[int, int, int, int]:

@@ -1,0 +1,59 @@
+"""mpp.data.slots: batch buffers reused between workers and the main process, never while a batch
+over them is alive."""
+from __future__ import annotations
+
+import gc
+import pickle
+
+import torch
+
+from mpp.config import DataConfig
+from mpp.data import make_loader
+from mpp.data.slots import FILLING, FREE, HELD, BatchSlots
+from shardutil import write_shards
+
+
+def states(slots: BatchSlots) -> list[int]:
+    return list(slots.state[:])
+
+
+def test_slot_is_free_only_when_every_view_is_garbage():
+    slots = BatchSlots(2, 2, (4, 3, 3, 3))
+    a, b = slots.acquire(1), slots.acquire(1)
+    assert (a[0], b[0]) == (2, 3) and slots.acquire(1) is None and states(slots) == [FREE, FREE, FILLING, FILLING]
+    a[1][:2].fill_(7)
+    batch = slots.receive(a[0], 2)
+    assert batch.shape == (2, 3, 3, 3) and bool((batch == 7).all()) and states(slots)[2] == HELD
+    view = batch.permute(0, 3, 1, 2)[1:]
+    del batch, a
+    gc.collect()
+    assert states(slots)[2] == HELD  # a view keeps the slot
+    del view
+    assert states(slots)[2] == FREE
+    slots.reclaim()  # a slot filled but never received (an abandoned epoch) is freed
+    assert states(slots) == [FREE] * 4
+    assert pickle.loads(pickle.dumps(slots)).acquire(0) is None  # a spawned worker: no slots
+
+
+def test_held_batches_are_never_overwritten_and_slots_come_back(tmp_path):
+    manifest, _ = write_shards(tmp_path, [24] * 4)
+    cfg = DataConfig(num_workers=2, eval_crop_pct=1.0)
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True, data_cfg=cfg)
+    slots = loader.stream.slots
+    assert slots is not None and len(slots.state) == 8 < loader.batches_per_epoch
+    held = list(loader.epoch(0))  # 24 batches held, more than the 8 slots: the rest travel as usual
+    assert states(slots).count(HELD) == 8
+    loader.stream.slots = None  # the same epoch without slots: the same batches
+    plain = list(loader.epoch(0))
+    assert all(torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+               for a, b in zip(held, plain, strict=True))
+    loader.stream.slots = slots
+    del held
+    gc.collect()
+    assert states(slots) == [FREE] * 8
+    it = loader.epoch(1)
+    next(it)
+    it.close()  # abandoned: the batches its workers had filled are never received
+    assert FILLING in states(slots)
+    again = list(loader.epoch(2))  # reclaimed before this epoch's workers start: all 8 in use again
+    assert states(slots).count(HELD) == 8 and len(again) == loader.batches_per_epoch
