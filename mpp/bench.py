@@ -296,7 +296,8 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
         step(memory)
     times: dict[str, list[float]] = {"memory": [], "loader": []}
     waits = []
-    with contextlib.closing(loader.epoch(0)) as batches:
+    with contextlib.closing(loader):  # stops its workers at the end
+        batches = loader.epoch(0)
         start = time.perf_counter()
         first = next(batches)
         cold = time.perf_counter() - start

@@ -210,7 +210,7 @@ def train(cfg: Config) -> dict:
             for k, v in evaluator(encoder).items():
                 writer.add_scalar("fewshot/" + k, v, done)
     bar.close()
-    batches.close()  # ends the data workers of an unfinished epoch
+    loader.close()  # stops the data workers (an epoch may be unfinished)
     run = totals()
 
     # ---- the end: exported encoder, evaluation of a fine-tune, metrics.json

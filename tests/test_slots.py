@@ -30,7 +30,7 @@ def test_slot_is_free_only_when_every_view_is_garbage():
     assert states(slots)[2] == HELD  # a view keeps the slot
     del view
     assert states(slots)[2] == FREE
-    slots.reclaim()  # a slot filled but never received (an abandoned epoch) is freed
+    slots.reclaim(1)  # a slot filled but never received (an abandoned epoch) is freed
     assert states(slots) == [FREE] * 4
     assert pickle.loads(pickle.dumps(slots)).acquire(0) is None  # a spawned worker: no slots
 
@@ -55,5 +55,5 @@ def test_held_batches_are_never_overwritten_and_slots_come_back(tmp_path):
     next(it)
     it.close()  # abandoned: the batches its workers had filled are never received
     assert FILLING in states(slots)
-    again = list(loader.epoch(2))  # reclaimed before this epoch's workers start: all 8 in use again
+    again = list(loader.epoch(2))  # reclaimed as the workers start this epoch: all 8 in use again
     assert states(slots).count(HELD) == 8 and len(again) == loader.batches_per_epoch

@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import http.server
 import io
+import multiprocessing
 import shutil
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -99,6 +101,42 @@ def test_epoch_shuffle_deterministic_and_changes(tmp_path):
     a, b, c = run(1), run(1), run(2)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 10
     assert not torch.equal(torch.cat(a), torch.cat(c))
+
+
+def test_one_loader_streams_each_epoch_it_is_asked_for(tmp_path):
+    """Persistent workers learn the epoch from their loader: one loader gives epochs 1, 2, 1 as
+    fresh loaders do, also after an epoch abandoned midway; a new epoch ends an unfinished one."""
+    manifest, _ = write_shards(tmp_path, [10] * 6)
+
+    def loader():
+        return make_loader(manifest, batch_size=6, img_size=8, train=True, labeled=True,
+                           data_cfg=cfg(shuffle_buffer=8))
+
+    one = loader()
+    unfinished = one.epoch(1)
+    next(unfinished)
+    runs = [torch.cat([b["image"] for b in one.epoch(e)]) for e in (1, 2, 1)]
+    assert list(unfinished) == []
+    fresh = [torch.cat([b["image"] for b in loader().epoch(e)]) for e in (1, 2)]
+    assert torch.equal(runs[0], fresh[0]) and torch.equal(runs[2], fresh[0]) and torch.equal(runs[1], fresh[1])
+    assert not torch.equal(runs[0], runs[1])
+
+
+def test_close_stops_the_persistent_workers_at_once(tmp_path):
+    manifest, _ = write_shards(tmp_path, [10] * 4)
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=cfg())
+    epoch0 = loader.epoch(0)
+    first = [next(epoch0)["image"]]
+    workers = {p.pid for p in multiprocessing.active_children()}
+    first += [b["image"] for b in epoch0]
+    unfinished = loader.epoch(1)
+    next(unfinished)
+    assert len(workers) == 2 and {p.pid for p in multiprocessing.active_children()} == workers  # not forked again
+    start = time.perf_counter()
+    loader.close()
+    assert multiprocessing.active_children() == [] and time.perf_counter() - start < 2
+    assert list(unfinished) == []
+    assert all(torch.equal(a, b["image"]) for a, b in zip(first, loader.epoch(0), strict=True))  # new workers
 
 
 def test_resume_start_batch_equals_uninterrupted(tmp_path):

@@ -26,6 +26,7 @@ per-sample code. On a small shared machine one timing is noisy, so the methods r
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -166,7 +167,8 @@ def rate_mpp_decode(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataC
 def rate_shards(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
     loader = make_loader(str(ds.manifest), batch_size=batch_size, img_size=ds.img_size, train=True,
                          labeled=True, data_cfg=data_cfg, rank=0, world_size=1)
-    return _rate((b for e in itertools.count() for b in loader.epoch(e)), samples)
+    with contextlib.closing(loader):  # stops its workers at the end
+        return _rate((b for e in itertools.count() for b in loader.epoch(e)), samples)
 
 
 def rate_imagefolder(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:

@@ -4,7 +4,7 @@ PyTorch sends each batch from a worker in a fresh shared-memory segment that the
 page by page and the main process unmaps and frees after use. The kernel zeroes and maps every
 4 KiB page anew: 37 page faults per 224 px image, ~130 us of kernel time per sample on this
 machine, a third of its decode time. Here the loader maps `per_worker` batch-sized slots per
-worker once (an anonymous shared mapping that forked workers inherit); a worker stacks its batch
+worker once (an anonymous shared mapping that the forked workers inherit); a worker stacks its batch
 into a free slot of its own and sends only the slot's number. The main process hands out a tensor
 over the slot and marks the slot free again when that tensor and every view of it are garbage
 (a finalizer on the numpy array under it): a consumer may keep batches as long as it likes, the
@@ -56,9 +56,12 @@ class BatchSlots:
         weakref.finalize(array, self.state.__setitem__, slot, FREE).atexit = False
         return torch.from_numpy(array).view(self.shape)[:n]
 
-    def reclaim(self) -> None:
-        """Main side, while no workers run: free the slots that workers filled but whose batches
-        never arrived (an epoch abandoned midway)."""
-        for i in range(len(self.state)):
+    def reclaim(self, worker: int) -> None:
+        """Worker side, as it starts an epoch: free its slots still marked as being filled. Their
+        batches were never received: the DataLoader drops what an abandoned epoch left unread
+        before a worker's next epoch reaches the main process."""
+        if self.mem is None:
+            return
+        for i in range(worker * self.per_worker, (worker + 1) * self.per_worker):
             if self.state[i] == FILLING:
                 self.state[i] = FREE

@@ -1,6 +1,8 @@
 """Sharded, distributed, exactly-sized batch streams: `make_loader(...) -> ShardLoader`.
 
-Per epoch e (identical computation on every rank and worker):
+The DataLoader workers persist across epochs (forked once per loader, stopped by
+`ShardLoader.close()` or when the loader is freed); the loader tells them which epoch to stream
+through shared memory. Per epoch e (identical computation on every rank and worker):
 1. shards are shuffled with a seed of (seed, e) (train only) and packed into one bin per rank by
    largest-first greedy (`sources.assign`): the bin totals depend only on the shard counts, so they
    are the same every epoch; in training the rank bins are then permuted with the same seed. A
@@ -26,14 +28,18 @@ exactly what an uninterrupted epoch would (the run is deterministic given seed, 
 worker count: DataLoader collects from workers in a fixed round-robin order, and shuffling and
 augmentation use Python RNGs seeded from (seed, epoch, rank, worker)). The price: a resume in
 the middle of an epoch re-reads and decodes that epoch's first k batches (no model compute).
+Starting an epoch ends the loader's unfinished one (the workers are shared).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
+import multiprocessing
 import random
 import warnings
+import weakref
 from typing import Iterator
 
 import torch
@@ -93,22 +99,29 @@ class _ShardStream(IterableDataset):
     """One rank's worker side: per worker, its shards -> raw shuffle -> decode -> uint8 batches."""
 
     def __init__(self, shards: ShardSet, transform, *, batch_size: int, labeled: bool,
-                 max_pixels: int, shuffle_buffer: int, resampled: bool, seed: int, rank: int):
+                 max_pixels: int, shuffle_buffer: int, resampled: bool, seed: int, train: bool,
+                 rank: int, world_size: int, workers: int):
         self.shards, self.transform = shards, transform
         self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
-        self.shuffle_buffer, self.resampled, self.seed, self.rank = shuffle_buffer, resampled, seed, rank
-        self.epoch, self.plan = 0, None  # set by ShardLoader before each epoch's workers start
+        self.shuffle_buffer, self.resampled, self.seed, self.train = shuffle_buffer, resampled, seed, train
+        self.rank, self.world_size, self.workers = rank, world_size, workers
+        # the epoch to stream: set by ShardLoader before each epoch, read by its persistent workers
+        self.epoch = multiprocessing.RawValue("q", 0)
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
 
-    def _shard_ids(self, worker: int, rng: random.Random) -> Iterator[int]:
+    def plan(self, epoch: int) -> _EpochPlan:
+        return _EpochPlan(self.shards, epoch, seed=self.seed, train=self.train, rank=self.rank,
+                          world_size=self.world_size, workers=self.workers)
+
+    def _shard_ids(self, epoch: int, worker: int, rng: random.Random) -> Iterator[int]:
         if self.resampled:
             while True:
                 yield rng.randrange(len(self.shards.urls))
-        yield from self.plan.bins[worker]
+        yield from self.plan(epoch).bins[worker]
 
-    def _raw(self, worker: int, skips: dict) -> Iterator[dict]:
-        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:order")
-        for s in self._shard_ids(worker, rng):
+    def _raw(self, epoch: int, worker: int, skips: dict) -> Iterator[dict]:
+        rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:order")
+        for s in self._shard_ids(epoch, worker, rng):
             keys = self.shards.keys[s] if self.shards.keys is not None else None
             for sample in read_shard(self.shards.urls[s], skips):
                 if keys is None or sample["__key__"] in keys:
@@ -119,12 +132,14 @@ class _ShardStream(IterableDataset):
         worker = info.id if info is not None else 0
         if info is not None:  # a worker process: corrupt images are counted, not warned about by PIL
             warnings.filterwarnings("ignore", module="PIL")
-        skips: dict[str, int] = {}
-        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:augment")
-        samples = _in_blocks(self._raw(worker, skips), RAW_BLOCK)
+        if self.slots is not None:  # what this worker sent in an abandoned epoch was dropped unread
+            self.slots.reclaim(worker)
+        epoch, skips = self.epoch.value, {}
+        rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:augment")
+        samples = _in_blocks(self._raw(epoch, worker, skips), RAW_BLOCK)
         if self.shuffle_buffer > 0:
             samples = wds_shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
-                                  rng=random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}:buffer"))(samples)
+                                  rng=random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:buffer"))(samples)
         num_classes = len(self.shards.classes) if self.shards.classes else None
         images, labels = [], []
         try:  # decode only as many samples as the batch still needs: batches stay in stream order
@@ -197,15 +212,32 @@ class ShardLoader:
         self.stream = _ShardStream(
             shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
-            resampled=self.resampled, seed=seed, rank=rank)
+            resampled=self.resampled, seed=seed, train=train, rank=rank, world_size=world_size, workers=workers)
         self._skips: dict[str, int] = {}
-        self.pin_memory = torch.cuda.is_available()
-        if self.num_workers and not self.pin_memory:  # pinned batches would need CUDA events to reuse slots
+        pin_memory = torch.cuda.is_available()
+        if self.num_workers and not pin_memory:  # pinned batches would need CUDA events to reuse slots
             self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
-        self._running = 0  # epoch iterators whose workers may still hold slots
+        # persistent workers: forked once, not every epoch (each fork cost ~0.1 s and cold caches);
+        # own generator: creating the iterator draws a base seed, which must not come from (and
+        # shift) the global torch RNG that training draws from, or a resumed run would diverge
+        self._dataloader = functools.partial(
+            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
+            persistent_workers=self.num_workers > 0, generator=torch.Generator())
+        self._loader = self._dataloader()
+        # the epoch being streamed, weakly: a strong reference would make a cycle through self, and
+        # a loader freed by the garbage collector stops its workers only after a 5 s timeout each
+        self._current = lambda: None
 
     def __len__(self) -> int:
         return self.batches_per_epoch
+
+    def close(self) -> None:
+        """End the epoch being streamed and stop the workers now (they persist across epochs until
+        this, or until the loader is freed); a later `epoch()` starts new ones."""
+        current = self._current()
+        if current is not None:
+            current.close()
+        self._loader = self._dataloader()  # the old DataLoader, freed, shuts its workers down
 
     def counters(self) -> dict[str, int]:
         """Skipped (and padded/dropped) samples by kind on this rank, cumulative over epochs; the
@@ -222,35 +254,25 @@ class ShardLoader:
         self._skips[kind] = self._skips.get(kind, 0) + n
 
     def _worker_items(self, tally: dict[str, int]) -> Iterator[dict]:
-        """The rank's worker stream for the epoch set on `self.stream`; skip counters are folded into
-        `counters()` and this epoch's `tally`, worker errors are raised here."""
-        # own generator: creating the iterator draws a base seed, which must not come from (and
-        # shift) the global torch RNG that training draws from, or a resumed run would diverge
-        loader = DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory, persistent_workers=False,
-                            generator=torch.Generator())
-        slots = self.stream.slots
-        if slots is not None and not self._running:
-            slots.reclaim()
-        seen: dict[int, dict[str, int]] = {}
-        self._running += 1
-        try:
-            for item in loader:
-                last = seen.get(item["worker"], {})
-                for kind, n in item["skips"].items():
-                    self._count(kind, n - last.get(kind, 0))
-                    tally[kind] = tally.get(kind, 0) + n - last.get(kind, 0)
-                seen[item["worker"]] = item["skips"]
-                if "error" in item:
-                    raise DataError(item["error"])
-                if "slot" in item:
-                    item["image"] = slots.receive(item.pop("slot"), item.pop("size")).permute(0, 3, 1, 2)
-                if "image" in item:
-                    if "label" in item:
-                        item["label"] = torch.tensor(item["label"], dtype=torch.long)
-                    yield item
-        finally:
-            self._running -= 1
+        """The rank's worker stream for the epoch set on `self.stream` (re-iterating the DataLoader
+        restarts its persistent workers' streams, dropping what an abandoned epoch left unread);
+        skip counters are folded into `counters()` and this epoch's `tally`, worker errors are
+        raised here."""
+        slots, seen = self.stream.slots, {}
+        for item in self._loader:
+            last = seen.get(item["worker"], {})
+            for kind, n in item["skips"].items():
+                self._count(kind, n - last.get(kind, 0))
+                tally[kind] = tally.get(kind, 0) + n - last.get(kind, 0)
+            seen[item["worker"]] = item["skips"]
+            if "error" in item:
+                raise DataError(item["error"])
+            if "slot" in item:
+                item["image"] = slots.receive(item.pop("slot"), item.pop("size")).permute(0, 3, 1, 2)
+            if "image" in item:
+                if "label" in item:
+                    item["label"] = torch.tensor(item["label"], dtype=torch.long)
+                yield item
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[dict]:
         """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W) (channels-last
@@ -260,7 +282,12 @@ class ShardLoader:
         if start_batch == self.batches_per_epoch:
             return
         before = dict(self._skips)  # a resumed run counted the replayed batches' skips already
-        for i, batch in enumerate(self._rechunk(epoch)):
+        current = self._current()
+        if current is not None:  # the workers are shared: a new epoch ends the one before
+            current.close()
+        batches = self._rechunk(epoch)
+        self._current = weakref.ref(batches)
+        for i, batch in enumerate(batches):
             if i >= start_batch:
                 yield batch
             elif i == start_batch - 1:
@@ -272,13 +299,11 @@ class ShardLoader:
         Each batch size comes from the plan for what is still expected (the rank's count minus what
         was emitted and what workers reported skipped so far), so skips shrink the tail batches
         instead of leaving the rank short."""
-        self.stream.epoch = epoch
+        self.stream.epoch.value = epoch
         if self.resampled:
             expected = self.num_samples // self.world_size
         else:
-            self.stream.plan = _EpochPlan(self.shards, epoch, seed=self.seed, train=self.train,
-                                          rank=self.rank, world_size=self.world_size, workers=self.workers)
-            expected = self.stream.plan.num_samples
+            expected = self.stream.plan(epoch).num_samples
         keys = ("image", "label") if self.stream.labeled else ("image",)
         tally: dict[str, int] = {}
         items = self._worker_items(tally)
