@@ -273,8 +273,9 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
     (memory, loader, memory, loader, ...) so the machine's drift hits both sides alike; the loader
     steps all come from one epoch. The figure is the median over the block pairs of (loader block
     time / memory block time - 1): a burst of other work on the machine spoils one pair, not the
-    figure; the mean step times are reported too. The cold start (the wait for an epoch's first batch: worker
-    start-up, shuffle-buffer fill, first decode) is timed separately. Caveat: during a memory block
+    figure; the mean step times are reported too. The cold start (the wait for the first batch: worker start-up,
+    shuffle-buffer fill, first decode; the persistent workers start once per loader, the buffer
+    fills every epoch) is timed separately. Caveat: during a memory block
     the idle workers decode up to `num_workers x prefetch_factor` batches ahead, which moves that
     decoding CPU into the memory block; with the default blocks this is a small share of a block."""
     from mpp.data import make_loader
@@ -353,6 +354,6 @@ def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict 
                      f"{1000 * loader['wait_s']:.0f} ms for the batch) vs {loader['memory_step_s']:.3f} s in memory; "
                      f"slowdown, median of the blocks: {100 * loader['slowdown']:+.1f}% (target <= +5%; per block "
                      f"{blocks})")
-        lines.append(f"loader cold start: {loader['cold_start_s']:.2f} s until an epoch's first batch (worker "
-                     f"start-up, shuffle-buffer fill), once per epoch, not in the figure above")
+        lines.append(f"loader cold start: {loader['cold_start_s']:.2f} s until the first batch (worker start-up, "
+                     f"once per loader; shuffle-buffer fill, once per epoch), not in the figure above")
     return "\n".join(lines)

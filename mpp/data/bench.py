@@ -10,18 +10,19 @@ one core each (torch single-threaded):
 - `PIL decode loop`: the issue's decode limit, a plain single-process PIL loop over image bytes
   already in memory: `Image.open`, `.convert("RGB")`, the crop box from the loader's `crop_box`,
   PIL `resize(box=...)` (bilinear), flip, to a uint8 array;
-- `mpp decode (1 proc)`: the same bytes through the loader's own per-sample code
+- `mpp decode (1 proc)`: the same bytes through the loader's own code, a batch at a time
   (`decode.decode_batch` with `TrainTransform`: libjpeg-turbo decode, at reduced scale where the
   crop allows, torch resize) and batch stacking, as a worker runs it: what the loader's workers can
   reach at most;
 - `shards (mpp)`: `make_loader` with `workers` DataLoader workers;
 - `ImageFolder`: torchvision's `ImageFolder` (its loader decodes every image fully) with
   `RandomResizedCrop` + `RandomHorizontalFlip` + `PILToTensor`, `DataLoader(shuffle=True)` with
-  the same workers and batch size.
-Rates are measured from the first batch on (worker start-up and shuffle-buffer fill excluded) and
-reported with the ratios the issue targets, shards / ImageFolder >= 2 and shards / (PIL decode
+  the same workers and batch size, persistent like the shard loader's (DataLoader's default forks
+  them anew every epoch, which would make the baseline slower).
+Rates are measured from the first batch on (the first worker start-up and shuffle-buffer fill
+excluded; with more samples than images, later epoch starts count) and reported with the ratios the issue targets, shards / ImageFolder >= 2 and shards / (PIL decode
 loop x workers) >= 0.8, plus shards / (mpp decode x workers), the pipeline's efficiency over its own
-per-sample code. On a small shared machine one timing is noisy, so the methods run in turn
+decode code. On a small shared machine one timing is noisy, so the methods run in turn
 `repeats` times (interleaved, so a busy moment hits all of them alike) and each keeps its best.
 """
 from __future__ import annotations
@@ -175,7 +176,8 @@ def rate_imagefolder(ds: BenchSet, samples: int, batch_size: int, data_cfg: Data
     transform = T.Compose([T.RandomResizedCrop(ds.img_size, scale=tuple(data_cfg.crop_scale), antialias=True),
                            T.RandomHorizontalFlip(data_cfg.hflip), T.PILToTensor()])
     loader = DataLoader(datasets.ImageFolder(str(ds.folder), transform=transform), batch_size=batch_size,
-                        shuffle=True, num_workers=data_cfg.num_workers, drop_last=False)
+                        shuffle=True, num_workers=data_cfg.num_workers, drop_last=False,
+                        persistent_workers=True)
     return _rate((b for _ in itertools.count() for b in loader), samples)
 
 
