@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import random
 import struct
+
 import simplejpeg
 import torch
 from PIL import Image
