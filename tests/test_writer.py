@@ -101,6 +101,35 @@ def test_folder_round_trip(folder: Path, tmp_path: Path):
         assert name in reasons
     assert not any(k.endswith(("trunc", "garbage", "notes", "loose")) for s in _read_shards(out) for k, _ in s)
     assert m["made"]["seed"] == 0 and m["made"]["source"] == str(folder.resolve()) and "created" in m["made"]
+    # the label index lists each shard's (key, label) pairs in shard order
+    assert m["labels"] == "labels.json"
+    assert json.loads((out / "labels.json").read_text()) == [
+        [[key, int(fields["cls"])] for key, fields in shard] for shard in _read_shards(out)]
+
+
+def test_subsets_read_the_label_index_not_the_shards(folder: Path, tmp_path: Path, monkeypatch):
+    from mpp.data import subset
+    from mpp.data.decode import DataError
+    from mpp.data.sources import resolve
+
+    out = tmp_path / "out"
+    write_shards(folder, out, samples_per_shard=5, seed=0, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    scanned = subset.select_subset(resolve(str(out / "manifest.json")), 0.5, seed=3)
+    (out / "bare.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "labels"}))
+    assert resolve(str(out / "bare.json")).labels is None
+
+    def no_shard_reads(*args, **kwargs):
+        raise AssertionError("a shard was read")
+
+    monkeypatch.setattr(subset, "tar_members", no_shard_reads)
+    indexed = subset.select_subset(resolve(str(out / "manifest.json")), 0.5, seed=3)
+    assert indexed == scanned and indexed.num_samples == 12  # 3 classes x round(0.5 x 7)
+    with pytest.raises(AssertionError, match="a shard was read"):
+        subset.select_subset(resolve(str(out / "bare.json")), 0.5, seed=3)
+    (out / "labels.json").write_text("[[]]")
+    with pytest.raises(DataError, match="label index .* does not match its manifest"):
+        subset.select_subset(resolve(str(out / "manifest.json")), 0.5, seed=3)
 
 
 def test_shuffled_across_shards_seeded_and_reproducible(folder: Path, tmp_path: Path):
@@ -164,7 +193,10 @@ def test_refuses_non_empty_output_and_overwrite_removes_stale_shards(folder: Pat
     with pytest.raises(ShardError, match="not empty"):
         write_shards(folder, out, progress=False)
     m = write_shards(folder, out, samples_per_shard=100, overwrite=True, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", "manifest.json"] and m["num_samples"] == 21
+    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", "labels.json", "manifest.json"]
+    assert m["num_samples"] == 21
+    write_shards(folder, out, unlabeled=True, overwrite=True, progress=False)  # no stale label index
+    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", "manifest.json"]
 
 
 def test_bad_sources(tmp_path: Path):

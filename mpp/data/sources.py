@@ -29,12 +29,14 @@ META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not sampl
 
 @dataclass
 class ShardSet:
-    """Shards with their sample counts; `keys` (per shard) restricts them to a subset."""
+    """Shards with their sample counts; `keys` (per shard) restricts them to a subset; `labels`:
+    the URL of the manifest's label index (`writer.LABELS`), if it has one."""
     urls: list[str]
     counts: list[int]
     classes: list[str] | None = None
     exact: bool = True
     keys: list[frozenset] | None = field(default=None, repr=False)
+    labels: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -64,9 +66,15 @@ def _read_manifest(path: str) -> ShardSet:
         raise DataError(f"manifest '{path}' is unreadable or lacks 'shards' [{{name, num_samples}}] "
                         f"({type(e).__name__}: {e}); rewrite it with tools/make_shards.py") from e
     base = path.rsplit("/", 1)[0] if "/" in path else "."
-    urls = [n if (_is_url(n) or os.path.isabs(n)) else f"{base}/{n}" for n in names]
+    urls = [_beside(base, n) for n in names]
     classes = m.get("classes") or None
-    return ShardSet(urls, counts, list(classes) if classes else None, exact=True)
+    labels = _beside(base, m["labels"]) if isinstance(m.get("labels"), str) else None
+    return ShardSet(urls, counts, list(classes) if classes else None, exact=True, labels=labels)
+
+
+def _beside(base: str, name: str) -> str:
+    """A file named in a manifest: URLs and absolute paths as they are, others next to it."""
+    return name if (_is_url(name) or os.path.isabs(name)) else f"{base}/{name}"
 
 
 def resolve(spec, num_samples: int = 0) -> ShardSet:

@@ -1,4 +1,6 @@
-"""Image folder or tar archive -> WebDataset shards `OUT/NNNNNN.tar` + `OUT/manifest.json`.
+"""Image folder or tar archive -> WebDataset shards `OUT/NNNNNN.tar` + `OUT/manifest.json`
+(+ `OUT/labels.json` when labeled: each shard's [key, label] pairs, so that class-balanced subsets
+are chosen without reading the shards).
 
 Each sample holds `__key__` (from the file's relative path, unique and stable), the image bytes
 exactly as in the source under the extension of their real format (`jpg`, `png`, `webp`, ...;
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 # PIL format -> shard extension. Only these are accepted (and identified) as images.
 FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tiff", "PPM": "ppm"}
 MANIFEST = "manifest.json"
+LABELS = "labels.json"  # per shard, the [key, label] of its samples: subsets read it, not the shards
 SHARD_RE = re.compile(r"^\d{6}\.tar$")
 SAMPLES_PER_SHARD = 2000
 BYTES_PER_SHARD = 256 * 2**20
@@ -105,7 +108,7 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     if existing and not overwrite:
         raise ShardError(f"output folder '{out}' is not empty; choose a new folder or overwrite it (--overwrite)")
     for p in existing:
-        if p.name == MANIFEST or SHARD_RE.match(p.name):
+        if p.name in (MANIFEST, LABELS) or SHARD_RE.match(p.name):
             p.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -118,8 +121,8 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
 
     A shard holds at most `samples_per_shard` samples and its file at most `bytes_per_shard`
     bytes (unless one sample alone is bigger). `made` (source, options, ...) goes into the
-    manifest with the seed, tool version and time. The manifest is written last, so a folder
-    with a manifest is complete.
+    manifest with the seed, tool version and time. The manifest is written last (after
+    labels.json), so a folder with a manifest is complete.
     """
     if samples_per_shard < 1 or bytes_per_shard < 1:
         raise ShardError("samples per shard and bytes per shard must be >= 1")
@@ -130,6 +133,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
     keys = sample_keys([name for name, _, _ in items])
 
     shards: list[dict] = []
+    labels: list[list] = []  # per shard, [key, label] of each labeled sample
     skipped: list[str] = []
     formats: dict[str, int] = {}
     writer, count, members, payload = None, 0, 0, 0
@@ -152,9 +156,12 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                 if writer is not None:
                     writer.close()
                 shards.append({"name": f"{len(shards):06d}.tar", "num_samples": 0})
+                labels.append([])
                 writer = wds.TarWriter(str(out / shards[-1]["name"]), encoder=False, mtime=_MTIME)
                 count = members = payload = 0
             writer.write(sample)
+            if label is not None:
+                labels[-1].append([keys[i], label])
             count, members, payload = count + 1, members + len(sample) - 1, payload + size
             shards[-1]["num_samples"] = count
             formats[ext] = formats.get(ext, 0) + 1
@@ -172,6 +179,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
         "num_samples": sum(s["num_samples"] for s in shards),
         "shards": shards,
         "classes": classes,
+        **({"labels": LABELS} if classes else {}),
         "formats": formats,
         "skipped": report,
         "made": {**(made or {}), "seed": seed, "samples_per_shard": samples_per_shard,
@@ -179,9 +187,11 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                  "tool": f"mpp {importlib.metadata.version('mpp')}, webdataset {importlib.metadata.version('webdataset')}",
                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
+    for name, content in ((LABELS, labels if classes else None), (MANIFEST, manifest)):
+        if content is not None:
+            tmp = out / (name + ".tmp")
+            tmp.write_text(json.dumps(content, indent=None if name == LABELS else 1))
+            os.replace(tmp, out / name)
     return manifest
 
 
