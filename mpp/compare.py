@@ -1,5 +1,6 @@
 """The whole experiment in one command: MPP and supervised pre-training, fine-tuning of both and
-of a from-scratch baseline at each label fraction, linear probes of both, then the gap report.
+of a from-scratch baseline at each label fraction, linear probes of both and of a randomly
+initialised encoder (the probe's from-scratch baseline), then the gap report.
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
@@ -44,7 +45,7 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             stages.append(Stage(f"fine-tune {init}, {frac:.0%} labels", "finetune.py", cfg.finetune,
                                 common + [f"finetune.init={src or 'none'}", f"finetune.label_fraction={frac}"],
                                 root / f"finetune_{init}_{pct}"))
-    for kind, src in pre.items():
+    for kind, src in (*pre.items(), ("scratch", "none")):
         stages.append(Stage(f"linear probe {kind}", "linear_probe.py", cfg.probe, common + [f"probe.encoder={src}"],
                             root / f"probe_{kind}"))
     for s in stages:

@@ -114,7 +114,8 @@ class ProbeConfig:
     pool: str = "token"        # token | avg
     val_fraction: float = 0.1  # of the training features, to choose the regulariser
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
-    encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors
+    encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors;
+                               # none: a randomly initialised `model` (the from-scratch baseline)
 
 
 @dataclass

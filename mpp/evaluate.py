@@ -27,8 +27,8 @@ from mpp.config import Config, save_config, to_dict
 from mpp.data import make_loader, normalize, to_float01
 from mpp.data.sources import resolve
 from mpp.checkpoint import rng_state, set_rng_state
-from mpp.models import load_encoder
-from mpp.runtime import autocast
+from mpp.models import create_encoder, load_encoder
+from mpp.runtime import autocast, seed_everything
 
 BIAS_CONSTANT = 100.0  # big_vision: a large constant bias feature is almost unregularised
 PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, standardised features
@@ -344,7 +344,9 @@ class FewshotEvaluator:
 def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_dir: str | Path | None = None) -> dict:
     """Linear probe and few-shot figures of a frozen encoder on `data.train` -> `data.val`.
 
-    Features come from (and go to) the cache `probe.cache_dir` (default OUT/../feature_cache).
+    `probe.encoder=none` probes a randomly initialised `model` (seeded by `seed`): the from-scratch
+    baseline of the probe and few-shot figures. Features come from (and go to) the cache
+    `probe.cache_dir` (default OUT/../feature_cache).
     Writes OUT/config.yaml and then OUT/metrics.json (`kind: linear_probe`, `top1`, `top5`,
     `{k}shot_mean/std`, settings); returns the metrics. Under torchrun only rank 0 works.
     """
@@ -353,11 +355,16 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
     encoder_path = encoder_path or cfg.probe.encoder
     out = Path(out_dir or cfg.output_dir)
     if not encoder_path:
-        raise ValueError("no encoder to probe: set probe.encoder to a pre-training run dir or its encoder.safetensors")
+        raise ValueError("no encoder to probe: set probe.encoder to a pre-training run dir, its encoder.safetensors, "
+                         "or none (a randomly initialised model)")
     if not cfg.data.train or not cfg.data.val:
         raise ValueError("the linear probe needs labeled shards in data.train (fit) and data.val (test)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+    if str(encoder_path) == "none":
+        seed_everything(cfg.seed)
+        encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+    else:
+        encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
     cache = Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else out.parent / "feature_cache"
     kw = dict(cfg=cfg, pool=cfg.probe.pool, cache_dir=cache, device=device, precision=cfg.train.precision)
     t0 = time.time()

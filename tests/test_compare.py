@@ -44,7 +44,9 @@ def test_plan_covers_every_stage_and_wires_inits(tmp_path):
     names = [s.name for s in stages]
     assert names[:2] == ["pre-train mpp", "pre-train supervised"]
     assert sum(n.startswith("fine-tune") for n in names) == 6  # 3 inits x 2 label fractions
-    assert sum(n.startswith("linear probe") for n in names) == 2
+    assert [n for n in names if n.startswith("linear probe")] == [
+        "linear probe mpp", "linear probe supervised", "linear probe scratch"]
+    assert "probe.encoder=none" in {s.name: s for s in stages}["linear probe scratch"].overrides
     assert len({s.out for s in stages}) == len(stages)  # no two stages share a run dir
     ft = {s.name: s for s in stages}["fine-tune mpp, 50% labels"]
     assert f"finetune.init={tmp_path / 'runs' / 'pretrain_mpp'}" in ft.overrides
@@ -92,9 +94,14 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     gap = report["derived"]["finetune"]["0.5"]
     assert gap["mpp_minus_scratch"] == pytest.approx(tops["mpp"] - tops["scratch"], abs=0.06)
     assert gap["supervised_minus_mpp"] == pytest.approx(tops["supervised"] - tops["mpp"], abs=0.06)
+    # and the probe's from the probes', the random-init one as its scratch baseline
+    probes = {kind: json.loads((runs / f"probe_{kind}" / "metrics.json").read_text())["top1"] * 100
+              for kind in ("mpp", "scratch")}
+    assert report["derived"]["linear_top1"]["mpp_minus_scratch"] == pytest.approx(
+        probes["mpp"] - probes["scratch"], abs=0.06)
 
     t0 = time.time()
     r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert r2.returncode == 0, r2.stderr[-2000:]
-    assert r2.stdout.count("done earlier") == 7
+    assert r2.stdout.count("done earlier") == 8
     assert time.time() - t0 < 60  # nothing re-trained
