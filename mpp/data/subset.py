@@ -33,15 +33,17 @@ def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
 
 
 def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
-    """Per shard, the (key, label) pairs of the manifest's label index; DataError when it is
-    unreadable or does not match the manifest's shards."""
+    """Per shard, the (key, label) pairs of the manifest's label index with a label in range (as
+    `read_labels` gives them); DataError when it is unreadable or does not match the manifest's
+    shards."""
     try:
         with gopen(shards.labels, "rb") as f:
             index = json.load(f)
         if not isinstance(index, list) or len(index) != len(shards.urls):
             raise ValueError(f"{len(index) if isinstance(index, list) else 'no'} shard entries for "
                              f"{len(shards.urls)} shards")
-        return [[(str(key), int(label)) for key, label in entry] for entry in index]
+        n = len(shards.classes)
+        return [[(str(key), int(label)) for key, label in entry if 0 <= int(label) < n] for entry in index]
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"label index '{shards.labels}' is unreadable or does not match its manifest "
                         f"({type(e).__name__}: {e}); rewrite the shards with tools/make_shards.py") from e
@@ -53,13 +55,11 @@ def select_subset(shards: ShardSet, fraction: float, seed: int) -> ShardSet:
         raise DataError(f"subset fraction must be in (0, 1], got {fraction}")
     if not shards.classes:
         raise DataError("a class-balanced subset needs labeled shards with 'classes' in manifest.json")
-    n = len(shards.classes)
     index = read_label_index(shards) if shards.labels else None
     by_class: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for s, url in enumerate(shards.urls):
-        for key, label in index[s] if index is not None else read_labels(url, n):
-            if 0 <= label < n:  # a bad label is skipped (and counted) by the stream as well
-                by_class[label].append((s, key))
+        for key, label in index[s] if index is not None else read_labels(url, len(shards.classes)):
+            by_class[label].append((s, key))
     rng = random.Random(seed)
     keep: list[set] = [set() for _ in shards.urls]
     for label in sorted(by_class):
