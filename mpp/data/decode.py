@@ -66,8 +66,7 @@ def _open_pil(data: bytes, max_pixels: int) -> Image.Image:
 class Jpeg:
     """A JPEG whose header libjpeg-turbo read, size within the pixel cap, not yet decoded:
     `pixels(reduce)` decodes it with libjpeg-turbo, `pil()` opens it lazily with PIL. Has PIL's
-    `format`, `size`, `width` and `height`."""
-    format = "JPEG"
+    `size`, `width` and `height`."""
 
     def __init__(self, data: bytes, size: tuple[int, int], max_pixels: int):
         self.data, self.size, self.max_pixels = data, size, max_pixels

@@ -224,10 +224,13 @@ class ShardLoader:
     def close(self) -> None:
         """End the epoch being streamed and stop the workers now (they persist across epochs until
         this, or until the loader is freed); a later `epoch()` starts new ones."""
+        self._end_epoch()
+        self._loader = self._dataloader()  # the old DataLoader, freed, shuts its workers down
+
+    def _end_epoch(self) -> None:
         current = self._current()
         if current is not None:
             current.close()
-        self._loader = self._dataloader()  # the old DataLoader, freed, shuts its workers down
 
     def counters(self) -> dict[str, int]:
         """Skipped (and padded/dropped) samples by kind on this rank, cumulative over epochs; the
@@ -272,9 +275,7 @@ class ShardLoader:
         if start_batch == self.batches_per_epoch:
             return
         before = dict(self._skips)  # a resumed run counted the replayed batches' skips already
-        current = self._current()
-        if current is not None:  # the workers are shared: a new epoch ends the one before
-            current.close()
+        self._end_epoch()  # the workers are shared: a new epoch ends the one before
         batches = self._rechunk(epoch)
         self._current = weakref.ref(batches)
         for i, batch in enumerate(batches):

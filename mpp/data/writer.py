@@ -187,12 +187,17 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                  "tool": f"mpp {importlib.metadata.version('mpp')}, webdataset {importlib.metadata.version('webdataset')}",
                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
-    for name, content in ((LABELS, labels if classes else None), (MANIFEST, manifest)):
-        if content is not None:
-            tmp = out / (name + ".tmp")
-            tmp.write_text(json.dumps(content, indent=None if name == LABELS else 1))
-            os.replace(tmp, out / name)
+    if classes:
+        _write_atomic(out / LABELS, json.dumps(labels))
+    _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary name and rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _outside_class_folder() -> bytes:
