@@ -96,3 +96,40 @@ def test_unreadable_shard_url_counted(tmp_path):
                          data_cfg=DataConfig(num_workers=0))
     batches = list(loader.epoch(0))
     assert len(batches) == 2 and loader.counters()["unreadable_shard"] == 1
+
+
+def test_manifest_cannot_run_commands(tmp_path):
+    """A manifest is data from elsewhere: a shard or label-index name that is a pipe: command (or
+    any opener but http(s)/file) stops the run with a clear error before anything is opened; the
+    same pipe: written by the user in the data spec still works."""
+    import json
+
+    import pytest
+
+    from mpp.data.decode import DataError
+    from mpp.data.sources import resolve
+    manifest, _ = write_shards(tmp_path / "shards", [3, 3])
+    good = json.loads(open(manifest).read())
+    canary = tmp_path / "ran.txt"
+    shard = str(tmp_path / "shards" / "000000.tar")
+    for field, name in (("shard", f"pipe:touch {canary}; cat {shard}"), ("labels", f"pipe:touch {canary}"),
+                        ("shard", f"gs://bucket/{shard}"), ("shard", "PIPE:true")):
+        m = json.loads(json.dumps(good))
+        if field == "shard":
+            m["shards"][0]["name"] = name
+        else:
+            m["labels"] = name
+        bad = tmp_path / "shards" / "bad.json"
+        bad.write_text(json.dumps(m))
+        with pytest.raises(DataError, match="never a command"):
+            make_loader(str(bad), batch_size=2, img_size=8, train=False, labeled=True,
+                        data_cfg=DataConfig(num_workers=0))
+        assert not canary.exists()
+    for name in ("http://example.invalid/000000.tar", f"file:{shard}"):  # plain URLs stay allowed
+        m = json.loads(json.dumps(good))
+        m["shards"][0]["name"] = name
+        bad.write_text(json.dumps(m))
+        assert resolve(str(bad)).urls[0] == name
+    user = make_loader([f"pipe:cat {shard}"], batch_size=3, img_size=8, train=False, labeled=False,
+                       data_cfg=DataConfig(num_workers=0), num_samples=3)
+    assert sum(len(b["image"]) for b in user.epoch(0)) == 3

@@ -5,15 +5,18 @@ Specs: a `manifest.json` (or a directory holding one; exact per-shard counts), a
 paths/URLs, or a brace pattern such as `/data/train/{000000..000099}.tar`. Without a manifest the
 total `num_samples` must be given and is assumed spread evenly over the shards (the documented
 fallback; a rank's surplus is then dropped or its shortfall padded, both counted). URLs are opened
-with webdataset's gopen: local paths, `file:`, `http(s)://`, `pipe:`.
+with webdataset's gopen: local paths, `file:`, `http(s)://`, and `pipe:` where the user wrote it.
+A manifest is data from elsewhere: the names it lists may only be paths or http(s)/file URLs
+(`MANIFEST_SCHEMES`), never a command or another opener.
 """
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
 import os
 import re
-import tarfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -22,9 +25,11 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, url_opener
 
 from mpp.data.decode import DataError
-from mpp.data.tarstream import tar_files
+from mpp.data.tarstream import CorruptTar, TruncatedTar, tar_files
 
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
+MANIFEST_SCHEMES = ("http", "https", "file")  # what a manifest may name besides plain paths
+SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 @dataclass
@@ -66,10 +71,23 @@ def _read_manifest(path: str) -> ShardSet:
         raise DataError(f"manifest '{path}' is unreadable or lacks 'shards' [{{name, num_samples}}] "
                         f"({type(e).__name__}: {e}); rewrite it with tools/make_shards.py") from e
     base = path.rsplit("/", 1)[0] if "/" in path else "."
+    labels = m.get("labels") if isinstance(m.get("labels"), str) else None
+    for name in names + ([labels] if labels else []):
+        _check_manifest_name(path, name)
     urls = [_beside(base, n) for n in names]
     classes = m.get("classes") or None
-    labels = _beside(base, m["labels"]) if isinstance(m.get("labels"), str) else None
+    labels = _beside(base, labels) if labels else None
     return ShardSet(urls, counts, list(classes) if classes else None, exact=True, labels=labels)
+
+
+def _check_manifest_name(manifest: str, name) -> None:
+    """A manifest names files, never commands: a plain path or an http(s)/file URL."""
+    scheme = SCHEME.match(name) if isinstance(name, str) else None
+    if not isinstance(name, str) or not name or "\0" in name or (
+            scheme and scheme.group(1).lower() not in MANIFEST_SCHEMES):
+        raise DataError(f"manifest '{manifest}' names {name!r}: a manifest may name only paths and "
+                        f"{'/'.join(MANIFEST_SCHEMES)} URLs, never a command; if you trust a pipe: "
+                        "source, write it in data.train yourself")
 
 
 def _beside(base: str, name: str) -> str:
@@ -145,6 +163,15 @@ def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[tupl
                 errors.append(e)
 
 
+def _error_kind(errors: list[Exception]) -> str:
+    """The skip counter for a shard that ended with these errors."""
+    if all(isinstance(e, (TruncatedTar, EOFError)) for e in errors):
+        return "truncated_tar"
+    if all(isinstance(e, (TruncatedTar, EOFError, CorruptTar, gzip.BadGzipFile, zlib.error)) for e in errors):
+        return "corrupt_tar"
+    return "unreadable_shard"
+
+
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard: consecutive members with the
     same key (the name up to the first dot of its base name; names without one are ignored) form
@@ -170,8 +197,7 @@ def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
             break
         sample[ext] = data
     if errors:
-        tar_only = all(isinstance(e, (tarfile.TarError, EOFError)) for e in errors)
-        kind = "truncated_tar" if tar_only else "unreadable_shard"
+        kind = _error_kind(errors)
         skips[kind] = skips.get(kind, 0) + 1
     elif sample is not None:
         yield sample
