@@ -33,6 +33,7 @@ SKIP_KINDS = {
     "missing_image": "sample without an image member (e.g. only non-image members)",
     "bad_label": "'cls' that is not an integer in [0, number of classes)",
     "truncated_tar": "shard that ends mid-archive (its last, possibly incomplete sample is dropped)",
+    "corrupt_tar": "shard whose tar headers are malformed or declare an oversized member (the rest of it is lost)",
     "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": "samples beyond a rank's expected count (shards without exact counts in a manifest)",

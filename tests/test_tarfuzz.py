@@ -1,0 +1,186 @@
+"""Any byte string given as a shard ends in bounded time and memory: it yields samples or is
+skipped and counted. Random mutations of real shards (truncations, bit flips, malformed ustar, GNU
+and PAX headers with valid checksums, huge and negative declared sizes, random bytes, gzip)."""
+from __future__ import annotations
+
+import gzip
+import io
+import random
+import signal
+import tarfile
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from mpp.data.sources import read_shard
+from shardutil import encode
+
+SECONDS = 3.0  # per shard; a healthy read of these takes milliseconds
+
+
+def _shard(fmt) -> bytes:
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for j in range(6):
+            name = f"{'long' * 30 if j == 2 else ''}k{j}"  # a long name: PAX path / GNU longname
+            for ext, data in (("jpg", encode(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8), "jpeg")),
+                              ("cls", str(j % 3).encode())):
+                info = tarfile.TarInfo(f"{name}.{ext}")
+                info.size, info.mtime = len(data), 1.5e9 + 0.5  # float mtime: a PAX record
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _headers(raw: bytes) -> list[int]:
+    """Offsets of the header blocks of a well-formed tar."""
+    out, pos = [], 0
+    while pos + 512 <= len(raw) and raw[pos:pos + 512].count(0) != 512:
+        out.append(pos)
+        size = int(raw[pos + 124:pos + 136].split(b"\0")[0].strip() or b"0", 8)
+        pos += 512 + size + (-size % 512)
+    return out
+
+
+def _seal(block: bytearray) -> bytearray:
+    """Recompute a header's checksum, so the mutation reaches the parser behind it."""
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return block
+
+
+def _set_header(raw: bytes, pos: int, edit) -> bytes:
+    block = bytearray(raw[pos:pos + 512])
+    edit(block)
+    return raw[:pos] + bytes(_seal(block)) + raw[pos + 512:]
+
+
+def _pax_record(raw: bytes, pos: int, record: bytes) -> bytes:
+    """Replace the PAX extended header at `pos` (a 'x' member) by one holding `record`."""
+    size = int(raw[pos + 124:pos + 136].split(b"\0")[0].strip() or b"0", 8)
+    end = pos + 512 + size + (-size % 512)
+    body = record + b"\0" * (-len(record) % 512)
+    block = bytearray(raw[pos:pos + 512])
+    block[124:136] = b"%011o\0" % len(record)
+    return raw[:pos] + bytes(_seal(block)) + body + raw[end:]
+
+
+def mutations(raw: bytes, rng: random.Random, n: int) -> list[tuple[str, bytes]]:
+    heads = _headers(raw)
+    pax = [p for p in heads if raw[p + 156:p + 157] == b"x"]
+    out = [("random bytes", rng.randbytes(rng.randrange(1, 8192))), ("empty", b""),
+           ("gzip truncated", gzip.compress(raw)[:len(raw) // 3]),
+           ("gzip of zeros", gzip.compress(bytes(1 << 22)))]
+    if pax:
+        out += [("zero-length PAX record", _pax_record(raw, pax[0], b"0 path=x\n")),
+                ("PAX record longer than header", _pax_record(raw, pax[0], b"99 path=x\n")),
+                ("PAX record without length", _pax_record(raw, pax[0], b"path=x\n")),
+                ("PAX record without '='", _pax_record(raw, pax[0], b"9 pathx\n")),
+                ("negative PAX size", _pax_record(raw, pax[0], b"12 size=-5\n")),
+                ("huge PAX size", _pax_record(raw, pax[0], b"22 size=999999999999\n"))]
+    edits = [
+        ("huge octal size", lambda b: b.__setitem__(slice(124, 136), b"77777777777\0")),
+        ("huge base-256 size", lambda b: b.__setitem__(slice(124, 136), b"\x80" + b"\xff" * 11)),
+        ("negative base-256 size", lambda b: b.__setitem__(slice(124, 136), b"\xff" * 12)),
+        ("non-octal size", lambda b: b.__setitem__(slice(124, 136), b"9x9x9x9x9x9\0")),
+        ("random kind", lambda b: b.__setitem__(156, rng.randrange(256))),
+        ("GNU longname kind", lambda b: b.__setitem__(156, ord("L"))),
+        ("PAX kind", lambda b: b.__setitem__(156, ord("x"))),
+        ("random field", lambda b: b.__setitem__(slice(o := rng.randrange(0, 500), o + 12), rng.randbytes(12))),
+    ]
+    while len(out) < n:
+        kind = rng.randrange(4)
+        if kind == 0:
+            out.append(("truncated", raw[:rng.randrange(len(raw))]))
+        elif kind == 1:
+            b = bytearray(raw)
+            for _ in range(rng.randrange(1, 9)):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            out.append(("bit flips", bytes(b)))
+        else:
+            name, edit = rng.choice(edits)
+            mutated = _set_header(raw, rng.choice(heads), edit)
+            out.append((f"{name} (gzip)" if kind == 3 else name, gzip.compress(mutated) if kind == 3 else mutated))
+    return out
+
+
+class _Timeout(BaseException):  # not swallowed by the reader's `except Exception`
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_mutated_shards_end_in_bounded_time_and_memory(tmp_path, fmt):
+    raw = _shard(fmt)
+    clean: dict = {}
+    assert len(list(read_shard(_write(tmp_path / "clean.tar", raw), clean))) == 6 and not clean
+    rng = random.Random(fmt)
+    cases = mutations(raw, rng, 300)
+    for i, (_, data) in enumerate(cases[:2]):  # warm up first-use imports on error paths (random, empty)
+        list(read_shard(_write(tmp_path / f"w{i}.tar", data), {}))
+    old = signal.signal(signal.SIGALRM, _alarm)
+    tracemalloc.start()
+    kinds: dict = {}
+    try:
+        for i, (what, data) in enumerate(cases):
+            path = _write(tmp_path / f"m{i}.tar", data)
+            skips: dict = {}
+            tracemalloc.reset_peak()
+            start = time.perf_counter()
+            signal.setitimer(signal.ITIMER_REAL, SECONDS)
+            try:
+                samples = list(read_shard(path, skips))
+            except _Timeout:
+                pytest.fail(f"mutation {i} ({what}) did not end within {SECONDS} s")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            peak = tracemalloc.get_traced_memory()[1]
+            assert peak < 8 * len(raw) + (4 << 20), f"mutation {i} ({what}) held {peak} bytes"
+            assert time.perf_counter() - start < SECONDS
+            assert len(samples) <= 8 and sum(skips.values()) <= 1, (what, skips)
+            for k in skips:
+                kinds[k] = kinds.get(k, 0) + 1
+    finally:
+        tracemalloc.stop()
+        signal.signal(signal.SIGALRM, old)
+    assert kinds.get("corrupt_tar") and kinds.get("truncated_tar"), kinds
+
+
+def _write(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_zero_length_pax_record_is_corrupt_not_a_hang(tmp_path):
+    """The finding that hung a run: a PAX record of length 0."""
+    raw = _shard(tarfile.PAX_FORMAT)
+    pax = [p for p in _headers(raw) if raw[p + 156:p + 157] == b"x"][0]
+    skips: dict = {}
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, SECONDS)
+    try:
+        samples = list(read_shard(_write(tmp_path / "z.tar", _pax_record(raw, pax, b"0 path=x\n")), skips))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert skips == {"corrupt_tar": 1} and len(samples) < 6
+
+
+def test_random_bytes_shard_is_corrupt_not_truncated(tmp_path):
+    skips: dict = {}
+    assert list(read_shard(_write(tmp_path / "r.tar", random.Random(1).randbytes(4096)), skips)) == []
+    assert skips == {"corrupt_tar": 1}
+
+
+def test_oversized_member_is_refused_before_reading(tmp_path):
+    from mpp.data.tarstream import CorruptTar, tar_files
+    raw = _shard(tarfile.GNU_FORMAT)
+    with pytest.raises(CorruptTar, match="limit 100"):
+        list(tar_files(io.BytesIO(raw), max_member=100))
+    assert len(list(tar_files(io.BytesIO(raw), select=lambda n: n.endswith(".cls"), max_member=100))) == 6
