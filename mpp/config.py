@@ -111,8 +111,8 @@ class FewshotConfig:
 @dataclass
 class ProbeConfig:
     """Linear probe on frozen features."""
-    pool: str = "token"        # token | avg
-    val_fraction: float = 0.1  # of the training features, to choose the regulariser
+    pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
+    val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
     encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors;
                                # none: a randomly initialised `model` (the from-scratch baseline)
@@ -166,7 +166,7 @@ CHOICES = {
     "objective": ("mpp", "supervised", "classify"),
     "mpp.target": ("mean_color", "mean_color_regression", "downsampled", "pixels"),
     "finetune.pool": ("token", "avg"),
-    "probe.pool": ("token", "avg"),
+    "probe.pool": ("auto", "token", "avg"),
     "optim.name": ("adamw", "adam", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp16", "no"),
