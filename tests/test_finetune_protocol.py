@@ -3,18 +3,15 @@ the label-fraction subset, a fine-tune that trains on the rest and evaluates on 
 MAE/BEiT-style recipe (AdamW, layer-wise lr decay, drop path, label smoothing) as a shipped config."""
 from __future__ import annotations
 
-import io
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from colours import write_colours
 
 from mpp.config import load_config
 from mpp.data.sources import resolve
 from mpp.data.subset import select_subset
-from mpp.data.writer import write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,19 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> Path:
     """300 train / 60 val noisy images whose class is their dominant colour channel."""
-    out = tmp_path_factory.mktemp("colours")
-    rng = np.random.default_rng(0)
-
-    def png(label: int) -> bytes:
-        pixels = rng.integers(0, 90, (32, 32, 3))
-        pixels[..., label] += 140
-        buf = io.BytesIO()
-        Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
-        return buf.getvalue()
-    for split, n in (("train", 300), ("val", 60)):
-        items = [(f"{i:04d}.png", lambda b=png(i % 3): b, i % 3) for i in range(n)]
-        write_samples(items, out / split, classes=["red", "green", "blue"], samples_per_shard=64, progress=False)
-    return out
+    return write_colours(tmp_path_factory.mktemp("colours"), (("train", 300), ("val", 60)))
 
 
 def _labels(shards) -> Counter:
