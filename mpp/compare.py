@@ -1,6 +1,14 @@
-"""The whole experiment in one command: MPP and supervised pre-training, fine-tuning of both and
-of a from-scratch baseline at each label fraction, linear probes of both and of a randomly
-initialised encoder (the probe's from-scratch baseline), then the gap report.
+"""The whole experiment in one command: MPP and supervised pre-training, linear probes of both
+and of a randomly initialised encoder (the probe's from-scratch baseline), fine-tuning of both
+and of a from-scratch baseline at each label fraction, then the gap report.
+
+Fine-tuning follows the paper's protocol, identically for every arm: each value of the `sweep`
+grid is trained on the labels minus a class-balanced development split (`dev_fraction`) and
+scored on it; the best is retrained on all the labels, `seeds` times, and tested on `data.val`
+once per seed. `finetune.pool` is each arm's linear-probe choice (`finetune_pool: probe`; the
+probes run first): choosing it by probe costs one cheap frozen-feature fit per arm, where sweeping
+it would double every fine-tune sweep. Such run-time choices are `Choice`s of a stage, read from
+the finished stages' metrics.json just before it starts.
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
@@ -9,16 +17,29 @@ before the first stage starts.
 """
 from __future__ import annotations
 
+import itertools
+import json
+import re
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from mpp.config import CompareConfig, ConfigError, as_list, load_config, parse_overrides
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@dataclass
+class Choice:
+    """Overrides of a stage decided by earlier stages' results (the probe's representation, the
+    best sweep value); `placeholder` stands in for them while planning and validating."""
+    what: str                       # for the plan, e.g. "optim.lr: best dev top-1 of 2 sweep stages"
+    placeholder: list[str]
+    pick: Callable[[], list[str]]   # reads the finished stages' metrics.json
 
 
 @dataclass
@@ -28,28 +49,79 @@ class Stage:
     config: str           # its --config
     overrides: list[str]  # its key=value overrides
     out: Path             # its output_dir; done when out/metrics.json exists
+    choices: list[Choice] = field(default_factory=list)
 
-    def command(self, launcher: list[str]) -> list[str]:
-        return launcher + [str(TOOLS / self.tool), "--config", self.config] + self.overrides
+    def args(self, resolved: bool = True) -> list[str]:
+        """Overrides, then the run-time choices (their placeholders unless `resolved`), then output_dir."""
+        chosen = [o for c in self.choices for o in (c.pick() if resolved else c.placeholder)]
+        return self.overrides + chosen + [f"output_dir={self.out}"]
+
+    def command(self, launcher: list[str], resolved: bool = True) -> list[str]:
+        return launcher + [str(TOOLS / self.tool), "--config", self.config] + self.args(resolved)
+
+
+def _value(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def grid_points(sweep: dict) -> list[list[str]]:
+    """Every combination of the sweep's values as key=value overrides (one empty point without a sweep)."""
+    return [[f"{k}={_value(v)}" for k, v in zip(sweep, values)] for values in itertools.product(*sweep.values())]
+
+
+def _slug(point: list[str]) -> str:
+    """A run-dir name for a grid point: optim.lr=0.01 -> lr0.01."""
+    return "_".join(re.sub(r"[^A-Za-z0-9.+-]", "-", o.split("=", 1)[0].rsplit(".", 1)[-1] + o.split("=", 1)[1])
+                    for o in point)
+
+
+def _metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def best_point(points: list[list[str]], outs: list[Path]) -> list[str]:
+    """The grid point whose sweep stage has the best top-1 on its development split (ties: the earlier)."""
+    scores = []
+    for out in outs:
+        m = _metrics(out)
+        if m.get("evaluated_on") != "dev":
+            raise RuntimeError(f"{out}/metrics.json was not evaluated on a development split; delete it and resume")
+        scores.append(m["top1"])
+    return points[max(range(len(points)), key=lambda i: (scores[i], -i))]
 
 
 def plan(cfg: CompareConfig) -> list[Stage]:
-    """The stages in run order, each with its fully resolved overrides."""
+    """The stages in run order, each with its resolved overrides and run-time choices."""
     root = Path(cfg.output_dir)
     common = as_list(cfg.overrides)
     pre = {"mpp": root / "pretrain_mpp", "supervised": root / "pretrain_supervised"}
     stages = [Stage(f"pre-train {kind}", "pretrain.py", getattr(cfg, kind), common, out) for kind, out in pre.items()]
+    probes = {arm: root / f"probe_{arm}" for arm in ("mpp", "supervised", "scratch")}
+    for arm, out in probes.items():
+        stages.append(Stage(f"linear probe {arm}", "linear_probe.py", cfg.probe,
+                            common + [f"probe.encoder={pre.get(arm, 'none')}"], out))
+    points = grid_points(cfg.sweep)
     for frac in cfg.label_fractions:
         pct = f"{frac * 100:g}pct"
-        for init, src in (("scratch", None), ("mpp", pre["mpp"]), ("supervised", pre["supervised"])):
-            stages.append(Stage(f"fine-tune {init}, {frac:.0%} labels", "finetune.py", cfg.finetune,
-                                common + [f"finetune.init={src or 'none'}", f"finetune.label_fraction={frac}"],
-                                root / f"finetune_{init}_{pct}"))
-    for kind, src in (*pre.items(), ("scratch", "none")):
-        stages.append(Stage(f"linear probe {kind}", "linear_probe.py", cfg.probe, common + [f"probe.encoder={src}"],
-                            root / f"probe_{kind}"))
-    for s in stages:
-        s.overrides = s.overrides + [f"output_dir={s.out}"]
+        for arm in ("scratch", "mpp", "supervised"):
+            base = common + [f"finetune.init={pre.get(arm, 'none')}", f"finetune.label_fraction={frac}"]
+            pool = []
+            if cfg.finetune_pool == "probe" and "finetune.pool" not in cfg.sweep:
+                pool = [Choice(f"finetune.pool: the choice of linear probe {arm}", ["finetune.pool=token"],
+                               lambda out=probes[arm]: [f"finetune.pool={_metrics(out)['pool']}"])]
+            sweep = []
+            if cfg.sweep:
+                for point in points:
+                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}", "finetune.py",
+                                       cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"],
+                                       root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}", list(pool)))
+                stages += sweep
+            best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
+                           lambda outs=[s.out for s in sweep]: best_point(points, outs))] if sweep else []
+            for seed in range(cfg.seeds):
+                stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune.py", cfg.finetune,
+                                    base + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
+                                    pool + best))
     return stages
 
 
@@ -57,7 +129,7 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
     """Resolve every stage config now, so a bad key fails before hours of work."""
     for s in stages:
         try:
-            load_config(s.config, s.overrides)
+            load_config(s.config, s.args(resolved=False))
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
     try:
@@ -88,7 +160,9 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     total = len(stages) + 2
     if dry_run:
         for i, s in enumerate(stages, 2):
-            print(f"[{i}/{total}] {s.name}: {shlex.join(s.command(launcher))}")
+            print(f"[{i}/{total}] {s.name}: {shlex.join(s.command(launcher, resolved=False))}")
+            for c in s.choices:
+                print(f"    chosen when it starts: {c.what} (shown: {' '.join(c.placeholder)})")
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
@@ -96,9 +170,10 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if (s.out / "metrics.json").exists():
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)
             continue
-        print(f"[{i}/{total}] {s.name} -> {s.out}", flush=True)
         t0 = time.time()
         cmd = s.command(launcher)
+        chosen = [o for c in s.choices for o in c.pick()]
+        print(f"[{i}/{total}] {s.name} -> {s.out}" + (f" (chosen: {' '.join(chosen)})" if chosen else ""), flush=True)
         if subprocess.run(cmd).returncode != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")

@@ -61,6 +61,9 @@ class FinetuneConfig:
     init: str = "none"         # none (from scratch) | path to encoder.safetensors or a run dir
     pool: str = "token"        # token ([class] token) | avg (mean of patch tokens)
     label_fraction: float = 1.0  # class-balanced, seeded subset of the labeled train shards
+    dev_fraction: float = 0.0  # > 0: hold out this class-balanced share of that subset, train on the rest
+                               # and evaluate on it instead of data.val (to choose a recipe, never on test)
+    split_seed: int = 0        # draws the subset and the dev split (kept across `seed`, which varies the run)
     drop_path: float = 0.0
     label_smoothing: float = 0.0
 
@@ -111,8 +114,8 @@ class FewshotConfig:
 @dataclass
 class ProbeConfig:
     """Linear probe on frozen features."""
-    pool: str = "token"        # token | avg
-    val_fraction: float = 0.1  # of the training features, to choose the regulariser
+    pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
+    val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
     encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors;
                                # none: a randomly initialised `model` (the from-scratch baseline)
@@ -157,6 +160,11 @@ class CompareConfig:
     finetune: str = ""         # fine-tuning config (objective classify); init set per run
     probe: str = ""            # linear-probe config; probe.encoder set per run
     label_fractions: tuple = (0.1, 1.0)
+    sweep: dict = field(default_factory=dict)  # fine-tune config key -> values tried on the dev split,
+                               # e.g. {optim.lr: [0.01, 0.03]}; several keys: every combination
+    dev_fraction: float = 0.1  # class-balanced share of each fine-tune's labels held out to choose the sweep value
+    seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
+    finetune_pool: str = "probe"  # probe: each arm's finetune.pool is its linear probe's choice; config: the stage config's
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -166,7 +174,7 @@ CHOICES = {
     "objective": ("mpp", "supervised", "classify"),
     "mpp.target": ("mean_color", "mean_color_regression", "downsampled", "pixels"),
     "finetune.pool": ("token", "avg"),
-    "probe.pool": ("token", "avg"),
+    "probe.pool": ("auto", "token", "avg"),
     "optim.name": ("adamw", "adam", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp16", "no"),
@@ -204,12 +212,26 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if kind == "tuple" and isinstance(value, (list, tuple)) and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             return tuple(value)
+        if kind == "dict" and isinstance(value, dict):
+            flat = _flatten(value)
+            if all(isinstance(v, list) and v and all(isinstance(x, (str, int, float, bool, list)) for x in v)
+                   for v in flat.values()):
+                return flat
         if kind == "Any" and (isinstance(value, str) or (
                 isinstance(value, list) and all(isinstance(v, str) for v in value))):
             return value
     wanted = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
-              "tuple": "a list of numbers", "Any": "a string or a list of strings"}[kind]
+              "tuple": "a list of numbers", "Any": "a string or a list of strings",
+              "dict": "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}"}[kind]
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{'optim': {'lr': v}} and {'optim.lr': v} -> {'optim.lr': v}."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
@@ -297,6 +319,16 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
             raise ConfigError(f"compare config key '{key}' is empty; give the path of its stage config")
     if not cfg.label_fractions or not all(0 < f <= 1 for f in cfg.label_fractions):
         raise ConfigError("compare config key 'label_fractions' must list fractions in (0, 1]")
+    decided = {"output_dir", "seed", "finetune.init", "finetune.label_fraction", "finetune.dev_fraction",
+               "finetune.split_seed"} & set(cfg.sweep)
+    if decided:
+        raise ConfigError(f"compare config key 'sweep' names {', '.join(sorted(decided))}, which the comparison "
+                          "sets itself; sweep recipe keys such as optim.lr")
+    if cfg.seeds < 1 or not 0 < cfg.dev_fraction < 1:
+        raise ConfigError(f"compare config keys 'seeds' must be >= 1 and 'dev_fraction' in (0, 1), "
+                          f"got {cfg.seeds} and {cfg.dev_fraction}")
+    if cfg.finetune_pool not in ("probe", "config"):
+        raise ConfigError(f"compare config key 'finetune_pool' is {cfg.finetune_pool!r}; choose probe or config")
     p = cfg.prepare
     src, out = as_list(p.shards_src), as_list(p.shards_out)
     if len(src) != len(out):
@@ -369,6 +401,7 @@ def validate(cfg: Config) -> None:
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps must be >= 1, train.ckpt_every >= 0")
     f = cfg.finetune
     check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
+    check(0 <= f.dev_fraction < 1, f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
           "drop_path and label_smoothing must be in [0, 1)")
     fs = cfg.fewshot

@@ -1,9 +1,12 @@
 """Frozen-feature evaluation: feature extraction (cached), linear probe, few-shot least squares.
 
-`extract_features` runs a frozen encoder over labeled shards once and caches the features on
-disk (safetensors) under a key made of the encoder weights, the data and the transform, so the
-probe, the few-shot figures and a rerun all reuse one pass. `linear_probe` fits a multinomial
-logistic regression with its L2 strength chosen on held-out training features. `fewshot_eval`
+`extract_features` runs a frozen encoder over labeled shards once, pooling every candidate
+representation (`POOLS`: the [class] token and the mean of the patch tokens) from that one pass,
+and caches them on disk (safetensors) under a key made of the encoder weights, the data and the
+transform, so the probe, the few-shot figures and a rerun all reuse one pass. `linear_probe` fits
+a multinomial logistic regression with its representation and L2 strength chosen jointly on
+held-out training features (MPP's loss never reaches the [class] token, so which representation
+carries an encoder's knowledge differs per encoder and must not be fixed, nor chosen on test). `fewshot_eval`
 follows big_vision's `fewshot_lsr` evaluator: standardised features with a constant bias column,
 closed-form ridge regression onto {-1, 1} one-hot targets, k shots per class, several seeds.
 `FewshotEvaluator` is the same few-shot figure during pre-training, without touching the RNG.
@@ -32,6 +35,7 @@ from mpp.runtime import autocast, seed_everything
 
 BIAS_CONSTANT = 100.0  # big_vision: a large constant bias feature is almost unregularised
 PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, standardised features
+POOLS = ("token", "avg")  # candidate representations, in tie-break order
 
 
 # ----------------------------------------------------------------------------- features
@@ -50,14 +54,19 @@ def pool_tokens(tokens: torch.Tensor, pool: str, num_prefix: int = 1) -> torch.T
     raise ValueError(f"pool must be 'token' or 'avg', got {pool!r}")
 
 
+def candidate_pools(setting: str) -> tuple[str, ...]:
+    """The representations a `probe.pool` setting evaluates: all of POOLS for auto, else the one."""
+    return POOLS if setting == "auto" else (setting,)
+
+
 @torch.no_grad()
-def encode_images(encoder, images_uint8: torch.Tensor, *, cfg: Config, pool: str,
-                  device: torch.device, precision: str) -> torch.Tensor:
-    """Features float32 (B, D) of one uint8 batch, normalised as in training."""
+def encode_images(encoder, images_uint8: torch.Tensor, *, cfg: Config, pools: tuple[str, ...],
+                  device: torch.device, precision: str) -> dict[str, torch.Tensor]:
+    """{pool: features float32 (B, D)} of one uint8 batch (normalised as in training), one forward."""
     x = normalize(to_float01(images_uint8.to(device, non_blocking=True)), cfg.data.mean, cfg.data.std)
     with autocast(device, precision):
         tokens = encoder(x)
-    return pool_tokens(tokens, pool, encoder.vit.num_prefix_tokens).float().cpu()
+    return {p: pool_tokens(tokens, p, encoder.vit.num_prefix_tokens).float().cpu() for p in pools}
 
 
 @contextlib.contextmanager
@@ -96,54 +105,55 @@ def _data_fingerprint(spec, num_samples: int) -> list:
     return out
 
 
-def feature_cache_key(encoder, spec, *, cfg: Config, pool: str, img_size: int, num_samples: int,
+def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
                       precision: str) -> str:
     """Hash of everything the features depend on: architecture, weights, data, transform, pooling,
     precision."""
     d = cfg.data
     key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder),
-               data=_data_fingerprint(spec, num_samples), img_size=img_size, pool=pool, precision=precision,
+               data=_data_fingerprint(spec, num_samples), img_size=img_size, pools=list(pools), precision=precision,
                mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def extract_features(encoder, spec, *, cfg: Config, pool: str, num_samples: int = 0,
+def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POOLS, num_samples: int = 0,
                      cache_dir: str | Path | None = None, device: torch.device | str = "cpu",
-                     precision: str = "bf16", progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features float32 (N, D) and labels long (N,) of every sample of labeled shards `spec`.
+                     precision: str = "bf16", progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`.
 
-    The encoder is frozen (eval mode, no grad; its mode is restored after); images get the eval
-    transform at the encoder's resolution. With `cache_dir` the result is stored as safetensors
-    under a key of weights + data + transform + pool + precision, and a later call with the same
-    key loads it instead of running the encoder.
+    Every representation of `pools` comes from one forward pass. The encoder is frozen (eval mode,
+    no grad; its mode is restored after); images get the eval transform at the encoder's
+    resolution. With `cache_dir` the result is stored as safetensors under a key of weights + data
+    + transform + pools + precision, and a later call with the same key loads it instead of
+    running the encoder.
     """
     device = torch.device(device)
     img_size = encoder_img_size(encoder)
     path = None
     if cache_dir:
-        key = feature_cache_key(encoder, spec, cfg=cfg, pool=pool, img_size=img_size,
+        key = feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
                                 num_samples=num_samples, precision=precision)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
             cached = load_file(str(path))
-            return cached["features"], cached["labels"]
+            return {p: cached[f"features.{p}"] for p in pools}, cached["labels"]
     loader = make_loader(spec, batch_size=_eval_batch(cfg), img_size=img_size, train=False, labeled=True,
                          data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1)
     feats, labels = [], []
     with eval_mode(encoder):
         for batch in tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="features",
                           unit="batch", disable=not progress, leave=False):
-            feats.append(encode_images(encoder, batch["image"], cfg=cfg, pool=pool, device=device,
+            feats.append(encode_images(encoder, batch["image"], cfg=cfg, pools=pools, device=device,
                                        precision=precision))
             labels.append(batch["label"].long().cpu())
     if not feats:
         raise ValueError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
-    features, labels = torch.cat(feats), torch.cat(labels)
+    features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({"features": features.contiguous(), "labels": labels.contiguous()}, str(tmp),
-                  metadata={"spec": json.dumps(spec), "pool": pool, "img_size": str(img_size)})
+        save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
+                  str(tmp), metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
         tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return features, labels
 
@@ -239,12 +249,18 @@ def _topk(logits: torch.Tensor, y: torch.Tensor, k: int) -> float:
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
                  val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> dict:
-    """Linear top-1 / top-5 on the test features, its L2 strength chosen on held-out train features.
+    """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
+    held-out train features.
 
-    Features are standardised with training statistics. Each L2 value of `l2_grid` is fitted on
-    the train part (1 - val_fraction, a seeded random split) and scored on the rest; the best
-    (ties: the stronger one) is refitted on all training features and evaluated once on test.
+    `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
+    Features are standardised with training statistics. Every (representation, L2 of `l2_grid`)
+    pair is fitted on the train part (1 - val_fraction, one seeded random split) and scored on the
+    rest; the best (ties: the stronger L2, then the earlier representation) is refitted on all
+    training features and evaluated once on test. With a dict the result also holds
+    `representation` (the chosen one) and `heldout_top1` (each candidate's best held-out top-1).
     """
+    several = isinstance(train_x, dict)
+    trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
@@ -253,17 +269,25 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     if len(train_y) - n_val < 1:
         raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
     fit_idx, val_idx = perm[n_val:], perm[:n_val]
-    fx, vx = standardize(train_x[fit_idx].float(), train_x[val_idx].float())
-    val_acc, w = {}, None
-    for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
-        w = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
-        val_acc[l2] = _topk(vx @ w[:-1] + w[-1], train_y[val_idx], 1)
-    best = max(val_acc, key=lambda l2: (val_acc[l2], l2))
-    tx, sx = standardize(train_x.float(), test_x.float())
+    scores: dict[str, dict[float, float]] = {}
+    for name, x in trains.items():
+        fx, vx = standardize(x[fit_idx].float(), x[val_idx].float())
+        scores[name], w = {}, None
+        for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
+            w = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
+            scores[name][l2] = _topk(vx @ w[:-1] + w[-1], train_y[val_idx], 1)
+    order = list(trains)
+    rep, best = max(((n, l2) for n in order for l2 in scores[n]),
+                    key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
+    tx, sx = standardize(trains[rep].float(), tests[rep].float())
     w = _fit_logistic(tx, train_y, num_classes, best)
     logits = sx @ w[:-1] + w[-1]
-    return {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
-            "val_top1": {f"{k:g}": v for k, v in sorted(val_acc.items())}}
+    out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
+           "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())}}
+    if several:
+        out["representation"] = rep
+        out["heldout_top1"] = {n: max(scores[n].values()) for n in order}
+    return out
 
 
 # ----------------------------------------------------------------------------- during pre-training
@@ -301,7 +325,9 @@ class FewshotEvaluator:
     the encoder in eval mode (restored after), runs it without grad under autocast and solves the
     few-shot problems with fixed seeds; the global RNGs are left exactly as they were.
 
-    Call it on the main process with the unwrapped encoder; returns {"{k}shot_mean", "{k}shot_std"}.
+    Call it on the main process with the unwrapped encoder; returns {"{k}shot_mean", "{k}shot_std"},
+    under `probe.pool=auto` for every candidate representation ({"token/{k}shot_mean", ...}: no
+    choice is made here, the few-shot test images are for watching, not for choosing).
     """
 
     def __init__(self, cfg: Config, device: torch.device | str):
@@ -322,21 +348,26 @@ class FewshotEvaluator:
                             limit=lambda n, classes: fs.max_test)
         return self._data.setdefault(img_size, (*train, *test))
 
-    def _features(self, encoder, images: torch.Tensor) -> torch.Tensor:
+    def _features(self, encoder, images: torch.Tensor, pools: tuple[str, ...]) -> dict[str, torch.Tensor]:
         bs = _eval_batch(self.cfg)
-        return torch.cat([encode_images(encoder, images[i:i + bs], cfg=self.cfg, pool=self.cfg.probe.pool,
-                                        device=self.device, precision=self.cfg.train.precision)
-                          for i in range(0, len(images), bs)])
+        parts = [encode_images(encoder, images[i:i + bs], cfg=self.cfg, pools=pools, device=self.device,
+                               precision=self.cfg.train.precision) for i in range(0, len(images), bs)]
+        return {p: torch.cat([f[p] for f in parts]) for p in pools}
 
     def __call__(self, encoder) -> dict[str, float]:
         fs = self.cfg.fewshot
         img_size = encoder_img_size(encoder)
         with preserved_rng():
             tr_x, tr_y, te_x, te_y = self._data.get(img_size) or self._load(img_size)
+            pools = candidate_pools(self.cfg.probe.pool)
             with eval_mode(encoder):
-                tr_f, te_f = self._features(encoder, tr_x), self._features(encoder, te_x)
-        return fewshot_eval(tr_f, tr_y, te_f, te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
-                            num_classes=int(max(tr_y.max(), te_y.max())) + 1)
+                tr_f, te_f = self._features(encoder, tr_x, pools), self._features(encoder, te_x, pools)
+        out = {}
+        for p in pools:
+            figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
+                                   num_classes=int(max(tr_y.max(), te_y.max())) + 1)
+            out.update({(f"{p}/{k}" if len(pools) > 1 else k): v for k, v in figures.items()})
+        return out
 
 
 # ----------------------------------------------------------------------------- the probe tool
@@ -349,6 +380,9 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
     `probe.cache_dir` (default OUT/../feature_cache).
     Writes OUT/config.yaml and then OUT/metrics.json (`kind: linear_probe`, `top1`, `top5`,
     `{k}shot_mean/std`, settings); returns the metrics. Under torchrun only rank 0 works.
+    `probe.pool=auto` chooses the representation per encoder on held-out training features (see
+    `linear_probe`); the few-shot figures use the same choice. metrics.json records it as `pool`
+    and every candidate's held-out top-1 as `pool_heldout_top1`.
     """
     if int(os.environ.get("RANK", "0")) != 0:
         return {}
@@ -366,7 +400,8 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
     else:
         encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
     cache = Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else out.parent / "feature_cache"
-    kw = dict(cfg=cfg, pool=cfg.probe.pool, cache_dir=cache, device=device, precision=cfg.train.precision)
+    kw = dict(cfg=cfg, pools=candidate_pools(cfg.probe.pool), cache_dir=cache, device=device,
+              precision=cfg.train.precision)
     t0 = time.time()
     tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
     te_x, te_y = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
@@ -375,12 +410,14 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
     lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
                        seed=cfg.seed)
     t2 = time.time()
-    fs = fewshot_eval(tr_x, tr_y, te_x, te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
+    pool = lin["representation"]
+    fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
                       l2=cfg.fewshot.l2, num_classes=num_classes)
     metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "top1": lin["top1"], "top5": lin["top5"],
-               **fs, "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"], "pool": cfg.probe.pool,
+               **fs, "pool": pool, "pool_setting": cfg.probe.pool, "pool_heldout_top1": lin["heldout_top1"],
+               "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
                "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
-               "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x.shape[1],
+               "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x[pool].shape[1],
                "img_size": encoder_img_size(encoder), "seconds_features": round(t1 - t0, 2),
                "seconds_probe": round(t2 - t1, 2), "seconds_fewshot": round(time.time() - t2, 2),
                "config": to_dict(cfg)}

@@ -13,7 +13,13 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
   current directory, then from the run dir's parents); probe: the same via `probe.encoder`.
   An explicit `"role": "mpp" | "supervised" | "scratch"` in `metrics.json` overrides the lookup
   (for encoders from elsewhere, e.g. a timm checkpoint).
-- label fraction of a fine-tune: config `finetune.label_fraction`.
+- label fraction of a fine-tune: config `finetune.label_fraction`; its seed: config `seed`.
+- a fine-tune evaluated on a development split (`"evaluated_on": "dev"`, a sweep stage of
+  mpp.compare) is no table cell: it shows in the recipe section, with the config keys in which the
+  sweep stages of its cell differ and the value the final runs used.
+Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
+noise is the standard error of the difference of two means, sqrt(s_a^2/n_a + s_b^2/n_b); a gap
+under twice its noise is marked not significant, one of single runs has unknown noise.
 Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
 """
 from __future__ import annotations
@@ -27,6 +33,9 @@ import yaml
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
+PAPER_SHARE = 0.33  # the paper's ViT-B/16 ImageNet fine-tunes: (79.9 - 77.9) / (84.0 - 77.9)
+GAPS = {"supervised_minus_mpp": ("supervised", "mpp"), "mpp_minus_scratch": ("mpp", "scratch"),
+        "supervised_minus_scratch": ("supervised", "scratch")}
 
 
 class ReportError(ValueError):
@@ -93,17 +102,26 @@ def describe_run(run_dir: str | Path) -> dict:
     if kind == "pretrain" and family == "scratch":
         raise ReportError(f"{run_dir}: a pre-training run cannot have role 'scratch'")
     fraction = float((cfg.get("finetune") or {}).get("label_fraction", 1.0)) if kind == "finetune" else None
-    return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics}
+    return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics,
+            "seed": cfg.get("seed", 0), "evaluated_on": metrics.get("evaluated_on", "val"), "config": cfg}
 
 
-def derive(supervised: float | None, mpp: float | None, scratch: float | None) -> dict:
+def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
-    (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined."""
+    (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
+    With `sem` (family -> standard error of its mean, None for a single run): each gap's noise in
+    points (`noise`) and whether the gap is at least twice it (`significant`, None: unknown)."""
     out: dict = {}
-    pct = lambda a, b: None if a is None or b is None else round(100.0 * (a - b), 4)  # noqa: E731
-    out["supervised_minus_mpp"] = pct(supervised, mpp)
-    out["mpp_minus_scratch"] = pct(mpp, scratch)
-    out["supervised_minus_scratch"] = pct(supervised, scratch)
+    acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
+    sem = sem or {}
+    out["noise"], out["significant"] = {}, {}
+    for gap, (a, b) in GAPS.items():
+        out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
+        noise = None
+        if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
+            noise = round(100.0 * math.hypot(sem[a], sem[b]), 4)
+        out["noise"][gap] = noise
+        out["significant"][gap] = None if noise is None else abs(out[gap]) >= 2 * noise
     out["recovered_share"] = None
     gain = out["supervised_minus_scratch"]
     if gain is None or out["mpp_minus_scratch"] is None:
@@ -116,12 +134,42 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None) -
     return out
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _recipes(dev_runs: list[dict], finals: list[dict]) -> dict:
+    """The sweep of one cell: each dev run's values of the keys the sweep varied and its dev top-1,
+    and the values (plus finetune.pool) the final runs used."""
+    flats = [_flat(r["config"]) for r in dev_runs]
+    varied = sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
+                    and len({json.dumps(f.get(k)) for f in flats}) > 1)
+    final = _flat(finals[0]["config"]) if finals else {}
+    return {"dev": [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])}
+                    for f, r in zip(flats, dev_runs)],
+            "chosen": {k: final.get(k) for k in varied + ["finetune.pool"] if k in final}}
+
+
 def collect(runs: list[dict]) -> dict:
-    """Table per family: pre-training dir, fine-tune top-1 per label fraction, linear top-1, few-shot;
-    plus the derived figures per column. Two runs in one cell is an error."""
-    table = {f: {"pretrain": None, "finetune": {}, "linear_top1": None, "fewshot": {}, "fewshot_std": {}}
-             for f in FAMILIES}
+    """Table per family: pre-training dir, fine-tune top-1 per label fraction (mean, std and n over
+    seeds), linear top-1 with its representation, few-shot; the recipes chosen on development
+    splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
+    table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "linear_top1": None,
+                 "probe_pool": None, "probe_heldout_top1": None, "fewshot": {}, "fewshot_std": {}} for f in FAMILIES}
     seen: dict = {}
+    cells: dict = {}  # (family, fraction) -> final runs
+    dev: dict = {}    # (family, fraction) -> dev-split runs
 
     def place(key, run):
         if key in seen:
@@ -135,25 +183,38 @@ def collect(runs: list[dict]) -> dict:
             row["pretrain"] = {"dir": r["dir"], "steps": m.get("steps"), "loss": m.get("loss")}
         elif r["kind"] == "finetune":
             key = f"{r['label_fraction']:g}"
-            place((r["family"], "finetune", key), r)
-            row["finetune"][key] = _accuracy(m, "top1", r["dir"])
+            if r["evaluated_on"] == "dev":
+                dev.setdefault((r["family"], key), []).append(r)
+                continue
+            place((r["family"], "finetune", key, f"seed {r['seed']}"), r)
+            cells.setdefault((r["family"], key), []).append(r)
         else:
             place((r["family"], "probe"), r)
             row["linear_top1"] = _accuracy(m, "top1", r["dir"])
+            row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
             for k, v in m.items():
                 if k.endswith("shot_mean"):
                     shots = k[: -len("shot_mean")]
                     row["fewshot"][shots] = _accuracy(m, k, r["dir"])
                     row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
+    for (f, key), finals in cells.items():
+        mean, std = _mean_std([_accuracy(r["metrics"], "top1", r["dir"]) for r in finals])
+        table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
+    recipes = {f: {key: _recipes(runs_, cells.get((f, key), [])) for (g, key), runs_ in dev.items() if g == f}
+               for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
     column = lambda get: derive(*(get(table[f]) for f in FAMILIES))  # noqa: E731
+
+    def sem(fr: str) -> dict:
+        return {f: None if table[f]["finetune_std"].get(fr) is None
+                else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
     derived = {
-        "finetune": {fr: column(lambda row: row["finetune"].get(fr)) for fr in fractions},
+        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr)) for fr in fractions},
         "linear_top1": column(lambda row: row["linear_top1"]),
         "fewshot": {k: column(lambda row: row["fewshot"].get(k)) for k in shots},
     }
-    return {"table": table, "derived": derived, "label_fractions": fractions, "shots": shots}
+    return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
 def _accuracy(metrics: dict, key: str, run_dir: str) -> float:
@@ -171,28 +232,52 @@ def _pp(v) -> str:
     return "—" if v is None else f"{v:+.1f}"
 
 
+def _gap(g: dict, name: str) -> str:
+    """'+9.3 ± 1.2', with 'not significant' when under twice its noise."""
+    v, noise = g[name], g["noise"].get(name)
+    if v is None or noise is None:
+        return _pp(v)
+    return f"{v:+.1f} ± {noise:.1f}" + ("" if g["significant"][name] else " not significant")
+
+
+def _finetune_cell(row: dict, fr: str) -> str:
+    if fr not in row["finetune"]:
+        return "—"
+    std = row["finetune_std"][fr]
+    return _pct(row["finetune"][fr]) + ("" if std is None else f" ± {100 * std:.1f}") + f" (n={row['finetune_n'][fr]})"
+
+
+def _short(values: dict) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in values.items()) or "—"
+
+
 def render_markdown(rep: dict) -> str:
     t, d, fracs, shots = rep["table"], rep["derived"], rep["label_fractions"], rep["shots"]
     head = (["", "pre-training"] + [f"fine-tune top-1 @ {100 * float(f):g}% labels" for f in fracs]
-            + ["linear top-1"] + [f"{k}-shot" for k in shots])
+            + ["linear top-1 (representation)"] + [f"{k}-shot" for k in shots])
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
-             "Top-1 accuracy in percent on the held-out set; few-shot: mean ± std over seeds.", "",
+             "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
+             "(n runs); few-shot: mean ± std over shot draws. Representation: the one the linear probe chose "
+             "on held-out training features (token: [class] token, avg: mean of the patch tokens).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
         row = t[f]
         pre = row["pretrain"]
         steps = f" ({pre['steps']} steps)" if pre and pre.get("steps") else ""
         pre_cell = "—" if pre is None else f"`{pre['dir']}`{steps}"
-        cells = ([FAMILY_NAMES[f], pre_cell] + [_pct(row["finetune"].get(fr)) for fr in fracs]
-                 + [_pct(row["linear_top1"])]
+        probe = _pct(row["linear_top1"]) + (f" ({row['probe_pool']})" if row.get("probe_pool") else "")
+        cells = ([FAMILY_NAMES[f], pre_cell] + [_finetune_cell(row, fr) for fr in fracs] + [probe]
                  + [_pct(row["fewshot"].get(k)) + (f" ± {100 * row['fewshot_std'][k]:.1f}"
                                                    if row["fewshot_std"].get(k) is not None else "") for k in shots])
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Derived figures", "",
-              "Gaps in percentage points; share = (MPP - scratch) / (supervised - scratch), the part of "
-              "the supervised pre-training gain that MPP recovers.", "",
-              "| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered |",
-              "|---|---|---|---|---|"]
+              "Gaps in percentage points, ± the standard error of the difference of the two means "
+              "(sqrt(s_a²/n_a + s_b²/n_b)); a gap under twice that is marked not significant, a gap without ± "
+              "comes from single runs and its noise is unknown. Share = (MPP - scratch) / (supervised - scratch), "
+              f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
+              "(ViT-B/16 ImageNet fine-tunes).", "",
+              f"| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered "
+              f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
     notes = []
@@ -201,11 +286,26 @@ def render_markdown(rep: dict) -> str:
         if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
             notes.append(f"- {name}: {g['note']}")
             share = "undefined"
-        lines.append(f"| {name} | {_pp(g['supervised_minus_mpp'])} | {_pp(g['mpp_minus_scratch'])} | "
-                     f"{_pp(g['supervised_minus_scratch'])} | {share} |")
+        lines.append(f"| {name} | {_gap(g, 'supervised_minus_mpp')} | {_gap(g, 'mpp_minus_scratch')} | "
+                     f"{_gap(g, 'supervised_minus_scratch')} | {share} |")
     if notes:
         lines += [""] + notes
-    lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']})" for r in rep["runs"]), ""]
+    held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
+            for f in FAMILIES if t[f].get("probe_heldout_top1")]
+    if held:
+        lines += ["", "Linear probe, held-out top-1 of each representation on training features (the best is used): "
+                  + "; ".join(held) + "."]
+    recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
+    if recipes:
+        lines += ["", "## Fine-tune recipe chosen on a development split", "",
+                  "Each value trained on the labels minus a class-balanced development split and scored on it "
+                  "(top-1 %); the best was retrained on all the labels for the table above.", "",
+                  "| fine-tune | labels | chosen | development top-1 per value |", "|---|---|---|---|"]
+        for f, fr, r in recipes:
+            devs = ", ".join(f"{_short(x['values'])}: {_pct(x['dev_top1'])}" for x in r["dev"])
+            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])} | {devs} |")
+    finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
+    lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']})" for r in finals), ""]
     return "\n".join(lines)
 
 
@@ -219,12 +319,15 @@ def plot(rep: dict, path: Path) -> None:
     groups = ([(f"fine-tune {100 * float(fr):g}%", lambda row, fr=fr: row["finetune"].get(fr)) for fr in fracs]
               + [("linear", lambda row: row["linear_top1"])]
               + [(f"{k}-shot", lambda row, k=k: row["fewshot"].get(k)) for k in shots])
+    spread = [lambda row, fr=fr: row["finetune_std"].get(fr) for fr in fracs] + [lambda row: None] * (1 + len(shots))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 4.0))
     width = 0.8 / len(FAMILIES)
     for i, f in enumerate(FAMILIES):
         vals = [get(t[f]) for _, get in groups]
         xs = [g + (i - 1) * width for g in range(len(groups))]
-        bars = ax.bar(xs, [0 if v is None else 100 * v for v in vals], width, label=FAMILY_NAMES[f])
+        err = [100 * (get(t[f]) or 0.0) for get in spread]
+        bars = ax.bar(xs, [0 if v is None else 100 * v for v in vals], width, label=FAMILY_NAMES[f], yerr=err,
+                      capsize=2)
         for b, v in zip(bars, vals):
             if v is not None:
                 ax.annotate(f"{100 * v:.1f}", (b.get_x() + b.get_width() / 2, b.get_height()),
@@ -248,7 +351,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)
-    rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction")} for r in runs]
+    rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction", "seed", "evaluated_on")}
+                   for r in runs]
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(render_markdown(rep))

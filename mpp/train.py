@@ -82,7 +82,8 @@ def train(cfg: Config) -> dict:
 
     # ---- data: every rank reads its own part (the loader splits shards by rank itself)
     labeled = cfg.objective != "mpp"
-    subset = (cfg.finetune.label_fraction, cfg.seed) if cfg.objective == "classify" else None
+    ft = cfg.finetune
+    subset = (ft.label_fraction, ft.split_seed, ft.dev_fraction, False) if cfg.objective == "classify" else None
     loader = make_loader(cfg.data.train, batch_size=micro, img_size=img_size, train=True, labeled=labeled,
                          data_cfg=cfg.data, seed=cfg.seed, rank=rank, world_size=world,
                          num_samples=cfg.data.num_samples, subset=subset)
@@ -231,8 +232,8 @@ def train(cfg: Config) -> dict:
     }
     if cfg.objective == "classify":
         results.update(evaluate_classifier(cfg, accelerator, task, img_size, micro))
-        results.update(init=cfg.finetune.init, label_fraction=cfg.finetune.label_fraction, pool=cfg.finetune.pool,
-                       optimizer=cfg.optim.name, lr=cfg.optim.lr)
+        results.update(init=ft.init, label_fraction=ft.label_fraction, dev_fraction=ft.dev_fraction,
+                       split_seed=ft.split_seed, seed=cfg.seed, pool=ft.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr)
     results["wall_time_s"] = state["elapsed"] + time.time() - t_begin  # all segments, evaluation included
     if main:
         with open(out / "metrics.json", "w") as f:
@@ -257,10 +258,16 @@ def main(cfg: Config) -> dict:
 @torch.no_grad()
 def evaluate_classifier(cfg: Config, accelerator: Accelerator, task: torch.nn.Module, img_size: int,
                         batch_size: int) -> dict:
-    """Top-1 / top-5 of a classify task on `data.val` (eval transform), summed over all ranks."""
-    loader = make_loader(cfg.data.val, batch_size=batch_size, img_size=img_size, train=False, labeled=True,
+    """Top-1 / top-5 of a classify task (eval transform), summed over all ranks: on `data.val`, or
+    with `finetune.dev_fraction` > 0 on the development split held out of the training labels
+    (`evaluated_on` says which)."""
+    f = cfg.finetune
+    dev = f.dev_fraction > 0
+    spec, num_samples = (cfg.data.train, cfg.data.num_samples) if dev else (cfg.data.val, cfg.data.val_num_samples)
+    loader = make_loader(spec, batch_size=batch_size, img_size=img_size, train=False, labeled=True,
                          data_cfg=cfg.data, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                         num_samples=cfg.data.val_num_samples)
+                         num_samples=num_samples,
+                         subset=(f.label_fraction, f.split_seed, f.dev_fraction, True) if dev else None)
     device = accelerator.device
     counts = torch.zeros(3, device=device)  # top-1 hits, top-5 hits, samples
     task.eval()
@@ -273,7 +280,8 @@ def evaluate_classifier(cfg: Config, accelerator: Accelerator, task: torch.nn.Mo
             hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
             counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
     top1, top5, n = accelerator.reduce(counts, "sum").tolist()
-    return {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n)}
+    return {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n),
+            "evaluated_on": "dev" if dev else "val"}
 
 
 # ---- helpers

@@ -1,6 +1,7 @@
-"""tools/compare.py: the plan of stages, validation before any work, an end-to-end run on tiny
-synthetic data (every stage writes its metrics, the report fills every cell), and a second run
-that resumes by skipping the finished stages."""
+"""tools/compare.py: the plan of stages (sweeps on a dev split, seeds, choices made from earlier
+stages), validation before any work, an end-to-end run on tiny synthetic data (every stage
+writes its metrics, the report fills every cell), and a second run that resumes by skipping the
+finished stages."""
 from __future__ import annotations
 
 import json
@@ -12,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from mpp.compare import plan, validate
+from mpp.compare import best_point, plan, run, validate
 from mpp.config import ConfigError, load_compare_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _write_configs(tmp: Path, data: Path, stage_extra: str = "", fractions: str = "[0.5, 1.0]") -> Path:
+def _write_configs(tmp: Path, data: Path, stage_extra: str = "", fractions: str = "[0.5, 1.0]",
+                   compare_extra: str = "") -> Path:
     """A comparison over ROOT/configs' synthetic stages, shrunk to seconds per stage."""
     (tmp / "compare.yaml").write_text(textwrap.dedent(f"""\
         output_dir: {tmp / 'runs'}
@@ -34,7 +36,7 @@ def _write_configs(tmp: Path, data: Path, stage_extra: str = "", fractions: str 
           synthetic: {data}
           synthetic_train: 120
           synthetic_test: 40
-        """))
+        """) + compare_extra)
     return tmp / "compare.yaml"
 
 
@@ -42,16 +44,61 @@ def test_plan_covers_every_stage_and_wires_inits(tmp_path):
     cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "data"))
     stages = plan(cfg)
     names = [s.name for s in stages]
-    assert names[:2] == ["pre-train mpp", "pre-train supervised"]
-    assert sum(n.startswith("fine-tune") for n in names) == 6  # 3 inits x 2 label fractions
-    assert [n for n in names if n.startswith("linear probe")] == [
-        "linear probe mpp", "linear probe supervised", "linear probe scratch"]
+    assert names[:5] == ["pre-train mpp", "pre-train supervised", "linear probe mpp", "linear probe supervised",
+                         "linear probe scratch"]  # probes first: fine-tunes take their representation
+    assert sum(n.startswith("fine-tune") for n in names) == 6  # 3 inits x 2 label fractions, no sweep, 1 seed
     assert "probe.encoder=none" in {s.name: s for s in stages}["linear probe scratch"].overrides
     assert len({s.out for s in stages}) == len(stages)  # no two stages share a run dir
-    ft = {s.name: s for s in stages}["fine-tune mpp, 50% labels"]
+    ft = {s.name: s for s in stages}["fine-tune mpp, 50% labels, seed 0"]
     assert f"finetune.init={tmp_path / 'runs' / 'pretrain_mpp'}" in ft.overrides
-    assert "finetune.label_fraction=0.5" in ft.overrides
-    assert ft.overrides[-1] == f"output_dir={ft.out}"  # compare decides where each stage writes
+    assert "finetune.label_fraction=0.5" in ft.overrides and "seed=0" in ft.overrides
+    assert ft.args(resolved=False)[-1] == f"output_dir={ft.out}"  # compare decides where each stage writes
+    probe = tmp_path / "runs" / "probe_mpp"
+    probe.mkdir(parents=True)
+    (probe / "metrics.json").write_text(json.dumps({"pool": "avg"}))
+    assert "finetune.pool=avg" in ft.args() and "finetune.pool=token" in ft.args(resolved=False)
+
+
+def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
+    path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.1]", compare_extra=textwrap.dedent("""\
+        sweep: {optim.lr: [0.01, 0.03, 0.1]}
+        seeds: 2
+        dev_fraction: 0.2
+        """))
+    cfg = load_compare_config(path)
+    stages = {s.name: s for s in plan(cfg)}
+    sweeps = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, sweep")]
+    finals = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, seed")]
+    assert len(stages) == 5 + 3 * (3 + 2) and len(sweeps) == 3 and len(finals) == 2
+    assert [s.out.name for s in sweeps] == ["sweep_lr0.01", "sweep_lr0.03", "sweep_lr0.1"]
+    assert all("finetune.dev_fraction=0.2" in s.overrides for s in sweeps)
+    assert not any("dev_fraction" in o for s in finals for o in s.args(resolved=False))  # finals test on data.val
+    assert [o for o in finals[1].overrides if o.startswith("seed=")] == ["seed=1"]
+    validate(cfg, list(stages.values()))  # every grid value and the finals' placeholders resolve
+    for s, top1 in zip(sweeps, (0.4, 0.6, 0.5)):
+        s.out.mkdir(parents=True)
+        (s.out / "metrics.json").write_text(json.dumps({"top1": top1, "evaluated_on": "dev"}))
+    (tmp_path / "runs" / "probe_scratch").mkdir(parents=True)
+    (tmp_path / "runs" / "probe_scratch" / "metrics.json").write_text(json.dumps({"pool": "token"}))
+    assert finals[0].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.03"]
+    assert best_point([["a"], ["b"]], [sweeps[1].out, sweeps[1].out]) == ["a"]  # ties: the earlier value
+    (sweeps[0].out / "metrics.json").write_text(json.dumps({"top1": 0.9, "evaluated_on": "val"}))
+    with pytest.raises(RuntimeError, match="development split"):
+        finals[0].args()
+    run(cfg, dry_run=True)
+    out = capsys.readouterr().out
+    assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "the choice of linear probe mpp" in out
+    assert not (tmp_path / "data").exists()  # a dry run makes nothing
+
+
+def test_bad_sweep_fails_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="sets itself"):
+        load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {seed: [0, 1]}\n"))
+    with pytest.raises(ConfigError, match="non-empty lists"):
+        load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lr: 0.1}\n"))
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lrr: [1]}\n"))
+    with pytest.raises(ConfigError, match="sweep optim.lrr=1.*unknown config key 'optim.lrr'"):
+        validate(cfg, plan(cfg))
 
 
 def test_bad_stage_key_fails_before_any_work(tmp_path):
@@ -76,7 +123,8 @@ def test_compare_config_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
-    path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]")  # 7 stages: seconds each
+    path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",  # 17 stages: seconds each
+                          compare_extra="sweep: {optim.lr: [0.01, 0.1]}\nseeds: 2\ndev_fraction: 0.25\n")
     cmd = [sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -86,11 +134,19 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert "MPP" in md and "share" in md and (runs / "report.png").stat().st_size > 0
     for stage in plan(load_compare_config(path)):
         assert (stage.out / "metrics.json").is_file(), stage.name
-    ft = json.loads((runs / "finetune_mpp_50pct" / "metrics.json").read_text())
-    assert 0.0 <= ft["top1"] <= 1.0 and ft["label_fraction"] == 0.5
-    # the derived figures are computed from the fine-tunes' own metrics
-    tops = {init: json.loads((runs / f"finetune_{init}_50pct" / "metrics.json").read_text())["top1"] * 100
-            for init in ("mpp", "scratch", "supervised")}
+    ft = json.loads((runs / "finetune_mpp_50pct" / "seed1" / "metrics.json").read_text())
+    assert 0.0 <= ft["top1"] <= 1.0 and ft["label_fraction"] == 0.5 and ft["evaluated_on"] == "val"
+    probe_pool = json.loads((runs / "probe_mpp" / "metrics.json").read_text())["pool"]
+    assert ft["pool"] == probe_pool and ft["seed"] == 1 and ft["dev_fraction"] == 0
+    sweep = [json.loads((runs / "finetune_mpp_50pct" / f"sweep_lr{lr}" / "metrics.json").read_text())
+             for lr in (0.01, 0.1)]
+    assert all(m["evaluated_on"] == "dev" and m["train_samples"] < ft["train_samples"] for m in sweep)
+    best = 0.01 if sweep[0]["top1"] >= sweep[1]["top1"] else 0.1
+    assert ft["lr"] == best and report["recipes"]["mpp"]["0.5"]["chosen"]["optim.lr"] == best
+    # the derived figures are computed from the fine-tunes' own metrics: means over the seeds
+    tops = {init: sum(json.loads((runs / f"finetune_{init}_50pct" / f"seed{s}" / "metrics.json").read_text())["top1"]
+                      for s in (0, 1)) * 50 for init in ("mpp", "scratch", "supervised")}
+    assert report["table"]["mpp"]["finetune_n"]["0.5"] == 2
     gap = report["derived"]["finetune"]["0.5"]
     assert gap["mpp_minus_scratch"] == pytest.approx(tops["mpp"] - tops["scratch"], abs=0.06)
     assert gap["supervised_minus_mpp"] == pytest.approx(tops["supervised"] - tops["mpp"], abs=0.06)
@@ -103,5 +159,5 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     t0 = time.time()
     r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert r2.returncode == 0, r2.stderr[-2000:]
-    assert r2.stdout.count("done earlier") == 8
+    assert r2.stdout.count("done earlier") == 17
     assert time.time() - t0 < 60  # nothing re-trained

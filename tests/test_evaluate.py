@@ -85,6 +85,21 @@ def test_linear_probe_picks_interior_regulariser_on_weak_dense_signal():
     assert out["top1"] > weakest["top1"] + 0.02
 
 
+def test_linear_probe_chooses_representation_on_heldout_train_features():
+    """Candidates {token, avg}: the chosen one is the informative one, whichever it is; the
+    per-candidate held-out scores are reported."""
+    g = torch.Generator().manual_seed(4)
+    centers = torch.randn(4, 16, generator=g) * 3
+    x, y = _blobs(400, centers, g)
+    xt, yt = _blobs(200, centers, g)
+    noise, noise_t = torch.randn(400, 16, generator=g), torch.randn(200, 16, generator=g)
+    for informative in ("token", "avg"):
+        other = "avg" if informative == "token" else "token"
+        out = linear_probe({informative: x, other: noise}, y, {informative: xt, other: noise_t}, yt, num_classes=4)
+        assert out["representation"] == informative and out["top1"] > 0.9
+        assert out["heldout_top1"][informative] > 0.9 > 0.5 > out["heldout_top1"][other]
+
+
 # ----------------------------------------------------------------------------- on shards
 
 PALETTE = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (220, 220, 40)]
@@ -131,22 +146,24 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     cfg = _cfg(shards, tmp_path / "run")
     torch.manual_seed(0)
     enc_a, enc_b = create_encoder("vit_micro4_32", img_size=16), create_encoder("vit_micro4_32", img_size=16)
-    kw = dict(cfg=cfg, pool="token", cache_dir=tmp_path / "cache", progress=False)
+    kw = dict(cfg=cfg, cache_dir=tmp_path / "cache", progress=False)
     x1, y1 = extract_features(enc_a, shards["test"], **kw)
-    assert x1.dtype == torch.float32 and x1.shape == (80, enc_a.embed_dim) and len(y1) == 80
+    assert set(x1) == {"token", "avg"} and len(y1) == 80  # every candidate from one pass, one file
+    assert x1["token"].dtype == torch.float32 and x1["avg"].shape == (80, enc_a.embed_dim)
+    assert not torch.allclose(x1["token"], x1["avg"])
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
 
     def no_loader(*a, **k):
         raise AssertionError("a cache hit must not read the shards")
     monkeypatch.setattr(mpp.evaluate, "make_loader", no_loader)
     x2, y2 = extract_features(enc_a, shards["test"], **kw)
-    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert all(torch.equal(x1[p], x2[p]) for p in x1) and torch.equal(y1, y2)
     monkeypatch.undo()
 
     x3, y3 = extract_features(enc_b, shards["test"], **kw)
-    assert torch.equal(y1, y3) and not torch.allclose(x1, x3)
-    x4, _ = extract_features(enc_a, shards["test"], **{**kw, "pool": "avg"})
-    assert not torch.allclose(x1, x4)
+    assert torch.equal(y1, y3) and not torch.allclose(x1["token"], x3["token"])
+    x4, _ = extract_features(enc_a, shards["test"], **{**kw, "pools": ("avg",)})
+    assert set(x4) == {"avg"} and torch.allclose(x1["avg"], x4["avg"])
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
     shard = Path(shards["test"]).parent / "000000.tar"  # a rewritten shard must miss the cache
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
@@ -155,7 +172,7 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
 
 
 def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
-    cfg = _cfg(shards, tmp_path / "run", train={"precision": "bf16"})
+    cfg = _cfg(shards, tmp_path / "run", train={"precision": "bf16"}, probe={"pool": "token"})
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16).train()
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
@@ -168,9 +185,36 @@ def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
     assert encoder.training
     assert first == second and set(first) == {"1shot_mean", "1shot_std", "5shot_mean", "5shot_std"}
     assert first["5shot_mean"] > 0.5  # 4 colour classes: chance is 0.25
+    both = FewshotEvaluator(_cfg(shards, tmp_path / "run"), "cpu")(encoder)  # probe.pool=auto: every candidate
+    assert set(both) == {f"{p}/{k}" for p in ("token", "avg") for k in first}
+    assert all(both[f"token/{k}"] == v for k, v in first.items())
     tr_x, _, te_x, _ = evaluator._data[16]
     # class-balanced subsets: per-class rounding moves the totals by at most one per class
     assert tr_x.dtype == torch.uint8 and abs(len(te_x) - 40) <= 4 and len(tr_x) <= 5 * 2 * 4 + 4
+
+
+def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
+    """An encoder whose [class] output is constant (as MPP leaves the path it never trains, at the
+    extreme) is probed, and few-shot evaluated, through the mean of its patch tokens; forcing
+    probe.pool=token shows what the old fixed choice gave."""
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+
+    def constant_cls(module, inputs, tokens):
+        return torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, 1:]], dim=1)
+    encoder.vit.norm.register_forward_hook(constant_cls)
+    monkey_load = lambda *a, **k: encoder  # noqa: E731 -- the hooked encoder stands for a loaded one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mpp.evaluate, "load_encoder", monkey_load)
+        auto = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "auto", probe={"encoder": "x"}))
+        forced = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "token",
+                                                    probe={"encoder": "x", "pool": "token"}))
+    assert auto["pool"] == "avg" and auto["pool_setting"] == "auto"
+    assert set(auto["pool_heldout_top1"]) == {"token", "avg"}
+    assert auto["pool_heldout_top1"]["avg"] > 0.6 and auto["pool_heldout_top1"]["token"] < 0.5  # chance 0.25
+    assert auto["top1"] > 0.6 and forced["pool"] == "token" and forced["top1"] < 0.5
+    assert auto["5shot_mean"] > forced["5shot_mean"] + 0.2
+    assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["pool"] == "avg"
 
 
 @pytest.mark.slow
@@ -187,6 +231,7 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
     m = json.loads((out / "metrics.json").read_text())
     assert m["kind"] == "linear_probe" and m["num_train"] == 240 and m["num_test"] == 80
     assert m["top1"] > 0.6 and m["5shot_mean"] > 0.5  # chance is 0.25
+    assert m["pool"] in ("token", "avg") and set(m["pool_heldout_top1"]) == {"token", "avg"}
     assert (out / "config.yaml").is_file() and (tmp_path / "feature_cache").is_dir()
     monkeypatch.setattr(sys, "argv", cmd[1:] + [f"probe.encoder={tmp_path / 'missing'}"])
     with pytest.raises(SystemExit) as exc:

@@ -102,3 +102,48 @@ def test_tool_prints_table_and_fails_in_one_line(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(tmp_path / "nope")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "metrics.json" in bad.stderr
+
+
+def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path):
+    """Three seeds per cell plus the dev-split sweep stages of mpp.compare's layout: cells are
+    mean ± sample std (n=3), a gap's noise is the standard error of the difference, a gap under
+    twice its noise is marked, dev runs are no cell but show with the value the finals used."""
+    root = tmp_path / "runs"
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 10})
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 10})
+    runs = [mpp, sup]
+    tops = {"supervised": (0.60, 0.62, 0.64), "mpp": (0.59, 0.62, 0.65), "scratch": (0.40, 0.41, 0.42)}
+    inits = {"supervised": str(sup), "mpp": str(mpp), "scratch": "none"}
+    for fam, accs in tops.items():
+        for lr, dev in ((0.01, 0.5), (0.03, 0.55)):
+            runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
+                "objective": "classify", "seed": 0, "optim": {"lr": lr},
+                "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.1, "pool": "avg"}},
+                {"top1": dev, "evaluated_on": "dev"}))
+        for seed, acc in enumerate(accs):
+            runs.append(_run(root, f"ft_{fam}/seed{seed}", {
+                "objective": "classify", "seed": seed, "optim": {"lr": 0.03},
+                "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": "avg"}},
+                {"top1": acc, "evaluated_on": "val"}))
+    runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
+                     {"kind": "linear_probe", "top1": 0.45, "pool": "avg",
+                      "pool_heldout_top1": {"token": 0.37, "avg": 0.46}}))
+    rep = write_report(runs, tmp_path / "out")
+    t, g = rep["table"], rep["derived"]["finetune"]["0.1"]
+    assert t["mpp"]["finetune"]["0.1"] == pytest.approx(0.62) and t["mpp"]["finetune_n"]["0.1"] == 3
+    assert t["mpp"]["finetune_std"]["0.1"] == pytest.approx(0.03) and t["supervised"]["finetune_std"]["0.1"] == \
+        pytest.approx(0.02)
+    # supervised - MPP = 0 ± sqrt(2^2/3 + 3^2/3) = 2.08 points: not significant; MPP - scratch = 21 points is
+    assert g["supervised_minus_mpp"] == pytest.approx(0.0, abs=1e-6)
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx((4 / 3 + 9 / 3) ** 0.5, abs=1e-3)
+    assert g["significant"] == {"supervised_minus_mpp": False, "mpp_minus_scratch": True,
+                                "supervised_minus_scratch": True}
+    assert rep["recipes"]["mpp"]["0.1"]["chosen"] == {"optim.lr": 0.03, "finetune.pool": "avg"}
+    assert [x["dev_top1"] for x in rep["recipes"]["mpp"]["0.1"]["dev"]] == [0.5, 0.55]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
+    assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
+    assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
+    with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
+        write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "finetune": {
+            "init": str(mpp), "label_fraction": 0.1}}, {"top1": 0.6})], tmp_path / "out2")

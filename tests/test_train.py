@@ -4,7 +4,6 @@ few-shot hook on, which must not disturb training), two torchrun ranks stay iden
 steps never reach the weights, fine-tuning loads its init, and bad settings fail before any work."""
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -16,19 +15,17 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import timm
 import torch
 import yaml
 from safetensors.torch import load_file
-from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import mpp.train
+from colours import write_colours
 from mpp.config import ConfigError, build_config, load_config
 from mpp.data.synthetic import make_synthetic
-from mpp.data.writer import write_samples
 from mpp.models import load_encoder
 from mpp.train import NonFiniteError, train
 
@@ -46,20 +43,7 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> Path:
     """256 noisy images whose class is their dominant colour channel: learnable in a few steps."""
-    out = tmp_path_factory.mktemp("colours")
-    rng = np.random.default_rng(0)
-
-    def png(label: int) -> bytes:
-        pixels = rng.integers(0, 90, (32, 32, 3))
-        pixels[..., label] += 140
-        buf = io.BytesIO()
-        Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
-        return buf.getvalue()
-    for split, n in (("train", 256), ("val", 96)):
-        items = [(f"{i:04d}.png", lambda b=png(i % 3): b, i % 3) for i in range(n)]
-        write_samples(items, out / split, classes=["red", "green", "blue"], samples_per_shard=64 if n > 96 else 24,
-                      progress=False)
-    return out
+    return write_colours(tmp_path_factory.mktemp("colours"))
 
 
 def settings(data: Path, out: Path, **extra) -> list[str]:
@@ -171,6 +155,7 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
         import torch.distributed as dist
         from safetensors.torch import save_model
         import mpp.train
+from colours import write_colours
         from mpp.config import load_config
         tasks = []
         build = mpp.train.build_task

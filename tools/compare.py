@@ -1,5 +1,6 @@
-"""Run the self-supervised vs supervised comparison: MPP and supervised pre-training, fine-tunes
-(MPP, supervised, scratch) at each label fraction, linear probes, then the gap report.
+"""Run the self-supervised vs supervised comparison: MPP and supervised pre-training, linear
+probes, fine-tunes (MPP, supervised, scratch) at each label fraction (the `sweep` grid on a
+development split, then the best value over `seeds`), then the gap report.
 Finished stages are skipped, so the same command resumes an interrupted comparison."""
 from __future__ import annotations
 

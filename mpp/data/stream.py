@@ -357,13 +357,14 @@ def _take(pieces: list[dict], n: int, keys) -> dict:
 
 def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg=None,
                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                num_samples: int = 0, subset: tuple[float, int] | None = None) -> ShardLoader:
+                num_samples: int = 0, subset: tuple | None = None) -> ShardLoader:
     """A ShardLoader over `spec` (manifest.json, shard list/URLs, or brace pattern + num_samples).
 
     batch_size is per rank. rank/world_size default to torch.distributed's when it is initialised
     (else 0/1). train: augmentation + shuffling; else evaluation crop, shard order, every sample
     once. labeled: batches carry 'label' (unlabeled shards are an error). subset=(fraction, seed):
-    a class-balanced seeded subset of a labeled set. data_cfg: a `DataConfig` (workers, shuffle
+    a class-balanced seeded subset of a labeled set; (fraction, seed, dev_fraction, dev): its
+    development split (dev true) or the rest (see `select_subset`). data_cfg: a `DataConfig` (workers, shuffle
     buffer, augmentation, resampling, pixel cap; None: its defaults).
     """
     data_cfg = data_cfg if data_cfg is not None else DataConfig()
@@ -379,7 +380,7 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
     if labeled and shards.exact and not shards.classes:
         raise DataError(f"data {spec!r} has no 'classes' in its manifest, but a labeled loader was asked "
                         "for: these shards look unlabeled; use labeled shards or an unlabeled objective (mpp)")
-    if subset is not None and subset[0] != 1:  # a fraction of 1 is the whole set: no label pass
+    if subset is not None and (subset[0] != 1 or any(subset[2:3])):  # the whole set: no label pass
         shards = select_subset(shards, *subset)
     return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
                        data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)

@@ -5,7 +5,10 @@ The (key, label) pairs come from the manifest's label index (`labels.json`, writ
 read) or else from one pass over the shards that reads only their `cls` members (images are
 skipped inside the tar). Exactly max(1, round(fraction * n_c)) keys of every class c are picked
 with a seeded RNG, and the shard set is restricted to those keys with recomputed per-shard
-counts, so batch counts stay exact.
+counts, so batch counts stay exact. A development split (fine-tuning recipes are chosen on it,
+never on test images) is drawn from that subset the same way: max(1, round(dev_fraction * m_c))
+of every class's m_c subset keys, with its own seeded RNG, so the subset is the same with or
+without it; `dev` picks the development split, otherwise the rest.
 """
 from __future__ import annotations
 
@@ -49,10 +52,14 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
                         f"({type(e).__name__}: {e}); rewrite the shards with tools/make_shards.py") from e
 
 
-def select_subset(shards: ShardSet, fraction: float, seed: int) -> ShardSet:
-    """`shards` restricted to a class-balanced seeded `fraction` of its samples."""
+def select_subset(shards: ShardSet, fraction: float, seed: int, dev_fraction: float = 0.0,
+                  dev: bool = False) -> ShardSet:
+    """`shards` restricted to a class-balanced seeded `fraction` of its samples; with
+    `dev_fraction` > 0, to the development split of that subset (`dev`) or to the rest."""
     if not 0 < fraction <= 1:
         raise DataError(f"subset fraction must be in (0, 1], got {fraction}")
+    if not 0 <= dev_fraction < 1:
+        raise DataError(f"development fraction must be in [0, 1), got {dev_fraction}")
     if not shards.classes:
         raise DataError("a class-balanced subset needs labeled shards with 'classes' in manifest.json")
     index = read_label_index(shards) if shards.labels else None
@@ -60,12 +67,19 @@ def select_subset(shards: ShardSet, fraction: float, seed: int) -> ShardSet:
     for s, url in enumerate(shards.urls):
         for key, label in index[s] if index is not None else read_labels(url, len(shards.classes)):
             by_class[label].append((s, key))
-    rng = random.Random(seed)
+    rng, dev_rng = random.Random(seed), random.Random(f"dev-{seed}")
+    picked = {label: rng.sample(sorted(by_class[label]), max(1, round(fraction * len(by_class[label]))))
+              for label in sorted(by_class)}
     keep: list[set] = [set() for _ in shards.urls]
-    for label in sorted(by_class):
-        members = sorted(by_class[label])
-        for s, key in rng.sample(members, max(1, round(fraction * len(members)))):
+    for label, members in picked.items():
+        if dev_fraction:
+            held = set(dev_rng.sample(sorted(members), max(1, round(dev_fraction * len(members)))))
+            members = [m for m in members if (m in held) == dev]
+        for s, key in members:
             keep[s].add(key)
+    if not any(keep):
+        raise DataError(f"the {'development split' if dev else 'training part'} of a {fraction:g} subset "
+                        f"with dev_fraction={dev_fraction:g} is empty; use more data or a smaller dev_fraction")
     idx = [s for s in range(len(shards.urls)) if keep[s]]
     return ShardSet([shards.urls[s] for s in idx], [len(keep[s]) for s in idx], shards.classes,
                     exact=True, keys=[frozenset(keep[s]) for s in idx])

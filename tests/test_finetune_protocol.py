@@ -1,0 +1,86 @@
+"""The paper's fine-tuning protocol pieces: a class-balanced seeded development split drawn from
+the label-fraction subset, a fine-tune that trains on the rest and evaluates on it, and the
+MAE/BEiT-style recipe (AdamW, layer-wise lr decay, drop path, label smoothing) as a shipped config."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from colours import write_colours
+
+from mpp.config import load_config
+from mpp.data.sources import resolve
+from mpp.data.subset import select_subset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> Path:
+    """300 train / 60 val noisy images whose class is their dominant colour channel."""
+    return write_colours(tmp_path_factory.mktemp("colours"), (("train", 300), ("val", 60)))
+
+
+def _labels(shards) -> Counter:
+    keys = {(u, k) for u, ks in zip(shards.urls, shards.keys) for k in ks}
+    return keys, Counter(int(k) % 3 for _, k in keys)  # keys are the item names: index % 3 is the class
+
+
+def test_dev_split_is_class_balanced_seeded_and_drawn_from_the_subset(colours):
+    shards = resolve(str(colours / "train/manifest.json"), 0)
+    subset, per_class = _labels(select_subset(shards, 0.5, seed=7))
+    dev, dev_classes = _labels(select_subset(shards, 0.5, seed=7, dev_fraction=0.2, dev=True))
+    rest, _ = _labels(select_subset(shards, 0.5, seed=7, dev_fraction=0.2, dev=False))
+    assert per_class == {0: 50, 1: 50, 2: 50} and dev_classes == {0: 10, 1: 10, 2: 10}
+    assert dev | rest == subset and not dev & rest  # the subset is unchanged by the split
+    assert _labels(select_subset(shards, 0.5, seed=7, dev_fraction=0.2, dev=True))[0] == dev  # seeded
+    assert _labels(select_subset(shards, 0.5, seed=8, dev_fraction=0.2, dev=True))[0] != dev
+    whole, _ = _labels(select_subset(shards, 1.0, seed=0, dev_fraction=0.1, dev=True))
+    assert len(whole) == 30
+
+
+@pytest.mark.slow
+def test_finetune_with_dev_fraction_trains_on_the_rest_and_evaluates_on_dev(colours, tmp_path):
+    from mpp.train import train
+    items = [f"output_dir={tmp_path}", "objective=classify", "model=vit_micro4_32", "batch_size=16", "steps=4",
+             f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
+             "data.num_workers=0", "train.attn=math", "finetune.label_fraction=0.5", "finetune.dev_fraction=0.2"]
+    m = train(load_config(None, items))
+    assert m["evaluated_on"] == "dev" and m["val_samples"] == 30 and m["train_samples"] == 120
+    final = train(load_config(None, items[:-1] + ["finetune.dev_fraction=0", f"output_dir={tmp_path / 'f'}"]))
+    assert final["evaluated_on"] == "val" and final["val_samples"] == 60 and final["train_samples"] == 150
+
+
+def test_adamw_recipe_gives_layer_decayed_lrs():
+    """configs/cifar10_finetune_adamw.yaml: block i of d at lr * decay^(d - i): the head at the
+    full rate, the last block (and the final norm) one step down, the embeddings lowest."""
+    from mpp.models import create_encoder
+    from mpp.objectives import build_task
+    from mpp.optim import create_optimizer, create_scheduler
+    cfg = load_config(ROOT / "configs/cifar10_finetune_adamw.yaml")
+    o = cfg.optim
+    assert o.name == "adamw" and 0 < o.layer_decay < 1 and cfg.finetune.drop_path > 0
+    assert cfg.finetune.label_smoothing > 0
+    encoder = create_encoder(cfg.model, drop_path=cfg.finetune.drop_path, attn="math")
+    task = build_task(cfg, encoder, num_classes=10)
+    opt = create_optimizer(cfg, task)
+    sched = create_scheduler(cfg, opt, total_steps=cfg.steps)
+    sched.step_update(o.warmup_steps)  # end of warmup: every group at its peak
+    depth = len(encoder.vit.blocks)
+    lr = {n: g["lr"] for g in opt.param_groups for n, p in task.named_parameters() if any(p is q for q in g["params"])}
+    assert lr["head.weight"] == pytest.approx(o.lr)
+    assert lr[f"encoder.vit.blocks.{depth - 1}.mlp.fc1.weight"] == pytest.approx(o.lr * o.layer_decay)
+    assert lr["encoder.vit.blocks.0.attn.qkv.weight"] == pytest.approx(o.lr * o.layer_decay ** depth)
+    assert lr["encoder.vit.patch_embed.proj.weight"] == pytest.approx(o.lr * o.layer_decay ** (depth + 1))
+    assert lr["encoder.vit.norm.weight"] == pytest.approx(o.lr * o.layer_decay)  # with the last block
+
+
+@pytest.mark.slow
+def test_adamw_recipe_trains(colours, tmp_path):
+    from mpp.train import train
+    m = train(load_config(ROOT / "configs/cifar10_finetune_adamw.yaml", [
+        f"output_dir={tmp_path}", "model=vit_micro4_32", "batch_size=16", "steps=30", "optim.warmup_steps=3",
+        f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
+        "data.num_workers=0", "train.attn=math"]))
+    assert m["top1"] > 0.6, m  # chance: 1/3
