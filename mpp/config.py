@@ -87,7 +87,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     """Loop machinery shared by pre-training and fine-tuning."""
-    precision: str = "bf16"    # bf16 | fp16 | no
+    precision: str = "auto"    # auto (bf16 where the device has it, else fp16 on GPUs, fp32 on CPUs) | bf16 | fp16 | no
     grad_accum: int = 1
     log_every: int = 10
     ckpt_every: int = 500      # steps between checkpoints (0: only at the end)
@@ -177,7 +177,7 @@ CHOICES = {
     "probe.pool": ("auto", "token", "avg"),
     "optim.name": ("adamw", "adam", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "train.precision": ("bf16", "fp16", "no"),
+    "train.precision": ("auto", "bf16", "fp16", "no"),
     "train.attn": ("auto", "fused", "math"),
 }
 
@@ -202,6 +202,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             pass
     if kind == "bool" and isinstance(value, bool):
         return value
+    if kind == "str" and value is False:  # YAML 1.1 reads `no` (as in train.precision=no) as false
+        return "no"
     if not isinstance(value, bool):
         if kind == "int" and isinstance(value, (int, float)) and float(value).is_integer():
             return int(value)

@@ -31,7 +31,7 @@ from mpp.data import make_loader, normalize, to_float01
 from mpp.data.sources import resolve
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.models import create_encoder, load_encoder
-from mpp.runtime import autocast, seed_everything
+from mpp.runtime import autocast, resolve_precision, seed_everything
 
 BIAS_CONSTANT = 100.0  # big_vision: a large constant bias feature is almost unregularised
 PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, standardised features
@@ -118,7 +118,7 @@ def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img
 
 def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POOLS, num_samples: int = 0,
                      cache_dir: str | Path | None = None, device: torch.device | str = "cpu",
-                     precision: str = "bf16", progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                     precision: str = "auto", progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`.
 
     Every representation of `pools` comes from one forward pass. The encoder is frozen (eval mode,
@@ -401,7 +401,7 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
         encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
     cache = Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else out.parent / "feature_cache"
     kw = dict(cfg=cfg, pools=candidate_pools(cfg.probe.pool), cache_dir=cache, device=device,
-              precision=cfg.train.precision)
+              precision=resolve_precision(cfg.train.precision, device.type))  # the cache key names what ran
     t0 = time.time()
     tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
     te_x, te_y = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)

@@ -8,11 +8,29 @@ import numpy as np
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+PRECISIONS = ("auto", *DTYPES)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, through oneDNN). Without it
+    bf16 matmuls take a slow emulated path, tens of times slower than fp32 (AVX2-only CPUs)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: absent means unknown
+    return bool(check and check())
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """`train.precision` with auto decided for the device: bf16 on GPUs that support it (else
+    fp16) and on CPUs with native bf16; fp32 ("no") elsewhere."""
+    if precision != "auto":
+        return precision
+    if device_type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if device_type == "cpu" and cpu_has_bf16() else "no"
 
 
 def autocast(device: torch.device, precision: str):
-    """Mixed-precision context for `precision` (bf16 | fp16 | no) on any device, CPU included."""
-    dtype = DTYPES[precision]
+    """Mixed-precision context for `precision` (auto | bf16 | fp16 | no) on any device, CPU included."""
+    dtype = DTYPES[resolve_precision(precision, device.type)]
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -36,7 +36,7 @@ from mpp.data import DataError, make_loader
 from mpp.models import create_encoder, load_encoder, save_encoder
 from mpp.objectives import build_task
 from mpp.optim import create_optimizer, create_scheduler
-from mpp.runtime import seed_everything
+from mpp.runtime import resolve_precision, seed_everything
 
 
 class NonFiniteError(RuntimeError):
@@ -54,7 +54,10 @@ def train(cfg: Config) -> dict:
     AcceleratorState._reset_state()  # a later train() in the same process may use another precision
     # cpu=True on machines without an accelerator: only then does Accelerate treat torchrun /
     # accelerate launch processes as MULTI_CPU (gloo) ranks instead of independent single runs
-    accelerator = Accelerator(mixed_precision=cfg.train.precision, cpu=not torch.accelerator.is_available())
+    on_accelerator = torch.accelerator.is_available()
+    precision = resolve_precision(cfg.train.precision, torch.accelerator.current_accelerator().type
+                                  if on_accelerator else "cpu")
+    accelerator = Accelerator(mixed_precision=precision, cpu=not on_accelerator)
     device, main = accelerator.device, accelerator.is_main_process
     rank, world = accelerator.process_index, accelerator.num_processes
     if cfg.batch_size % (world * accum):
@@ -219,6 +222,7 @@ def train(cfg: Config) -> dict:
         save_encoder(encoder, out)
     results = {
         "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size,
+        "precision": precision,  # train.precision as resolved for this device (auto decides)
         "batch_size": cfg.batch_size, "steps": steps, "epochs": steps * cfg.batch_size / max(loader.num_samples, 1),
         "train_samples": loader.num_samples,
         # the last log window: loss and objective metrics (averaged over its steps and all ranks), grad norm

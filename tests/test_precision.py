@@ -1,0 +1,33 @@
+"""train.precision=auto picks bf16 only where the device multiplies it natively: an AVX2-only CPU
+emulates bf16 matmuls tens of times slower than fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpp import runtime
+from mpp.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "no")])
+def test_auto_on_cpu_follows_native_bf16(monkeypatch, native, expected):
+    monkeypatch.setattr(runtime, "cpu_has_bf16", lambda: native)
+    assert runtime.resolve_precision("auto", "cpu") == expected
+    assert runtime.resolve_precision("bf16", "cpu") == "bf16"  # an explicit choice is kept
+    ctx = runtime.autocast(torch.device("cpu"), "auto")
+    assert (getattr(ctx, "fast_dtype", None) == torch.bfloat16) == native
+
+
+def test_auto_on_cuda_and_other_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert runtime.resolve_precision("auto", "cuda") == "fp16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert runtime.resolve_precision("auto", "cuda") == "bf16"
+    assert runtime.resolve_precision("auto", "mps") == "no"
+
+
+def test_precision_config_values():
+    assert load_config(None, ["train.precision=no"]).train.precision == "no"  # YAML reads `no` as false
+    assert load_config(None, []).train.precision == "auto"
+    with pytest.raises(ConfigError, match="train.precision"):
+        load_config(None, ["train.precision=fp8"])
