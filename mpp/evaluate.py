@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from mpp.config import Config, save_config, to_dict
+from mpp.fileio import atomic_path, write_atomic
 from mpp.data import make_loader, normalize, to_float01
 from mpp.data.sources import resolve
 from mpp.checkpoint import rng_state, set_rng_state
@@ -141,10 +142,9 @@ def extract_features(encoder, spec, *, cfg: Config, pool: str, num_samples: int 
     features, labels = torch.cat(feats), torch.cat(labels)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({"features": features.contiguous(), "labels": labels.contiguous()}, str(tmp),
-                  metadata={"spec": json.dumps(spec), "pool": pool, "img_size": str(img_size)})
-        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+        with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
+            save_file({"features": features.contiguous(), "labels": labels.contiguous()}, str(tmp),
+                      metadata={"spec": json.dumps(spec), "pool": pool, "img_size": str(img_size)})
     return features, labels
 
 
@@ -386,7 +386,5 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
                "config": to_dict(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
-    tmp.replace(out / "metrics.json")  # last and atomic: compare treats metrics.json as "done"
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"
     return metrics

@@ -20,6 +20,7 @@ reproduction across processes needs an explicit "fused" or "math".
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ from timm.layers.attention import Attention
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block
 from torch import nn
+
+from mpp.config import ConfigError
+from mpp.fileio import atomic_path, write_atomic
 
 # name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
 # small-image presets (patch 4 at 32 px) for CIFAR-scale work on CPU.
@@ -49,6 +53,15 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "vit_mini4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4)),
     "vit_micro4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=2)),
 }
+
+
+
+def preset_geometry(preset: str, img_size: int = 0) -> tuple[int, int]:
+    """(image size, patch size) of a preset, `img_size` 0 meaning the preset's own (no model built)."""
+    name, kwargs = PRESETS[preset]
+    patch = kwargs.get("patch_size") or int(re.search(r"patch(\d+)", name).group(1))
+    return img_size or kwargs.get("img_size") or int(name.rsplit("_", 1)[1]), patch
+
 
 ATTN_MODES = ("auto", "fused", "math")
 _FUSED_FASTER: dict[tuple, bool] = {}  # auto decisions, keyed by device, shape, dtype, grad, threads
@@ -218,8 +231,9 @@ def save_encoder(encoder: MaskedEncoder, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in encoder.encoder_state_dict().items()}
-    save_file(state, str(out / "encoder.safetensors"), metadata={"format": "pt"})
-    (out / "model.json").write_text(json.dumps(encoder.model_spec(), indent=2) + "\n")
+    with atomic_path(out / "encoder.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    write_atomic(out / "model.json", json.dumps(encoder.model_spec(), indent=2) + "\n")
     return out / "encoder.safetensors"
 
 
@@ -239,20 +253,34 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     spec_file = weights.parent / "model.json"
     if not weights.is_file() or weights.suffix != ".safetensors" or not spec_file.is_file():
         raise FileNotFoundError(f"{path}: need a run dir or an encoder.safetensors file with model.json beside it")
-    spec = json.loads(spec_file.read_text())
-    kwargs = dict(spec["kwargs"])
+    try:
+        spec = json.loads(spec_file.read_text())
+        name, kwargs = spec["name"], dict(spec["kwargs"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    if not isinstance(name, str) or name not in timm.list_models():
+        raise ConfigError(f"{spec_file} names {name!r}, which is not a timm model; give the model.json its "
+                          "encoder was exported with")
     old_img = kwargs.get("img_size", 224)
     if img_size:
         kwargs["img_size"] = img_size
-    encoder = MaskedEncoder(spec["name"], kwargs, drop_path=drop_path, attn=attn)
-    state = load_file(str(weights))
-    pos = state.get("pos_embed")
-    if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
-        state["pos_embed"] = resample_abs_pos_embed(
-            pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
-            num_prefix_tokens=encoder.vit.num_prefix_tokens)
     try:
+        encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: {' '.join(str(e).split())[:100]}") from None
+    try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
+        state = load_file(str(weights))
+    except Exception as e:
+        raise ConfigError(f"{weights} is not a readable safetensors file ({' '.join(str(e).split())[:80]}); "
+                          "export it again") from None
+    try:
+        pos = state.get("pos_embed")
+        if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
+            state["pos_embed"] = resample_abs_pos_embed(
+                pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
+                num_prefix_tokens=encoder.vit.num_prefix_tokens)
         encoder.vit.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{weights}: weights do not match {spec['name']} {kwargs}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(f"{weights}: weights do not match {spec['name']} {kwargs}: {str(e).splitlines()[0]}") from None
     return encoder

@@ -227,16 +227,22 @@ def test_nonfinite_steps_are_skipped_then_stop_training(data, tmp_path, monkeypa
 
 
 def test_a_few_nonfinite_steps_leave_the_weights_alone(data, tmp_path, monkeypatch):
-    # calls 1-2 fine, then NaN forever: with max_bad_steps large the run finishes, every step after
-    # the second skipped, so the weights equal a 2-step run's (no update, no optimiser state change)
+    # calls 1-2 fine, then NaN forever: with max_bad_steps large the loop runs to the end, every step
+    # after the second skipped, so the weights equal a 2-step run's (no update, no optimiser state
+    # change). The run's last steps failed, so it must not end well nor export an encoder.
     monkeypatch.setattr(mpp.train, "build_task", nan_after(2))
     items = dict(steps=6, **{"train.log_every": 3, "train.max_bad_steps": 100, "optim.schedule": "constant",
                              "optim.warmup_steps": 0, "data.num_workers": 0})
-    metrics = train(config(settings(data, tmp_path / "nan", **items)))
-    assert metrics["nonfinite_steps"] == 4
+    with pytest.raises(NonFiniteError, match="the last 4 steps had a non-finite"):
+        train(config(settings(data, tmp_path / "nan", **items)))
+    assert not (tmp_path / "nan/encoder.safetensors").exists() and not (tmp_path / "nan/metrics.json").exists()
     monkeypatch.undo()
+    with pytest.raises(NonFiniteError, match="the last 4 steps"):  # resuming the finished run fails the same way
+        train(config(settings(data, tmp_path / "nan", **items)))
     train(config(settings(data, tmp_path / "short", **{**items, "steps": 2})))
-    assert_same(weights(tmp_path / "nan/encoder.safetensors"), weights(tmp_path / "short/encoder.safetensors"))
+    task = load_file(str(tmp_path / "nan/checkpoints/step_0000006/model.safetensors"))
+    assert_same({k.removeprefix("encoder.vit."): v for k, v in task.items() if k.startswith("encoder.vit.")},
+                weights(tmp_path / "short/encoder.safetensors"))
 
 
 def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):

@@ -123,6 +123,20 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     return ShardSet(urls, counts, None, exact=False)
 
 
+def check_same_classes(train_spec, val_spec, val_num_samples: int = 0) -> None:
+    """Labels index `classes`, so evaluating on `val_spec` means something only when its manifest
+    lists the same classes in the same order as `train_spec`'s (specs without a manifest have no
+    list to compare). Raises DataError naming the first difference."""
+    train, val = resolve(train_spec, 1).classes, resolve(val_spec, val_num_samples or 1).classes
+    if train is None or val is None or list(train) == list(val):
+        return
+    diff = next((i for i, (a, b) in enumerate(zip(train, val)) if a != b), min(len(train), len(val)))
+    at = lambda c: repr(c[diff]) if diff < len(c) else "nothing"  # noqa: E731
+    raise DataError(f"data.val {val_spec!r} has other classes than data.train {train_spec!r} ({len(val)} vs "
+                    f"{len(train)}; class {diff} is {at(val)} vs {at(train)}): labels would not match; "
+                    "evaluate on held-out shards of the same label set")
+
+
 def _check_local(urls: list[str]) -> None:
     for url in urls:
         path = _local_path(url)
