@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from mpp.config import Config, save_config, to_dict
 from mpp.fileio import atomic_path, write_atomic
 from mpp.data import make_loader, normalize, to_float01
+from mpp.data.sources import check_same_classes
 from mpp.data.sources import resolve
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.models import create_encoder, load_encoder
@@ -359,6 +360,7 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
                          "or none (a randomly initialised model)")
     if not cfg.data.train or not cfg.data.val:
         raise ValueError("the linear probe needs labeled shards in data.train (fit) and data.val (test)")
+    check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(encoder_path) == "none":
         seed_everything(cfg.seed)

@@ -281,6 +281,10 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
                 pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
                 num_prefix_tokens=encoder.vit.num_prefix_tokens)
         encoder.vit.load_state_dict(state)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ConfigError(f"{weights}: weights do not match {spec['name']} {kwargs}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, ValueError, TypeError):
+        want = encoder.vit.state_dict()
+        odd = sorted(set(want) ^ set(state)) + [k for k in want if k in state and want[k].shape != state[k].shape]
+        raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
+                          f"of another shape, e.g. {odd[0] if odd else '?'}); give the model.json it was exported "
+                          "with") from None
     return encoder

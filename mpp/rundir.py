@@ -3,8 +3,10 @@
 - `check_output_dir` (before any work, nothing written): OUTPUT_DIR is a directory or can be made
   one, and is writable.
 - `lock` (main process, before anything is written): an exclusive `flock` on OUTPUT_DIR/.lock,
-  held until the process exits (the kernel drops it even after kill -9), so a second run in the
-  same directory stops with one line naming the first one's pid instead of interleaving with it.
+  held until `unlock` or the process exits (the kernel drops it even after kill -9), so a second
+  run in the same directory stops with one line naming the first one's pid instead of interleaving
+  with it. `unlock` removes the file (and the directory when `lock` made it and it stayed empty),
+  so a run that failed before writing leaves nothing behind.
 - `check_fresh`: `train.resume=none` refuses a directory that already holds a run (checkpoints,
   an encoder or metrics.json). It does not move the old run aside: the user says whether it goes.
 - `choose_checkpoint`: with `resume=auto`, the newest checkpoint that loads; the ones that do not
@@ -55,8 +57,6 @@ def lock(out: str | Path) -> None:
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        if created:
-            _remove_if_only_lock(out)
         raise ConfigError(f"output_dir '{out}' is in use by another run (pid {holder}); wait for it to end "
                           "or choose another output_dir") from None
     f.seek(0)
@@ -67,19 +67,15 @@ def lock(out: str | Path) -> None:
 
 
 def unlock(out: str | Path) -> None:
-    """Release the lock on OUTPUT_DIR if this process holds it (the end of a train() call). A
-    directory that `lock` made and that holds nothing else (the run failed first) is removed."""
-    f, created = _held.pop(str(Path(out)), (None, False))
+    """Release and remove OUTPUT_DIR/.lock if this process holds it (the end of a train() call); a
+    directory that `lock` made and that holds nothing else (the run failed first) is removed too."""
+    out = Path(out)
+    f, created = _held.pop(str(out), (None, False))
     if f is not None:
+        (out / ".lock").unlink(missing_ok=True)  # before close: no one else can hold it meanwhile
         f.close()
-        if created:
-            _remove_if_only_lock(Path(out))
-
-
-def _remove_if_only_lock(out: Path) -> None:
-    if [p.name for p in out.iterdir()] == [".lock"]:
-        (out / ".lock").unlink()
-        out.rmdir()
+        if created and not any(out.iterdir()):
+            out.rmdir()
 
 
 def check_fresh(out: str | Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import sys
 import time
 from collections import Counter
@@ -111,9 +112,9 @@ def _train(cfg: Config) -> dict:
     # ---- lock the run directory; resume from the newest checkpoint that loads, or seed this rank's
     # own RNG stream (corruption, drop path). Nothing in the directory changes before this succeeded.
     if main:
-        rundir.lock(out)
         if cfg.train.resume == "none":
             rundir.check_fresh(out)
+        rundir.lock(out)
     accelerator.wait_for_everyone()
     resume, state = _resume(cfg, accelerator, ckpt_root, task, optimizer)
     if main:
@@ -386,7 +387,9 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
         except ConfigError:
             raise
         except Exception as e:  # a checkpoint is untrusted input: corrupt, empty, crafted (never unpickled)
-            state, why = {}, (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            why = ("holds objects other than tensors and plain values: refused, never unpickled"
+                   if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {' '.join(str(e).split())[:100]}")
+            state = {}
         whys = [w for w in gather_object([why]) if w]
         if not whys:
             if skipped:

@@ -105,6 +105,9 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
         local = _local_path(spec)
         if local is not None and os.path.isdir(local):
             spec, local = f"{spec.rstrip('/')}/manifest.json", os.path.join(local, "manifest.json")
+        elif local is not None and "{" not in spec and not os.path.exists(local):
+            raise DataError(f"data '{spec}' does not exist; check the path (a shard directory, its manifest.json, "
+                            "a shard list or a brace pattern)")
         if spec.endswith(".json"):
             if local is not None and not os.path.isfile(local):
                 raise DataError(f"manifest '{spec}' does not exist; write shards with tools/make_shards.py")
