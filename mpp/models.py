@@ -8,20 +8,16 @@ is what `save_encoder` writes; `timm.create_model(name, pretrained=True,
 pretrained_cfg_overlay=dict(file=".../encoder.safetensors"), **kwargs)` loads it.
 
 Attention path (`attn`): timm's `Attention` modules have a per-module `fused_attn` flag choosing
-`F.scaled_dot_product_attention` ("fused") or matmul-softmax-matmul ("math"). On CPU the fused
-kernel in bf16 was measured ~2x slower than math for 65-token sequences, so "auto" decides by
-measurement: CUDA always uses fused (flash / memory-efficient kernels); any other device times one
-attention call (forward, plus backward when grad is enabled) of each path at the model's shape
-(batch capped at 64), dtype (the autocast dtype if active) and thread count on the first forward
-with that key, and uses math only when it is more than 10% faster (ties go to fused, which needs
-less memory). Decisions are cached per process. Timing can differ between runs, so bit-exact
-reproduction across processes needs an explicit "fused" or "math".
+`F.scaled_dot_product_attention` ("fused") or matmul-softmax-matmul ("math"). "auto" is fused on
+CUDA (flash / memory-efficient kernels) and math elsewhere: on CPU the fused kernel in bf16 was
+measured ~2x slower than math for 65-token sequences. The rule is fixed, not timed: "auto" used to
+time both paths in each process, and a close race went different ways in identical runs, which
+then differed in their weights from the first step on (the two paths round differently).
 """
 from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import timm
@@ -64,39 +60,6 @@ def preset_geometry(preset: str, img_size: int = 0) -> tuple[int, int]:
 
 
 ATTN_MODES = ("auto", "fused", "math")
-_FUSED_FASTER: dict[tuple, bool] = {}  # auto decisions, keyed by device, shape, dtype, grad, threads
-
-
-def _time_attention(fused: bool, q, k, v, backward: bool) -> float:
-    start = time.perf_counter()
-    if fused:
-        out = F.scaled_dot_product_attention(q, k, v)
-    else:
-        out = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
-    if backward:
-        out.backward(torch.ones_like(out))
-    if q.device.type != "cpu":
-        torch.accelerator.synchronize(q.device)
-    return time.perf_counter() - start
-
-
-def fused_attention_faster(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
-                           device: torch.device, backward: bool) -> bool:
-    """The "auto" rule: fused on CUDA; elsewhere fused unless a timed math call is >10% faster."""
-    if device.type == "cuda":
-        return True
-    key = (str(device), min(batch, 64), heads, tokens, head_dim, dtype, backward, torch.get_num_threads())
-    if key not in _FUSED_FASTER:
-        with torch.autocast(device.type, enabled=False), torch.enable_grad() if backward else torch.no_grad():
-            g = torch.Generator(device).manual_seed(0)  # its own generator: training RNG untouched
-            q, k, v = (torch.randn(key[1], heads, tokens, head_dim, device=device, dtype=dtype, generator=g,
-                                   requires_grad=backward) for _ in range(3))
-            best = {True: float("inf"), False: float("inf")}
-            for _ in range(5):  # the first round warms up; the best of the rest is robust to noise
-                for fused in (True, False):
-                    best[fused] = min(best[fused], _time_attention(fused, q, k, v, backward))
-        _FUSED_FASTER[key] = best[False] * 1.1 >= best[True]
-    return _FUSED_FASTER[key]
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -173,13 +136,9 @@ class MaskedEncoder(nn.Module):
 
     @torch.compiler.disable
     def _choose_attention(self, x: torch.Tensor) -> None:
-        """Apply the "auto" rule for this batch's shape, dtype and grad mode (cached)."""
-        if self.attn != "auto" or not self._attn_modules:
-            return
-        a = self._attn_modules[0]
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        self._set_fused(fused_attention_faster(x.shape[0], a.num_heads, x.shape[1], a.head_dim, dtype,
-                                               x.device, torch.is_grad_enabled()))
+        """Apply the "auto" rule for the device of this batch: fused on CUDA, math elsewhere."""
+        if self.attn == "auto" and self._attn_modules:
+            self._set_fused(x.device.type == "cuda")
 
     def forward(self, x: torch.Tensor, corruption=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm; with `rows`

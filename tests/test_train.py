@@ -162,6 +162,14 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     assert scalars(out, "fewshot/1shot_mean")
 
 
+def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
+    """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
+    for name in ("a", "b"):
+        done = run_tool(["tools/pretrain.py", *settings(data, tmp_path / name, steps=4, **{"train.attn": "auto"})])
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(weights(tmp_path / "a/encoder.safetensors"), weights(tmp_path / "b/encoder.safetensors"))
+
+
 def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
     """Two gloo ranks: MPP pre-training, then (same processes) a fine-tune from it whose evaluation
     counts every test image once across the ranks; both ranks end with the same weights."""
