@@ -40,7 +40,7 @@ from mpp.models import create_encoder, load_encoder, save_encoder
 from mpp.objectives import build_task
 from mpp.optim import create_optimizer, create_scheduler
 from mpp import rundir
-from mpp.runtime import seed_everything
+from mpp.runtime import die_with_launcher, seed_everything
 
 
 class NonFiniteError(RuntimeError):
@@ -60,6 +60,7 @@ def _train(cfg: Config) -> dict:
     t_begin = time.time()
     accum = cfg.train.grad_accum
     _check_settings(cfg)
+    die_with_launcher()
 
     # ---- accelerator: device, processes, mixed precision (autocast wraps the model's forward)
     AcceleratorState._reset_state()  # a later train() in the same process may use another precision

@@ -135,8 +135,10 @@ def test_supervised_run_learns(colours, tmp_path):
     assert losses[-1] < losses[0] - 0.3 and acc[-1] > 0.6, (losses, acc)
 
 
-def run_tool(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, **kw)
+def run_tool(args: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """A tool in a subprocess, importing this checkout's mpp (not an installed one)."""
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
 
 
 def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path):
@@ -145,7 +147,7 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     out = tmp_path / "killed"
     cmd = [sys.executable, "tools/pretrain.py", *settings(data, out)]
     log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.time() + 120
     while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
