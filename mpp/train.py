@@ -31,6 +31,7 @@ from accelerate.utils import gather_object
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
+from mpp import rundir
 from mpp.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data import make_loader
@@ -39,7 +40,6 @@ from mpp.fileio import write_atomic
 from mpp.models import create_encoder, load_encoder, save_encoder
 from mpp.objectives import build_task
 from mpp.optim import create_optimizer, create_scheduler
-from mpp import rundir
 from mpp.runtime import die_with_launcher, seed_everything
 
 

@@ -8,7 +8,6 @@ when the table is stale."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import io
 import json
