@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from mpp.config import ConfigError
+from mpp.fileio import atomic_path
 
 PREFIX = "step_"
 
@@ -55,9 +56,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root`, oldest first (directories only: a `step_*` file is not one)."""
     root = Path(root)
-    return sorted(root.glob(PREFIX + "*")) if root.is_dir() else []
+    return sorted(p for p in root.glob(PREFIX + "*") if p.is_dir()) if root.is_dir() else []
 
 
 def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Module,
@@ -73,13 +74,16 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    torch.save(rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+    with atomic_path(tmp / f"rng_{accelerator.process_index}.pt") as f:
+        torch.save(rng_state(), f)
     if accelerator.is_main_process:
-        save_model(model, str(tmp / "model.safetensors"))
+        with atomic_path(tmp / "model.safetensors") as f:
+            save_model(model, str(f))
         scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-        torch.save({**state, "step": step, "world_size": accelerator.num_processes,
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "scaler": scaler}, tmp / "state.pt")
+        with atomic_path(tmp / "state.pt") as f:
+            torch.save({**state, "step": step, "world_size": accelerator.num_processes,
+                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                        "scaler": scaler}, f)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():  # the same step saved before (a finished run saved again): replace it

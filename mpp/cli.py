@@ -1,7 +1,11 @@
-"""Argument parsing shared by the config-driven tools: `--config FILE key=value ...`."""
+"""What every tool shares: `--config FILE key=value ...` parsing, and `one_line_errors`, which turns
+bad input, a diverged run and a full or read-only disk into one line on stderr and a non-zero exit
+(2 for a bad config, 1 for the rest) instead of a traceback."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import sys
 
 from mpp.config import Config, ConfigError, load_config, valid_keys
@@ -20,8 +24,49 @@ def parse_config_args(description: str, argv: list[str] | None = None, defaults:
     parser.add_argument("--config", help="YAML config (see configs/); keys not given keep their defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():
         return load_config(args.config, (defaults or []) + args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+
+
+def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """The errors whose message is meant for the user: bad arguments (exit 2), bad data, a diverged
+    run (exit 1). Imported late: tools that need only the config skip torch."""
+    from mpp.data.decode import DataError
+    from mpp.data.writer import ShardError
+    from mpp.report import ReportError
+    from mpp.train import NonFiniteError
+    return (ConfigError, ReportError), (DataError, ShardError, NonFiniteError)
+
+
+def os_message(e: OSError) -> str:
+    """One line for a failed file operation, saying what to do about it."""
+    if e.errno is None:  # raised by our code with its own message
+        return str(e)
+    where = f" '{e.filename}'" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"the disk is full (writing{where}); free space or choose an output_dir on another disk"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"no permission to write{where} ({e.strerror}); choose a writable output_dir"
+    return f"{e.strerror or e}{':' + where if where else ''}"
+
+
+@contextlib.contextmanager
+def one_line_errors(extra: tuple[type, ...] = ()):
+    """Run a tool's body: the user-facing errors (`_user_errors`, then `extra` and OSError, exit 1)
+    end with one line `error: ...` on stderr. Other exceptions (bugs) keep their traceback."""
+    try:
+        yield
+    except Exception as e:
+        bad_args, bad_run = _user_errors()
+        if isinstance(e, bad_args):
+            _fail(str(e), 2)
+        if isinstance(e, (*bad_run, *extra)):
+            _fail(str(e), 1)
+        if isinstance(e, OSError):
+            _fail(os_message(e), 1)
+        raise
+
+
+def _fail(message: str, code: int) -> None:
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    raise SystemExit(code)

@@ -7,11 +7,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+MAX_BITS = 5  # mpp.bits: 32768 colour classes; 8 bits would ask for a 16.7M-class head
 
 
 class ConfigError(ValueError):
@@ -281,9 +285,12 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
-def load_yaml(path: str | Path) -> dict:
+def load_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     """Read a YAML mapping; `base: other.yaml` (relative to the file) is merged in first."""
     path = Path(path)
+    if path.resolve() in _seen:
+        raise ConfigError(f"config file '{path}' includes itself through 'base:' ({' -> '.join(p.name for p in _seen)} "
+                          f"-> {path.name}); remove the cycle")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; see configs/ for the shipped ones")
     try:
@@ -295,7 +302,9 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
     base = data.pop("base", None)
     if base:
-        data = _merge(load_yaml(path.parent / base), data)
+        if not isinstance(base, str):
+            raise ConfigError(f"config file '{path}': 'base' must be the path of another config file")
+        data = _merge(load_yaml(path.parent / base, _seen + (path.resolve(),)), data)
     return data
 
 
@@ -354,8 +363,8 @@ def to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    from mpp.fileio import write_atomic
+    write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def validate(cfg: Config) -> None:
@@ -369,19 +378,27 @@ def validate(cfg: Config) -> None:
         for part in key.split("."):
             obj = getattr(obj, part)
         check(obj in allowed, f"config key '{key}' is {obj!r}; choose one of {', '.join(allowed)}")
-    from mpp.models import PRESETS  # late import: the preset table lives with the models
+    from mpp.models import PRESETS, preset_geometry  # late import: the preset table lives with the models
     check(cfg.model in PRESETS, f"config key 'model' is {cfg.model!r}; choose a preset: {', '.join(PRESETS)}")
     check(bool(cfg.output_dir), "config key 'output_dir' is empty; give a run directory")
     check(cfg.batch_size > 0, f"config key 'batch_size' must be > 0, got {cfg.batch_size}")
     check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")
     check(cfg.img_size >= 0, "config key 'img_size' must be >= 0 (0: the preset's)")
+    img, patch = preset_geometry(cfg.model, cfg.img_size)
+    check(img % patch == 0 and img // patch >= 2,
+          f"config key 'img_size' is {img}: model {cfg.model} needs a multiple of its patch size {patch} "
+          f"of at least {2 * patch} (e.g. {max(2, round(img / patch)) * patch})")
+    chosen = math.floor(cfg.mpp.ratio * (img // patch) ** 2 + 0.5)
+    check(cfg.objective != "mpp" or chosen >= 1,
+          f"config key 'mpp.ratio' is {cfg.mpp.ratio}: it chooses {chosen} of {(img // patch) ** 2} patches; raise it")
     m = cfg.mpp
     check(0.0 < m.ratio <= 1.0, f"config key 'mpp.ratio' must be in (0, 1], got {m.ratio}")
     for k in ("mask", "random", "keep"):
         check(getattr(m, k) >= 0, f"config key 'mpp.{k}' must be >= 0")
     check(abs(m.mask + m.random + m.keep - 1.0) < 1e-6,
           f"config keys mpp.mask + mpp.random + mpp.keep must sum to 1, got {m.mask + m.random + m.keep:g}")
-    check(1 <= m.bits <= 8, f"config key 'mpp.bits' must be in 1..8, got {m.bits}")
+    check(1 <= m.bits <= MAX_BITS, f"config key 'mpp.bits' must be in 1..{MAX_BITS} (2^(3 bits) colour classes: "
+          f"{2 ** (3 * MAX_BITS)} at {MAX_BITS}), got {m.bits}")
     d = cfg.data
     check(d.num_workers >= 0 and d.shuffle_buffer >= 0, "config keys data.num_workers and data.shuffle_buffer must be >= 0")
     check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,
@@ -393,7 +410,7 @@ def validate(cfg: Config) -> None:
     check(not d.resampled or d.epoch_samples > 0,
           "data.resampled=true needs data.epoch_samples > 0 (the fixed epoch length)")
     o = cfg.optim
-    check(o.lr > 0, f"config key 'optim.lr' must be > 0, got {o.lr}")
+    check(0 < o.lr < math.inf, f"config key 'optim.lr' must be a finite number > 0, got {o.lr}")
     check(o.weight_decay >= 0 and o.min_lr >= 0 and o.warmup_steps >= 0 and o.clip_grad >= 0,
           "config keys optim.weight_decay, optim.min_lr, optim.warmup_steps, optim.clip_grad must be >= 0")
     check(0 <= o.layer_decay <= 1, "config key 'optim.layer_decay' must be in [0, 1] (0: off)")

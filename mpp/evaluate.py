@@ -27,7 +27,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from mpp.config import Config, save_config, to_dict
+from mpp.fileio import atomic_path, write_atomic
 from mpp.data import make_loader, normalize, to_float01
+from mpp.data.sources import check_same_classes
 from mpp.data.sources import resolve
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.models import create_encoder, load_encoder
@@ -151,10 +153,9 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
-                  str(tmp), metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
-        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+        with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
+            save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
+                      str(tmp), metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
     return features, labels
 
 
@@ -393,6 +394,7 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
                          "or none (a randomly initialised model)")
     if not cfg.data.train or not cfg.data.val:
         raise ValueError("the linear probe needs labeled shards in data.train (fit) and data.val (test)")
+    check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(encoder_path) == "none":
         seed_everything(cfg.seed)
@@ -423,7 +425,5 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
                "config": to_dict(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
-    tmp.replace(out / "metrics.json")  # last and atomic: compare treats metrics.json as "done"
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"
     return metrics

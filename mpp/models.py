@@ -8,19 +8,16 @@ is what `save_encoder` writes; `timm.create_model(name, pretrained=True,
 pretrained_cfg_overlay=dict(file=".../encoder.safetensors"), **kwargs)` loads it.
 
 Attention path (`attn`): timm's `Attention` modules have a per-module `fused_attn` flag choosing
-`F.scaled_dot_product_attention` ("fused") or matmul-softmax-matmul ("math"). On CPU the fused
-kernel in bf16 was measured ~2x slower than math for 65-token sequences, so "auto" decides by
-measurement: CUDA always uses fused (flash / memory-efficient kernels); any other device times one
-attention call (forward, plus backward when grad is enabled) of each path at the model's shape
-(batch capped at 64), dtype (the autocast dtype if active) and thread count on the first forward
-with that key, and uses math only when it is more than 10% faster (ties go to fused, which needs
-less memory). Decisions are cached per process. Timing can differ between runs, so bit-exact
-reproduction across processes needs an explicit "fused" or "math".
+`F.scaled_dot_product_attention` ("fused") or matmul-softmax-matmul ("math"). "auto" is fused on
+CUDA (flash / memory-efficient kernels) and math elsewhere: on CPU the fused kernel in bf16 was
+measured ~2x slower than math for 65-token sequences. The rule is fixed, not timed: "auto" used to
+time both paths in each process, and a close race went different ways in identical runs, which
+then differed in their weights from the first step on (the two paths round differently).
 """
 from __future__ import annotations
 
 import json
-import time
+import re
 from pathlib import Path
 
 import timm
@@ -32,6 +29,9 @@ from timm.layers.attention import Attention
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block
 from torch import nn
+
+from mpp.config import ConfigError
+from mpp.fileio import atomic_path, write_atomic
 
 # name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
 # small-image presets (patch 4 at 32 px) for CIFAR-scale work on CPU.
@@ -51,40 +51,16 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "vit_micro4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=2)),
 }
 
+
+
+def preset_geometry(preset: str, img_size: int = 0) -> tuple[int, int]:
+    """(image size, patch size) of a preset, `img_size` 0 meaning the preset's own (no model built)."""
+    name, kwargs = PRESETS[preset]
+    patch = kwargs.get("patch_size") or int(re.search(r"patch(\d+)", name).group(1))
+    return img_size or kwargs.get("img_size") or int(name.rsplit("_", 1)[1]), patch
+
+
 ATTN_MODES = ("auto", "fused", "math")
-_FUSED_FASTER: dict[tuple, bool] = {}  # auto decisions, keyed by device, shape, dtype, grad, threads
-
-
-def _time_attention(fused: bool, q, k, v, backward: bool) -> float:
-    start = time.perf_counter()
-    if fused:
-        out = F.scaled_dot_product_attention(q, k, v)
-    else:
-        out = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
-    if backward:
-        out.backward(torch.ones_like(out))
-    if q.device.type != "cpu":
-        torch.accelerator.synchronize(q.device)
-    return time.perf_counter() - start
-
-
-def fused_attention_faster(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
-                           device: torch.device, backward: bool) -> bool:
-    """The "auto" rule: fused on CUDA; elsewhere fused unless a timed math call is >10% faster."""
-    if device.type == "cuda":
-        return True
-    key = (str(device), min(batch, 64), heads, tokens, head_dim, dtype, backward, torch.get_num_threads())
-    if key not in _FUSED_FASTER:
-        with torch.autocast(device.type, enabled=False), torch.enable_grad() if backward else torch.no_grad():
-            g = torch.Generator(device).manual_seed(0)  # its own generator: training RNG untouched
-            q, k, v = (torch.randn(key[1], heads, tokens, head_dim, device=device, dtype=dtype, generator=g,
-                                   requires_grad=backward) for _ in range(3))
-            best = {True: float("inf"), False: float("inf")}
-            for _ in range(5):  # the first round warms up; the best of the rest is robust to noise
-                for fused in (True, False):
-                    best[fused] = min(best[fused], _time_attention(fused, q, k, v, backward))
-        _FUSED_FASTER[key] = best[False] * 1.1 >= best[True]
-    return _FUSED_FASTER[key]
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -161,13 +137,9 @@ class MaskedEncoder(nn.Module):
 
     @torch.compiler.disable
     def _choose_attention(self, x: torch.Tensor) -> None:
-        """Apply the "auto" rule for this batch's shape, dtype and grad mode (cached)."""
-        if self.attn != "auto" or not self._attn_modules:
-            return
-        a = self._attn_modules[0]
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        self._set_fused(fused_attention_faster(x.shape[0], a.num_heads, x.shape[1], a.head_dim, dtype,
-                                               x.device, torch.is_grad_enabled()))
+        """Apply the "auto" rule for the device of this batch: fused on CUDA, math elsewhere."""
+        if self.attn == "auto" and self._attn_modules:
+            self._set_fused(x.device.type == "cuda")
 
     def forward(self, x: torch.Tensor, corruption=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm; with `rows`
@@ -219,8 +191,9 @@ def save_encoder(encoder: MaskedEncoder, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in encoder.encoder_state_dict().items()}
-    save_file(state, str(out / "encoder.safetensors"), metadata={"format": "pt"})
-    (out / "model.json").write_text(json.dumps(encoder.model_spec(), indent=2) + "\n")
+    with atomic_path(out / "encoder.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    write_atomic(out / "model.json", json.dumps(encoder.model_spec(), indent=2) + "\n")
     return out / "encoder.safetensors"
 
 
@@ -240,20 +213,38 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     spec_file = weights.parent / "model.json"
     if not weights.is_file() or weights.suffix != ".safetensors" or not spec_file.is_file():
         raise FileNotFoundError(f"{path}: need a run dir or an encoder.safetensors file with model.json beside it")
-    spec = json.loads(spec_file.read_text())
-    kwargs = dict(spec["kwargs"])
+    try:
+        spec = json.loads(spec_file.read_text())
+        name, kwargs = spec["name"], dict(spec["kwargs"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    if not isinstance(name, str) or name not in timm.list_models():
+        raise ConfigError(f"{spec_file} names {name!r}, which is not a timm model; give the model.json its "
+                          "encoder was exported with")
     old_img = kwargs.get("img_size", 224)
     if img_size:
         kwargs["img_size"] = img_size
-    encoder = MaskedEncoder(spec["name"], kwargs, drop_path=drop_path, attn=attn)
-    state = load_file(str(weights))
-    pos = state.get("pos_embed")
-    if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
-        state["pos_embed"] = resample_abs_pos_embed(
-            pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
-            num_prefix_tokens=encoder.vit.num_prefix_tokens)
     try:
+        encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: {' '.join(str(e).split())[:100]}") from None
+    try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
+        state = load_file(str(weights))
+    except Exception as e:
+        raise ConfigError(f"{weights} is not a readable safetensors file ({' '.join(str(e).split())[:80]}); "
+                          "export it again") from None
+    try:
+        pos = state.get("pos_embed")
+        if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
+            state["pos_embed"] = resample_abs_pos_embed(
+                pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
+                num_prefix_tokens=encoder.vit.num_prefix_tokens)
         encoder.vit.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{weights}: weights do not match {spec['name']} {kwargs}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, ValueError, TypeError):
+        want = encoder.vit.state_dict()
+        odd = sorted(set(want) ^ set(state)) + [k for k in want if k in state and want[k].shape != state[k].shape]
+        raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
+                          f"of another shape, e.g. {odd[0] if odd else '?'}); give the model.json it was exported "
+                          "with") from None
     return encoder

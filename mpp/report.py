@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from mpp.fileio import write_atomic
+
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
 PAPER_SHARE = 0.33  # the paper's ViT-B/16 ImageNet fine-tunes: (79.9 - 77.9) / (84.0 - 77.9)
@@ -355,8 +357,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
                    for r in runs]
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(render_markdown(rep))
-    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    write_atomic(out / "report.md", render_markdown(rep))
+    write_atomic(out / "report.json", json.dumps(rep, indent=2) + "\n")
     plot(rep, out / "report.png")
     rep["out_dir"] = str(out)
     return rep

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import sys
 import time
 from collections import Counter
@@ -30,13 +31,16 @@ from accelerate.utils import gather_object
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
+from mpp import rundir
 from mpp.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.config import Config, ConfigError, save_config, to_dict
-from mpp.data import DataError, make_loader
+from mpp.data import make_loader
+from mpp.data.sources import check_same_classes, resolve
+from mpp.fileio import write_atomic
 from mpp.models import create_encoder, load_encoder, save_encoder
 from mpp.objectives import build_task
 from mpp.optim import create_optimizer, create_scheduler
-from mpp.runtime import resolve_precision, seed_everything
+from mpp.runtime import die_with_launcher, resolve_precision, seed_everything
 
 
 class NonFiniteError(RuntimeError):
@@ -45,10 +49,18 @@ class NonFiniteError(RuntimeError):
 
 def train(cfg: Config) -> dict:
     """Run `cfg` (objective mpp | supervised | classify) and write its run directory; returns
-    the figures also written to `OUTPUT_DIR/metrics.json`."""
+    the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile."""
+    try:
+        return _train(cfg)
+    finally:
+        rundir.unlock(cfg.output_dir)
+
+
+def _train(cfg: Config) -> dict:
     t_begin = time.time()
     accum = cfg.train.grad_accum
     _check_settings(cfg)
+    die_with_launcher()
 
     # ---- accelerator: device, processes, mixed precision (autocast wraps the model's forward)
     AcceleratorState._reset_state()  # a later train() in the same process may use another precision
@@ -66,12 +78,6 @@ def train(cfg: Config) -> dict:
     micro = cfg.batch_size // (world * accum)  # per rank and micro-batch
     out = Path(cfg.output_dir)
     ckpt_root = out / "checkpoints"
-    resume = _resume_path(cfg, ckpt_root)
-    if main:
-        if resume and (out / "config.yaml").is_file():
-            _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
 
     # ---- model: the same initialisation on every rank
     seed_everything(cfg.seed)
@@ -96,6 +102,8 @@ def train(cfg: Config) -> dict:
             raise ConfigError(f"objective={cfg.objective} needs labeled shards whose manifest.json lists "
                               f"'classes'; data.train={cfg.data.train!r} has none")
         num_classes = len(loader.classes)
+        if cfg.objective == "classify":
+            check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
     steps = cfg.steps or math.ceil(cfg.epochs * loader.batches_per_epoch / accum)
 
     # ---- task (encoder + objective head), optimiser, schedule
@@ -106,11 +114,19 @@ def train(cfg: Config) -> dict:
     scheduler = create_scheduler(cfg, optimizer, steps)
     model, optimizer = accelerator.prepare(task, optimizer)  # not the loader: it splits by rank itself
 
-    # ---- resume from a checkpoint, or seed this rank's own RNG stream (corruption, drop path)
-    if resume:
-        state = load_checkpoint(accelerator, resume, task, optimizer)
-        accelerator.print(f"resumed from {resume} (step {state['step']})")
-    else:
+    # ---- lock the run directory; resume from the newest checkpoint that loads, or seed this rank's
+    # own RNG stream (corruption, drop path). Nothing in the directory changes before this succeeded.
+    if main:
+        if cfg.train.resume == "none":
+            rundir.check_fresh(out)
+        rundir.lock(out)
+    accelerator.wait_for_everyone()
+    resume, state = _resume(cfg, accelerator, ckpt_root, task, optimizer)
+    if main:
+        if resume and (out / "config.yaml").is_file():
+            _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
+        save_config(cfg, out / "config.yaml")
+    if not resume:
         seed_everything(int(np.random.SeedSequence([cfg.seed, rank]).generate_state(1)[0]))
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0, "last": {},
                  "skipped": {}}
@@ -127,7 +143,7 @@ def train(cfg: Config) -> dict:
     # ---- device-side accumulators, read only at log / checkpoint steps
     zero = torch.zeros((), device=device)
     win = _Window(zero)
-    bad_run, bad_max, bad_total = zero.clone(), zero.clone(), zero.clone()
+    bad_run, bad_max, bad_total = zero + state.get("bad_run", 0), zero.clone(), zero.clone()
     last: dict = state["last"]  # the latest log window's figures
     t_loop, t_win, wait_win, wait_all = time.perf_counter(), time.perf_counter(), 0.0, 0.0
 
@@ -207,7 +223,8 @@ def train(cfg: Config) -> dict:
             check_finite(done)
             epoch, batch_pos = divmod(done * accum, loader.batches_per_epoch)
             save_checkpoint(accelerator, ckpt_root, done, task, optimizer, scheduler, keep=cfg.train.keep_ckpts,
-                            state={"epoch": epoch, "batch": batch_pos, "skipped": skipped(), **totals()})
+                            state={"epoch": epoch, "batch": batch_pos, "skipped": skipped(),
+                                   "bad_run": int(bad_run.item()), **totals()})
 
         # -- few-shot evaluation on the main process (the evaluator restores every RNG it touches)
         if main and evaluator is not None and done % cfg.fewshot.every == 0:
@@ -217,7 +234,8 @@ def train(cfg: Config) -> dict:
     loader.close()  # stops the data workers (an epoch may be unfinished)
     run = totals()
 
-    # ---- the end: exported encoder, evaluation of a fine-tune, metrics.json
+    # ---- the end: exported encoder (finite, and only when the last step was), evaluation, metrics.json
+    _check_export(encoder, int(bad_run.item()), list_checkpoints(ckpt_root))
     if main:
         save_encoder(encoder, out)
     results = {
@@ -240,23 +258,17 @@ def train(cfg: Config) -> dict:
                        split_seed=ft.split_seed, seed=cfg.seed, pool=ft.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr)
     results["wall_time_s"] = state["elapsed"] + time.time() - t_begin  # all segments, evaluation included
     if main:
-        with open(out / "metrics.json", "w") as f:
-            json.dump(results, f, indent=2)
+        write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
         writer.close()
     accelerator.wait_for_everyone()
     return results
 
 
 def main(cfg: Config) -> dict:
-    """`train` for the command-line tools: bad input or a diverged run ends with one line on stderr."""
-    try:
+    """`train` for the command-line tools: bad input, a diverged run or a full disk end with one line."""
+    from mpp.cli import one_line_errors
+    with one_line_errors():
         return train(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    except (DataError, NonFiniteError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
 
 
 @torch.no_grad()
@@ -348,19 +360,61 @@ def _check_settings(cfg: Config) -> None:
                           "an encoder.safetensors (with model.json beside it) or none")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision=fp16 needs a GPU (loss scaling); use bf16 or no on CPU")
+    # every path the run will need, before any work (not only after hours of training)
+    rundir.check_output_dir(cfg.output_dir)
+    needed = [(cfg.data.train, cfg.data.num_samples)]
+    if cfg.objective == "classify":
+        needed.append((cfg.data.val, cfg.data.val_num_samples))
+    if cfg.fewshot.every > 0:
+        needed += [(cfg.fewshot.train, cfg.fewshot.train_num_samples), (cfg.fewshot.test, cfg.fewshot.test_num_samples)]
+    for spec, n in needed:
+        resolve(spec, n)
 
 
-def _resume_path(cfg: Config, root: Path) -> Path | None:
-    """The checkpoint to continue from: the newest complete one (auto), none, or a given directory."""
+def _check_export(encoder: torch.nn.Module, bad_run: int, checkpoints: list[Path]) -> None:
+    """A run never exports non-finite weights, nor ends well when its last steps failed."""
+    last = f"last good checkpoint: {checkpoints[-1] if checkpoints else 'none'}"
+    if bad_run:
+        raise NonFiniteError(f"the last {bad_run} steps had a non-finite loss or gradient: the run did not end well "
+                             f"and no encoder was exported ({last}); lower optim.lr or check the data")
+    if not all(torch.isfinite(p).all() for p in encoder.parameters()):
+        raise NonFiniteError(f"the trained weights are not finite: no encoder was exported ({last}); lower optim.lr")
+
+
+def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) -> tuple[Path | None, dict]:
+    """Load the checkpoint to continue from into `task` and `optimizer`: with resume=auto the newest
+    that loads on every rank (the others are skipped and named), a given directory, or none.
+    Returns it and its saved state ({} when starting afresh)."""
     if cfg.train.resume == "none":
-        return None
+        return None, {}
     if cfg.train.resume == "auto":
-        found = list_checkpoints(root)
-        return found[-1] if found else None
-    if not Path(cfg.train.resume, "state.pt").is_file():
-        raise ConfigError(f"train.resume={cfg.train.resume!r} is not a checkpoint directory (no state.pt); give "
-                          "OUTPUT_DIR/checkpoints/step_NNNNNNN, auto (the newest) or none")
-    return Path(cfg.train.resume)
+        order, skipped = rundir.candidates(root)
+    else:
+        if not Path(cfg.train.resume, "state.pt").is_file():
+            raise ConfigError(f"train.resume={cfg.train.resume!r} is not a checkpoint directory (no state.pt); give "
+                              "OUTPUT_DIR/checkpoints/step_NNNNNNN, auto (the newest) or none")
+        order, skipped = [Path(cfg.train.resume)], []
+    for path in order:
+        try:
+            state, why = load_checkpoint(accelerator, path, task, optimizer), ""
+        except ConfigError:
+            raise
+        except Exception as e:  # a checkpoint is untrusted input: corrupt, empty, crafted (never unpickled)
+            why = ("holds objects other than tensors and plain values: refused, never unpickled"
+                   if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {' '.join(str(e).split())[:100]}")
+            state = {}
+        whys = [w for w in gather_object([why]) if w]
+        if not whys:
+            if skipped:
+                accelerator.print(f"warning: resume skipped checkpoints that do not load: {'; '.join(skipped)}",
+                                  file=sys.stderr)
+            accelerator.print(f"resumed from {path} (step {state['step']})")
+            return path, state
+        skipped.append(f"{path.name} ({whys[0]})")
+    if order:
+        raise ConfigError(f"no checkpoint in '{root}' loads ({'; '.join(skipped)}); delete them to start afresh, "
+                          "or give a good one as train.resume=PATH")
+    return None, {}
 
 
 def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:

@@ -201,10 +201,14 @@ def test_labeled_loader_on_unlabeled_shards_errors(tmp_path):
     manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=None)
     with pytest.raises(DataError, match="unlabeled"):
         make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg())
-    # a manifest with classes but samples without cls: the first sample stops the epoch
+    # a manifest with classes, one sample without cls: skipped and counted like a bad label
+    one = write_shards(tmp_path / "one", [4, 4], extra=lambda s, j: {"cls": None} if (s, j) == (1, 2) else {})[0]
+    loader = make_loader(one, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg())
+    assert sum(len(b["label"]) for b in loader.epoch(0)) == 7 and loader.counters() == {"missing_label": 1}
+    # no sample has cls: every one is skipped, which stops the epoch with one line
     manifest, _ = write_shards(tmp_path / "b", [4, 4], extra=lambda s, j: {"cls": None})
     loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg())
-    with pytest.raises(DataError, match="no 'cls' label"):
+    with pytest.raises(DataError, match="decoded no samples"):
         list(loader.epoch(0))
     # unlabeled loaders are fine with them
     loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=False, data_cfg=cfg())

@@ -119,8 +119,10 @@ def test_supervised_run_learns(colours, tmp_path):
     assert losses[-1] < losses[0] - 0.3 and acc[-1] > 0.6, (losses, acc)
 
 
-def run_tool(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, **kw)
+def run_tool(args: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """A tool in a subprocess, importing this checkout's mpp (not an installed one)."""
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
 
 
 def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path):
@@ -129,7 +131,7 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     out = tmp_path / "killed"
     cmd = [sys.executable, "tools/pretrain.py", *settings(data, out)]
     log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.time() + 120
     while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -144,6 +146,14 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     assert "resumed from" in done.stdout + done.stderr
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
     assert scalars(out, "fewshot/1shot_mean")
+
+
+def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
+    """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
+    for name in ("a", "b"):
+        done = run_tool(["tools/pretrain.py", *settings(data, tmp_path / name, steps=4, **{"train.attn": "auto"})])
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(weights(tmp_path / "a/encoder.safetensors"), weights(tmp_path / "b/encoder.safetensors"))
 
 
 def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
@@ -212,16 +222,22 @@ def test_nonfinite_steps_are_skipped_then_stop_training(data, tmp_path, monkeypa
 
 
 def test_a_few_nonfinite_steps_leave_the_weights_alone(data, tmp_path, monkeypatch):
-    # calls 1-2 fine, then NaN forever: with max_bad_steps large the run finishes, every step after
-    # the second skipped, so the weights equal a 2-step run's (no update, no optimiser state change)
+    # calls 1-2 fine, then NaN forever: with max_bad_steps large the loop runs to the end, every step
+    # after the second skipped, so the weights equal a 2-step run's (no update, no optimiser state
+    # change). The run's last steps failed, so it must not end well nor export an encoder.
     monkeypatch.setattr(mpp.train, "build_task", nan_after(2))
     items = dict(steps=6, **{"train.log_every": 3, "train.max_bad_steps": 100, "optim.schedule": "constant",
                              "optim.warmup_steps": 0, "data.num_workers": 0})
-    metrics = train(config(settings(data, tmp_path / "nan", **items)))
-    assert metrics["nonfinite_steps"] == 4
+    with pytest.raises(NonFiniteError, match="the last 4 steps had a non-finite"):
+        train(config(settings(data, tmp_path / "nan", **items)))
+    assert not (tmp_path / "nan/encoder.safetensors").exists() and not (tmp_path / "nan/metrics.json").exists()
     monkeypatch.undo()
+    with pytest.raises(NonFiniteError, match="the last 4 steps"):  # resuming the finished run fails the same way
+        train(config(settings(data, tmp_path / "nan", **items)))
     train(config(settings(data, tmp_path / "short", **{**items, "steps": 2})))
-    assert_same(weights(tmp_path / "nan/encoder.safetensors"), weights(tmp_path / "short/encoder.safetensors"))
+    task = load_file(str(tmp_path / "nan/checkpoints/step_0000006/model.safetensors"))
+    assert_same({k.removeprefix("encoder.vit."): v for k, v in task.items() if k.startswith("encoder.vit.")},
+                weights(tmp_path / "short/encoder.safetensors"))
 
 
 def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):

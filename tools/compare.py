@@ -5,9 +5,9 @@ Finished stages are skipped, so the same command resumes an interrupted comparis
 from __future__ import annotations
 
 import argparse
-import sys
 
-from mpp.config import CompareConfig, ConfigError, load_compare_config, valid_keys
+from mpp.cli import one_line_errors
+from mpp.config import CompareConfig, load_compare_config, valid_keys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,10 +19,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="comparison config overrides, e.g. output_dir=runs/x 'overrides=[steps=20]'")
     a = p.parse_args(argv)
     from mpp.compare import run
-    try:
+    with one_line_errors(extra=(RuntimeError,)):  # a failed stage: its own output said why
         report = run(load_compare_config(a.config, a.overrides), dry_run=a.dry_run)
-    except (ConfigError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
     print(f"report: {report}")
 
 

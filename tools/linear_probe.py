@@ -7,19 +7,15 @@ Features of data.train / data.val are cached (probe.cache_dir); OUT/metrics.json
 from __future__ import annotations
 
 import json
-import sys
 
-from mpp.cli import parse_config_args
+from mpp.cli import one_line_errors, parse_config_args
 from mpp.evaluate import run_linear_probe
 
 
 def main() -> None:
     cfg = parse_config_args(__doc__)
-    try:
+    with one_line_errors(extra=(ValueError,)):  # the probe's own checks raise ValueError
         metrics = run_linear_probe(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
     if metrics:
         print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "probe_val_top1")}, indent=1))
 

@@ -3,9 +3,9 @@ shards OUT/000000.tar, ... plus OUT/manifest.json (see mpp.data.writer)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
-from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD, ShardError, write_shards
+from mpp.cli import one_line_errors
+from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD, write_shards
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,11 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order across shards (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace the shards and manifest in a non-empty OUT")
     a = p.parse_args(argv)
-    try:
+    with one_line_errors():
         m = write_shards(a.src, a.out, unlabeled=a.unlabeled, samples_per_shard=a.samples_per_shard,
                          bytes_per_shard=a.bytes_per_shard, seed=a.seed, overwrite=a.overwrite)
-    except (ShardError, OSError) as e:
-        sys.exit(f"error: {e}")
     classes = f", {len(m['classes'])} classes" if m["classes"] else ", unlabeled"
     print(f"wrote {m['num_samples']} samples in {len(m['shards'])} shards{classes} to {a.out} "
           f"({m['skipped']['count']} files skipped)")

@@ -3,10 +3,9 @@ mpp.data.synthetic) as JPEG shards with manifests at OUT/train and OUT/test."""
 from __future__ import annotations
 
 import argparse
-import sys
 
+from mpp.cli import one_line_errors
 from mpp.data.synthetic import make_synthetic
-from mpp.data.writer import ShardError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,11 +20,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="replace existing shards (by default a split made with the same settings is reused, "
                         "a different one refused)")
     a = p.parse_args(argv)
-    try:
+    with one_line_errors(extra=(ValueError,)):
         ms = make_synthetic(a.out, train=a.train, test=a.test, size=a.size, seed=a.seed, shards=a.shards,
                             overwrite=a.overwrite)
-    except (ShardError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
     for split, m in ms.items():
         print(f"{split}: {m['num_samples']} images in {len(m['shards'])} shards at {a.out}/{split}/{'manifest.json'}")
 

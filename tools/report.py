@@ -5,10 +5,10 @@ Example: python tools/report.py runs/cmp/mpp runs/cmp/sup runs/cmp/ft_mpp_10 ...
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from mpp.report import ReportError, write_report
+from mpp.cli import one_line_errors
+from mpp.report import write_report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,11 +20,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run directories holding metrics.json and config.yaml")
     parser.add_argument("--out", help="where report.md/.json/.png go (default: the runs' common parent)")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():
         rep = write_report(args.runs, args.out)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
     print((Path(rep["out_dir"]) / "report.md").read_text())
 
 

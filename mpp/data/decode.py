@@ -12,8 +12,9 @@ go through PIL.
 
 No other shard member is ever decoded: webdataset's default decoder unpickles `.pyd`/`.pickle`
 members, which would run code from a shard, so it is not used at all. Bad samples are skipped and
-counted by kind in a plain dict (`SKIP_KINDS` says what each kind means); a labeled loader given
-unlabeled data raises `DataError` instead, because training on it cannot be right.
+counted by kind in a plain dict (`SKIP_KINDS` says what each kind means), a sample without a label
+in a labeled loader too (`missing_label`); shards that are unlabeled as a whole are refused
+earlier, by their manifest (no `classes`), or when every sample of a rank is skipped.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ SKIP_KINDS = {
     "corrupt_image": "image bytes that do not decode, are truncated, or exceed data.max_pixels",
     "missing_image": "sample without an image member (e.g. only non-image members)",
     "bad_label": "'cls' that is not an integer in [0, number of classes)",
+    "missing_label": "sample without a 'cls' member in a labeled (supervised / classify / probe) loader",
     "truncated_tar": "shard that ends mid-archive (its last, possibly incomplete sample is dropped)",
     "corrupt_tar": "shard whose tar headers are malformed or declare an oversized member (the rest of it is lost)",
     "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
@@ -41,7 +43,7 @@ SKIP_KINDS = {
 # what PIL raises on corrupt, truncated or hostile bytes (a bug in our code still raises)
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, ZeroDivisionError, struct.error,
                 Image.DecompressionBombError)
-SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label")  # kinds that are one sample each
+SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label", "missing_label")  # kinds that are one sample each
 
 
 class DataError(ValueError):
@@ -118,8 +120,7 @@ def decode_batch(samples: list[dict], transform, rng: random.Random, *, labeled:
                  num_classes: int | None, max_pixels: int, skips: dict[str, int]
                  ) -> tuple[list[torch.Tensor], list[int | None]]:
     """The uint8 CHW images and labels (None when unlabeled) of the raw webdataset samples that
-    decode; the others are skipped and counted by kind in `skips`. Raises DataError when a labeled
-    loader meets a sample without `cls`. Labels and headers are read here, the images decoded and
+    decode; the others are skipped and counted by kind in `skips`. Labels and headers are read here, the images decoded and
     augmented by `transform.batch` (a `transforms` transform), all of them in one go."""
     images, labels = [], []
     for sample in samples:
@@ -130,10 +131,8 @@ def decode_batch(samples: list[dict], transform, rng: random.Random, *, labeled:
         label = None
         if labeled:
             if "cls" not in sample:
-                raise DataError(
-                    f"sample '{sample.get('__key__')}' in {sample.get('__url__')} has no 'cls' label, but a "
-                    "labeled loader was asked for: these shards look unlabeled; use labeled shards "
-                    "(tools/make_shards.py on a class-folder tree) or an unlabeled objective (mpp)")
+                skips["missing_label"] = skips.get("missing_label", 0) + 1
+                continue
             try:
                 label = read_label(sample["cls"], num_classes)
             except (ValueError, UnicodeDecodeError):

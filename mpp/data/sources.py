@@ -105,6 +105,9 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
         local = _local_path(spec)
         if local is not None and os.path.isdir(local):
             spec, local = f"{spec.rstrip('/')}/manifest.json", os.path.join(local, "manifest.json")
+        elif local is not None and "{" not in spec and not os.path.exists(local):
+            raise DataError(f"data '{spec}' does not exist; check the path (a shard directory, its manifest.json, "
+                            "a shard list or a brace pattern)")
         if spec.endswith(".json"):
             if local is not None and not os.path.isfile(local):
                 raise DataError(f"manifest '{spec}' does not exist; write shards with tools/make_shards.py")
@@ -121,6 +124,20 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     n = len(urls)
     counts = [num_samples // n + (i < num_samples % n) for i in range(n)]
     return ShardSet(urls, counts, None, exact=False)
+
+
+def check_same_classes(train_spec, val_spec, val_num_samples: int = 0) -> None:
+    """Labels index `classes`, so evaluating on `val_spec` means something only when its manifest
+    lists the same classes in the same order as `train_spec`'s (specs without a manifest have no
+    list to compare). Raises DataError naming the first difference."""
+    train, val = resolve(train_spec, 1).classes, resolve(val_spec, val_num_samples or 1).classes
+    if train is None or val is None or list(train) == list(val):
+        return
+    diff = next((i for i, (a, b) in enumerate(zip(train, val)) if a != b), min(len(train), len(val)))
+    at = lambda c: repr(c[diff]) if diff < len(c) else "nothing"  # noqa: E731
+    raise DataError(f"data.val {val_spec!r} has other classes than data.train {train_spec!r} ({len(val)} vs "
+                    f"{len(train)}; class {diff} is {at(val)} vs {at(train)}): labels would not match; "
+                    "evaluate on held-out shards of the same label set")
 
 
 def _check_local(urls: list[str]) -> None:

@@ -34,6 +34,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mpp.config import DataConfig
+from mpp.fileio import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -188,16 +189,9 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
     if classes:
-        _write_atomic(out / LABELS, json.dumps(labels))
-    _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
+        write_atomic(out / LABELS, json.dumps(labels))
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name and rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _outside_class_folder() -> bytes:

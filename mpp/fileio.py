@@ -1,0 +1,53 @@
+"""Atomic file writes: every file the framework writes goes through `atomic_path`.
+
+A reader (a resumed run, `compare.py` which treats `metrics.json` as "stage finished", a person
+copying results) never sees half a file: the content goes to a temporary name in the same
+directory and is renamed over the target in one step. Files get mode 0666 minus the umask, like
+`open(..., "w")` (safetensors' and `tempfile`'s 0600 otherwise). A write that fails on a (nearly)
+full disk raises OSError(ENOSPC) whatever the writer raised, so the message can say so."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block ends without error, it becomes `path`
+    (mode 0666 & ~umask); on error the temporary file is removed and `path` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except Exception as e:
+        if not (isinstance(e, OSError) and e.errno == errno.ENOSPC) and _nearly_full(path.parent):
+            # writers report a full disk their own way (torch.save: "unexpected pos"); say what it is
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _nearly_full(directory: Path) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < 1 << 20
+    except OSError:
+        return False
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` (text or bytes) to `path` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)

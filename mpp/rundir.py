@@ -1,0 +1,98 @@
+"""A run directory holds one run: checks before any work, a lock, and the checkpoint to resume.
+
+- `check_output_dir` (before any work, nothing written): OUTPUT_DIR is a directory or can be made
+  one, and is writable.
+- `lock` (main process, before anything is written): an exclusive `flock` on OUTPUT_DIR/.lock,
+  held until `unlock` or the process exits (the kernel drops it even after kill -9), so a second
+  run in the same directory stops with one line naming the first one's pid instead of interleaving
+  with it. `unlock` removes the file (and the directory when `lock` made it and it stayed empty),
+  so a run that failed before writing leaves nothing behind.
+- `check_fresh`: `train.resume=none` refuses a directory that already holds a run (checkpoints,
+  an encoder or metrics.json). It does not move the old run aside: the user says whether it goes.
+- `choose_checkpoint`: with `resume=auto`, the newest checkpoint that loads; the ones that do not
+  (corrupt, empty or crafted files, a `step_*` that is a file) are skipped and named.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from mpp.checkpoint import PREFIX, list_checkpoints
+from mpp.config import ConfigError
+
+RUN_FILES = ("metrics.json", "encoder.safetensors")  # what a finished run leaves besides checkpoints
+_held: dict[str, tuple] = {}  # OUTPUT_DIR -> (open lock file, whether lock() made the directory)
+
+
+def check_output_dir(out: str | Path) -> None:
+    """OUTPUT_DIR is usable: not a file, and it (or its nearest existing parent) is writable."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir '{out}' is a file, not a directory; choose another output_dir")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir '{out}' cannot be created: '{existing}' is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir '{out}' is not writable ('{existing}' is read-only to this user); "
+                          "choose another output_dir")
+
+
+def lock(out: str | Path) -> None:
+    """Create OUTPUT_DIR and hold OUTPUT_DIR/.lock (with our pid in it) until `unlock` or exit."""
+    out = Path(out)
+    if str(out) in _held:
+        return
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ConfigError(f"output_dir '{out}' is in use by another run (pid {holder}); wait for it to end "
+                          "or choose another output_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _held[str(out)] = (f, created)
+
+
+def unlock(out: str | Path) -> None:
+    """Release and remove OUTPUT_DIR/.lock if this process holds it (the end of a train() call); a
+    directory that `lock` made and that holds nothing else (the run failed first) is removed too."""
+    out = Path(out)
+    f, created = _held.pop(str(out), (None, False))
+    if f is not None:
+        (out / ".lock").unlink(missing_ok=True)  # before close: no one else can hold it meanwhile
+        f.close()
+        if created and not any(out.iterdir()):
+            out.rmdir()
+
+
+def check_fresh(out: str | Path) -> None:
+    """`train.resume=none`: OUTPUT_DIR must not hold another run, whose checkpoints would mix with
+    this one's (rotation keeps the highest step numbers; a later resume=auto would pick them)."""
+    out = Path(out)
+    found = [p.name for p in sorted((out / "checkpoints").glob(PREFIX + "*"))] if (out / "checkpoints").is_dir() else []
+    found += [name for name in RUN_FILES if (out / name).exists()]
+    if found:
+        raise ConfigError(f"train.resume=none but output_dir '{out}' holds an earlier run ({', '.join(found[-3:])}); "
+                          "choose a new output_dir, delete the old run, or continue it with train.resume=auto")
+
+
+def candidates(root: str | Path) -> tuple[list[Path], list[str]]:
+    """`resume=auto` candidates newest first, and the `step_*` entries that cannot be one (why)."""
+    root = Path(root)
+    found = list_checkpoints(root)
+    bad = [f"{p.name} (not a directory)" for p in sorted(root.glob(PREFIX + "*")) if not p.is_dir()] \
+        if root.is_dir() else []
+    return found[::-1], bad

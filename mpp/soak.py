@@ -1,0 +1,80 @@
+"""Soak test (not part of the suite): pre-train on generated shards for a given time, kill -9 the
+run at random moments, resume it, and report restarts, steps lost per kill and the process tree's
+peak memory over time (it should stay flat). Run through tools/soak.py."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r"(\d+)/(\d+) \[")  # tqdm's "step/total ["
+RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: list[str], seed: int = 0,
+         window: float = 30.0) -> dict:
+    """Run `tools/pretrain.py` in `out/run` again and again until `seconds` have passed, each run
+    killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report."""
+    from mpp.data.synthetic import make_synthetic
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "data/train/manifest.json").exists():
+        make_synthetic(out / "data", train=512, test=64, shards=8, progress=False)
+    cmd = [sys.executable, str(ROOT / "tools/pretrain.py"), f"output_dir={out / 'run'}",
+           f"data.train={out / 'data/train/manifest.json'}", *settings]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0, samples, runs = time.time(), [], []
+    while time.time() - t0 < seconds:
+        log = out / f"run{len(runs)}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        ps, start = psutil.Process(proc.pid), time.time()
+        life = min(rng.uniform(*kill_after), seconds - (start - t0))
+        while proc.poll() is None and time.time() - start < life:
+            samples.append((time.time() - t0, _tree_rss(ps)))
+            time.sleep(0.5)
+        killed = proc.poll() is None
+        if killed:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and its data workers (its own session)
+        proc.wait()
+        text = log.read_text(errors="replace")
+        reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
+        resumed = RESUMED.search(text)
+        runs.append({"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
+                     "resumed_at": int(resumed.group(1)) if resumed else 0, "reached": reached,
+                     "errors": [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback"))]})
+    for prev, nxt in zip(runs, runs[1:]):
+        prev["lost"] = max(prev["reached"] - nxt["resumed_at"], 0)  # steps done but not checkpointed
+    buckets: dict[int, int] = {}
+    for t, rss in samples:
+        buckets[int(t // window)] = max(buckets.get(int(t // window), 0), rss)
+    return {"seconds": round(time.time() - t0), "restarts": len(runs) - 1,
+            "kills": sum(r["killed"] for r in runs), "failed_runs": sum(bool(r["errors"]) for r in runs),
+            "final_step": max(r["reached"] for r in runs) if runs else 0,
+            "steps_lost": sum(r.get("lost", 0) for r in runs),
+            "peak_rss_mib_per_window": {f"{int(k * window)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
+            "runs": runs}
+
+
+def write_report(report: dict, path: Path) -> None:
+    from mpp.fileio import write_atomic
+    write_atomic(path, json.dumps(report, indent=1))

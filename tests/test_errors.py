@@ -1,0 +1,266 @@
+"""Every bad input ends with one line on stderr, a non-zero exit and nothing written.
+
+Each case prepares its bad input under a scratch directory, runs a tool in-process (its
+`__main__`, as `python tools/X.py ...` would) and checks the exit code, that stderr is a single
+`error: ...` line, and that the scratch directory holds exactly what the case put there. The
+same cases produce docs/errors.md; `python tests/test_errors.py` rewrites it, and the test fails
+when the table is stale."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs/errors.md"
+SMALL = ["model=vit_micro4_32", "batch_size=8", "steps=2", "data.num_workers=0", "train.attn=math"]
+
+
+def _data(tmp: Path) -> Path:
+    """A labeled 3-class set (train/, val/) and one with other classes (other/)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from shardutil import write_shards
+    write_shards(tmp / "data/train", [8, 8], classes=3)
+    write_shards(tmp / "data/val", [4, 4], classes=3)
+    write_shards(tmp / "data/other", [4, 4], classes=4)
+    return tmp / "data"
+
+
+def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None) -> Path:
+    """A run directory with an exported encoder, its model.json or weights replaced when given."""
+    from mpp.models import create_encoder, save_encoder
+    out = tmp / "enc"
+    save_encoder(create_encoder("vit_micro4_32", attn="math"), out)
+    if spec is not None:
+        (out / "model.json").write_text(spec if isinstance(spec, str) else json.dumps(spec))
+    if weights is not None:
+        (out / "encoder.safetensors").write_bytes(weights)
+    return out
+
+
+class _Payload:
+    def __reduce__(self):
+        return os.system, ("touch /tmp/owned",)
+
+
+def _pickle() -> bytes:
+    """A torch.save file that would run a shell command if it were unpickled."""
+    buf = io.BytesIO()
+    torch.save({"w": _Payload()}, buf)
+    return buf.getvalue()
+
+
+def _ckpt_run(tmp: Path, state: bytes) -> None:
+    """An output dir whose only checkpoint has a crafted state.pt."""
+    ck = tmp / "out/checkpoints/step_0000001"
+    ck.mkdir(parents=True)
+    (ck / "state.pt").write_bytes(state)
+    (ck / "model.safetensors").write_bytes(b"")
+    (ck / "rng_0.pt").write_bytes(b"")
+
+
+# (what, tool, arguments (a function of the scratch dir), setup). TRAIN: a valid small pre-training.
+def TRAIN(t):
+    return [f"output_dir={t}/out", f"data.train={t}/data/train", *SMALL]
+
+
+def FT(t):
+    return [*TRAIN(t), f"data.val={t}/data/val"]
+
+
+CASES = [
+    ("unknown config key", "pretrain", lambda t: [*TRAIN(t), "optim.lrr=0.1"], None),
+    ("img_size not a multiple of the patch", "pretrain", lambda t: [*TRAIN(t), "img_size=30"], None),
+    ("img_size of one patch", "pretrain", lambda t: [*TRAIN(t), "img_size=4"], None),
+    ("mpp.ratio choosing no patch", "pretrain", lambda t: [*TRAIN(t), "mpp.ratio=0.001"], None),
+    ("mpp.bits=8 (a 16.7M-class head)", "pretrain", lambda t: [*TRAIN(t), "mpp.bits=8"], None),
+    ("optim.lr=.inf", "pretrain", lambda t: [*TRAIN(t), "optim.lr=.inf"], None),
+    ("batch not divisible by accumulation", "pretrain", lambda t: [*TRAIN(t), "batch_size=6", "train.grad_accum=4"],
+     None),
+    ("malformed YAML config", "pretrain", lambda t: ["--config", f"{t}/bad.yaml"],
+     lambda t: (t / "bad.yaml").write_text("steps: [1,\n")),
+    ("config whose base: includes itself", "pretrain", lambda t: ["--config", f"{t}/loop.yaml"],
+     lambda t: (t / "loop.yaml").write_text("base: loop.yaml\nsteps: 1\n")),
+    ("mistyped data directory", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/data/trian"], None),
+    ("malformed manifest JSON", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/bad/manifest.json"],
+     lambda t: (t / "bad").mkdir() or (t / "bad/manifest.json").write_text("{\"shards\": [")),
+    ("manifest naming a command (pipe:)", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/pipe/manifest.json"],
+     lambda t: (t / "pipe").mkdir() or (t / "pipe/manifest.json").write_text(json.dumps(
+         {"shards": [{"name": "pipe:touch /tmp/owned", "num_samples": 8}]}))),
+    ("output_dir is a file", "pretrain", lambda t: [*TRAIN(t)[1:], f"output_dir={t}/afile"],
+     lambda t: (t / "afile").write_text("x")),
+    ("output_dir in use by another run", "pretrain", TRAIN,
+     lambda t: (t / "out").mkdir() or _hold_lock(t / "out/.lock")),
+    ("train.resume=none in a directory with an earlier run", "pretrain", lambda t: [*TRAIN(t), "train.resume=none"],
+     lambda t: (t / "out").mkdir() or (t / "out/metrics.json").write_text("{}")),
+    ("resume: the only checkpoint is a pickle payload", "pretrain", TRAIN, lambda t: _ckpt_run(t, _pickle())),
+    ("train.resume=PATH that is not a checkpoint", "pretrain", lambda t: [*TRAIN(t), f"train.resume={t}/data"], None),
+    ("fine-tune without data.val", "finetune", TRAIN, None),
+    ("data.val missing (checked before training)", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/vla"], None),
+    ("data.val with other classes", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/other"], None),
+    ("finetune.init that does not exist", "finetune", lambda t: [*FT(t), f"finetune.init={t}/nope"], None),
+    ("encoder model.json that does not match it", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
+     lambda t: _encoder(t, {"name": "vit_tiny_patch16_224", "kwargs": {"img_size": 32, "patch_size": 4}})),
+    ("encoder model.json naming an unknown timm model", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
+     lambda t: _encoder(t, {"name": "vit_nonexistent", "kwargs": {}})),
+    ("malformed encoder model.json", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
+     lambda t: _encoder(t, "{\"name\": ")),
+    ("truncated encoder.safetensors", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
+     lambda t: _encoder(t, weights=(_encoder(t) / "encoder.safetensors").read_bytes()[:300])),
+    ("pickled encoder.safetensors", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
+     lambda t: _encoder(t, weights=_pickle())),
+    ("probe: data.val with other classes", "linear_probe",
+     lambda t: [*TRAIN(t), f"data.val={t}/data/other", "probe.encoder=none"], None),
+    ("report of a directory without a run", "report", lambda t: [f"{t}/nope"], None),
+    ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
+]
+_locks: list = []
+
+
+def _hold_lock(path: Path) -> None:
+    """Another run's lock (the same process works: flock locks belong to the open file)."""
+    f = open(path, "w")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.write("12345\n")
+    f.flush()
+    _locks.append(f)
+
+
+def run_tool(tool: str, argv: list[str]) -> tuple[int, str]:
+    """Run tools/TOOL.py in this process; (exit code, stderr)."""
+    err, old = io.StringIO(), sys.argv
+    sys.argv = [f"tools/{tool}.py", *argv]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(str(ROOT / f"tools/{tool}.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        if isinstance(e.code, str):
+            err.write(e.code + "\n")
+    finally:
+        sys.argv = old
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip() and not ln.startswith("warning:")]
+    return code, "\n".join(lines)
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every path under `root` with its size and mtime (files only: a lock taken and given back
+    touches its directory's mtime, not its content)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else (p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def run_case(tmp: Path, case) -> tuple[int, str, set[str]]:
+    """(exit code, stderr with the scratch path as TMP, paths written by the run)."""
+    what, tool, args, setup = case
+    if setup:
+        setup(tmp)
+    before = snapshot(tmp)
+    try:
+        code, err = run_tool(tool, args(tmp))
+    finally:
+        while _locks:
+            _locks.pop().close()
+    after = snapshot(tmp)
+    changed = {k for k in after if before.get(k) != after[k]} | (before.keys() - after.keys())
+    return code, err.replace(str(tmp), "TMP"), changed
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return _data(tmp_path_factory.mktemp("errdata"))
+
+
+def _scratch(tmp: Path, data_root: Path) -> Path:
+    tmp.mkdir(parents=True)
+    (tmp / "data").symlink_to(data_root)
+    return tmp
+
+
+@pytest.mark.slow
+def test_every_bad_input_is_one_line_nothing_written_and_in_the_docs(data_root, tmp_path):
+    rows = []
+    for i, case in enumerate(CASES):
+        code, err, changed = run_case(_scratch(tmp_path / str(i), data_root), case)
+        assert code != 0 and err.count("\n") == 0 and err.startswith("error: "), (case[0], code, err)
+        assert not changed, (case[0], changed)
+        assert not os.path.exists("/tmp/owned")
+        rows.append((case[0], case[1], code, err))
+    assert DOC.read_text() == render(rows), "docs/errors.md is stale: run python tests/test_errors.py"
+
+
+def test_a_full_disk_says_so(tmp_path, monkeypatch):
+    """A writer that fails its own way (torch.save: 'unexpected pos') on a nearly full disk is
+    reported as a full disk, and the target file is left untouched."""
+    from mpp.cli import one_line_errors
+    from mpp.fileio import atomic_path
+    import mpp.fileio
+    (tmp_path / "f").write_text("old")
+    monkeypatch.setattr(mpp.fileio.shutil, "disk_usage", lambda p: _Usage(0))
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err), one_line_errors():
+        with atomic_path(tmp_path / "f") as f:
+            f.write_text("partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert e.value.code == 1 and "the disk is full" in err.getvalue() and err.getvalue().count("\n") == 1
+    assert (tmp_path / "f").read_text() == "old" and os.listdir(tmp_path) == ["f"]
+
+
+class _Usage:
+    def __init__(self, free: int):
+        self.free = free
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_stops_a_run_with_one_line(data_root, tmp_path):
+    """A 400 KiB tmpfs (needs root to mount; skipped otherwise): a run whose checkpoint does not fit."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=400k tmpfs {mnt} 2>/dev/null"):
+        pytest.skip("cannot mount a small tmpfs here (test_a_full_disk_says_so covers the translation)")
+    try:
+        code, err = run_tool("pretrain", [f"output_dir={mnt}/out", f"data.train={data_root}/train", *SMALL,
+                                          "train.ckpt_every=1"])
+    finally:
+        os.system(f"umount {mnt}")
+    errors = [line[line.index("error:"):] for line in err.splitlines() if "error:" in line]  # after tqdm's bar
+    assert code == 1 and len(errors) == 1 and errors[0].startswith("error: the disk is full"), err
+
+
+def render(rows) -> str:
+    lines = ["# Bad input and its one-line errors", "",
+             "Every case below exits non-zero with exactly this one line on stderr and writes nothing "
+             "(no output directory, no config.yaml). Generated by `python tests/test_errors.py` from the "
+             "cases that `tests/test_errors.py` runs; TMP is the test's scratch directory. Exit code 2: a bad "
+             "setting or argument; 1: bad data, files or a run that cannot go on. A full disk says "
+             "`error: the disk is full (writing '...'); free space or choose an output_dir on another disk`.", "",
+             "| case | tool | exit | message |", "|---|---|---|---|"]
+    for what, tool, code, err in rows:
+        lines.append(f"| {what} | {tool} | {code} | `{err.replace('|', '¦')}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))  # this checkout's mpp, not an installed one
+    with tempfile.TemporaryDirectory() as d:
+        data_root = _data(Path(d) / "shared")
+        rows = []
+        for i, case in enumerate(CASES):
+            code, err, _ = run_case(_scratch(Path(d) / str(i), data_root), case)
+            rows.append((case[0], case[1], code, err))
+    DOC.write_text(render(rows))
+    print(f"wrote {DOC} ({len(rows)} cases)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""A run directory holds one run: resume falls back past checkpoints that do not load and says so,
+a failed resume changes nothing, every file is written whole with mode 0644, a second run in the
+same directory is refused, and a run whose weights went non-finite exports nothing and fails."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mpp.config import ConfigError, load_config
+from mpp.train import NonFiniteError, train
+from shardutil import write_shards
+
+pytestmark = pytest.mark.slow
+
+
+def items(data: str, out: Path, **extra) -> list[str]:
+    base = {"output_dir": out, "data.train": data, "model": "vit_micro4_32", "batch_size": 8, "steps": 4,
+            "data.num_workers": 0, "train.attn": "math", "train.log_every": 1, "train.ckpt_every": 1,
+            "train.keep_ckpts": 4, "seed": 1, **extra}
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[str, Path]:
+    """A finished 4-step run with a checkpoint after every step."""
+    root = tmp_path_factory.mktemp("rundir")
+    data, _ = write_shards(root / "data", [16, 16], classes=None)
+    old = os.umask(0o022)
+    try:
+        train(load_config(None, items(data, root / "run")))
+    finally:
+        os.umask(old)
+    return data, root / "run"
+
+
+def test_every_file_is_whole_and_0644(run):
+    _, out = run
+    files = [p for p in out.rglob("*") if p.is_file() and "tensorboard" not in p.parts]
+    assert {p.name for p in files} >= {"encoder.safetensors", "model.json", "metrics.json", "config.yaml",
+                                      "state.pt", "model.safetensors", "rng_0.pt"}
+    modes = {str(p.relative_to(out)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert set(modes.values()) == {"0o644"}, modes
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name or p.name == ".lock"]
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, capfd):
+    """Newest checkpoint corrupt, the next with an empty model.safetensors, a `step_*` that is a
+    file: resume skips and names them, continues from step 2 and ends bit-identical to the run."""
+    data, done = run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    for name in ("metrics.json", "encoder.safetensors"):
+        (out / name).unlink()
+    ck = out / "checkpoints"
+    (ck / "step_0000004/state.pt").write_bytes((ck / "step_0000004/state.pt").read_bytes()[:200])
+    (ck / "step_0000003/model.safetensors").write_bytes(b"")
+    (ck / "step_0000009").write_text("not a checkpoint")
+    train(load_config(None, items(data, out)))
+    err = capfd.readouterr()
+    assert "resumed from" in err.out + err.err and "step_0000002 (step 2)" in err.out + err.err
+    warning = [line for line in err.err.splitlines() if "resume skipped" in line]
+    assert len(warning) == 1 and all(s in warning[0] for s in ("step_0000009", "step_0000004", "step_0000003"))
+    a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_resume_changes_nothing(run, tmp_path):
+    data, done = run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    for ck in (out / "checkpoints").iterdir():
+        (ck / "state.pt").write_bytes(b"\0" * 64)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="no checkpoint in .* loads"):
+        train(load_config(None, items(data, out, **{"optim.lr": 0.5})))  # a changed setting: config.yaml would change
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_second_run_in_the_same_directory_is_refused(run, tmp_path):
+    data, _ = run
+    (tmp_path / "run").mkdir()
+    with open(tmp_path / "run/.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242\)"):
+            train(load_config(None, items(data, tmp_path / "run")))
+    assert os.listdir(tmp_path / "run") == [".lock"]  # the holder's file, untouched
+
+
+def test_resume_none_refuses_an_earlier_run(run, tmp_path):
+    data, done = run
+    with pytest.raises(ConfigError, match="holds an earlier run .*step_0000004"):
+        train(load_config(None, items(data, done, **{"train.resume": "none"})))
+
+
+def test_a_run_that_diverged_exports_nothing_and_fails(run, tmp_path):
+    """lr 1e30: the first update makes the weights huge, every later step is non-finite and
+    skipped; fewer than max_bad_steps, yet the run must not end well nor export them."""
+    data, _ = run
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match="the last 3 steps had a non-finite"):
+        train(load_config(None, items(data, out, **{"optim.lr": 1e30, "optim.clip_grad": 0})))
+    assert not (out / "encoder.safetensors").exists() and not (out / "metrics.json").exists()
