@@ -158,10 +158,11 @@ class MaskedEncoder(nn.Module):
         for m in self._attn_modules:
             m.fused_attn = fused
 
-    @torch.compiler.disable
     def _choose_attention(self, x: torch.Tensor) -> None:
-        """Apply the "auto" rule for this batch's shape, dtype and grad mode (cached)."""
-        if self.attn != "auto" or not self._attn_modules:
+        """Apply the "auto" rule for this batch's shape, dtype and grad mode (cached). Not while
+        torch.compile traces (a timing inside the graph would break it): the compiled step keeps
+        the path set by the last eager forward (fused before any; CUDA's choice anyway)."""
+        if self.attn != "auto" or not self._attn_modules or torch.compiler.is_compiling():
             return
         a = self._attn_modules[0]
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype

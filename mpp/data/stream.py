@@ -11,8 +11,8 @@ through shared memory. Per epoch e (identical computation on every rank and work
 2. each DataLoader worker reads its bin's shards, drops samples outside a subset, shuffles raw
    (undecoded) samples in a buffer, decodes them a batch at a time (`decode.decode_batch`) and
    yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`), in
-   shared-memory slots it reuses (`slots.BatchSlots`) unless the DataLoader pins memory for CUDA,
-   together with its cumulative skip counters;
+   shared-memory slots it reuses (`slots.BatchSlots`; batches for CUDA are pinned by the consumer,
+   `mpp.prefetch`), together with its cumulative skip counters;
 3. the main process re-chunks the worker stream into exactly K batches, K the same on every rank
    (K = ceil(largest rank bin total / batch_size), fixed for all epochs): full batches first, the
    tail ones smaller; each size is planned from what the rank still expects (its count minus what
@@ -204,14 +204,13 @@ class ShardLoader:
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
             resampled=self.resampled, seed=seed, train=train, rank=rank, world_size=world_size, workers=workers)
         self._skips: dict[str, int] = {}
-        pin_memory = torch.cuda.is_available()
-        if self.num_workers and not pin_memory:  # pinned batches would need CUDA events to reuse slots
+        if self.num_workers:  # CUDA too: the trainer pins a copy itself (mpp.prefetch), freeing the slot
             self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
         # persistent workers: forked once, not every epoch (each fork cost ~0.1 s and cold caches);
         # own generator: creating the iterator draws a base seed, which must not come from (and
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
         self._dataloader = functools.partial(
-            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
+            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0, generator=torch.Generator())
         self._loader = self._dataloader()
         # the epoch being streamed, weakly: a strong reference would make a cycle through self, and
