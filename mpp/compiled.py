@@ -14,8 +14,8 @@ import torch
 
 
 def use_compile(setting: str, device: torch.device) -> bool:
-    """Whether `train.compile` (auto | on | off) compiles on `device`."""
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    """Whether `train.compile` (auto | always | never) compiles on `device`."""
+    return setting == "always" or (setting == "auto" and device.type == "cuda")
 
 
 def compile_task(model: torch.nn.Module) -> Callable:

@@ -94,7 +94,7 @@ class TrainConfig:
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fastest per device/shape) | fused | math
-    compile: str = "auto"      # torch.compile the step: auto (on with CUDA) | on | off (mpp.compile)
+    compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
 
 
 @dataclass
@@ -174,7 +174,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp16", "no"),
     "train.attn": ("auto", "fused", "math"),
-    "train.compile": ("auto", "on", "off"),
+    "train.compile": ("auto", "always", "never"),
 }
 
 

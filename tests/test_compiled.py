@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_use_compile():
     assert use_compile("auto", torch.device("cuda")) and not use_compile("auto", torch.device("cpu"))
-    assert use_compile("on", torch.device("cpu")) and not use_compile("off", torch.device("cuda"))
+    assert use_compile("always", torch.device("cpu")) and not use_compile("never", torch.device("cuda"))
 
 
 @pytest.mark.parametrize("objective", ["mpp", "classify"])
