@@ -39,6 +39,8 @@ class DataConfig:
     mean: tuple = (0.5, 0.5, 0.5)    # ViT normalisation to [-1, 1]
     std: tuple = (0.5, 0.5, 0.5)
     max_pixels: int = 64_000_000     # larger images are rejected as corrupt (decompression bombs)
+    cache_mb: int = 512        # per worker: keep a train set's raw samples in memory after the
+                               # first epoch when they fit (small sets read many times); 0: off
 
 
 @dataclass
@@ -99,6 +101,7 @@ class TrainConfig:
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fastest per device/shape) | fused | math
+    compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
 
 
 @dataclass
@@ -183,6 +186,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.precision": ("auto", "bf16", "fp16", "no"),
     "train.attn": ("auto", "fused", "math"),
+    "train.compile": ("auto", "always", "never"),
 }
 
 
@@ -400,7 +404,8 @@ def validate(cfg: Config) -> None:
     check(1 <= m.bits <= MAX_BITS, f"config key 'mpp.bits' must be in 1..{MAX_BITS} (2^(3 bits) colour classes: "
           f"{2 ** (3 * MAX_BITS)} at {MAX_BITS}), got {m.bits}")
     d = cfg.data
-    check(d.num_workers >= 0 and d.shuffle_buffer >= 0, "config keys data.num_workers and data.shuffle_buffer must be >= 0")
+    check(d.num_workers >= 0 and d.shuffle_buffer >= 0 and d.cache_mb >= 0,
+          "config keys data.num_workers, data.shuffle_buffer and data.cache_mb must be >= 0")
     check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,
           f"config key 'data.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {list(d.crop_scale)}")
     check(0.0 < d.eval_crop_pct <= 1.0, "config key 'data.eval_crop_pct' must be in (0, 1]")

@@ -135,10 +135,10 @@ class MaskedEncoder(nn.Module):
         for m in self._attn_modules:
             m.fused_attn = fused
 
-    @torch.compiler.disable
     def _choose_attention(self, x: torch.Tensor) -> None:
-        """Apply the "auto" rule for the device of this batch: fused on CUDA, math elsewhere."""
-        if self.attn == "auto" and self._attn_modules:
+        """Apply the "auto" rule for the device of this batch: fused on CUDA, math elsewhere. Not
+        while torch.compile traces: the compiled step keeps the path set by the eager forward."""
+        if self.attn == "auto" and self._attn_modules and not torch.compiler.is_compiling():
             self._set_fused(x.device.type == "cuda")
 
     def forward(self, x: torch.Tensor, corruption=None, rows: torch.Tensor | None = None) -> torch.Tensor:

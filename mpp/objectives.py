@@ -83,18 +83,20 @@ def sample_corruption(B: int, N: int, ratio: float = 0.5, mask: float = 0.8, ran
     for s, b in zip(shares, base):
         cum.append(cum[-1] + max(s - b, 0.0))
     cum[-1] = float(K - sum(base))  # the whole number of leftover units, free of float error
+    # generator only when given: torch.compile fails on generator=None with a symbolic batch size
+    rng = {"device": device} | ({"generator": generator} if generator is not None else {})
     # systematic sampling: leftover units at u, u+1, ... land in share j with probability frac_j
-    u = torch.rand(B, 1, device=device, generator=generator)
+    u = torch.rand(B, 1, **rng)
     extra = [torch.ceil(cum[j + 1] - u) - torch.ceil(cum[j] - u) for j in range(2)]
     n_mask = base[0] + extra[0]
     n_masked_or_random = n_mask + base[1] + extra[1]
 
-    perm = torch.rand(B, N, device=device, generator=generator).argsort(dim=1)
+    perm = torch.rand(B, N, **rng).argsort(dim=1)
     positions = torch.arange(N, device=device).expand(B, N)
     rank = torch.empty_like(perm).scatter_(1, perm, positions)  # rank of each patch in a random order
     masked = rank < n_mask
     swapped = (rank >= n_mask) & (rank < n_masked_or_random)
-    other = (positions + torch.randint(1, max(N, 2), (B, N), device=device, generator=generator)) % N
+    other = (positions + torch.randint(1, max(N, 2), (B, N), **rng)) % N
     return Corruption(chosen=rank < K, masked=masked, src=torch.where(swapped, other, positions),
                       index=perm[:, :K])
 

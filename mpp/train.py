@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from mpp import rundir
 from mpp.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data import make_loader
 from mpp.data.sources import check_same_classes, resolve
@@ -40,6 +41,7 @@ from mpp.fileio import write_atomic
 from mpp.models import create_encoder, load_encoder, save_encoder
 from mpp.objectives import build_task
 from mpp.optim import create_optimizer, create_scheduler
+from mpp.prefetch import DevicePrefetcher
 from mpp.runtime import die_with_launcher, resolve_precision, seed_everything
 
 
@@ -113,6 +115,7 @@ def _train(cfg: Config) -> dict:
     optimizer = create_optimizer(cfg, task)
     scheduler = create_scheduler(cfg, optimizer, steps)
     model, optimizer = accelerator.prepare(task, optimizer)  # not the loader: it splits by rank itself
+    forward = compile_task(model) if use_compile(cfg.train.compile, device) else model  # train.compile
 
     # ---- lock the run directory; resume from the newest checkpoint that loads, or seed this rank's
     # own RNG stream (corruption, drop path). Nothing in the directory changes before this succeeded.
@@ -170,7 +173,7 @@ def _train(cfg: Config) -> dict:
                 f"checkpoint: {good[-1] if good else 'none'}. Lower optim.lr, raise warmup, try "
                 f"train.precision=no, or check the data")
 
-    batches = _batches(loader, start * accum)
+    batches = DevicePrefetcher(_batches(loader, start * accum), device)  # on the device a step ahead
     model.train()
     for step in range(start, steps):
         # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
@@ -178,10 +181,9 @@ def _train(cfg: Config) -> dict:
             t0 = time.perf_counter()
             batch = next(batches)
             wait_win += time.perf_counter() - t0
-            images = batch["image"].to(device, non_blocking=True)
-            labels = batch["label"].to(device, non_blocking=True) if labeled else None
+            images, labels = batch["image"], batch.get("label")
             with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
-                loss, metrics = model(images, labels) if labeled else model(images)
+                loss, metrics = forward(images, labels) if labeled else forward(images)
                 accelerator.backward(loss / accum)
             win.add_micro(loss, metrics)
 

@@ -1,0 +1,32 @@
+"""`train.compile`: the Task's forward (and through AOTAutograd its backward) under torch.compile.
+
+One graph per task, no graph breaks (the attention "auto" timing stays out of traced code, see
+mpp.models), and the batch dimension is dynamic, so an epoch's smaller tail batches and a resumed
+run reuse the compiled graph instead of recompiling (only a batch of one specialises). "auto"
+compiles on CUDA, where the fused kernels and fewer launches pay for the compile time; on CPU the
+compile takes minutes for a gain that short runs never recover, so it is off unless asked for.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def use_compile(setting: str, device: torch.device) -> bool:
+    """Whether `train.compile` (auto | always | never) compiles on `device`."""
+    return setting == "always" or (setting == "auto" and device.type == "cuda")
+
+
+def compile_task(model: torch.nn.Module) -> Callable:
+    """`model(images[, labels]) -> (loss, metrics)` compiled, with the batch dimension dynamic."""
+    compiled = torch.compile(model)
+
+    def forward(images: torch.Tensor, labels: torch.Tensor | None = None):
+        torch._dynamo.maybe_mark_dynamic(images, 0)
+        if labels is None:
+            return compiled(images)
+        torch._dynamo.maybe_mark_dynamic(labels, 0)
+        return compiled(images, labels)
+
+    return forward

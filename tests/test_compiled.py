@@ -1,0 +1,47 @@
+"""mpp.compiled: the compiled step equals eager and compiles once for every batch size."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from mpp.compiled import compile_task, use_compile
+from mpp.config import Config
+from mpp.models import create_encoder
+from mpp.objectives import build_task
+
+pytestmark = pytest.mark.slow
+
+
+def test_use_compile():
+    assert use_compile("auto", torch.device("cuda")) and not use_compile("auto", torch.device("cpu"))
+    assert use_compile("always", torch.device("cpu")) and not use_compile("never", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("objective", ["mpp", "classify"])
+def test_compiled_step_equals_eager_without_recompiles(objective, monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # eager's random numbers
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = Config(objective=objective)
+    torch.manual_seed(0)
+    task = build_task(cfg, create_encoder("vit_micro4_32", attn="auto"), 10 if objective != "mpp" else None)
+    step = compile_task(task)
+    for batch in (8, 5, 3):  # a full batch, then the smaller tail batches of an epoch
+        images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8)
+        labels = torch.randint(0, 10, (batch,)) if objective != "mpp" else None
+        results = []
+        for run in (task, step):
+            torch.manual_seed(batch)  # the same corruption draw
+            task.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, metrics = run(images, labels)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in task.parameters() if p.grad is not None]))
+        (eager_loss, eager_grads), (loss, grads) = results
+        torch.testing.assert_close(loss, eager_loss, rtol=2e-2, atol=2e-2)
+        assert len(grads) == len(eager_grads)
+        for g, e in zip(grads, eager_grads):
+            torch.testing.assert_close(g, e, rtol=5e-2, atol=5e-3)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for all three batch sizes
