@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -152,6 +154,27 @@ def prepare_data(cfg: CompareConfig) -> None:
             write_shards(src, out)
 
 
+def _tool_main(script: str, argv: list[str]) -> None:
+    """In a stage's process: run a tool script as `python script argv...` would."""
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_stage(cmd: list[str], launcher: str) -> int:
+    """Run one stage's command in a process of its own; its exit code. Without a launcher the
+    process is forked from a server that imported the training and evaluation code once (Python's
+    forkserver), so a stage does not pay the seconds of importing torch, timm and accelerate again;
+    the server runs no torch operation, so each stage still starts from a clean state."""
+    if launcher:
+        return subprocess.run(cmd).returncode
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["mpp.train", "mpp.evaluate"])
+    proc = ctx.Process(target=_tool_main, args=(cmd[1], cmd[2:]))
+    proc.start()
+    proc.join()
+    return proc.exitcode
+
+
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     """Run (or resume) the comparison; returns the report path."""
     stages = plan(cfg)
@@ -174,7 +197,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         cmd = s.command(launcher)
         chosen = [o for c in s.choices for o in c.pick()]
         print(f"[{i}/{total}] {s.name} -> {s.out}" + (f" (chosen: {' '.join(chosen)})" if chosen else ""), flush=True)
-        if subprocess.run(cmd).returncode != 0:
+        if run_stage(cmd, cfg.launcher) != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
         print(f"[{i}/{total}] {s.name}: finished in {time.time() - t0:.0f} s", flush=True)

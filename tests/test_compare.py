@@ -161,3 +161,23 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert r2.stdout.count("done earlier") == 17
     assert time.time() - t0 < 60  # nothing re-trained
+
+
+def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path):
+    """Without a launcher a stage is forked from a server that imported mpp.train once (no import
+    cost per stage), still as a process of its own with its argv and exit code; with a launcher it
+    is a plain new process."""
+    import json
+    import os
+
+    from mpp.compare import run_stage
+    script, out = tmp_path / "tool.py", tmp_path / "out.json"
+    script.write_text("import json, os, sys\n"
+                      "json.dump({'pid': os.getpid(), 'argv': sys.argv[1:], 'name': __name__,\n"
+                      "           'preloaded': 'mpp.train' in sys.modules}, open(sys.argv[1], 'w'))\n"
+                      "sys.exit(3)\n")
+    for launcher, preloaded in (("", True), (sys.executable, False)):
+        assert run_stage([sys.executable, str(script), str(out), "x=1"], launcher) == 3
+        got = json.loads(out.read_text())
+        assert got == {"pid": got["pid"], "argv": [str(out), "x=1"], "name": "__main__", "preloaded": preloaded}
+        assert got["pid"] != os.getpid()
