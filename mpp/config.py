@@ -92,6 +92,7 @@ class TrainConfig:
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fastest per device/shape) | fused | math
+    image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
 
 
 @dataclass
@@ -367,6 +368,9 @@ def validate(cfg: Config) -> None:
     check(t.grad_accum >= 1, "config key 'train.grad_accum' must be >= 1")
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1,
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps must be >= 1, train.ckpt_every >= 0")
+    check(t.image_every >= 0, f"config key 'train.image_every' must be >= 0 (0: off), got {t.image_every}")
+    check(not t.image_every or cfg.objective == "mpp",
+          f"train.image_every logs MPP predictions; set it to 0 for objective={cfg.objective}")
     f = cfg.finetune
     check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
