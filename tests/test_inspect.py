@@ -163,9 +163,31 @@ def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path):
     from mpp.train import train
     cfg = load_config(ROOT / "configs/synthetic_mpp.yaml", [
         f"output_dir={tmp_path}", "model=vit_micro4_32", "steps=2", "batch_size=8", "train.log_every=1",
-        "train.image_every=1", "train.attn=math", "train.precision=no", "data.num_workers=0",
+        "train.image_every=1", "train.attn=math", "train.precision='no'", "data.num_workers=0",
         f"data.train={data}", "data.shuffle_buffer=0"])
     train(cfg)
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [e.step for e in events.Images("mpp/predictions")] == [1, 2]
     assert load_mpp_task(tmp_path) is not None and (tmp_path / HEAD_FILE).is_file()
+
+
+def test_compare_figures_add_a_random_init(data, tmp_path):
+    from mpp.figures.inspection import write_compare_figures
+    mpp_run(tmp_path / "pretrain_mpp")
+    sup = tmp_path / "pretrain_supervised"
+    sup.mkdir()
+    save_config(load_config(ROOT / "configs/synthetic_supervised.yaml", ["model=vit_micro4_32"]), sup / "config.yaml")
+    save_encoder(create_encoder("vit_micro4_32"), sup)
+    numbers = write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4,
+                                    grid_images=2)
+    assert list(numbers["encoders"]) == ["pretrain_mpp", "pretrain_supervised", "random init"]
+    assert sorted(p.name for p in (tmp_path / "figures").glob("*.png")) == [
+        "attention_distance.png", "filters.png", "position_similarity.png", "predictions_pretrain_mpp.png"]
+
+
+def test_image_every_is_checked_before_any_work():
+    from mpp.config import ConfigError
+    with pytest.raises(ConfigError, match="train.image_every"):
+        load_config(None, ["objective=supervised", "train.image_every=5"])
+    with pytest.raises(ConfigError, match="train.image_every"):
+        load_config(None, ["train.image_every=-1"])

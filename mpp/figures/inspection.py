@@ -102,6 +102,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
         raise ValueError("no encoders given; pass --encoder RUN_DIR (or ENCODER.safetensors, or none:PRESET)")
     if images < 1 or grid_images < 0 or batch_size < 1:
         raise ValueError(f"images ({images}) and batch size ({batch_size}) must be >= 1, grid images >= 0")
+    data = str(data) if isinstance(data, Path) else data
     models = [load_inspected(s, seed) for s in specs]
     for m, name in zip(models, _unique([m.name for m in models])):
         m.name = name

@@ -40,9 +40,9 @@ def attention_distance(distances: dict[str, torch.Tensor], patch_size: dict[str,
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_title("Mean attention distance per head")
     ax.set_xticks(range(1, max(d.shape[0] for d in distances.values()) + 1))
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.2 * max(d.max().item() for d in distances.values()))  # headroom for the legend
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -87,16 +87,21 @@ def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> N
 
 
 def predictions(grid: torch.Tensor, name: str, accuracy: float, path: Path) -> None:
-    """The MPP prediction grid (uint8 H x W x 3 from `predictions.prediction_grid`) with a legend."""
+    """The MPP prediction grid (uint8 H x W x 3 from `predictions.prediction_grid`, four panels per
+    row) with its column labels and a title."""
     plt = _pyplot()
     h, w = grid.shape[:2]
-    fig = plt.figure(figsize=(w / 100 + 0.4, h / 100 + 0.9), dpi=100)
-    ax = fig.add_axes([0.02, 0.02, 0.96, h / (h + 90)])
+    fig, ax = plt.subplots(figsize=(max(7.0, w / 80), h / 80 + 1.0), dpi=100)
     ax.imshow(grid.numpy(), interpolation="nearest")
-    ax.axis("off")
-    fig.text(0.5, 0.99, f"{name}: MPP predictions ({100 * accuracy:.0f}% of chosen patches in the true colour class)",
-             ha="center", va="top", fontsize=9)
-    fig.text(0.5, 0.99 - 28 / (h + 90), "input  |  corrupted (red: masked, yellow: random other patch)  |  "
-             "predicted mean colours  |  true mean colours", ha="center", va="top", fontsize=7.5)
+    labels = ["input", "corrupted (red: masked,\nyellow: other patch)", "predicted\nmean colours", "true\nmean colours"]
+    ax.set_xticks([(i + 0.5) * w / 4 for i in range(4)], labels, fontsize=8)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    ax.set_yticks([])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(f"{name}: MPP predictions on the chosen patches ({100 * accuracy:.0f}% in the true colour class)",
+                 fontsize=9)
+    fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
