@@ -191,3 +191,13 @@ def test_image_every_is_checked_before_any_work():
         load_config(None, ["objective=supervised", "train.image_every=5"])
     with pytest.raises(ConfigError, match="train.image_every"):
         load_config(None, ["train.image_every=-1"])
+
+
+def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):
+    from safetensors.torch import save_model
+    task = mpp_run(tmp_path)
+    (tmp_path / HEAD_FILE).unlink()
+    (tmp_path / "checkpoints/step_0000002").mkdir(parents=True)
+    save_model(task, str(tmp_path / "checkpoints/step_0000002/model.safetensors"))
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    assert torch.equal(predict(task, images).predicted, predict(load_mpp_task(tmp_path), images).predicted)

@@ -111,16 +111,16 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     cache: dict[int, torch.Tensor] = {}
     numbers: dict = {"data": str(data), "images": images, "encoders": {}}
     distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
-    for m in models:
+    for spec, m in zip(specs, models):
         size = encoder_img_size(m.encoder)
-        if size not in cache:
+        if size not in cache:  # the first encoder's evaluation crop for all: the same images
             cache[size] = read_images(data, size, max(images, grid_images), models[0].data)
         batch = cache[size]
         distances[m.name] = mean_attention_distance(m.encoder, batch[:images], m.data, batch_size, desc=m.name)
         sims[m.name] = position_similarity(m.encoder.vit)
         comps[m.name], share = filter_components(m.encoder.vit)
         grids[m.name], patch[m.name] = m.encoder.grid_size, m.encoder.patch_size
-        entry = {"spec": specs[models.index(m)], "model": m.encoder.model_spec(),
+        entry = {"spec": spec, "model": m.encoder.model_spec(),
                  "mean_attention_distance_px": distances[m.name].tolist(),
                  "position_similarity": sims[m.name].tolist(),
                  "filter_pc_variance_share": share.tolist()}
