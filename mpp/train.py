@@ -223,7 +223,7 @@ def train(cfg: Config) -> dict:
     # ---- the end: exported encoder, evaluation of a fine-tune, metrics.json
     if main:
         save_encoder(encoder, out)
-        if cfg.objective == "mpp":  # the head too, for mpp.figures (tools/inspect.py)
+        if cfg.objective == "mpp":  # the head too, for mpp.figures (tools/inspect_encoders.py)
             from mpp.figures.predictions import save_mpp_head
             save_mpp_head(task, out)
     results = {
