@@ -183,6 +183,12 @@ def test_compare_figures_add_a_random_init(data, tmp_path):
     assert list(numbers["encoders"]) == ["pretrain_mpp", "pretrain_supervised", "random init"]
     assert sorted(p.name for p in (tmp_path / "figures").glob("*.png")) == [
         "attention_distance.png", "filters.png", "position_similarity.png", "predictions_pretrain_mpp.png"]
+    (tmp_path / "figures/filters.png").unlink()
+    assert write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures") == numbers
+    assert not (tmp_path / "figures/filters.png").exists()  # up to date: a resumed comparison redraws nothing
+    save_encoder(create_encoder("vit_micro4_32"), sup)  # a newer encoder: drawn again
+    write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)
+    assert (tmp_path / "figures/filters.png").exists()
 
 
 def test_image_every_is_checked_before_any_work():

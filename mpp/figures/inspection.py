@@ -142,10 +142,14 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
 
 def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path = "figures", **kw) -> dict:
     """The figures of a comparison's pre-trained encoders plus a random initialisation of the
-    first one's preset, on `data` (default: the first run's data.val, else its data.train)."""
+    first one's preset, on `data` (default: the first run's data.val, else its data.train). Like a
+    finished stage, figures newer than every encoder are kept (a resumed comparison redraws nothing)."""
     runs = [Path(d) for d in run_dirs if (Path(d) / "encoder.safetensors").is_file()]
     if not runs:
         raise ValueError(f"none of {[str(d) for d in run_dirs]} holds an encoder.safetensors")
+    done = Path(out) / "inspect.json"
+    if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
+        return json.loads(done.read_text())
     cfg = load_config(runs[0] / "config.yaml")
     specs = [str(r) for r in runs] + [f"random init=none:{cfg.model}"]
     return inspect_encoders(specs, data or cfg.data.val or cfg.data.train, out, **kw)
