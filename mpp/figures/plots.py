@@ -40,9 +40,9 @@ def attention_distance(distances: dict[str, torch.Tensor], patch_size: dict[str,
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_title("Mean attention distance per head")
     ax.set_xticks(range(1, max(d.shape[0] for d in distances.values()) + 1))
-    ax.set_ylim(0, 1.2 * max(d.max().item() for d in distances.values()))  # headroom for the legend
+    ax.set_ylim(0, 1.05 * max(d.max().item() for d in distances.values()))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(n, 3))  # below: clear of the points
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -72,7 +72,7 @@ def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> N
     """Per encoder, the first principal components of the patch-embedding filters as RGB tiles,
     each stretched to [0, 1] on its own (ViT paper Fig. 7 left)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(components), figsize=(3.6 * len(components), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(components), figsize=(4.0 * len(components), 3.2), squeeze=False)
     for ax, (name, c) in zip(axes[0], components.items()):
         lo = c.amin((1, 2, 3), keepdim=True)
         hi = c.amax((1, 2, 3), keepdim=True)
@@ -81,7 +81,7 @@ def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> N
         ax.set_title(name, fontsize=9)
         ax.axis("off")
     fig.suptitle("RGB embedding filters (first principal components)")
-    fig.tight_layout()
+    fig.tight_layout(w_pad=3.0)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
