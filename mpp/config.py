@@ -102,6 +102,7 @@ class TrainConfig:
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fastest per device/shape) | fused | math
     compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
+    image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
 
 
 @dataclass
@@ -423,6 +424,9 @@ def validate(cfg: Config) -> None:
     check(t.grad_accum >= 1, "config key 'train.grad_accum' must be >= 1")
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1,
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps must be >= 1, train.ckpt_every >= 0")
+    check(t.image_every >= 0, f"config key 'train.image_every' must be >= 0 (0: off), got {t.image_every}")
+    check(not t.image_every or cfg.objective == "mpp",
+          f"train.image_every logs MPP predictions; set it to 0 for objective={cfg.objective}")
     f = cfg.finetune
     check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
     check(0 <= f.dev_fraction < 1, f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")

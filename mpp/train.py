@@ -174,6 +174,7 @@ def _train(cfg: Config) -> dict:
                 f"train.precision=no, or check the data")
 
     batches = DevicePrefetcher(_batches(loader, start * accum), device)  # on the device a step ahead
+    shown = None  # the images of the MPP prediction grid (train.image_every)
     model.train()
     for step in range(start, steps):
         # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
@@ -220,6 +221,12 @@ def _train(cfg: Config) -> dict:
             win.reset()
             t_win, wait_win = now, 0.0
 
+        # -- MPP prediction grid of a fixed set of images (the first logged batch's) to TensorBoard
+        if main and cfg.train.image_every and done % cfg.train.image_every == 0:
+            from mpp.figures.predictions import log_predictions
+            shown = images[:8].clone() if shown is None else shown
+            log_predictions(writer, task, shown, done)
+
         # -- checkpoint (also at the end, so a finished run resumes to nothing)
         if (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == steps:
             check_finite(done)
@@ -240,6 +247,9 @@ def _train(cfg: Config) -> dict:
     _check_export(encoder, int(bad_run.item()), list_checkpoints(ckpt_root))
     if main:
         save_encoder(encoder, out)
+        if cfg.objective == "mpp":  # the head too, for mpp.figures (tools/inspect_encoders.py)
+            from mpp.figures.predictions import save_mpp_head
+            save_mpp_head(task, out)
     results = {
         "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size,
         "precision": precision,  # train.precision as resolved for this device (auto decides)

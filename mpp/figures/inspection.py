@@ -1,0 +1,155 @@
+"""Inspect one or more encoders on the same images: the MPP prediction grid (MPP runs), mean
+attention distance, position-embedding similarity and patch-embedding filters, written as PNGs
+plus `inspect.json` with the numbers behind them.
+
+An encoder is given as a run dir (with model.json), an encoder.safetensors with its model.json
+beside it, or `none:PRESET` (random initialisation, seeded); `LABEL=` in front names it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mpp.config import DataConfig, load_config
+from mpp.data import make_loader
+from mpp.data.transforms import normalize, to_float01
+from mpp.evaluate import encoder_img_size, eval_mode
+from mpp.figures import plots
+from mpp.figures.attention import attention_distance_sums, patch_distances, record_attention
+from mpp.figures.filters import filter_components
+from mpp.figures.posembed import position_similarity
+from mpp.figures.predictions import load_mpp_task, predict, prediction_grid
+from mpp.models import MaskedEncoder, create_encoder, load_encoder
+from mpp.objectives import MPPTask
+
+
+@dataclass
+class Inspected:
+    name: str
+    encoder: MaskedEncoder
+    data: DataConfig          # normalisation (mean, std) the encoder was trained with
+    task: MPPTask | None      # the MPP head, for MPP runs
+
+
+def load_inspected(spec: str, seed: int = 0) -> Inspected:
+    """An encoder from `[LABEL=]RUN_DIR | ENCODER.safetensors | none:PRESET`."""
+    name, _, source = spec.partition("=") if "=" in spec else ("", "", spec)
+    if source.startswith("none:"):
+        torch.manual_seed(seed)
+        return Inspected(name or f"random {source[5:]}", create_encoder(source[5:], attn="math"), DataConfig(), None)
+    path = Path(source)
+    run = path if path.is_dir() else path.parent
+    if not path.exists():
+        raise FileNotFoundError(f"--encoder {source}: no such file or directory; give a run dir, an "
+                                "encoder.safetensors with model.json beside it, or none:PRESET")
+    data = load_config(run / "config.yaml").data if (run / "config.yaml").is_file() else DataConfig()
+    task = load_mpp_task(run, attn="math") if path == run / "encoder.safetensors" or path.is_dir() else None
+    encoder = task.encoder if task is not None else load_encoder(path, attn="math")
+    return Inspected(name or run.name, encoder, data, task)
+
+
+def read_images(data, img_size: int, count: int, data_cfg: DataConfig) -> torch.Tensor:
+    """The first `count` images of `data` (shard order, evaluation crop), uint8 (B, 3, H, W)."""
+    cfg = dataclasses.replace(data_cfg, num_workers=0)
+    loader = make_loader(data, batch_size=min(count, 64), img_size=img_size, train=False, labeled=False,
+                         data_cfg=cfg, rank=0, world_size=1)
+    got = []
+    for batch in loader.epoch(0):
+        got.append(batch["image"])
+        if sum(len(b) for b in got) >= count:
+            break
+    loader.close()
+    if not got:
+        raise ValueError(f"data {data!r} yielded no images")
+    return torch.cat(got)[:count]
+
+
+@torch.no_grad()
+def mean_attention_distance(encoder: MaskedEncoder, images: torch.Tensor, data: DataConfig, batch_size: int = 32,
+                            desc: str = "attention") -> torch.Tensor:
+    """Mean attention distance in pixels (layers, heads) over `images` (uint8)."""
+    dist = patch_distances(encoder.grid_size, encoder.patch_size)
+    total = None
+    with eval_mode(encoder), record_attention(encoder.vit) as maps:
+        for i in tqdm(range(0, len(images), batch_size), desc=desc, dynamic_ncols=True):
+            maps.clear()
+            encoder(normalize(to_float01(images[i:i + batch_size]), data.mean, data.std))
+            sums = attention_distance_sums(maps, dist, encoder.vit.num_prefix_tokens)
+            total = sums if total is None else total + sums
+    return total / (len(images) * encoder.num_patches)
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+    return out
+
+
+def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, grid_images: int = 6,
+                     batch_size: int = 32, seed: int = 0) -> dict:
+    """Write the figures of every encoder in `specs` on the same images of `data` to `out`;
+    returns (and writes to OUT/inspect.json) the numbers behind them."""
+    if not specs:
+        raise ValueError("no encoders given; pass --encoder RUN_DIR (or ENCODER.safetensors, or none:PRESET)")
+    if images < 1 or grid_images < 0 or batch_size < 1:
+        raise ValueError(f"images ({images}) and batch size ({batch_size}) must be >= 1, grid images >= 0")
+    data = str(data) if isinstance(data, Path) else data
+    models = [load_inspected(s, seed) for s in specs]
+    for m, name in zip(models, _unique([m.name for m in models])):
+        m.name = name
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache: dict[int, torch.Tensor] = {}
+    numbers: dict = {"data": str(data), "images": images, "encoders": {}}
+    distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
+    for spec, m in zip(specs, models):
+        size = encoder_img_size(m.encoder)
+        if size not in cache:  # the first encoder's evaluation crop for all: the same images
+            cache[size] = read_images(data, size, max(images, grid_images), models[0].data)
+        batch = cache[size]
+        distances[m.name] = mean_attention_distance(m.encoder, batch[:images], m.data, batch_size, desc=m.name)
+        sims[m.name] = position_similarity(m.encoder.vit)
+        comps[m.name], share = filter_components(m.encoder.vit)
+        grids[m.name], patch[m.name] = m.encoder.grid_size, m.encoder.patch_size
+        entry = {"spec": spec, "model": m.encoder.model_spec(),
+                 "mean_attention_distance_px": distances[m.name].tolist(),
+                 "position_similarity": sims[m.name].tolist(),
+                 "filter_pc_variance_share": share.tolist()}
+        if m.task is not None and grid_images:  # accuracy over all images read, grid of the first few
+            pred = predict(m.task, batch, seed=seed)
+            entry["mpp_chosen_color_accuracy"] = pred.accuracy(m.task.cfg.bits)
+            shown = dataclasses.replace(pred, **{k: v[:grid_images] for k, v in vars(pred).items()})
+            file = out / f"predictions_{re.sub(r'[^A-Za-z0-9_.-]+', '_', m.name)}.png"
+            plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
+                              entry["mpp_chosen_color_accuracy"], file)
+            entry["predictions_png"] = file.name
+        numbers["encoders"][m.name] = entry
+    plots.attention_distance(distances, patch, out / "attention_distance.png")
+    plots.position_similarity(sims, grids, out / "position_similarity.png")
+    plots.filters(comps, out / "filters.png")
+    (out / "inspect.json").write_text(json.dumps(numbers, indent=1) + "\n")
+    return numbers
+
+
+def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path = "figures", **kw) -> dict:
+    """The figures of a comparison's pre-trained encoders plus a random initialisation of the
+    first one's preset, on `data` (default: the first run's data.val, else its data.train). Like a
+    finished stage, figures newer than every encoder are kept (a resumed comparison redraws nothing)."""
+    runs = [Path(d) for d in run_dirs if (Path(d) / "encoder.safetensors").is_file()]
+    if not runs:
+        raise ValueError(f"none of {[str(d) for d in run_dirs]} holds an encoder.safetensors")
+    done = Path(out) / "inspect.json"
+    if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
+        return json.loads(done.read_text())
+    cfg = load_config(runs[0] / "config.yaml")
+    specs = [str(r) for r in runs] + [f"random init=none:{cfg.model}"]
+    return inspect_encoders(specs, data or cfg.data.val or cfg.data.train, out, **kw)

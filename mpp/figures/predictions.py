@@ -1,0 +1,162 @@
+"""What the MPP head predicts for the patches it cannot see: a grid with, per image, the input,
+the corrupted view the encoder saw (masked patches grey with a red outline, patches replaced by a
+random other patch outlined in yellow; kept patches are unmarked, as the encoder sees them), the
+predicted mean colours painted into every chosen patch, and the true mean colours there.
+
+A run dir keeps its head beside the encoder (`mpp_head.safetensors`: the head and the [mask]
+embedding, written by `save_mpp_head`); runs from before that file existed are read from their
+newest checkpoint. Both are safetensors: nothing is unpickled.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from mpp.checkpoint import list_checkpoints
+from mpp.config import load_config
+from mpp.evaluate import eval_mode
+from mpp.models import load_encoder, take_rows
+from mpp.objectives import DOWNSAMPLED_CELLS, MPPTask, patches, quantize, sample_corruption
+
+HEAD_FILE = "mpp_head.safetensors"
+MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
+
+
+def save_mpp_head(task: MPPTask, out_dir: str | Path) -> Path:
+    """Write the head and the [mask] embedding of `task` to OUT_DIR/mpp_head.safetensors."""
+    state = {f"head.{k}": v for k, v in task.head.state_dict().items()}
+    state["mask_token"] = task.encoder.mask_token
+    path = Path(out_dir) / HEAD_FILE
+    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
+    """The MPP task (encoder, [mask] embedding, head) of a pre-training run dir; None when the run
+    is not an MPP run or has neither a head file nor a checkpoint."""
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        return None
+    cfg = load_config(run / "config.yaml")
+    if cfg.objective != "mpp":
+        return None
+    if (run / HEAD_FILE).is_file():
+        state = load_file(str(run / HEAD_FILE))
+    elif ckpts := list_checkpoints(run / "checkpoints"):
+        full = load_file(str(ckpts[-1] / "model.safetensors"))
+        state = {k.removeprefix("encoder."): v for k, v in full.items() if k.startswith("head.") or k == "encoder.mask_token"}
+    else:
+        return None
+    task = MPPTask(load_encoder(run, attn=attn), cfg.mpp, cfg.data)
+    task.head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+    with torch.no_grad():
+        task.encoder.mask_token.copy_(state["mask_token"])
+    return task
+
+
+def class_colors(classes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Colour classes (as `quantize` makes them) -> the centres of their levels (..., 3) in [0, 1]."""
+    m = 2 ** bits - 1
+    levels = torch.stack([(classes >> 2 * bits) & m, (classes >> bits) & m, classes & m], -1)
+    return (levels.float() + 0.5) / 2 ** bits
+
+
+def predicted_colors(pred: torch.Tensor, target: str, bits: int) -> torch.Tensor:
+    """The head's output (B, K, out) -> the predicted mean colour of each chosen patch (B, K, 3)."""
+    B, K = pred.shape[:2]
+    if target == "mean_color":
+        return class_colors(pred.argmax(-1), bits)
+    if target == "mean_color_regression":
+        return pred.clamp(0, 1)
+    if target == "downsampled":
+        return class_colors(pred.view(B, K, DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)
+    return pred.view(B, K, 3, -1).mean(-1).clamp(0, 1)  # pixels
+
+
+@dataclass
+class Prediction:
+    images01: torch.Tensor    # (B, 3, H, W) the input in [0, 1]
+    corrupted: torch.Tensor   # (B, 3, H, W) what the encoder saw (masked patches grey)
+    masked: torch.Tensor      # (B, N) bool
+    swapped: torch.Tensor     # (B, N) bool: replaced by a random other patch
+    chosen: torch.Tensor      # (B, N) bool: the patches the head predicts
+    predicted: torch.Tensor   # (B, N, 3) predicted mean colours (zero where not chosen)
+    true: torch.Tensor        # (B, N, 3) true mean colours of every patch
+
+    def accuracy(self, bits: int) -> float:
+        """Share of the chosen patches whose predicted colour falls in the true colour's class."""
+        hit = quantize(self.predicted, bits) == quantize(self.true, bits)
+        return hit[self.chosen].float().mean().item()
+
+
+@torch.no_grad()
+def predict(task: MPPTask, images: torch.Tensor, seed: int = 0) -> Prediction:
+    """Corrupt uint8 `images` as in training (a seeded draw: the training RNG is not touched) and
+    run the encoder and head on them."""
+    enc, c = task.encoder, task.cfg
+    images01, x = task.inputs(images)
+    B, N, p = images.shape[0], enc.num_patches, enc.patch_size
+    g = torch.Generator(device=images.device).manual_seed(seed)
+    corruption = sample_corruption(B, N, c.ratio, c.mask, c.random, c.keep, device=images.device, generator=g)
+    with eval_mode(task):
+        pred = task.head(enc(x, corruption, rows=corruption.index + enc.vit.num_prefix_tokens)).float()
+    pix = patches(images01, p)
+    seen = take_rows(pix, corruption.src).masked_fill(corruption.masked[..., None, None, None], 0.5)
+    predicted = torch.zeros(B, N, 3, device=images.device)
+    predicted.scatter_(1, corruption.index[..., None].expand(-1, -1, 3), predicted_colors(pred, c.target, c.bits))
+    own = torch.arange(N, device=images.device)
+    return Prediction(images01=images01, corrupted=_unpatch(seen, enc.grid_size), masked=corruption.masked,
+                      swapped=corruption.src != own, chosen=corruption.chosen, predicted=predicted,
+                      true=pix.mean((-1, -2)))
+
+
+def _unpatch(x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """(B, N, C, p, p) patches in row-major order -> (B, C, H, W); the inverse of `patches`."""
+    B, N, C, p, _ = x.shape
+    return x.reshape(B, *grid, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, C, grid[0] * p, grid[1] * p)
+
+
+def _paint(images: torch.Tensor, colors: torch.Tensor, where: torch.Tensor, grid, p: int) -> torch.Tensor:
+    """`images` with the patches in `where` (B, N) filled with `colors` (B, N, 3)."""
+    fill = _unpatch(colors[..., None, None].expand(-1, -1, -1, p, p), grid)
+    return torch.where(_unpatch(where[:, :, None, None, None].expand(-1, -1, 1, p, p), grid), fill, images)
+
+
+def _outline(images: torch.Tensor, where: torch.Tensor, rgb, grid, cell: int) -> torch.Tensor:
+    """Draw a 1-pixel outline of colour `rgb` around the patches in `where` (images upscaled so
+    that a patch is `cell` pixels)."""
+    edge = torch.zeros(cell, cell, dtype=torch.bool, device=images.device)
+    edge[[0, -1], :] = edge[:, [0, -1]] = True
+    border = _unpatch(where[:, :, None, None, None] & edge, grid)
+    colour = torch.tensor(rgb, device=images.device).view(1, 3, 1, 1)
+    return torch.where(border, colour, images)
+
+
+def prediction_grid(pred: Prediction, patch_size: int, min_size: int = 96) -> torch.Tensor:
+    """One row per image: input | corrupted view | predicted mean colours | true mean colours,
+    as a uint8 (H, W, 3) array; images are upscaled (nearest) to at least `min_size` pixels."""
+    B, _, H, W = pred.images01.shape
+    grid = (H // patch_size, W // patch_size)
+    scale = max(1, math.ceil(min_size / H))
+    cell = patch_size * scale
+    up = lambda x: F.interpolate(x, scale_factor=scale, mode="nearest")  # noqa: E731
+    corrupted = _outline(up(pred.corrupted), pred.masked, MASKED_RGB, grid, cell)
+    corrupted = _outline(corrupted, pred.swapped, RANDOM_RGB, grid, cell)
+    panels = [up(pred.images01), corrupted,
+              up(_paint(pred.images01, pred.predicted, pred.chosen, grid, patch_size)),
+              up(_paint(pred.images01, pred.true, pred.chosen, grid, patch_size))]
+    gap = 2
+    rows = F.pad(torch.cat([F.pad(x, (0, gap), value=1.0) for x in panels], -1), (0, 0, 0, gap), value=1.0)
+    out = rows.permute(0, 2, 3, 1).reshape(-1, rows.shape[-1], 3)
+    return (out.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def log_predictions(writer, task: MPPTask, images: torch.Tensor, step: int, tag: str = "mpp/predictions") -> None:
+    """Add the prediction grid of `images` to a TensorBoard SummaryWriter at `step`."""
+    pred = predict(task, images)
+    writer.add_image(tag, prediction_grid(pred, task.encoder.patch_size).numpy(), step, dataformats="HWC")

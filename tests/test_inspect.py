@@ -1,0 +1,209 @@
+"""mpp.figures and tools/inspect_encoders.py: hooked attention agrees with a direct computation and leaves
+the forward pass as it was, attention distance / position similarity / filter components against
+hand-computed cases, the MPP head's round trip through a run dir, the prediction grid, the tool end
+to end on tiny shards (several encoders side by side), and the TensorBoard grid during training."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpp.config import load_config, save_config
+from mpp.data.synthetic import make_synthetic
+from mpp.figures.attention import attention_distance_sums, patch_distances, record_attention
+from mpp.figures.filters import filter_components
+from mpp.figures.posembed import position_similarity
+from mpp.figures.predictions import (HEAD_FILE, class_colors, load_mpp_task, predict, prediction_grid,
+                                     save_mpp_head)
+from mpp.models import create_encoder, save_encoder
+from mpp.objectives import MPPTask, quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tool imports this checkout's mpp
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synthetic")
+    make_synthetic(out, train=16, test=16, shards=2, progress=False)
+    return out / "test" / "manifest.json"
+
+
+def mpp_run(out: Path, seed: int = 0) -> MPPTask:
+    """A run dir as an MPP pre-training leaves it (config, encoder, head), without training."""
+    torch.manual_seed(seed)
+    cfg = load_config(ROOT / "configs/synthetic_mpp.yaml", ["model=vit_micro4_32", f"output_dir={out}"])
+    task = MPPTask(create_encoder("vit_micro4_32", attn="math"), cfg.mpp, cfg.data)
+    torch.nn.init.normal_(task.head.weight)  # a head whose argmax varies with the input
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    save_encoder(task.encoder, out)
+    save_mpp_head(task, out)
+    return task
+
+
+def test_hooked_attention_matches_direct_computation_and_leaves_the_forward_unchanged():
+    torch.manual_seed(0)
+    enc = create_encoder("vit_micro4_32", attn="fused").eval()
+    vit = enc.vit
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        plain = enc(x)
+        with record_attention(vit) as maps:
+            hooked = enc(x)
+        # direct: softmax(q k^T / sqrt(d)) from the block's own weights, block by block
+        t = vit.norm_pre(vit._pos_embed(vit.patch_embed(x)))
+        direct = []
+        for block in vit.blocks:
+            a = block.attn
+            qkv = block.norm1(t) @ a.qkv.weight.T + a.qkv.bias
+            B, T, _ = qkv.shape
+            q, k = qkv[..., :a.attn_dim], qkv[..., a.attn_dim:2 * a.attn_dim]
+            q = q.view(B, T, a.num_heads, -1).transpose(1, 2)
+            k = k.view(B, T, a.num_heads, -1).transpose(1, 2)
+            direct.append(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1))
+            t = block(t)
+    assert torch.equal(plain, hooked)
+    assert len(maps) == len(direct) == 2 and maps[0].shape == (3, 2, 65, 65)
+    for m, d in zip(maps, direct):
+        torch.testing.assert_close(m, d, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        enc(x)
+    assert len(maps) == 2  # hooks removed on exit
+
+
+def test_attention_distance_by_hand():
+    dist = patch_distances((2, 2), 4)
+    assert dist[0].tolist() == pytest.approx([0, 4, 4, 4 * math.sqrt(2)])
+    # every query: half its weight on the [class] token (left out, renormalised), half on patch 0
+    a = torch.zeros(1, 2, 5, 5)
+    a[:, 0, :, 0] = a[:, 0, :, 1] = 0.5
+    a[:, 1, :, 4] = 1.0  # head 1: everything on patch 3
+    sums = attention_distance_sums([a, a], dist, num_prefix=1)
+    assert sums.shape == (2, 2)
+    assert sums[0, 0].item() == pytest.approx(8 + 4 * math.sqrt(2))
+    assert sums[1, 1].item() == pytest.approx(8 + 4 * math.sqrt(2))
+
+
+def test_position_similarity_and_filter_components():
+    torch.manual_seed(0)
+    vit = create_encoder("vit_micro4_32").vit
+    with torch.no_grad():
+        vit.pos_embed[0, 1:] = torch.randn(64, 64)
+        vit.pos_embed[0, 2] = -3 * vit.pos_embed[0, 1]  # position 1 opposite to position 0
+    sim = position_similarity(vit)
+    assert sim.shape == (64, 64)
+    torch.testing.assert_close(sim.diagonal(), torch.ones(64))
+    assert sim[0, 1].item() == pytest.approx(-1.0, abs=1e-5)
+    # filters spread along one RGB pattern: the first component is that pattern, all the variance
+    pattern = torch.randn(3, 4, 4)
+    with torch.no_grad():
+        vit.patch_embed.proj.weight.copy_(torch.randn(64, 1, 1, 1) * pattern)
+    comps, share = filter_components(vit, k=5)
+    assert comps.shape == (5, 3, 4, 4) and share[0].item() == pytest.approx(1.0, abs=1e-5)
+    assert abs(torch.nn.functional.cosine_similarity(comps[0].flatten(), pattern.flatten(), 0).item()) > 0.9999
+
+
+def test_class_colors_are_inside_their_class():
+    classes = torch.arange(512)
+    assert torch.equal(quantize(class_colors(classes, 3), 3), classes)
+
+
+def test_mpp_head_round_trip_and_prediction_grid(tmp_path):
+    task = mpp_run(tmp_path / "run")
+    assert (tmp_path / "run" / HEAD_FILE).is_file()
+    loaded = load_mpp_task(tmp_path / "run")
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+    a, b = predict(task, images, seed=3), predict(loaded, images, seed=3)
+    assert torch.equal(a.predicted, b.predicted)  # head and [mask] embedding survived the trip
+    n_chosen = a.chosen.sum(1)
+    assert (n_chosen == 32).all() and (a.masked <= a.chosen).all() and (a.swapped <= a.chosen).all()
+    assert a.masked.any() and a.swapped.any()
+    grey = a.corrupted.view(4, 3, 8, 4, 8, 4).permute(0, 2, 4, 1, 3, 5).reshape(4, 64, -1)
+    assert (grey[a.masked] == 0.5).all()
+    assert (a.predicted[~a.chosen] == 0).all() and (a.predicted[a.chosen] > 0).all()
+    grid = prediction_grid(a, 4, min_size=96)
+    assert grid.dtype == torch.uint8 and grid.shape == (4 * (96 + 2), 4 * (96 + 2), 3)
+    assert load_mpp_task(tmp_path / "nothing") is None
+
+
+def test_tool_side_by_side(data, tmp_path):
+    mpp_run(tmp_path / "mpp")
+    out = tmp_path / "figures"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", str(tmp_path / "mpp"),
+                        "--encoder", "rand=none:vit_micro4_32", "--data", str(data), "--out", str(out),
+                        "--images", "10", "--grid-images", "3", "--batch-size", "4"],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for png in ("attention_distance.png", "position_similarity.png", "filters.png", "predictions_mpp.png"):
+        assert (out / png).stat().st_size > 1000
+    numbers = json.loads((out / "inspect.json").read_text())
+    assert list(numbers["encoders"]) == ["mpp", "rand"]
+    mpp, rand = numbers["encoders"]["mpp"], numbers["encoders"]["rand"]
+    assert len(mpp["mean_attention_distance_px"]) == 2 and len(mpp["mean_attention_distance_px"][0]) == 2
+    assert 0 <= mpp["mpp_chosen_color_accuracy"] <= 1 and "mpp_chosen_color_accuracy" not in rand
+    assert all(0 < d < 32 * math.sqrt(2) for row in rand["mean_attention_distance_px"] for d in row)
+
+
+def test_tool_rejects_a_missing_encoder(data, tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", str(tmp_path / "nope"),
+                        "--data", str(data), "--out", str(tmp_path / "o")], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: --encoder")
+
+
+def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mpp.train import train
+    cfg = load_config(ROOT / "configs/synthetic_mpp.yaml", [
+        f"output_dir={tmp_path}", "model=vit_micro4_32", "steps=2", "batch_size=8", "train.log_every=1",
+        "train.image_every=1", "train.attn=math", "train.precision='no'", "data.num_workers=0",
+        f"data.train={data}", "data.shuffle_buffer=0"])
+    train(cfg)
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [e.step for e in events.Images("mpp/predictions")] == [1, 2]
+    assert load_mpp_task(tmp_path) is not None and (tmp_path / HEAD_FILE).is_file()
+
+
+def test_compare_figures_add_a_random_init(data, tmp_path):
+    from mpp.figures.inspection import write_compare_figures
+    mpp_run(tmp_path / "pretrain_mpp")
+    sup = tmp_path / "pretrain_supervised"
+    sup.mkdir()
+    save_config(load_config(ROOT / "configs/synthetic_supervised.yaml", ["model=vit_micro4_32"]), sup / "config.yaml")
+    save_encoder(create_encoder("vit_micro4_32"), sup)
+    numbers = write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4,
+                                    grid_images=2)
+    assert list(numbers["encoders"]) == ["pretrain_mpp", "pretrain_supervised", "random init"]
+    assert sorted(p.name for p in (tmp_path / "figures").glob("*.png")) == [
+        "attention_distance.png", "filters.png", "position_similarity.png", "predictions_pretrain_mpp.png"]
+    (tmp_path / "figures/filters.png").unlink()
+    assert write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures") == numbers
+    assert not (tmp_path / "figures/filters.png").exists()  # up to date: a resumed comparison redraws nothing
+    save_encoder(create_encoder("vit_micro4_32"), sup)  # a newer encoder: drawn again
+    write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)
+    assert (tmp_path / "figures/filters.png").exists()
+
+
+def test_image_every_is_checked_before_any_work():
+    from mpp.config import ConfigError
+    with pytest.raises(ConfigError, match="train.image_every"):
+        load_config(None, ["objective=supervised", "train.image_every=5"])
+    with pytest.raises(ConfigError, match="train.image_every"):
+        load_config(None, ["train.image_every=-1"])
+
+
+def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):
+    from safetensors.torch import save_model
+    task = mpp_run(tmp_path)
+    (tmp_path / HEAD_FILE).unlink()
+    (tmp_path / "checkpoints/step_0000002").mkdir(parents=True)
+    save_model(task, str(tmp_path / "checkpoints/step_0000002/model.safetensors"))
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    assert torch.equal(predict(task, images).predicted, predict(load_mpp_task(tmp_path), images).predicted)
