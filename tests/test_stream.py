@@ -358,3 +358,28 @@ def test_http_manifest_and_shards(tmp_path):
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
+
+
+def test_workers_cache_a_small_set_and_replay_it_unchanged(tmp_path):
+    manifest, _ = write_shards(tmp_path / "d", [15, 15, 15, 15], classes=3)
+
+    def loader(cache_mb):
+        return make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                           data_cfg=cfg(cache_mb=cache_mb), subset=(0.5, 5))
+
+    plain, cached = loader(0), loader(1)
+    expected = [list(plain.epoch(e)) for e in range(3)]
+    assert [len(b["image"]) for b in expected[0]] == [4] * 7 + [2]
+    first = list(cached.epoch(0))  # reads the shards and keeps the subset's raw samples
+    (tmp_path / "d").rename(tmp_path / "gone")  # later epochs must not read the shards at all
+    for e, batches in enumerate([first, list(cached.epoch(1)), list(cached.epoch(2))]):
+        assert all(torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+                   for a, b in zip(batches, expected[e], strict=True))
+    assert cached.counters() == {}
+    (tmp_path / "gone").rename(tmp_path / "d")
+    small = loader(1)
+    small.stream.cache_limit = 100  # bytes: the set outgrows it, so nothing is kept
+    list(small.epoch(0))
+    (tmp_path / "d").rename(tmp_path / "gone")
+    with pytest.raises(DataError):
+        list(small.epoch(1))

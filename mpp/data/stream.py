@@ -8,7 +8,9 @@ through shared memory. Per epoch e (identical computation on every rank and work
    are the same every epoch; in training the rank bins are then permuted with the same seed. A
    rank's shards are split over its DataLoader workers greedily in the shuffled order. Fewer shards
    than ranks x workers: fewer workers per rank (logged); fewer shards than ranks: an error;
-2. each DataLoader worker reads its bin's shards, drops samples outside a subset, shuffles raw
+2. each DataLoader worker reads its bin's shards (a train set that fits `data.cache_mb` per worker
+   is kept raw in every worker's memory from the first epoch's end on, so small sets read many
+   times skip the shard reading at every epoch start), drops samples outside a subset, shuffles raw
    (undecoded) samples in a buffer, decodes them a batch at a time (`decode.decode_batch`) and
    yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`), in
    shared-memory slots it reuses (`slots.BatchSlots`) unless the DataLoader pins memory for CUDA,
@@ -90,7 +92,7 @@ class _ShardStream(IterableDataset):
 
     def __init__(self, shards: ShardSet, transform, *, batch_size: int, labeled: bool,
                  max_pixels: int, shuffle_buffer: int, resampled: bool, seed: int, train: bool,
-                 rank: int, world_size: int, workers: int):
+                 rank: int, world_size: int, workers: int, cache_bytes: int = 0):
         self.shards, self.transform = shards, transform
         self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
         self.shuffle_buffer, self.resampled, self.seed, self.train = shuffle_buffer, resampled, seed, train
@@ -98,6 +100,9 @@ class _ShardStream(IterableDataset):
         # the epoch to stream: set by ShardLoader before each epoch, read by its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
+        # raw samples by shard id, kept by each persistent worker across epochs (see _keep)
+        self.cache: dict[int, list[dict]] | None = {} if cache_bytes > 0 else None
+        self.cache_limit, self.cache_bytes = cache_bytes, 0
 
     def plan(self, epoch: int) -> _EpochPlan:
         return _EpochPlan(self.shards, epoch, seed=self.seed, train=self.train, rank=self.rank,
@@ -112,10 +117,39 @@ class _ShardStream(IterableDataset):
     def _raw(self, epoch: int, worker: int, skips: dict) -> Iterator[dict]:
         rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:order")
         for s in self._shard_ids(epoch, worker, rng):
-            keys = self.shards.keys[s] if self.shards.keys is not None else None
-            for sample in read_shard(self.shards.urls[s], skips):
-                if keys is None or sample["__key__"] in keys:
-                    yield sample
+            if self.cache is not None and s in self.cache:
+                yield from self.cache[s]
+                continue
+            kept, before = [], dict(skips)
+            for sample in self._read(s, skips):
+                kept.append(sample)
+                yield sample
+            self._keep(s, kept, clean=skips == before)
+        if self.cache is not None:  # the rank's other shards too, as the shuffle hands them to every
+            for s in itertools.chain(*self.plan(epoch).bins):  # worker in turn (first epoch's end only)
+                if self.cache is not None and s not in self.cache:
+                    fill_skips: dict[str, int] = {}
+                    self._keep(s, list(self._read(s, fill_skips)), clean=not fill_skips)
+
+    def _read(self, shard: int, skips: dict) -> Iterator[dict]:
+        """The raw samples of a shard that belong to the subset (all without one)."""
+        keys = self.shards.keys[shard] if self.shards.keys is not None else None
+        for sample in read_shard(self.shards.urls[shard], skips):
+            if keys is None or sample["__key__"] in keys:
+                yield sample
+
+    def _keep(self, shard: int, samples: list[dict], clean: bool) -> None:
+        """Cache a completely read shard's kept raw samples in this worker while the worker's total
+        stays within data.cache_mb; a set that outgrows it is not cached at all (the cache is for
+        small sets read many times, where each epoch would re-read the shards: a 10% label subset
+        reads all of them). A shard that counted a skip is read again next time, so its counters
+        repeat."""
+        if self.cache is None or not clean:
+            return
+        self.cache_bytes += sum(len(v) for x in samples for v in x.values() if isinstance(v, bytes))
+        self.cache[shard] = samples
+        if self.cache_bytes > self.cache_limit:
+            self.cache = None  # the set does not fit: free what was kept, stop caching
 
     def __iter__(self):
         info = get_worker_info()
@@ -202,7 +236,8 @@ class ShardLoader:
         self.stream = _ShardStream(
             shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
-            resampled=self.resampled, seed=seed, train=train, rank=rank, world_size=world_size, workers=workers)
+            resampled=self.resampled, seed=seed, train=train, rank=rank, world_size=world_size, workers=workers,
+            cache_bytes=data_cfg.cache_mb << 20 if self.num_workers and train else 0)  # persistent workers keep it
         self._skips: dict[str, int] = {}
         pin_memory = torch.cuda.is_available()
         if self.num_workers and not pin_memory:  # pinned batches would need CUDA events to reuse slots
