@@ -35,6 +35,8 @@ class DataConfig:
     mean: tuple = (0.5, 0.5, 0.5)    # ViT normalisation to [-1, 1]
     std: tuple = (0.5, 0.5, 0.5)
     max_pixels: int = 64_000_000     # larger images are rejected as corrupt (decompression bombs)
+    cache_mb: int = 512        # per worker: keep a train set's raw samples in memory after the
+                               # first epoch when they fit (small sets read many times); 0: off
 
 
 @dataclass
