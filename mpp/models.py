@@ -47,6 +47,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "vit_ti4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4)),
     "vit_s4_32": ("vit_small_patch16_224", dict(img_size=32, patch_size=4)),
     "vit_mini4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4)),
+    "vit_mini8_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=128, depth=6, num_heads=4)),
+    "vit_ti8_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8)),
     "vit_micro4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=2)),
 }
 
