@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from mpp.config import Config, save_config, to_dict
+from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.fileio import atomic_path, write_atomic
 from mpp.data import make_loader, normalize, to_float01
 from mpp.data.sources import check_same_classes
@@ -394,6 +394,9 @@ def run_linear_probe(cfg: Config, encoder_path: str | Path | None = None, out_di
                          "or none (a randomly initialised model)")
     if not cfg.data.train or not cfg.data.val:
         raise ValueError("the linear probe needs labeled shards in data.train (fit) and data.val (test)")
+    if str(encoder_path) != "none" and not Path(encoder_path).exists():
+        raise ConfigError(f"probe.encoder={str(encoder_path)!r} does not exist; give a pre-training run directory, "
+                          "its encoder.safetensors, or none (a randomly initialised model)")
     check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(encoder_path) == "none":

@@ -5,11 +5,13 @@ copies it into pinned memory (which frees the loader's shared-memory slot at onc
 still uint8 (a quarter of float32's bytes; normalisation runs on the device, in the Task), with a
 non-blocking copy on a side stream, so the transfer overlaps the step the host has just queued.
 The consumer's stream waits on that copy only when it uses the batch (an event, not a host
-sync). Elsewhere batches pass through unchanged: the same look-ahead, no copies.
+sync). Elsewhere batches pass through unchanged: the same look-ahead, no copies. `counted` is the
+loader's `counters` as they stood when the batch last handed out was read, before the look-ahead:
+skip counts that a checkpoint records must not include a batch the resumed run will read again.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -17,10 +19,12 @@ import torch
 class DevicePrefetcher:
     """Iterate `batches` (dicts of host tensors) as dicts of tensors on `device`, one batch ahead."""
 
-    def __init__(self, batches: Iterator[dict], device: torch.device | str):
-        self.batches, self.device = batches, torch.device(device)
+    def __init__(self, batches: Iterator[dict], device: torch.device | str,
+                 counters: Callable[[], dict] = dict):
+        self.batches, self.device, self.counters = batches, torch.device(device), counters
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ahead: dict | None = None
+        self.counted: dict = counters()
 
     def _stage(self) -> dict | None:
         batch = next(self.batches, None)
@@ -41,5 +45,6 @@ class DevicePrefetcher:
             current.wait_stream(self.stream)
             for v in batch.values():
                 v.record_stream(current)
+        self.counted = self.counters()
         self.ahead = self._stage()
         return batch

@@ -2,8 +2,10 @@
 
 - `check_output_dir` (before any work, nothing written): OUTPUT_DIR is a directory or can be made
   one, and is writable.
-- `lock` (main process, before anything is written): an exclusive `flock` on OUTPUT_DIR/.lock,
-  held until `unlock` or the process exits (the kernel drops it even after kill -9), so a second
+- `lock` (main process, before anything is written): an exclusive POSIX lock (`lockf`) on
+  OUTPUT_DIR/.lock, held until `unlock` or the process exits (the kernel drops it even after
+  kill -9; unlike `flock`, the forked data workers do not inherit it, so workers that outlive a
+  killed run for a few seconds do not keep its directory locked), so a second
   run in the same directory stops with one line naming the first one's pid instead of interleaving
   with it. `unlock` removes the file (and the directory when `lock` made it and it stayed empty),
   so a run that failed before writing leaves nothing behind.
@@ -50,7 +52,7 @@ def lock(out: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     f = open(out / ".lock", "a+")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX lock: forked data workers do not inherit it
     except OSError as e:
         if e.errno not in (errno.EAGAIN, errno.EACCES):
             raise

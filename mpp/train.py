@@ -159,7 +159,7 @@ def _train(cfg: Config) -> dict:
 
     def skipped() -> dict[str, int]:
         """Skipped samples by kind over all ranks and all resumed segments (a collective: every rank)."""
-        return dict(Counter(state.get("skipped", {})) + Counter(_skipped(loader)))
+        return dict(Counter(state.get("skipped", {})) + Counter(_skipped(batches.counted)))
 
     def check_finite(step: int) -> None:
         if bad_max.item() >= cfg.train.max_bad_steps:
@@ -173,7 +173,8 @@ def _train(cfg: Config) -> dict:
                 f"checkpoint: {good[-1] if good else 'none'}. Lower optim.lr, raise warmup, try "
                 f"train.precision=no, or check the data")
 
-    batches = DevicePrefetcher(_batches(loader, start * accum), device)  # on the device a step ahead
+    # on the device a step ahead; `batches.counted`: the skips of the batches handed out, not the look-ahead's
+    batches = DevicePrefetcher(_batches(loader, start * accum), device, counters=loader.counters)
     shown = None  # the images of the MPP prediction grid (train.image_every)
     model.train()
     for step in range(start, steps):
@@ -351,10 +352,10 @@ class _Window:
         return figures
 
 
-def _skipped(loader) -> dict[str, int]:
-    """The loader's skipped-sample counters summed over ranks (each rank has only the kinds it saw)."""
+def _skipped(counted: dict[str, int]) -> dict[str, int]:
+    """This rank's skipped-sample counters summed over ranks (each rank has only the kinds it saw)."""
     total: Counter = Counter()
-    for counters in gather_object([loader.counters()]):
+    for counters in gather_object([counted]):
         total.update(counters)
     return dict(total)
 

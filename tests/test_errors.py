@@ -8,11 +8,11 @@ when the table is stale."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
 import os
 import runpy
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -127,12 +127,13 @@ _locks: list = []
 
 
 def _hold_lock(path: Path) -> None:
-    """Another run's lock (the same process works: flock locks belong to the open file)."""
-    f = open(path, "w")
-    fcntl.flock(f, fcntl.LOCK_EX)
-    f.write("12345\n")
-    f.flush()
-    _locks.append(f)
+    """Another run's lock, held by another process (POSIX locks never conflict within one)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX)\n"
+                               "f.write('12345\\n'); f.flush(); print('held', flush=True); time.sleep(300)",
+                               str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    _locks.append(holder)
 
 
 def run_tool(tool: str, argv: list[str]) -> tuple[int, str]:
@@ -170,7 +171,9 @@ def run_case(tmp: Path, case) -> tuple[int, str, set[str]]:
         code, err = run_tool(tool, args(tmp))
     finally:
         while _locks:
-            _locks.pop().close()
+            holder = _locks.pop()
+            holder.kill()
+            holder.wait()
     after = snapshot(tmp)
     changed = {k for k in after if before.get(k) != after[k]} | (before.keys() - after.keys())
     return code, err.replace(str(tmp), "TMP"), changed

@@ -206,9 +206,9 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     monkey_load = lambda *a, **k: encoder  # noqa: E731 -- the hooked encoder stands for a loaded one
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mpp.evaluate, "load_encoder", monkey_load)
-        auto = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "auto", probe={"encoder": "x"}))
+        auto = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "auto", probe={"encoder": str(tmp_path)}))
         forced = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "token",
-                                                    probe={"encoder": "x", "pool": "token"}))
+                                                    probe={"encoder": str(tmp_path), "pool": "token"}))
     assert auto["pool"] == "avg" and auto["pool_setting"] == "auto"
     assert set(auto["pool_heldout_top1"]) == {"token", "avg"}
     assert auto["pool_heldout_top1"]["avg"] > 0.6 and auto["pool_heldout_top1"]["token"] < 0.5  # chance 0.25

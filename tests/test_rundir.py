@@ -3,10 +3,11 @@ a failed resume changes nothing, every file is written whole with mode 0644, a s
 same directory is refused, and a run whose weights went non-finite exports nothing and fails."""
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,12 +87,17 @@ def test_a_failed_resume_changes_nothing(run, tmp_path):
 def test_a_second_run_in_the_same_directory_is_refused(run, tmp_path):
     data, _ = run
     (tmp_path / "run").mkdir()
-    with open(tmp_path / "run/.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
-        held.flush()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX)\n"
+                               "f.write('4242\\n'); f.flush(); print('held', flush=True); time.sleep(120)",
+                               str(tmp_path / "run/.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"  # another process holds the lock
         with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242\)"):
             train(load_config(None, items(data, tmp_path / "run")))
+    finally:
+        holder.kill()
+        holder.wait()
     assert os.listdir(tmp_path / "run") == [".lock"]  # the holder's file, untouched
 
 

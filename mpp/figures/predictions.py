@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from mpp.checkpoint import list_checkpoints
 from mpp.config import load_config
 from mpp.evaluate import eval_mode
+from mpp.fileio import atomic_path
 from mpp.models import load_encoder, take_rows
 from mpp.objectives import DOWNSAMPLED_CELLS, MPPTask, patches, quantize, sample_corruption
 
@@ -32,7 +33,8 @@ def save_mpp_head(task: MPPTask, out_dir: str | Path) -> Path:
     state = {f"head.{k}": v for k, v in task.head.state_dict().items()}
     state["mask_token"] = task.encoder.mask_token
     path = Path(out_dir) / HEAD_FILE
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, str(path))
+    with atomic_path(path) as tmp:  # whole or absent, mode 0644 like every file of a run
+        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, str(tmp))
     return path
 
 
