@@ -204,6 +204,6 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     from mpp.report import write_report
     print(f"[{total}/{total}] report", flush=True)
     write_report([s.out for s in stages], Path(cfg.output_dir))
-    from mpp.figures.inspection import write_compare_figures  # issue 11: what the encoders learned
+    from mpp.figures.inspection import write_compare_figures  # what the encoders learned, side by side
     write_compare_figures([s.out for s in stages if s.tool == "pretrain.py"], None, Path(cfg.output_dir) / "figures")
     return Path(cfg.output_dir) / "report.md"
