@@ -201,9 +201,9 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
         print(f"[{i}/{total}] {s.name}: finished in {time.time() - t0:.0f} s", flush=True)
+    from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
-    print(f"[{total}/{total}] report", flush=True)
-    write_report([s.out for s in stages], Path(cfg.output_dir))
-    from mpp.figures.inspection import write_compare_figures  # what the encoders learned, side by side
+    print(f"[{total}/{total}] figures and report", flush=True)
     write_compare_figures([s.out for s in stages if s.tool == "pretrain.py"], None, Path(cfg.output_dir) / "figures")
+    write_report([s.out for s in stages], Path(cfg.output_dir))  # links the figures
     return Path(cfg.output_dir) / "report.md"

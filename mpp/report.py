@@ -346,6 +346,22 @@ def plot(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
+FIGURES = {"attention_distance.png": "mean attention distance per head and layer",
+           "position_similarity.png": "position-embedding similarity",
+           "filters.png": "principal components of the patch-embedding filters"}
+
+
+def _figures_section(out: Path) -> str:
+    """Links to the figures `tools/inspect_encoders.py` drew in OUT/figures, if any."""
+    fig = out / "figures"
+    if not (fig / "inspect.json").is_file():
+        return ""
+    names = [n for n in FIGURES if (fig / n).is_file()] + sorted(p.name for p in fig.glob("predictions_*.png"))
+    lines = ["", "## What the encoders learned", ""]
+    lines += [f"- {FIGURES.get(n, 'MPP predictions: ' + n[len('predictions_'):-4])}: ![{n}](figures/{n})" for n in names]
+    return "\n".join(lines) + "\n"
+
+
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict:
     """Read the runs, write report.md / report.json / report.png to `out_dir` (default: the runs'
     common parent directory) and return the report dict."""
@@ -357,7 +373,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
                    for r in runs]
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "report.md", render_markdown(rep))
+    write_atomic(out / "report.md", render_markdown(rep) + _figures_section(out))
     write_atomic(out / "report.json", json.dumps(rep, indent=2) + "\n")
     plot(rep, out / "report.png")
     rep["out_dir"] = str(out)

@@ -131,6 +131,7 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     report = json.loads((runs / "report.json").read_text())
     md = (runs / "report.md").read_text()
     assert "MPP" in md and "share" in md and (runs / "report.png").stat().st_size > 0
+    assert "](figures/attention_distance.png)" in md and (runs / "figures/attention_distance.png").is_file()
     for stage in plan(load_compare_config(path)):
         assert (stage.out / "metrics.json").is_file(), stage.name
     ft = json.loads((runs / "finetune_mpp_50pct" / "seed1" / "metrics.json").read_text())
