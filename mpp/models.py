@@ -219,7 +219,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
-    if not isinstance(name, str) or name not in timm.list_models():
+    if not isinstance(name, str) or not timm.is_model(name):
         raise ConfigError(f"{spec_file} names {name!r}, which is not a timm model; give the model.json its "
                           "encoder was exported with")
     old_img = kwargs.get("img_size", 224)
