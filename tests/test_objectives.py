@@ -195,3 +195,14 @@ def test_bad_inputs():
         task(torch.rand(2, 3, 32, 32))
     with pytest.raises(ValueError, match="num_classes"):
         task_for("supervised", num_classes=None)
+
+
+def test_a_new_target_is_one_table_entry(monkeypatch):
+    """config.py takes mpp.target's allowed values from TARGETS: registering a target is enough."""
+    from mpp.config import ConfigError, build_config
+    with pytest.raises(ConfigError, match="choose one of mean_color"):
+        build_config({"mpp": {"target": "my_target"}})
+    monkeypatch.setitem(TARGETS, "my_target", TARGETS["mean_color"])
+    task = task_for(mpp={"target": "my_target"})
+    assert build_config({"mpp": {"target": "my_target"}}).mpp.target == "my_target"
+    assert task.head.out_features == 512
