@@ -229,7 +229,8 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
            "batch_size=32", f"output_dir={out}", f"probe.encoder={tmp_path / 'pretrain'}",
            f"data.train={shards['train']}", f"data.val={shards['test']}", "data.num_workers=1",
            "fewshot.shots=[1,5]", "fewshot.seeds=2"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's mpp, not the installed one
     assert run.returncode == 0, run.stderr
     m = json.loads((out / "metrics.json").read_text())
     assert m["kind"] == "linear_probe" and m["num_train"] == 240 and m["num_test"] == 80
