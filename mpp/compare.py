@@ -168,7 +168,7 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     if launcher:
         return subprocess.run(cmd).returncode
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["mpp.train", "mpp.evaluate"])
+    ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
     proc = ctx.Process(target=_tool_main, args=(cmd[1], cmd[2:]))
     proc.start()
     proc.join()

@@ -13,9 +13,15 @@ from typing import Callable
 import torch
 
 
+# train.compile -> whether the step is compiled on a device type
+COMPILE = {"auto": lambda device_type: device_type == "cuda",
+           "always": lambda device_type: True,
+           "never": lambda device_type: False}
+
+
 def use_compile(setting: str, device: torch.device) -> bool:
-    """Whether `train.compile` (auto | always | never) compiles on `device`."""
-    return setting == "always" or (setting == "auto" and device.type == "cuda")
+    """Whether `train.compile` (a mode of COMPILE) compiles on `device`."""
+    return COMPILE[setting](device.type)
 
 
 def compile_task(model: torch.nn.Module) -> Callable:

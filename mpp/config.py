@@ -50,7 +50,7 @@ class MPPConfig:
     mask: float = 0.8          # of the chosen: replaced by the [mask] embedding
     random: float = 0.1        # ... by the embedding of a random other patch of the same image
     keep: float = 0.1          # ... left unchanged
-    target: str = "mean_color"  # mean_color | mean_color_regression | downsampled | pixels
+    target: str = "mean_color"  # an entry of mpp.objectives.TARGETS: mean_color | mean_color_regression | downsampled | pixels
     bits: int = 3              # colour quantisation per channel (512 classes at 3)
 
 
@@ -100,7 +100,7 @@ class TrainConfig:
     keep_ckpts: int = 2
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
-    attn: str = "auto"         # auto (fastest per device/shape) | fused | math
+    attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
     compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
 
@@ -178,17 +178,18 @@ class CompareConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
 
-CHOICES = {
-    "objective": ("mpp", "supervised", "classify"),
-    "mpp.target": ("mean_color", "mean_color_regression", "downsampled", "pixels"),
-    "finetune.pool": ("token", "avg"),
-    "probe.pool": ("auto", "token", "avg"),
-    "optim.name": ("adamw", "adam", "sgd"),
-    "optim.schedule": ("cosine", "linear", "constant"),
-    "train.precision": ("auto", "bf16", "fp16", "no"),
-    "train.attn": ("auto", "fused", "math"),
-    "train.compile": ("auto", "always", "never"),
-}
+def choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each key that names an entry of a table, read off the tables
+    themselves (imported here, not with this module, so that reading a config stays cheap)."""
+    from mpp.compiled import COMPILE
+    from mpp.models import POOLS, PRESETS
+    from mpp.objectives import OBJECTIVES, TARGETS
+    from mpp.optim import OPTIMIZERS, SCHEDULES
+    from mpp.runtime import ATTENTION, PRECISIONS
+    return {"objective": tuple(OBJECTIVES), "model": tuple(PRESETS), "mpp.target": tuple(TARGETS),
+            "finetune.pool": POOLS, "probe.pool": ("auto", *POOLS), "optim.name": tuple(OPTIMIZERS),
+            "optim.schedule": tuple(SCHEDULES), "train.precision": PRECISIONS, "train.attn": tuple(ATTENTION),
+            "train.compile": tuple(COMPILE)}
 
 
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
@@ -378,13 +379,12 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices().items():
         obj = cfg
         for part in key.split("."):
             obj = getattr(obj, part)
         check(obj in allowed, f"config key '{key}' is {obj!r}; choose one of {', '.join(allowed)}")
-    from mpp.models import PRESETS, preset_geometry  # late import: the preset table lives with the models
-    check(cfg.model in PRESETS, f"config key 'model' is {cfg.model!r}; choose a preset: {', '.join(PRESETS)}")
+    from mpp.models import preset_geometry  # late import, as in choices()
     check(bool(cfg.output_dir), "config key 'output_dir' is empty; give a run directory")
     check(cfg.batch_size > 0, f"config key 'batch_size' must be > 0, got {cfg.batch_size}")
     check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")

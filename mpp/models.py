@@ -7,12 +7,8 @@ carries its position but no content. The clean encoder (`vit`, timm key names, n
 is what `save_encoder` writes; `timm.create_model(name, pretrained=True,
 pretrained_cfg_overlay=dict(file=".../encoder.safetensors"), **kwargs)` loads it.
 
-Attention path (`attn`): timm's `Attention` modules have a per-module `fused_attn` flag choosing
-`F.scaled_dot_product_attention` ("fused") or matmul-softmax-matmul ("math"). "auto" is fused on
-CUDA (flash / memory-efficient kernels) and math elsewhere: on CPU the fused kernel in bf16 was
-measured ~2x slower than math for 65-token sequences. The rule is fixed, not timed: "auto" used to
-time both paths in each process, and a close race went different ways in identical runs, which
-then differed in their weights from the first step on (the two paths round differently).
+The attention path (`attn`, a mode of mpp.runtime.ATTENTION) sets timm's per-module `fused_attn`
+flag for the device of each batch.
 """
 from __future__ import annotations
 
@@ -32,6 +28,7 @@ from torch import nn
 
 from mpp.config import ConfigError
 from mpp.fileio import atomic_path, write_atomic
+from mpp.runtime import ATTENTION
 
 # name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
 # small-image presets (patch 4 at 32 px) for CIFAR-scale work on CPU.
@@ -52,7 +49,6 @@ PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
-
 def preset_geometry(preset: str, img_size: int = 0) -> tuple[int, int]:
     """(image size, patch size) of a preset, `img_size` 0 meaning the preset's own (no model built)."""
     name, kwargs = PRESETS[preset]
@@ -60,13 +56,14 @@ def preset_geometry(preset: str, img_size: int = 0) -> tuple[int, int]:
     return img_size or kwargs.get("img_size") or int(name.rsplit("_", 1)[1]), patch
 
 
-ATTN_MODES = ("auto", "fused", "math")
+# pooled representations of the tokens, as timm's `VisionTransformer.pool` names them
+POOLS = ("token", "avg")  # the [class] token, the mean of the patch tokens (in tie-break order)
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x (B, N, ...), rows long (B, K) -> (B, K, ...) with out[b, k] = x[b, rows[b, k]]. The same as
     `torch.gather` along dim 1 but through `index_select` on (B * N) rows, whose backward
-    (`index_add_`) is ~4x faster on CPU than gather's element-wise scatter_add."""
+    (`index_add_`) is faster on CPU than gather's element-wise scatter_add."""
     B, N = x.shape[:2]
     flat = (rows + torch.arange(B, device=rows.device).unsqueeze(1) * N).flatten()
     return x.flatten(0, 1).index_select(0, flat).view(B, rows.shape[1], *x.shape[2:])
@@ -99,8 +96,8 @@ class MaskedEncoder(nn.Module):
 
     def __init__(self, name: str, kwargs: dict, drop_path: float = 0.0, attn: str = "auto"):
         super().__init__()
-        if attn not in ATTN_MODES:
-            raise ValueError(f"attn={attn!r}; choose one of {', '.join(ATTN_MODES)}")
+        if attn not in ATTENTION:
+            raise ValueError(f"attn={attn!r}; choose one of {', '.join(ATTENTION)}")
         self.spec = {"name": name, "kwargs": {**kwargs, "num_classes": 0}}
         self.vit = timm.create_model(name, pretrained=False, drop_path_rate=drop_path, **self.spec["kwargs"])
         if self.vit.cls_token is None or self.vit.pos_embed is None or self.vit.no_embed_class:
@@ -112,8 +109,7 @@ class MaskedEncoder(nn.Module):
         trunc_normal_(self.mask_token, std=0.02)
         self.attn = attn
         self._attn_modules = [m for m in self.vit.modules() if isinstance(m, Attention)]
-        if attn != "auto":
-            self._set_fused(attn == "fused")
+        self._set_fused(ATTENTION[attn]("cpu"))
 
     @property
     def embed_dim(self) -> int:
@@ -136,10 +132,16 @@ class MaskedEncoder(nn.Module):
             m.fused_attn = fused
 
     def _choose_attention(self, x: torch.Tensor) -> None:
-        """Apply the "auto" rule for the device of this batch: fused on CUDA, math elsewhere. Not
-        while torch.compile traces: the compiled step keeps the path set by the eager forward."""
-        if self.attn == "auto" and self._attn_modules and not torch.compiler.is_compiling():
-            self._set_fused(x.device.type == "cuda")
+        """Apply the attention rule for the device of this batch. Not while torch.compile traces:
+        the compiled step keeps the path set by the eager forward."""
+        if not torch.compiler.is_compiling():
+            self._set_fused(ATTENTION[self.attn](x.device.type))
+
+    def pool(self, tokens: torch.Tensor, pool: str) -> torch.Tensor:
+        """Tokens (B, 1 + N, D) -> (B, D): one of POOLS, through timm's `VisionTransformer.pool`."""
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+        return self.vit.pool(tokens, pool_type=pool)
 
     def forward(self, x: torch.Tensor, corruption=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm; with `rows`

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
+from mpp.config import ConfigError
 from mpp.data.transforms import normalize, to_float01
+from mpp.models import POOLS, create_encoder, load_encoder
 
-MPP_TARGETS = ("mean_color", "mean_color_regression", "downsampled", "pixels")
 DOWNSAMPLED_CELLS = 4  # the `downsampled` target: a 4x4 downsized patch, one colour class per cell
 
 
@@ -57,6 +60,64 @@ def mean_color_targets(images01: torch.Tensor, patch_size: int, bits: int = 3) -
     colour quantised to `bits` per channel (512 classes at 3 bits), row-major patch order."""
     with torch.autocast(images01.device.type, enabled=False):
         return quantize(_exact(patches(images01, patch_size)).mean((-1, -2)), bits)
+
+
+def class_colors(classes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Colour classes (as `quantize` makes them) -> the centres of their levels (..., 3) in [0, 1]."""
+    m = 2 ** bits - 1
+    levels = torch.stack([(classes >> 2 * bits) & m, (classes >> bits) & m, classes & m], -1)
+    return (levels.float() + 0.5) / 2 ** bits
+
+
+# ---- MPP targets: each is one `Target` in TARGETS (config's mpp.target choices come from it)
+
+@dataclass(frozen=True)
+class Target:
+    """What the MPP head predicts for each chosen patch. `outputs(num_colors, patch_size)`: the
+    head's width; `loss(pred, pix, bits) -> (loss, predicted classes, true classes)` from the fp32
+    head output (B, K, out) and the chosen patches' true pixels (B, K, 3, p, p); `colors(pred,
+    bits)`: the predicted mean colour of each patch (B, K, 3), for the prediction figures."""
+    outputs: Callable[[int, int], int]
+    loss: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    colors: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _mean_color_loss(pred, pix, bits):
+    classes = quantize(pix.mean((-1, -2)), bits)
+    return F.cross_entropy(pred.flatten(0, 1), classes.flatten()), pred.argmax(-1), classes
+
+
+def _regression_loss(pred, pix, bits):
+    colors = pix.mean((-1, -2))
+    return F.mse_loss(pred, colors.float()), quantize(pred, bits), quantize(colors, bits)
+
+
+def _downsampled_loss(pred, pix, bits):
+    cells = F.adaptive_avg_pool2d(pix.flatten(0, 1), DOWNSAMPLED_CELLS)  # (B*K, 3, 4, 4)
+    classes = quantize(cells.flatten(2).transpose(1, 2), bits).view(*pix.shape[:2], DOWNSAMPLED_CELLS ** 2)
+    pred = pred.view(*classes.shape, -1)
+    return F.cross_entropy(pred.flatten(0, 2), classes.flatten()), pred.argmax(-1), classes
+
+
+def _pixels_loss(pred, pix, bits):
+    guess = quantize(pred.view(*pix.shape[:3], -1).mean(-1), bits)
+    return F.mse_loss(pred, pix.flatten(2).float()), guess, quantize(pix.mean((-1, -2)), bits)
+
+
+TARGETS: dict[str, Target] = {
+    "mean_color": Target(  # the paper's: one of 2^(3 bits) colour classes
+        outputs=lambda colors, p: colors, loss=_mean_color_loss,
+        colors=lambda pred, bits: class_colors(pred.argmax(-1), bits)),
+    "mean_color_regression": Target(  # the mean colour itself, L2
+        outputs=lambda colors, p: 3, loss=_regression_loss, colors=lambda pred, bits: pred.clamp(0, 1)),
+    "downsampled": Target(  # a colour class for each cell of a 4x4 downsized patch
+        outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * colors, loss=_downsampled_loss,
+        colors=lambda pred, bits: class_colors(
+            pred.view(*pred.shape[:2], DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)),
+    "pixels": Target(  # every pixel, L2
+        outputs=lambda colors, p: 3 * p * p, loss=_pixels_loss,
+        colors=lambda pred, bits: pred.view(*pred.shape[:2], 3, -1).mean(-1).clamp(0, 1)),
+}
 
 
 @dataclass
@@ -120,12 +181,37 @@ def _batch_mode_accuracy(classes: torch.Tensor, num_classes: int) -> torch.Tenso
 
 
 class Task(nn.Module):
-    """The encoder plus an objective; turns uint8 images into the encoder's normalised input."""
+    """The encoder plus an objective; turns uint8 images into the encoder's normalised input.
+
+    A Task class also says what its run needs, so the trainer asks it instead of testing the
+    objective's name: `labeled` (whether forward needs labels), `encoder_for(cfg)` (the encoder it
+    starts from), `subset(cfg)` (the training samples it reads), `final_eval` (the evaluator of
+    mpp.evaluators run on it at the end), `export(out)` and `settings(cfg)` (what it adds to the
+    run directory and to metrics.json)."""
+    labeled = False
+    final_eval: str | None = None
 
     def __init__(self, encoder: nn.Module, data_cfg):
         super().__init__()
         self.encoder = encoder
         self.mean, self.std = tuple(data_cfg.mean), tuple(data_cfg.std)
+
+    @classmethod
+    def encoder_for(cls, cfg) -> nn.Module:
+        """A fresh encoder of preset `cfg.model`."""
+        return create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn)
+
+    @classmethod
+    def subset(cls, cfg) -> tuple | None:
+        """The loader's `subset` of data.train (None: all of it)."""
+        return None
+
+    def export(self, out_dir: Path) -> None:
+        """Files beyond the encoder that the finished run leaves in its directory (none)."""
+
+    def settings(self, cfg) -> dict:
+        """Settings recorded in metrics.json beside the figures (none)."""
+        return {}
 
     def inputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 (B, 3, H, W) -> (pixels in [0, 1], normalised encoder input)."""
@@ -139,18 +225,24 @@ class Task(nn.Module):
 
 
 class MPPTask(Task):
-    """Masked patch prediction with one of MPP_TARGETS; a linear head on the chosen tokens."""
+    """Masked patch prediction with one of TARGETS; a linear head on the chosen tokens. Exports
+    its head and [mask] embedding (mpp_head.safetensors, for mpp.figures)."""
 
     def __init__(self, encoder: nn.Module, mpp_cfg, data_cfg):
         super().__init__(encoder, data_cfg)
-        if mpp_cfg.target not in MPP_TARGETS:
-            raise ValueError(f"mpp.target={mpp_cfg.target!r}; choose one of {', '.join(MPP_TARGETS)}")
-        self.cfg = mpp_cfg
+        if mpp_cfg.target not in TARGETS:
+            raise ValueError(f"mpp.target={mpp_cfg.target!r}; choose one of {', '.join(TARGETS)}")
+        self.cfg, self.target = mpp_cfg, TARGETS[mpp_cfg.target]
         self.num_colors = 2 ** (3 * mpp_cfg.bits)
-        p = encoder.patch_size
-        out = {"mean_color": self.num_colors, "mean_color_regression": 3,
-               "downsampled": DOWNSAMPLED_CELLS ** 2 * self.num_colors, "pixels": 3 * p * p}[mpp_cfg.target]
-        self.head = _linear(encoder.embed_dim, out)
+        self.head = _linear(encoder.embed_dim, self.target.outputs(self.num_colors, encoder.patch_size))
+
+    @classmethod
+    def from_config(cls, cfg, encoder: nn.Module, num_classes: int | None) -> MPPTask:
+        return cls(encoder, cfg.mpp, cfg.data)
+
+    def export(self, out_dir: Path) -> None:
+        from mpp.figures.predictions import save_mpp_head  # only a finished MPP run pays for its import
+        save_mpp_head(self, out_dir)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
         images01, x = self.inputs(images)
@@ -163,23 +255,7 @@ class MPPTask(Task):
         with torch.autocast(images.device.type, enabled=False):
             pix = patches(images01, self.encoder.patch_size)
             pix = _exact(torch.gather(pix, 1, index.view(B, -1, 1, 1, 1).expand(-1, -1, *pix.shape[2:])))
-            colors = pix.mean((-1, -2))  # (B, K, 3)
-            classes = quantize(colors, c.bits)
-            if c.target == "mean_color":
-                loss = F.cross_entropy(pred.flatten(0, 1), classes.flatten())
-                guess = pred.argmax(-1)
-            elif c.target == "mean_color_regression":
-                loss = F.mse_loss(pred, colors.float())
-                guess = quantize(pred, c.bits)
-            elif c.target == "downsampled":
-                cells = F.adaptive_avg_pool2d(pix.flatten(0, 1), DOWNSAMPLED_CELLS)  # (B*K, 3, 4, 4)
-                classes = quantize(cells.flatten(2).transpose(1, 2), c.bits).view(B, -1, DOWNSAMPLED_CELLS ** 2)
-                pred = pred.view(*classes.shape, self.num_colors)
-                loss = F.cross_entropy(pred.flatten(0, 2), classes.flatten())
-                guess = pred.argmax(-1)
-            else:  # pixels
-                loss = F.mse_loss(pred, pix.flatten(2).float())
-                guess = quantize(pred.view(B, -1, 3, pix.shape[-1] ** 2).mean(-1), c.bits)
+            loss, guess, classes = self.target.loss(pred, pix, c.bits)
         with torch.no_grad():
             metrics = {"loss": loss.detach(), "acc": (guess == classes).float().mean(),
                        "baseline": _batch_mode_accuracy(classes, self.num_colors)}
@@ -187,20 +263,20 @@ class MPPTask(Task):
 
 
 class LabelTask(Task):
-    """Classification from a pooled token: the supervised pre-training head (one tanh hidden
-    layer on the [class] token) and the fine-tuning head (zero-initialised linear, token | avg)."""
+    """Classification from a pooled token (`pool`: token | avg, see mpp.models.POOLS). Nothing is
+    corrupted, so the [mask] embedding is frozen (DDP needs every trained parameter used)."""
+    labeled = True
 
     def __init__(self, encoder: nn.Module, data_cfg, head: nn.Module, pool: str, label_smoothing: float):
         super().__init__(encoder, data_cfg)
-        if pool not in ("token", "avg"):
-            raise ValueError(f"pool={pool!r}; choose token or avg")
+        if pool not in POOLS:
+            raise ValueError(f"pool={pool!r}; choose one of {', '.join(POOLS)}")
         self.head, self.pool, self.label_smoothing = head, pool, label_smoothing
+        encoder.mask_token.requires_grad_(False)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32 class logits (B, num_classes)."""
-        tokens = self.encoder(self.inputs(images)[1])
-        pooled = tokens[:, 0] if self.pool == "token" else tokens[:, 1:].mean(1)
-        return self.head(pooled).float()
+        return self.head(self.encoder.pool(self.encoder(self.inputs(images)[1]), self.pool)).float()
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
         if labels is None:
@@ -212,18 +288,55 @@ class LabelTask(Task):
         return loss, metrics
 
 
-def build_task(cfg, encoder: nn.Module, num_classes: int | None) -> Task:
-    """The Task for `cfg.objective` (mpp | supervised | classify) around `encoder`."""
-    if cfg.objective == "mpp":
-        return MPPTask(encoder, cfg.mpp, cfg.data)
-    if not num_classes or num_classes < 2:
-        raise ValueError(f"objective '{cfg.objective}' needs labeled data with >= 2 classes, got num_classes={num_classes}")
-    D = encoder.embed_dim
-    if cfg.objective == "supervised":
+class SupervisedTask(LabelTask):
+    """Supervised pre-training: one tanh hidden layer on the [class] token, as the paper."""
+
+    @classmethod
+    def from_config(cls, cfg, encoder: nn.Module, num_classes: int) -> SupervisedTask:
+        D = encoder.embed_dim
         hidden = cfg.supervised.hidden_dim or D
         head = nn.Sequential(_linear(D, hidden), nn.Tanh(), _linear(hidden, num_classes))
-        return LabelTask(encoder, cfg.data, head, "token", cfg.supervised.label_smoothing)
-    if cfg.objective == "classify":
-        return LabelTask(encoder, cfg.data, _linear(D, num_classes, zero=True), cfg.finetune.pool,
-                         cfg.finetune.label_smoothing)
-    raise ValueError(f"objective={cfg.objective!r}; choose mpp, supervised or classify")
+        return cls(encoder, cfg.data, head, "token", cfg.supervised.label_smoothing)
+
+
+class ClassifyTask(LabelTask):
+    """Fine-tuning: a zero-initialised linear head on an encoder loaded from `finetune.init` (or
+    fresh), trained on a label fraction of data.train and evaluated at the end (top-1/5)."""
+    final_eval = "classify"
+
+    @classmethod
+    def from_config(cls, cfg, encoder: nn.Module, num_classes: int) -> ClassifyTask:
+        f = cfg.finetune
+        return cls(encoder, cfg.data, _linear(encoder.embed_dim, num_classes, zero=True), f.pool, f.label_smoothing)
+
+    @classmethod
+    def encoder_for(cls, cfg) -> nn.Module:
+        f = cfg.finetune
+        if f.init == "none":
+            return create_encoder(cfg.model, img_size=cfg.img_size, drop_path=f.drop_path, attn=cfg.train.attn)
+        if not Path(f.init).exists():
+            raise ConfigError(f"finetune.init={f.init!r} does not exist; give a pre-training run directory, "
+                              "an encoder.safetensors (with model.json beside it) or none")
+        return load_encoder(f.init, img_size=cfg.img_size, drop_path=f.drop_path, attn=cfg.train.attn)
+
+    @classmethod
+    def subset(cls, cfg) -> tuple:
+        f = cfg.finetune
+        return f.label_fraction, f.split_seed, f.dev_fraction, False
+
+    def settings(self, cfg) -> dict:
+        f = cfg.finetune
+        return dict(init=f.init, label_fraction=f.label_fraction, dev_fraction=f.dev_fraction,
+                    split_seed=f.split_seed, seed=cfg.seed, pool=f.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr)
+
+
+# objective -> its Task: config's `objective` choices come from this table
+OBJECTIVES: dict[str, type[Task]] = {"mpp": MPPTask, "supervised": SupervisedTask, "classify": ClassifyTask}
+
+
+def build_task(cfg, encoder: nn.Module, num_classes: int | None) -> Task:
+    """The Task for `cfg.objective` around `encoder` (`num_classes`: of the labels, when it needs them)."""
+    cls = OBJECTIVES[cfg.objective]
+    if cls.labeled and (not num_classes or num_classes < 2):
+        raise ValueError(f"objective '{cfg.objective}' needs labeled data with >= 2 classes, got num_classes={num_classes}")
+    return cls.from_config(cfg, encoder, num_classes)

@@ -14,8 +14,19 @@ from timm.scheduler import CosineLRScheduler, PolyLRScheduler, StepLRScheduler
 
 from mpp.config import Config
 
-# config name -> timm name; timm's "sgd" is Nesterov, the paper's fine-tuning uses plain momentum
-TIMM_OPT = {"adamw": "adamw", "adam": "adam", "sgd": "momentum"}
+# optim.name -> (timm optimiser name, its keyword arguments from the optim config). timm's "sgd"
+# is Nesterov; the paper's fine-tuning uses plain momentum.
+OPTIMIZERS = {
+    "adamw": ("adamw", lambda o: dict(betas=(o.beta1, o.beta2))),
+    "adam": ("adam", lambda o: dict(betas=(o.beta1, o.beta2))),
+    "sgd": ("momentum", lambda o: dict(momentum=o.momentum)),
+}
+# optim.schedule -> timm scheduler, built from (optimizer, optim config, decay steps, common kwargs)
+SCHEDULES = {
+    "cosine": lambda opt, o, decay, total, kw: CosineLRScheduler(opt, t_initial=decay, lr_min=o.min_lr, **kw),
+    "linear": lambda opt, o, decay, total, kw: PolyLRScheduler(opt, t_initial=decay, power=1.0, lr_min=o.min_lr, **kw),
+    "constant": lambda opt, o, decay, total, kw: StepLRScheduler(opt, decay_t=total + 1, decay_rate=1.0, **kw),
+}
 
 
 class _LayerView:
@@ -49,14 +60,13 @@ def create_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimiz
     embeddings, [class] and [mask] tokens); optional layer-wise lr decay (`lr_scale` per group,
     applied by the timm schedulers)."""
     o = cfg.optim
-    kwargs = dict(momentum=o.momentum) if o.name == "sgd" else dict(betas=(o.beta1, o.beta2))
+    timm_name, kwargs = OPTIMIZERS[o.name]
     params: torch.nn.Module | list = model
     if o.layer_decay:
         params = param_groups_layer_decay(_LayerView(model), weight_decay=o.weight_decay,
                                           no_weight_decay_list=model.no_weight_decay(), layer_decay=o.layer_decay)
-    optimizer = create_optimizer_v2(params, TIMM_OPT[o.name], lr=o.lr, weight_decay=o.weight_decay,
-                                    fused=True, **kwargs)
-    if o.name == "sgd":
+    optimizer = create_optimizer_v2(params, timm_name, lr=o.lr, weight_decay=o.weight_decay, fused=True, **kwargs(o))
+    if isinstance(optimizer, torch.optim.SGD):
         # Fused SGD allocates momentum buffers uninitialised on its first step and keeps them even
         # when that step is skipped (found_inf); zeros are the same first step (dampening 0) and safe.
         for group in optimizer.param_groups:
@@ -71,9 +81,4 @@ def create_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps:
     or constant."""
     o = cfg.optim
     common = dict(warmup_t=o.warmup_steps, warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
-    decay_steps = max(1, total_steps - o.warmup_steps)
-    if o.schedule == "cosine":
-        return CosineLRScheduler(optimizer, t_initial=decay_steps, lr_min=o.min_lr, **common)
-    if o.schedule == "linear":
-        return PolyLRScheduler(optimizer, t_initial=decay_steps, power=1.0, lr_min=o.min_lr, **common)
-    return StepLRScheduler(optimizer, decay_t=total_steps + 1, decay_rate=1.0, **common)
+    return SCHEDULES[o.schedule](optimizer, o, max(1, total_steps - o.warmup_steps), total_steps, common)

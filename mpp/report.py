@@ -5,7 +5,7 @@ table plus the derived figures), `report.json` and `report.png` (grouped bar cha
 
 How a run declares what it is (no extra bookkeeping needed for runs made by this package):
 - kind: `metrics.json` `"kind": "linear_probe"` -> a linear probe (written by
-  `mpp.evaluate.run_linear_probe`); otherwise config `objective` mpp | supervised -> pre-training,
+  `mpp.evaluators.linear_probe.run_linear_probe`); otherwise config `objective` mpp | supervised -> pre-training,
   classify -> fine-tuning.
 - family (mpp | supervised | scratch): pre-training: its objective; fine-tuning: `scratch` when
   `finetune.init` is `none`, else the objective of the pre-training run `finetune.init` points to

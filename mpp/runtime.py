@@ -1,18 +1,23 @@
-"""Device, precision, seeding and process helpers shared by training and evaluation."""
+"""Device, precision, attention and process helpers shared by training and evaluation."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
-import random
 import signal
 import sys
 
-import numpy as np
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 PRECISIONS = ("auto", *DTYPES)
+
+# train.attn -> whether timm's Attention takes F.scaled_dot_product_attention on a device type.
+# auto: the fused kernels on CUDA; math elsewhere, where the fused path was slower for short
+# sequences. A fixed rule, never timed per process: identical runs must take the same path.
+ATTENTION = {"auto": lambda device_type: device_type == "cuda",
+             "fused": lambda device_type: True,
+             "math": lambda device_type: False}
 
 
 def cpu_has_bf16() -> bool:
@@ -38,12 +43,6 @@ def autocast(device: torch.device, precision: str):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def die_with_launcher() -> None:

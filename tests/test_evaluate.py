@@ -18,10 +18,13 @@ import torch.nn.functional as F
 import webdataset as wds
 from PIL import Image
 
-import mpp.evaluate
+import mpp.evaluators.features
+import mpp.evaluators.linear_probe
 from mpp.config import build_config
-from mpp.evaluate import (BIAS_CONSTANT, FewshotEvaluator, extract_features, fewshot_eval, fewshot_lstsq,
-                          linear_probe)
+from mpp.evaluators import create
+from mpp.evaluators.features import extract_features
+from mpp.evaluators.fewshot import BIAS_CONSTANT, fewshot_eval, fewshot_lstsq
+from mpp.evaluators.linear_probe import linear_probe
 from mpp.models import create_encoder, save_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +158,7 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
 
     def no_loader(*a, **k):
         raise AssertionError("a cache hit must not read the shards")
-    monkeypatch.setattr(mpp.evaluate, "make_loader", no_loader)
+    monkeypatch.setattr(mpp.evaluators.features, "make_loader", no_loader)
     x2, y2 = extract_features(enc_a, shards["test"], **kw)
     assert all(torch.equal(x1[p], x2[p]) for p in x1) and torch.equal(y1, y2)
     monkeypatch.undo()
@@ -177,15 +180,15 @@ def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
     encoder = create_encoder("vit_micro4_32", img_size=16).train()
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    evaluator = FewshotEvaluator(cfg, "cpu")
-    first = evaluator(encoder)
-    second = evaluator(encoder)
+    evaluator = create("fewshot", cfg, "cpu")
+    first = evaluator.run(encoder)
+    second = evaluator.run(encoder)
     assert (random.getstate(), torch.get_rng_state().tolist()) == (states[0], states[2].tolist())
     assert np.array_equal(np.random.get_state()[1], states[1])
     assert encoder.training
     assert first == second and set(first) == {"1shot_mean", "1shot_std", "5shot_mean", "5shot_std"}
     assert first["5shot_mean"] > 0.5  # 4 colour classes: chance is 0.25
-    both = FewshotEvaluator(_cfg(shards, tmp_path / "run"), "cpu")(encoder)  # probe.pool=auto: every candidate
+    both = create("fewshot", _cfg(shards, tmp_path / "run"), "cpu").run(encoder)  # probe.pool=auto: every candidate
     assert set(both) == {f"{p}/{k}" for p in ("token", "avg") for k in first}
     assert all(both[f"token/{k}"] == v for k, v in first.items())
     tr_x, _, te_x, _ = evaluator._data[16]
@@ -205,9 +208,9 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     encoder.vit.norm.register_forward_hook(constant_cls)
     monkey_load = lambda *a, **k: encoder  # noqa: E731 -- the hooked encoder stands for a loaded one
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mpp.evaluate, "load_encoder", monkey_load)
-        auto = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "auto", probe={"encoder": str(tmp_path)}))
-        forced = mpp.evaluate.run_linear_probe(_cfg(shards, tmp_path / "token",
+        mp.setattr(mpp.evaluators.linear_probe, "load_encoder", monkey_load)
+        auto = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "auto", probe={"encoder": str(tmp_path)}))
+        forced = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "token",
                                                     probe={"encoder": str(tmp_path), "pool": "token"}))
     assert auto["pool"] == "avg" and auto["pool_setting"] == "auto"
     assert set(auto["pool_heldout_top1"]) == {"token", "avg"}
@@ -226,7 +229,8 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
            "batch_size=32", f"output_dir={out}", f"probe.encoder={tmp_path / 'pretrain'}",
            f"data.train={shards['train']}", f"data.val={shards['test']}", "data.num_workers=1",
            "fewshot.shots=[1,5]", "fewshot.seeds=2"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's mpp, not the installed one
     assert run.returncode == 0, run.stderr
     m = json.loads((out / "metrics.json").read_text())
     assert m["kind"] == "linear_probe" and m["num_train"] == 240 and m["num_test"] == 80

@@ -6,7 +6,7 @@ import torch
 
 from mpp.config import build_config
 from mpp.models import create_encoder
-from mpp.objectives import MPP_TARGETS, build_task, mean_color_targets, quantize, sample_corruption
+from mpp.objectives import TARGETS, build_task, mean_color_targets, quantize, sample_corruption
 
 PRESET = "vit_micro4_32"
 
@@ -109,7 +109,7 @@ def palette_batch(n=8, seed=0):
     return palette[idx].permute(0, 3, 1, 2).repeat_interleave(4, 2).repeat_interleave(4, 3).contiguous()
 
 
-@pytest.mark.parametrize("target", MPP_TARGETS)
+@pytest.mark.parametrize("target", TARGETS)
 def test_loss_only_on_chosen_patches(target):
     """The encoder is asked for exactly the chosen patches' tokens (rows), each of which gets a gradient."""
     task = task_for(mpp={"target": target})
@@ -133,7 +133,7 @@ def test_loss_only_on_chosen_patches(target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", MPP_TARGETS)
+@pytest.mark.parametrize("target", TARGETS)
 def test_each_target_trains(target):
     task = task_for(mpp={"target": target})
     opt = torch.optim.AdamW(task.parameters(), lr=1e-3)
@@ -195,3 +195,14 @@ def test_bad_inputs():
         task(torch.rand(2, 3, 32, 32))
     with pytest.raises(ValueError, match="num_classes"):
         task_for("supervised", num_classes=None)
+
+
+def test_a_new_target_is_one_table_entry(monkeypatch):
+    """config.py takes mpp.target's allowed values from TARGETS: registering a target is enough."""
+    from mpp.config import ConfigError, build_config
+    with pytest.raises(ConfigError, match="choose one of mean_color"):
+        build_config({"mpp": {"target": "my_target"}})
+    monkeypatch.setitem(TARGETS, "my_target", TARGETS["mean_color"])
+    task = task_for(mpp={"target": "my_target"})
+    assert build_config({"mpp": {"target": "my_target"}}).mpp.target == "my_target"
+    assert task.head.out_features == 512

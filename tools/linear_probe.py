@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from mpp.cli import one_line_errors, parse_config_args
-from mpp.evaluate import run_linear_probe
+from mpp.evaluators.linear_probe import run_linear_probe
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from mpp.config import DataConfig, load_config
 from mpp.data import make_loader
 from mpp.data.transforms import normalize, to_float01
-from mpp.evaluate import encoder_img_size, eval_mode
+from mpp.evaluators.features import encoder_img_size, eval_mode
 from mpp.figures import plots
 from mpp.figures.attention import attention_distance_sums, patch_distances, record_attention
 from mpp.figures.filters import filter_components

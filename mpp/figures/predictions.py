@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from mpp.checkpoint import list_checkpoints
 from mpp.config import load_config
-from mpp.evaluate import eval_mode
+from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
 from mpp.models import load_encoder, take_rows
-from mpp.objectives import DOWNSAMPLED_CELLS, MPPTask, patches, quantize, sample_corruption
+from mpp.objectives import MPPTask, patches, quantize, sample_corruption
 
 HEAD_FILE = "mpp_head.safetensors"
 MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
@@ -61,25 +61,6 @@ def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
     return task
 
 
-def class_colors(classes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Colour classes (as `quantize` makes them) -> the centres of their levels (..., 3) in [0, 1]."""
-    m = 2 ** bits - 1
-    levels = torch.stack([(classes >> 2 * bits) & m, (classes >> bits) & m, classes & m], -1)
-    return (levels.float() + 0.5) / 2 ** bits
-
-
-def predicted_colors(pred: torch.Tensor, target: str, bits: int) -> torch.Tensor:
-    """The head's output (B, K, out) -> the predicted mean colour of each chosen patch (B, K, 3)."""
-    B, K = pred.shape[:2]
-    if target == "mean_color":
-        return class_colors(pred.argmax(-1), bits)
-    if target == "mean_color_regression":
-        return pred.clamp(0, 1)
-    if target == "downsampled":
-        return class_colors(pred.view(B, K, DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)
-    return pred.view(B, K, 3, -1).mean(-1).clamp(0, 1)  # pixels
-
-
 @dataclass
 class Prediction:
     images01: torch.Tensor    # (B, 3, H, W) the input in [0, 1]
@@ -110,7 +91,7 @@ def predict(task: MPPTask, images: torch.Tensor, seed: int = 0) -> Prediction:
     pix = patches(images01, p)
     seen = take_rows(pix, corruption.src).masked_fill(corruption.masked[..., None, None, None], 0.5)
     predicted = torch.zeros(B, N, 3, device=images.device)
-    predicted.scatter_(1, corruption.index[..., None].expand(-1, -1, 3), predicted_colors(pred, c.target, c.bits))
+    predicted.scatter_(1, corruption.index[..., None].expand(-1, -1, 3), task.target.colors(pred, c.bits))
     own = torch.arange(N, device=images.device)
     return Prediction(images01=images01, corrupted=_unpatch(seen, enc.grid_size), masked=corruption.masked,
                       swapped=corruption.src != own, chosen=corruption.chosen, predicted=predicted,

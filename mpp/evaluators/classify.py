@@ -1,0 +1,52 @@
+"""Top-1 / top-5 of a classifier (a classify Task: uint8 images -> logits) on `data.val`, or with
+`finetune.dev_fraction` > 0 on the development split held out of the training labels
+(`evaluated_on` says which). Every rank evaluates its own part; the counts are summed over ranks.
+"""
+from __future__ import annotations
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import reduce
+from timm.utils import accuracy
+from tqdm.auto import tqdm
+
+from mpp.config import Config, ConfigError
+from mpp.data import make_loader
+from mpp.data.sources import check_same_classes, resolve
+from mpp.runtime import autocast
+
+
+class Evaluator:
+    """Built before training, so a missing or mismatched `data.val` fails before any step."""
+
+    def __init__(self, cfg: Config, device: torch.device | str):
+        if not cfg.data.val:
+            raise ConfigError("objective=classify evaluates on held-out labeled shards; set data.val")
+        resolve(cfg.data.val, cfg.data.val_num_samples)
+        check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
+        self.cfg, self.device = cfg, torch.device(device)
+
+    @torch.no_grad()
+    def run(self, classifier) -> dict:
+        cfg, f, device = self.cfg, self.cfg.finetune, self.device
+        state = PartialState()
+        dev = f.dev_fraction > 0
+        spec, num_samples = (cfg.data.train, cfg.data.num_samples) if dev else (cfg.data.val, cfg.data.val_num_samples)
+        loader = make_loader(spec, batch_size=cfg.batch_size // (state.num_processes * cfg.train.grad_accum),
+                             img_size=classifier.encoder.grid_size[0] * classifier.encoder.patch_size, train=False,
+                             labeled=True, data_cfg=cfg.data, rank=state.process_index,
+                             world_size=state.num_processes, num_samples=num_samples,
+                             subset=(f.label_fraction, f.split_seed, f.dev_fraction, True) if dev else None)
+        counts = torch.zeros(3, device=device)  # top-1 hits, top-5 hits, samples
+        classifier.eval()
+        bar = tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="evaluate",
+                   disable=not state.is_main_process, dynamic_ncols=True)
+        with autocast(device, cfg.train.precision):
+            for batch in bar:
+                labels = batch["label"].to(device, non_blocking=True)
+                logits = classifier.logits(batch["image"].to(device, non_blocking=True))
+                top1, top5 = accuracy(logits, labels, topk=(1, 5))
+                counts += torch.stack([top1, top5, torch.tensor(100.0, device=device)]) * len(labels) / 100
+        top1, top5, n = reduce(counts.round(), "sum").tolist()
+        return {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n),
+                "evaluated_on": "dev" if dev else "val"}

@@ -1,0 +1,137 @@
+"""Features of a frozen encoder, shared by the evaluators: one forward pass pools every
+candidate representation (mpp.models.POOLS) and, with a cache directory, is stored on disk
+(safetensors) under a key made of the encoder weights, the data and the transform, so the probe,
+the few-shot figures and a rerun all reuse one pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from mpp.config import Config
+from mpp.data import make_loader, normalize, to_float01
+from mpp.data.sources import resolve
+from mpp.fileio import atomic_path
+from mpp.models import POOLS
+from mpp.runtime import autocast
+
+
+def encoder_img_size(encoder) -> int:
+    """The square input resolution the encoder's position embeddings are built for."""
+    return encoder.grid_size[0] * encoder.patch_size
+
+
+def candidate_pools(setting: str) -> tuple[str, ...]:
+    """The representations a `probe.pool` setting evaluates: all of POOLS for auto, else the one."""
+    return POOLS if setting == "auto" else (setting,)
+
+
+@torch.no_grad()
+def encode_images(encoder, images_uint8: torch.Tensor, *, cfg: Config, pools: tuple[str, ...],
+                  device: torch.device, precision: str) -> dict[str, torch.Tensor]:
+    """{pool: features float32 (B, D)} of one uint8 batch (normalised as in training), one forward."""
+    x = normalize(to_float01(images_uint8.to(device, non_blocking=True)), cfg.data.mean, cfg.data.std)
+    with autocast(device, precision):
+        tokens = encoder(x)
+    return {p: encoder.pool(tokens, p).float().cpu() for p in pools}
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module):
+    """Eval mode inside the block, the previous train/eval mode restored after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
+def eval_batch_size(cfg: Config) -> int:
+    """Inference batch size: the training batch, at most 256 (no activations kept, memory is small)."""
+    return max(1, min(cfg.batch_size, 256))
+
+
+def _weights_hash(encoder) -> str:
+    """sha256 of the clean encoder weights (not the mask token: unused here, fresh on every load)."""
+    h = hashlib.sha256()
+    for name, t in sorted(encoder.encoder_state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _data_fingerprint(spec, num_samples: int) -> list:
+    """Every shard the spec resolves to, with size and mtime when local (rewritten shards miss the cache)."""
+    shards = resolve(spec, num_samples)
+    out = []
+    for url, count in zip(shards.urls, shards.counts):
+        p = Path(url)
+        out.append([str(p.resolve()), count, p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [url, count])
+    return out
+
+
+def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
+                      precision: str) -> str:
+    """Hash of everything the features depend on: architecture, weights, data, transform, pooling,
+    precision."""
+    d = cfg.data
+    key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder),
+               data=_data_fingerprint(spec, num_samples), img_size=img_size, pools=list(pools), precision=precision,
+               mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POOLS, num_samples: int = 0,
+                     cache_dir: str | Path | None = None, device: torch.device | str = "cpu",
+                     precision: str = "auto", progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`.
+
+    Every representation of `pools` comes from one forward pass. The encoder is frozen (eval mode,
+    no grad; its mode is restored after); images get the eval transform at the encoder's
+    resolution. With `cache_dir` the result is stored as safetensors under a key of weights + data
+    + transform + pools + precision, and a later call with the same key loads it instead of
+    running the encoder.
+    """
+    device = torch.device(device)
+    img_size = encoder_img_size(encoder)
+    path = None
+    if cache_dir:
+        key = feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
+                                num_samples=num_samples, precision=precision)
+        path = Path(cache_dir) / f"features-{key}.safetensors"
+        if path.is_file():
+            cached = load_file(str(path))
+            return {p: cached[f"features.{p}"] for p in pools}, cached["labels"]
+    loader = make_loader(spec, batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True,
+                         data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1)
+    feats, labels = [], []
+    with eval_mode(encoder):
+        for batch in tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="features",
+                          unit="batch", disable=not progress, leave=False):
+            feats.append(encode_images(encoder, batch["image"], cfg=cfg, pools=pools, device=device,
+                                       precision=precision))
+            labels.append(batch["label"].long().cpu())
+    if not feats:
+        raise ValueError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
+    features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
+            save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
+                      str(tmp), metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
+    return features, labels
+
+
+def standardize(train: torch.Tensor, *others: torch.Tensor, eps: float = 1e-5) -> list[torch.Tensor]:
+    """Whiten with the mean and (population) std of `train`, as big_vision does."""
+    mean = train.mean(0, keepdim=True)
+    std = train.std(0, unbiased=False, keepdim=True) + eps
+    return [(x - mean) / std for x in (train, *others)]

@@ -1,0 +1,162 @@
+"""Linear probe: multinomial logistic regression on frozen features, its representation and L2
+strength chosen jointly on held-out training features (MPP's loss never reaches the [class]
+token, so which representation carries an encoder's knowledge differs per encoder and must not be
+fixed, nor chosen on test). `Evaluator` adds the few-shot figures of the same representation;
+`run_linear_probe` is the probe tool's whole job (tools/linear_probe.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from timm.utils import accuracy
+
+from mpp.config import Config, ConfigError, save_config, to_dict
+from mpp.data.sources import check_same_classes
+from mpp.evaluators.features import candidate_pools, encoder_img_size, extract_features, standardize
+from mpp.evaluators.fewshot import fewshot_eval
+from mpp.fileio import write_atomic
+from mpp.models import create_encoder, load_encoder
+from mpp.runtime import resolve_precision
+
+PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, standardised features
+
+
+def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 100) -> torch.Tensor:
+    """Weights (D + 1, C) of L2-regularised multinomial logistic regression (bias unregularised),
+    fitted full-batch with L-BFGS from `init` (warm start) or zeros. The gradient is written out
+    (x^T (softmax - onehot) / N) rather than autograd's: about 3x faster on CPU."""
+    w = init.clone() if init is not None else torch.zeros(x.shape[1] + 1, num_classes)
+    w.requires_grad_(True)
+    xt, onehot = x.T.contiguous(), F.one_hot(y, num_classes).float()
+    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=max_iter, history_size=20, tolerance_grad=1e-6,
+                            tolerance_change=1e-9, line_search_fn="strong_wolfe")
+
+    @torch.no_grad()
+    def closure():
+        logits = x @ w[:-1] + w[-1]
+        loss = F.cross_entropy(logits, y) + 0.5 * l2 * w[:-1].pow(2).sum()
+        g = (logits.softmax(1) - onehot) / len(y)
+        w.grad = torch.cat([xt @ g + l2 * w[:-1], g.sum(0, keepdim=True)])
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def _topk(logits: torch.Tensor, y: torch.Tensor, k: int) -> float:
+    """Top-k accuracy as a fraction (timm's `accuracy` gives percent)."""
+    return accuracy(logits, y, topk=(k,))[0].item() / 100
+
+
+def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
+                 val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> dict:
+    """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
+    held-out train features.
+
+    `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
+    Features are standardised with training statistics. Every (representation, L2 of `l2_grid`)
+    pair is fitted on the train part (1 - val_fraction, one seeded random split) and scored on the
+    rest; the best (ties: the stronger L2, then the earlier representation) is refitted on all
+    training features and evaluated once on test. With a dict the result also holds
+    `representation` (the chosen one) and `heldout_top1` (each candidate's best held-out top-1).
+    """
+    several = isinstance(train_x, dict)
+    trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
+    train_y, test_y = train_y.long(), test_y.long()
+    if num_classes is None:
+        num_classes = int(max(train_y.max(), test_y.max())) + 1
+    perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(round(val_fraction * len(train_y))))
+    if len(train_y) - n_val < 1:
+        raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
+    fit_idx, val_idx = perm[n_val:], perm[:n_val]
+    scores: dict[str, dict[float, float]] = {}
+    for name, x in trains.items():
+        fx, vx = standardize(x[fit_idx].float(), x[val_idx].float())
+        scores[name], w = {}, None
+        for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
+            w = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
+            scores[name][l2] = _topk(vx @ w[:-1] + w[-1], train_y[val_idx], 1)
+    order = list(trains)
+    rep, best = max(((n, l2) for n in order for l2 in scores[n]),
+                    key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
+    tx, sx = standardize(trains[rep].float(), tests[rep].float())
+    w = _fit_logistic(tx, train_y, num_classes, best)
+    logits = sx @ w[:-1] + w[-1]
+    out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
+           "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())}}
+    if several:
+        out["representation"] = rep
+        out["heldout_top1"] = {n: max(scores[n].values()) for n in order}
+    return out
+
+
+class Evaluator:
+    """Linear probe and few-shot figures of a frozen encoder: fitted on `data.train`, tested on
+    `data.val`. Features come from (and go to) the cache `probe.cache_dir` (default
+    OUTPUT_DIR/../feature_cache). `probe.pool=auto` chooses the representation per encoder on
+    held-out training features (see `linear_probe`); the few-shot figures use the same choice,
+    recorded as `pool`, with every candidate's held-out top-1 as `pool_heldout_top1`."""
+
+    def __init__(self, cfg: Config, device: torch.device | str):
+        if not cfg.data.train or not cfg.data.val:
+            raise ValueError("the linear probe needs labeled shards in data.train (fit) and data.val (test)")
+        check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
+        self.cfg, self.device = cfg, torch.device(device)
+
+    def run(self, encoder) -> dict:
+        cfg = self.cfg
+        cache = Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else Path(cfg.output_dir).parent / "feature_cache"
+        kw = dict(cfg=cfg, pools=candidate_pools(cfg.probe.pool), cache_dir=cache, device=self.device,
+                  precision=resolve_precision(cfg.train.precision, self.device.type))  # the cache key names what ran
+        t0 = time.time()
+        tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
+        te_x, te_y = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
+        t1 = time.time()
+        num_classes = int(max(tr_y.max(), te_y.max())) + 1
+        lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
+                           seed=cfg.seed)
+        t2 = time.time()
+        pool = lin["representation"]
+        fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
+                          l2=cfg.fewshot.l2, num_classes=num_classes)
+        return {"top1": lin["top1"], "top5": lin["top5"], **fs, "pool": pool, "pool_setting": cfg.probe.pool,
+                "pool_heldout_top1": lin["heldout_top1"], "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
+                "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
+                "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x[pool].shape[1],
+                "img_size": encoder_img_size(encoder), "seconds_features": round(t1 - t0, 2),
+                "seconds_probe": round(t2 - t1, 2), "seconds_fewshot": round(time.time() - t2, 2)}
+
+
+def run_linear_probe(cfg: Config) -> dict:
+    """The probe of `probe.encoder` by `Evaluator`, written to OUT/config.yaml and
+    then OUT/metrics.json (`kind: linear_probe`, the figures, `config`); returns the metrics.
+    `probe.encoder=none` probes a randomly initialised `model` (seeded by `seed`): the from-scratch
+    baseline. Under torchrun only rank 0 works."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    encoder_path, out = cfg.probe.encoder, Path(cfg.output_dir)
+    if not encoder_path:
+        raise ValueError("no encoder to probe: set probe.encoder to a pre-training run dir, its encoder.safetensors, "
+                         "or none (a randomly initialised model)")
+    if str(encoder_path) != "none" and not Path(encoder_path).exists():
+        raise ConfigError(f"probe.encoder={str(encoder_path)!r} does not exist; give a pre-training run directory, "
+                          "its encoder.safetensors, or none (a randomly initialised model)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    evaluator = Evaluator(cfg, device)
+    if str(encoder_path) == "none":
+        set_seed(cfg.seed)
+        encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+    else:
+        encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+    metrics = {"kind": "linear_probe", "encoder": str(encoder_path), **evaluator.run(encoder), "config": to_dict(cfg)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"
+    return metrics

@@ -1,0 +1,36 @@
+"""Private APIs of the installed libraries that mpp relies on: when an upgrade removes or changes
+one, these fail by name instead of a run failing (or, worse, silently changing) later."""
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from timm.models.vision_transformer import VisionTransformer
+
+
+def test_accelerate_can_reset_its_state():
+    # mpp.train.setup: a later train() in the same process may use another precision
+    assert callable(getattr(AcceleratorState, "_reset_state", None)), \
+        "accelerate no longer has AcceleratorState._reset_state; mpp.train.setup needs another way to reset"
+
+
+def test_fused_optimizer_behind_accelerate_skips_a_step_on_found_inf():
+    # mpp.train.loop sets `optimizer.optimizer.found_inf` to skip a non-finite step on the device
+    AcceleratorState._reset_state()
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = Accelerator(cpu=True).prepare(torch.optim.AdamW([p], lr=0.1, fused=True))
+    assert isinstance(optimizer.optimizer, torch.optim.AdamW)
+    p.grad = torch.ones(3)
+    optimizer.optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    assert torch.equal(p.detach(), torch.ones(3)) and not optimizer.optimizer.state[p].get("step", 0)
+    optimizer.optimizer.found_inf = torch.zeros(())
+    optimizer.step()
+    assert not torch.equal(p.detach(), torch.ones(3))
+    AcceleratorState._reset_state()
+
+
+def test_timm_vit_keeps_the_steps_the_masked_encoder_calls():
+    # mpp.models.MaskedEncoder.forward runs timm's forward_features steps itself
+    for name in ("_pos_embed", "pool"):
+        assert callable(getattr(VisionTransformer, name, None)), f"timm's VisionTransformer has no {name}"
