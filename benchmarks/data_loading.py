@@ -31,7 +31,6 @@ decode code. On a small shared machine one timing is noisy, so the methods run i
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import itertools
@@ -39,7 +38,6 @@ import json
 import math
 import random
 import shutil
-import sys
 import tarfile
 import time
 from dataclasses import dataclass, replace
@@ -53,6 +51,7 @@ from torchvision import datasets
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
+from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.config import DataConfig
 from mpp.data.decode import decode_batch
 from mpp.data.stream import make_loader
@@ -228,8 +227,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@one_line_errors(extra=(ValueError,))
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = ArgumentParser(__doc__)
     p.add_argument("--cifar-tar", default="../shared/data/cifar10/train.tar",
                    help="CIFAR-10 image-folder tar (default ../shared/data/cifar10/train.tar)")
     p.add_argument("--work-dir", default="/tmp/mpp_bench_data", help="cache for extracted images and shards")
@@ -245,22 +245,19 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     counts = (a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers, a.repeats)
     if a.cifar_images < 0 or min(counts) < 1:
-        sys.exit("error: sample and image counts, --batch-size, --workers and --repeats must be >= 1 "
-                 "(--cifar-images >= 0)")
+        raise UsageError("sample and image counts, --batch-size, --workers and --repeats must be >= 1 "
+                         "(--cifar-images >= 0)")
     work = Path(a.work_dir)
     sets, samples = [], {}
-    try:
-        if a.only != "generated":
-            if not Path(a.cifar_tar).is_file():
-                sys.exit(f"error: CIFAR-10 tar '{a.cifar_tar}' not found; give --cifar-tar or --only generated")
-            sets.append(prepare_cifar(a.cifar_tar, work, a.cifar_images))
-            samples[sets[-1].name] = a.cifar_samples
-        if a.only != "cifar":
-            sets.append(prepare_generated(work, a.gen_images))
-            samples[sets[-1].name] = a.gen_samples
-        rows = bench(sets, samples=samples, batch_size=a.batch_size, workers=a.workers, repeats=a.repeats)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    if a.only != "generated":
+        if not Path(a.cifar_tar).is_file():
+            raise UsageError(f"CIFAR-10 tar '{a.cifar_tar}' not found; give --cifar-tar or --only generated")
+        sets.append(prepare_cifar(a.cifar_tar, work, a.cifar_images))
+        samples[sets[-1].name] = a.cifar_samples
+    if a.only != "cifar":
+        sets.append(prepare_generated(work, a.gen_images))
+        samples[sets[-1].name] = a.gen_samples
+    rows = bench(sets, samples=samples, batch_size=a.batch_size, workers=a.workers, repeats=a.repeats)
     print(format_table(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -29,13 +29,11 @@ memory is CUDA's allocator peak of one step).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.compiled import compile_task
 from mpp.config import build_config
 from mpp.models import create_encoder
@@ -409,8 +408,9 @@ def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict 
     return "\n".join(lines)
 
 
+@one_line_errors(extra=(RuntimeError, ValueError))
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = ArgumentParser(__doc__)
     p.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default: all)")
     p.add_argument("--precision", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     p.add_argument("--methods", nargs="+", choices=list(METHODS),
@@ -429,25 +429,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     a = p.parse_args(argv)
     if min(a.steps, a.loader_blocks, a.loader_block_steps) < 1 or min(a.warmup, a.batch_size, a.workers) < 0:
-        sys.exit("error: --steps, --loader-blocks and --loader-block-steps must be >= 1, --warmup, --batch-size "
-                 "and --workers >= 0")
+        raise UsageError("--steps, --loader-blocks and --loader-block-steps must be >= 1, --warmup, --batch-size "
+                         "and --workers >= 0")
     if a.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but torch sees no CUDA device; use --device cpu")
+        raise UsageError("--device cuda but torch sees no CUDA device; use --device cpu")
     device = torch.device(a.device)
-    try:
-        rows, peaks = run_with_peaks(a.only, a.precision, a.methods or DEFAULT_METHODS[a.device], steps=a.steps,
-                                     warmup=a.warmup, batch_size=a.batch_size, device=device,
-                                     progress=lambda m: print(m, flush=True))
-        gemms = {m: gemm_rates(m, a.batch_size, device) for m in a.only} if "bf16" in a.precision else {}
-        loader = None
-        if not a.no_loader:
-            with tempfile.TemporaryDirectory() as tmp:
-                loader = loader_check(a.work_dir or tmp, a.loader_model, blocks=a.loader_blocks,
-                                      block_steps=a.loader_block_steps, warmup=max(a.warmup, 1),
-                                      batch_size=a.batch_size, num_workers=a.workers,
-                                      compile=device.type == "cuda", device=device)
-    except (RuntimeError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+    rows, peaks = run_with_peaks(a.only, a.precision, a.methods or DEFAULT_METHODS[a.device], steps=a.steps,
+                                 warmup=a.warmup, batch_size=a.batch_size, device=device,
+                                 progress=lambda m: print(m, flush=True))
+    gemms = {m: gemm_rates(m, a.batch_size, device) for m in a.only} if "bf16" in a.precision else {}
+    loader = None
+    if not a.no_loader:
+        with tempfile.TemporaryDirectory() as tmp:
+            loader = loader_check(a.work_dir or tmp, a.loader_model, blocks=a.loader_blocks,
+                                  block_steps=a.loader_block_steps, warmup=max(a.warmup, 1),
+                                  batch_size=a.batch_size, num_workers=a.workers,
+                                  compile=device.type == "cuda", device=device)
     print(format_table(rows, peaks, loader, gemms))
     if a.json:
         Path(a.json).write_text(json.dumps({"peak_flops": peaks, "gemm_flops": gemms, "rows": rows, "loader": loader},
