@@ -1,6 +1,7 @@
-"""What every tool shares: `--config FILE key=value ...` parsing, and `one_line_errors`, which turns
-bad input, a diverged run and a full or read-only disk into one line on stderr and a non-zero exit
-(2 for a bad config, 1 for the rest) instead of a traceback."""
+"""What every tool shares: `one_line_errors`, which each tool's `main` runs under, turning bad input,
+a diverged run and a full or read-only disk into one line on stderr and a non-zero exit (2 for a bad
+argument or config, 1 for the rest) instead of a traceback; an `ArgumentParser` whose usage errors
+are one such line too; and `--config FILE key=value ...` parsing."""
 from __future__ import annotations
 
 import argparse
@@ -11,21 +12,34 @@ import sys
 from mpp.config import Config, ConfigError, load_config, valid_keys
 
 
+class UsageError(Exception):
+    """A bad command-line argument that argparse does not check itself (exit 2)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the tools' conventions: the description shown as written, and a usage error as
+    one `error: ...` line (exit 2) rather than the usage text followed by the error."""
+
+    def __init__(self, description: str | None = None, **kwargs):
+        super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        _fail(f"{self.prog}: {message} (see --help)", 2)
+
+
 def parse_config_args(description: str, argv: list[str] | None = None, defaults: list[str] | None = None) -> Config:
-    """Parse `--config FILE [key=value ...]` into a validated Config; exit 2 with one line on error.
+    """Parse `--config FILE [key=value ...]` into a validated Config (raises ConfigError).
 
     `defaults` (key=value) are the tool's own overrides, applied before the user's."""
-    parser = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = ArgumentParser(
+        description,
         epilog="overrides are dotted keys with YAML values, e.g. steps=200 mpp.ratio=0.4 data.train=out/manifest.json\n"
                "valid keys: " + ", ".join(valid_keys()),
     )
     parser.add_argument("--config", help="YAML config (see configs/); keys not given keep their defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    with one_line_errors():
-        return load_config(args.config, (defaults or []) + args.overrides)
+    return load_config(args.config, (defaults or []) + args.overrides)
 
 
 def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -35,7 +49,7 @@ def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
     from mpp.data.writer import ShardError
     from mpp.report import ReportError
     from mpp.train import NonFiniteError
-    return (ConfigError, ReportError), (DataError, ShardError, NonFiniteError)
+    return (ConfigError, ReportError, UsageError), (DataError, ShardError, NonFiniteError)
 
 
 def os_message(e: OSError) -> str:
@@ -52,8 +66,9 @@ def os_message(e: OSError) -> str:
 
 @contextlib.contextmanager
 def one_line_errors(extra: tuple[type, ...] = ()):
-    """Run a tool's body: the user-facing errors (`_user_errors`, then `extra` and OSError, exit 1)
-    end with one line `error: ...` on stderr. Other exceptions (bugs) keep their traceback."""
+    """Run a tool's body (as `with one_line_errors(): ...` or as `@one_line_errors()` on its
+    `main`): the user-facing errors (`_user_errors`, then `extra` and OSError, exit 1) end with one
+    line `error: ...` on stderr. Other exceptions (bugs) keep their traceback."""
     try:
         yield
     except Exception as e:

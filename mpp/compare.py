@@ -32,7 +32,7 @@ from typing import Callable
 
 from mpp.config import CompareConfig, ConfigError, as_list, load_config, parse_overrides
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Choice:
 @dataclass
 class Stage:
     name: str
-    tool: str             # script in tools/
+    tool: str             # module in mpp.tools
     config: str           # its --config
     overrides: list[str]  # its key=value overrides
     out: Path             # its output_dir; done when out/metrics.json exists
@@ -59,7 +59,7 @@ class Stage:
         return self.overrides + chosen + [f"output_dir={self.out}"]
 
     def command(self, launcher: list[str], resolved: bool = True) -> list[str]:
-        return launcher + [str(TOOLS / self.tool), "--config", self.config] + self.args(resolved)
+        return launcher + ["-m", f"{TOOLS}.{self.tool}", "--config", self.config] + self.args(resolved)
 
 
 def _value(v) -> str:
@@ -97,10 +97,10 @@ def plan(cfg: CompareConfig) -> list[Stage]:
     root = Path(cfg.output_dir)
     common = as_list(cfg.overrides)
     pre = {"mpp": root / "pretrain_mpp", "supervised": root / "pretrain_supervised"}
-    stages = [Stage(f"pre-train {kind}", "pretrain.py", getattr(cfg, kind), common, out) for kind, out in pre.items()]
+    stages = [Stage(f"pre-train {kind}", "pretrain", getattr(cfg, kind), common, out) for kind, out in pre.items()]
     probes = {arm: root / f"probe_{arm}" for arm in ("mpp", "supervised", "scratch")}
     for arm, out in probes.items():
-        stages.append(Stage(f"linear probe {arm}", "linear_probe.py", cfg.probe,
+        stages.append(Stage(f"linear probe {arm}", "linear_probe", cfg.probe,
                             common + [f"probe.encoder={pre.get(arm, 'none')}"], out))
     points = grid_points(cfg.sweep)
     for frac in cfg.label_fractions:
@@ -114,14 +114,14 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             sweep = []
             if cfg.sweep:
                 for point in points:
-                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}", "finetune.py",
+                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}", "finetune",
                                        cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"],
                                        root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}", list(pool)))
                 stages += sweep
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
                            lambda outs=[s.out for s in sweep]: best_point(points, outs))] if sweep else []
             for seed in range(cfg.seeds):
-                stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune.py", cfg.finetune,
+                stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune", cfg.finetune,
                                     base + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
                                     pool + best))
     return stages
@@ -154,10 +154,10 @@ def prepare_data(cfg: CompareConfig) -> None:
             write_shards(src, out)
 
 
-def _tool_main(script: str, argv: list[str]) -> None:
-    """In a stage's process: run a tool script as `python script argv...` would."""
-    sys.argv = [script, *argv]
-    runpy.run_path(script, run_name="__main__")
+def _tool_main(module: str, argv: list[str]) -> None:
+    """In a stage's process: run a tool module as `python -m module argv...` would."""
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def run_stage(cmd: list[str], launcher: str) -> int:
@@ -169,7 +169,7 @@ def run_stage(cmd: list[str], launcher: str) -> int:
         return subprocess.run(cmd).returncode
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
-    proc = ctx.Process(target=_tool_main, args=(cmd[1], cmd[2:]))
+    proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...
     proc.start()
     proc.join()
     return proc.exitcode
@@ -204,6 +204,6 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
     print(f"[{total}/{total}] figures and report", flush=True)
-    write_compare_figures([s.out for s in stages if s.tool == "pretrain.py"], None, Path(cfg.output_dir) / "figures")
+    write_compare_figures([s.out for s in stages if s.tool == "pretrain"], None, Path(cfg.output_dir) / "figures")
     write_report([s.out for s in stages], Path(cfg.output_dir))  # links the figures
     return Path(cfg.output_dir) / "report.md"

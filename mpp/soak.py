@@ -1,6 +1,6 @@
 """Soak test (not part of the suite): pre-train on generated shards for a given time, kill -9 the
 run at random moments, resume it, and report restarts, steps lost per kill and the process tree's
-peak memory over time (it should stay flat). Run through tools/soak.py."""
+peak memory over time (it should stay flat). Run through `mpp-soak` (mpp/tools/soak.py)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # holds this mpp package: the runs import the same code
 PROGRESS = re.compile(r"(\d+)/(\d+) \[")  # tqdm's "step/total ["
 RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
 
@@ -32,21 +32,21 @@ def _tree_rss(proc: psutil.Process) -> int:
 
 def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: list[str], seed: int = 0,
          window: float = 30.0) -> dict:
-    """Run `tools/pretrain.py` in `out/run` again and again until `seconds` have passed, each run
+    """Run `mpp.tools.pretrain` in `out/run` again and again until `seconds` have passed, each run
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report."""
     from mpp.data.synthetic import make_synthetic
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "data/train/manifest.json").exists():
         make_synthetic(out / "data", train=512, test=64, shards=8, progress=False)
-    cmd = [sys.executable, str(ROOT / "tools/pretrain.py"), f"output_dir={out / 'run'}",
+    cmd = [sys.executable, "-m", "mpp.tools.pretrain", f"output_dir={out / 'run'}",
            f"data.train={out / 'data/train/manifest.json'}", *settings]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0, samples, runs = time.time(), [], []
     while time.time() - t0 < seconds:
         log = out / f"run{len(runs)}.log"
         with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         ps, start = psutil.Process(proc.pid), time.time()
         life = min(rng.uniform(*kill_after), seconds - (start - t0))
         while proc.poll() is None and time.time() - start < life:

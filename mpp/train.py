@@ -63,13 +63,6 @@ def train(cfg: Config) -> dict:
         rundir.unlock(cfg.output_dir)
 
 
-def main(cfg: Config) -> dict:
-    """`train` for the command-line tools: bad input, a diverged run or a full disk end with one line."""
-    from mpp.cli import one_line_errors
-    with one_line_errors():
-        return train(cfg)
-
-
 @dataclass
 class Run:
     """What `setup` builds and `loop` and `finish` share."""

@@ -5,6 +5,7 @@ finished stages."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from mpp.compare import best_point, plan, run, validate
 from mpp.config import ConfigError, load_compare_config
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tools and their stages import this checkout's mpp
 
 
 def _write_configs(tmp: Path, data: Path, stage_extra: str = "", fractions: str = "[0.5, 1.0]",
@@ -87,6 +89,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
     assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "the choice of linear probe mpp" in out
+    assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
 
 
@@ -106,7 +109,7 @@ def test_bad_stage_key_fails_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="pre-train mpp.*unknown config key 'mpp.ratioo'"):
         validate(cfg, plan(cfg))
     r = subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)],
-                       capture_output=True, text=True, cwd=tmp_path)
+                       capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert r.returncode != 0 and "mpp.ratioo" in r.stderr
     assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()  # nothing started
 
@@ -125,7 +128,7 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",  # 17 stages: seconds each
                           compare_extra="sweep: {optim.lr: [0.01, 0.1]}\nseeds: 2\ndev_fraction: 0.25\n")
     cmd = [sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = tmp_path / "runs"
     report = json.loads((runs / "report.json").read_text())
@@ -159,27 +162,29 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     def files():  # every file of the stages and figures; the report itself is rewritten on purpose
         return {f: f.stat().st_mtime_ns for f in runs.rglob("*") if f.is_file() and f.parent != runs}
     before = files()
-    r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert r2.stdout.count("done earlier") == 17
     assert files() == before  # nothing re-trained, re-probed or redrawn
 
 
-def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path):
+def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, monkeypatch):
     """Without a launcher a stage is forked from a server that imported mpp.train once (no import
-    cost per stage), still as a process of its own with its argv and exit code; with a launcher it
-    is a plain new process."""
+    cost per stage), still as a process of its own running the tool module with its argv and exit
+    code; with a launcher it is a plain new process (`LAUNCHER -m module ...`)."""
     import json
     import os
 
     from mpp.compare import run_stage
-    script, out = tmp_path / "tool.py", tmp_path / "out.json"
+    script, out = tmp_path / "stage_tool.py", tmp_path / "out.json"
+    monkeypatch.syspath_prepend(str(tmp_path))  # the forked stage gets this process's sys.path
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")  # the launched one, its environment's
     script.write_text("import json, os, sys\n"
                       "json.dump({'pid': os.getpid(), 'argv': sys.argv[1:], 'name': __name__,\n"
                       "           'preloaded': 'mpp.train' in sys.modules}, open(sys.argv[1], 'w'))\n"
                       "sys.exit(3)\n")
     for launcher, preloaded in (("", True), (sys.executable, False)):
-        assert run_stage([sys.executable, str(script), str(out), "x=1"], launcher) == 3
+        assert run_stage([sys.executable, "-m", "stage_tool", str(out), "x=1"], launcher) == 3
         got = json.loads(out.read_text())
         assert got == {"pid": got["pid"], "argv": [str(out), "x=1"], "name": "__main__", "preloaded": preloaded}
         assert got["pid"] != os.getpid()

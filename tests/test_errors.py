@@ -122,6 +122,10 @@ CASES = [
      lambda t: [*TRAIN(t), f"data.val={t}/data/other", "probe.encoder=none"], None),
     ("report of a directory without a run", "report", lambda t: [f"{t}/nope"], None),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
+    ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
+    ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
+    ("inspect an encoder that does not exist", "inspect_encoders",
+     lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),
 ]
 _locks: list = []
 

@@ -1,28 +1,5 @@
-"""Run the self-supervised vs supervised comparison: MPP and supervised pre-training, linear
-probes, fine-tunes (MPP, supervised, scratch) at each label fraction (the `sweep` grid on a
-development split, then the best value over `seeds`), then the gap report.
-Finished stages are skipped, so the same command resumes an interrupted comparison."""
-from __future__ import annotations
-
-import argparse
-
-from mpp.cli import one_line_errors
-from mpp.config import CompareConfig, load_compare_config, valid_keys
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                epilog="valid keys: " + ", ".join(valid_keys(CompareConfig)))
-    p.add_argument("--config", required=True, help="comparison config, e.g. configs/compare_synthetic.yaml")
-    p.add_argument("--dry-run", action="store_true", help="print the stages and their commands, run nothing")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="comparison config overrides, e.g. output_dir=runs/x 'overrides=[steps=20]'")
-    a = p.parse_args(argv)
-    from mpp.compare import run
-    with one_line_errors(extra=(RuntimeError,)):  # a failed stage: its own output said why
-        report = run(load_compare_config(a.config, a.overrides), dry_run=a.dry_run)
-    print(f"report: {report}")
-
+"""`python tools/compare.py` = `mpp-compare` (mpp/tools/compare.py has the arguments and the main)."""
+from mpp.tools.compare import main
 
 if __name__ == "__main__":
     main()

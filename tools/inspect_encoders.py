@@ -1,36 +1,5 @@
-"""See what an encoder learned: MPP predictions (MPP runs), mean attention distance per head and
-layer, position-embedding similarity and patch-embedding filters, several encoders side by side.
-
-  python tools/inspect_encoders.py --encoder mpp=runs/synthetic/mpp --encoder sup=runs/synthetic/supervised \\
-      --encoder none:vit_mini4_32 --data data/synthetic/test/manifest.json --out runs/synthetic/figures
-
-Writes OUT/{attention_distance,position_similarity,filters}.png, OUT/predictions_NAME.png for each
-MPP run, and OUT/inspect.json with the numbers behind them.
-"""
-import argparse
-import sys
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--encoder", action="append", required=True, metavar="[LABEL=]SOURCE",
-                   help="a run dir, an encoder.safetensors with model.json beside it, or none:PRESET "
-                        "(random init); repeat to compare encoders on the same images and axes")
-    p.add_argument("--data", required=True, help="shards to draw images from: a manifest.json or shard list")
-    p.add_argument("--out", required=True, help="output folder for the PNGs and inspect.json")
-    p.add_argument("--images", type=int, default=64, help="images averaged over (default 64)")
-    p.add_argument("--grid-images", type=int, default=6, help="rows of the MPP prediction grid (default 6)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0, help="seeds random init and the MPP corruption")
-    a = p.parse_args(argv)
-    from mpp.figures.inspection import inspect_encoders
-    try:
-        inspect_encoders(a.encoder, a.data, a.out, images=a.images, grid_images=a.grid_images,
-                         batch_size=a.batch_size, seed=a.seed)
-    except (ValueError, FileNotFoundError) as e:  # bad sources or data (DataError is a ValueError)
-        sys.exit(f"error: {e}")
-    print(f"figures: {a.out}")
-
+"""`python tools/inspect_encoders.py` = `mpp-inspect` (mpp/tools/inspect_encoders.py has the arguments and the main)."""
+from mpp.tools.inspect_encoders import main
 
 if __name__ == "__main__":
     main()

@@ -1,33 +1,5 @@
-"""Convert an image folder (one sub-folder per class) or a tar archive of one into WebDataset
-shards OUT/000000.tar, ... plus OUT/manifest.json (see mpp.data.writer)."""
-from __future__ import annotations
-
-import argparse
-
-from mpp.cli import one_line_errors
-from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD, write_shards
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("src", help="image folder, or a tar archive (optionally compressed) holding one")
-    p.add_argument("out", help="output folder for the shards and manifest.json (new or empty)")
-    p.add_argument("--unlabeled", action="store_true",
-                   help="take every image anywhere in the tree, without labels (default: one sub-folder per class)")
-    p.add_argument("--samples-per-shard", type=int, default=SAMPLES_PER_SHARD, metavar="N",
-                   help=f"at most N samples per shard (default {SAMPLES_PER_SHARD})")
-    p.add_argument("--bytes-per-shard", type=int, default=BYTES_PER_SHARD, metavar="N",
-                   help=f"at most N bytes per shard file (default {BYTES_PER_SHARD})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample order across shards (default 0)")
-    p.add_argument("--overwrite", action="store_true", help="replace the shards and manifest in a non-empty OUT")
-    a = p.parse_args(argv)
-    with one_line_errors():
-        m = write_shards(a.src, a.out, unlabeled=a.unlabeled, samples_per_shard=a.samples_per_shard,
-                         bytes_per_shard=a.bytes_per_shard, seed=a.seed, overwrite=a.overwrite)
-    classes = f", {len(m['classes'])} classes" if m["classes"] else ", unlabeled"
-    print(f"wrote {m['num_samples']} samples in {len(m['shards'])} shards{classes} to {a.out} "
-          f"({m['skipped']['count']} files skipped)")
-
+"""`python tools/make_shards.py` = `mpp-make-shards` (mpp/tools/make_shards.py has the arguments and the main)."""
+from mpp.tools.make_shards import main
 
 if __name__ == "__main__":
     main()

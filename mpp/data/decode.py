@@ -2,8 +2,7 @@
 
 A JPEG whose header libjpeg-turbo reads (size and colour space, through `simplejpeg`) becomes a
 `Jpeg`, decoded later by libjpeg-turbo straight into a numpy array: the same pixels as PIL's decode
-(the same library underneath) at a fraction of its per-image cost (one core, decode to an array:
-~11 against ~65 us for a 32 px CIFAR JPEG, ~235 against ~430 us for a 256 px one), optionally at a
+(the same library underneath) with less overhead per image (docs/benchmarks.md), optionally at a
 reduced 1/2^k scale (libjpeg's scaled IDCT, the mechanism behind PIL's `draft`). libjpeg-turbo
 runs strict: at any warning (damaged data, a truncated file) the JPEG goes to PIL instead, which
 decodes it as it always would (PIL tolerates damaged data silently) or raises. CMYK/YCCK JPEGs

@@ -193,7 +193,7 @@ def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard: consecutive members with the
     same key (the name up to the first dot of its base name; names without one are ignored) form
     one sample, their lower-cased extensions its fields, as webdataset's group_by_keys does (here
-    without its per-member dicts and handler calls, ~2x cheaper). A truncated, unreadable or
+    without its per-member dicts and handler calls). A truncated, unreadable or
     malformed (e.g. a member twice in a sample) shard ends there, is counted in `skips` and its
     last (possibly incomplete) sample dropped; no retry, no sleep."""
     errors: list[Exception] = []

@@ -191,7 +191,7 @@ class _ShardStream(IterableDataset):
             stack(images, slot[1])
             out["slot"], out["size"] = slot[0], len(images)
         if self.labeled:  # a list: pickled inline, while each tensor costs the main process a
-            out["label"] = labels  # shared-memory file to receive (~0.2 ms per batch)
+            out["label"] = labels  # shared-memory file to receive
         return out
 
 
@@ -241,7 +241,7 @@ class ShardLoader:
         self._skips: dict[str, int] = {}
         if self.num_workers:  # CUDA too: the trainer pins a copy itself (mpp.prefetch), freeing the slot
             self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
-        # persistent workers: forked once, not every epoch (each fork cost ~0.1 s and cold caches);
+        # persistent workers: forked once, not every epoch (a fork costs start-up time and cold caches);
         # own generator: creating the iterator draws a base seed, which must not come from (and
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
         self._dataloader = functools.partial(

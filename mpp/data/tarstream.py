@@ -1,7 +1,7 @@
 """A fast, bounded reader of the regular-file members of a (plain or gzip) tar stream.
 
-Python's tarfile costs ~5x more per member than this and its stream mode ends silently at a
-truncated header. This reader handles what shard writers produce (ustar + PAX `path`/`size`
+Python's tarfile costs several times more per member than this (docs/benchmarks.md) and its
+stream mode ends silently at a truncated header. This reader handles what shard writers produce (ustar + PAX `path`/`size`
 records, GNU long names), verifies header checksums, and treats shards as untrusted input: every
 member it reads is bounded in size, every header field is validated, and each header block moves
 the stream forward, so any byte string ends in bounded time and memory. It raises
@@ -70,7 +70,7 @@ def _pax(data: bytes) -> dict[str, str]:
 def _checksum_ok(header: bytes) -> bool:
     """The header's stored checksum equals the sum of its bytes with the checksum field counted as
     spaces, checked modulo 65521 via zlib's adler32 (whose low 16 bits are 1 + the byte sum mod
-    65521), ~10x cheaper than Python's sum(); any change of fewer than 257 bytes is still caught."""
+    65521), far cheaper than Python's sum(); any change of fewer than 257 bytes is still caught."""
     stored = _number(header[148:156])
     return ((zlib.adler32(header) & 0xFFFF) - 1 - sum(header[148:156]) + 8 * 32 - stored) % 65521 == 0
 

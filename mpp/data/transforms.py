@@ -9,8 +9,7 @@ decode (`_load`): a JPEG at least twice as large as the crop needs decodes at a 
 crop, antialiased bilinear resize and flip run in torch on the decoded HWC (= channels-last)
 pixels, in PIL for PIL-decoded images below 64 px (`resized_crop`). A transform works on a list
 of images in phases (`batch`: every crop drawn, then every image decoded, then every crop
-resized), not image by image: the same work, but each phase's code stays hot in the CPU's caches,
-and a 32 px CIFAR sample took ~60 instead of ~95 us (measured in one process).
+resized), not image by image: the same work, with each phase's code kept hot in the CPU's caches.
 """
 from __future__ import annotations
 
@@ -26,9 +25,9 @@ from torch.utils.data import default_collate
 from mpp.data.decode import IMAGE_ERRORS, Jpeg
 
 # output side from which PIL images resize in torch: PyTorch's uint8 channels-last antialiased
-# bilinear kernel (made to match PIL's) is 2-4x faster than PIL from ~100 px, but its per-call
-# overhead makes it ~1.5x slower at 32 px (measured crossover ~64 px). Decoded tensors (JPEGs
-# decoded by libjpeg-turbo) always resize in torch: making them a PIL image costs more than that.
+# bilinear kernel (made to match PIL's) wins on large images, PIL's lower per-call cost on small
+# ones (docs/benchmarks.md). Decoded tensors (JPEGs decoded by libjpeg-turbo) always resize in
+# torch: making them a PIL image costs more than the difference.
 TORCH_RESIZE_FROM = 64
 
 
@@ -97,7 +96,7 @@ def resized_crop(img: Image.Image | torch.Tensor, box: tuple[int, int, int, int]
 def stack(images: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The transforms' (3, H, W) images as one uint8 (B, 3, H, W) batch in channels-last memory
     format: stacking their (H, W, 3) pixels is a plain copy, where a contiguous (B, 3, H, W) batch
-    needs a transposing one (~90 us per 224 px image, about the resize's cost). Every torch op and
+    needs a transposing one (about as costly as the resize). Every torch op and
     the model accept it. Stacked into `out` (a (B', H, W, 3) buffer, B' >= B) when given, else by
     default_collate, which in a DataLoader worker stacks straight into fresh shared memory."""
     hwc = [image.permute(1, 2, 0) for image in images]

@@ -1,6 +1,10 @@
 """Data-loading benchmark: decoded + augmented samples/s of the shard loader, side by side with
 torchvision `ImageFolder` + `DataLoader` on the same images and with single-process decode loops.
 
+  python benchmarks/data_loading.py [--cifar-tar PATH] [--only cifar|generated] [--json PATH]
+
+Record the figures in docs/benchmarks.md.
+
 Two data sets: (a) CIFAR-10 from its image-folder tar (32x32 JPEGs, 32 crops) and (b) generated
 256x256 JPEGs at 224 crops. Both are prepared once in a work folder outside the project (images
 extracted to a folder for ImageFolder, and the same files sharded with `write_shards`) and reused.
@@ -47,6 +51,7 @@ from torchvision import datasets
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
+from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.config import DataConfig
 from mpp.data.decode import decode_batch
 from mpp.data.stream import make_loader
@@ -220,3 +225,43 @@ def format_table(rows: list[dict]) -> str:
     lines.append(f"\nsamples/s, decoded + augmented to uint8; {w.get('workers')} workers, batch {w.get('batch_size')}, "
                  f"best of {w.get('repeats')} interleaved runs per method")
     return "\n".join(lines)
+
+
+@one_line_errors(extra=(ValueError,))
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(__doc__)
+    p.add_argument("--cifar-tar", default="../shared/data/cifar10/train.tar",
+                   help="CIFAR-10 image-folder tar (default ../shared/data/cifar10/train.tar)")
+    p.add_argument("--work-dir", default="/tmp/mpp_bench_data", help="cache for extracted images and shards")
+    p.add_argument("--only", choices=("cifar", "generated"), help="run one data set only")
+    p.add_argument("--cifar-images", type=int, default=0, metavar="N", help="CIFAR images to use (0: all)")
+    p.add_argument("--cifar-samples", type=int, default=20000, metavar="N", help="samples timed per method on CIFAR")
+    p.add_argument("--gen-images", type=int, default=2000, metavar="N", help="256px JPEGs to generate")
+    p.add_argument("--gen-samples", type=int, default=2000, metavar="N", help="samples timed per method on them")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per method, interleaved, best kept (default 5)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    a = p.parse_args(argv)
+    counts = (a.cifar_samples, a.gen_images, a.gen_samples, a.batch_size, a.workers, a.repeats)
+    if a.cifar_images < 0 or min(counts) < 1:
+        raise UsageError("sample and image counts, --batch-size, --workers and --repeats must be >= 1 "
+                         "(--cifar-images >= 0)")
+    work = Path(a.work_dir)
+    sets, samples = [], {}
+    if a.only != "generated":
+        if not Path(a.cifar_tar).is_file():
+            raise UsageError(f"CIFAR-10 tar '{a.cifar_tar}' not found; give --cifar-tar or --only generated")
+        sets.append(prepare_cifar(a.cifar_tar, work, a.cifar_images))
+        samples[sets[-1].name] = a.cifar_samples
+    if a.only != "cifar":
+        sets.append(prepare_generated(work, a.gen_images))
+        samples[sets[-1].name] = a.gen_samples
+    rows = bench(sets, samples=samples, batch_size=a.batch_size, workers=a.workers, repeats=a.repeats)
+    print(format_table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Linear probe and few-shot evaluation of a frozen pre-trained encoder.
+
+  mpp-probe --config configs/synthetic_probe.yaml probe.encoder=runs/synthetic/mpp output_dir=runs/probe_mpp
+
+Features of data.train / data.val are cached (probe.cache_dir); OUT/metrics.json gets `top1`,
+`top5` (linear) and `{k}shot_mean` / `{k}shot_std`.
+"""
+from __future__ import annotations
+
+import json
+
+from mpp.cli import one_line_errors, parse_config_args
+
+
+@one_line_errors(extra=(ValueError,))  # the probe's own checks raise ValueError
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config_args(__doc__, argv)
+    from mpp.evaluators.linear_probe import run_linear_probe
+    metrics = run_linear_probe(cfg)
+    if metrics:
+        print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "probe_val_top1")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

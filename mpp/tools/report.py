@@ -1,0 +1,27 @@
+"""The gap report of MPP vs supervised pre-training vs scratch from finished run directories.
+
+  mpp-report runs/cmp/mpp runs/cmp/sup runs/cmp/ft_mpp_10 ... --out runs/cmp
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpp.cli import ArgumentParser, one_line_errors
+
+
+@one_line_errors()
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(__doc__, epilog="A run's role comes from its config (objective, finetune.init, "
+                                            "probe.encoder, finetune.label_fraction) or a 'role' key in its "
+                                            "metrics.json; see mpp/report.py.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories holding metrics.json and config.yaml")
+    parser.add_argument("--out", help="where report.md/.json/.png go (default: the runs' common parent)")
+    args = parser.parse_args(argv)
+    from mpp.report import write_report
+    rep = write_report(args.runs, args.out)
+    print((Path(rep["out_dir"]) / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Soak test (not a test of the suite): pre-train on generated shards for --minutes, kill -9 the
+run at random moments and resume it, then report restarts, steps lost and peak memory over time.
+
+  nice mpp-soak runs/soak --minutes 60 [key=value ...]     (report: runs/soak/soak.json)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mpp.cli import ArgumentParser, one_line_errors
+
+SETTINGS = ["model=vit_micro4_32", "batch_size=32", "steps=1000000", "train.ckpt_every=20", "train.log_every=10",
+            "data.num_workers=2", "train.attn=math"]
+
+
+@one_line_errors()
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(__doc__)
+    p.add_argument("out", help="working directory (data/, run/, logs, soak.json)")
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--kill-after", type=float, nargs=2, default=(15.0, 60.0), metavar=("MIN", "MAX"),
+                   help="seconds before each kill -9, drawn uniformly (default 15 60)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="pre-training settings (after the defaults)")
+    a = p.parse_args(argv)
+    from mpp.soak import soak, write_report
+    report = soak(Path(a.out), a.minutes * 60, tuple(a.kill_after), SETTINGS + a.overrides, seed=a.seed)
+    write_report(report, Path(a.out) / "soak.json")
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""benchmarks/: the two benchmark scripts still run end to end at toy sizes (they live outside the
+package, so nothing else imports them), and their tables carry every method they timed."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a busy shared machine two threads wait on each other for tens of seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_times_every_method_and_counts_flops(monkeypatch):
+    b = load("train_step")
+    monkeypatch.setitem(b.MODELS, "micro", ("vit_micro4_32", 2))  # the tests' preset: seconds, not minutes
+    rows = b.run(("micro",), ("fp32",), ("mpp", "timm+loop"), steps=1, warmup=0, batch_size=2,
+                 progress=lambda m: None)
+    assert [r["method"] for r in rows] == ["mpp", "timm+loop"]
+    assert all(r["images_per_s"] > 0 for r in rows)
+    assert rows[0]["flops"] > 0 and "speedup" in rows[0] and "flops" not in rows[1]
+    b.add_peaks(rows, {"bf16": 1e12, "fp32": 1e12})
+    table = b.format_table(rows, {"bf16": 1e12}, None)
+    assert "timm+loop" in table and "mpp" in table and "matmul peak: bf16 1.000 TFLOP/s" in table
+
+
+@pytest.mark.slow
+def test_data_benchmark_rates_every_method(tmp_path):
+    b = load("data_loading")
+    ds = b.prepare_generated(tmp_path, 32, size=48, crop=32)
+    assert ds.manifest.is_file() and len(list(ds.folder.rglob("*.jpg"))) == 32
+    rows = b.bench([ds], samples={ds.name: 32}, batch_size=8, workers=1, repeats=1)
+    row = rows[0]
+    assert all(row[m] > 0 for m in ("pil_loop", "mpp_decode", "shards", "imagefolder"))
+    assert row["vs_imagefolder"] == pytest.approx(row["shards"] / row["imagefolder"])
+    assert "| generated 48px, 32 crops |" in b.format_table(rows)

@@ -1,0 +1,60 @@
+"""The tools' front door: every [project.scripts] entry point answers --help, `python tools/X.py`
+runs the same `main` as its `mpp-*` script, usage errors are one line, and the configs the tools
+and docs cite exist."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def entry(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def call(main, argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a tool's main."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_entry_point_answers_help(script):
+    code, out, _ = call(entry(SCRIPTS[script]), ["--help"])
+    assert code == 0 and out.startswith("usage:") and "--help" in out
+
+
+def test_every_tool_script_is_an_entry_point():
+    """tools/X.py is a shim: it runs the main of the installed script that names mpp.tools.X."""
+    shims = {p.stem: p for p in (ROOT / "tools").glob("*.py")}
+    targets = {t.split(":")[0].rsplit(".", 1)[1]: t for t in SCRIPTS.values()}
+    assert shims.keys() == targets.keys()
+    for name, path in shims.items():
+        assert runpy.run_path(str(path))["main"] is entry(targets[name]), name
+
+
+def test_usage_errors_are_one_line():
+    code, _, err = call(entry(SCRIPTS["mpp-make-shards"]), ["only-one-argument"])
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: ") and "the following arguments are required: out" in err
+
+
+def test_cited_configs_exist():
+    """Every configs/*.yaml that a tool, the README or a doc cites is there."""
+    texts = [*(ROOT / "mpp/tools").glob("*.py"), ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+             *(ROOT / "configs").glob("*.yaml")]
+    cited = {m for p in texts for m in re.findall(r"configs/[\w.-]+\.yaml", p.read_text())}
+    assert cited and not [c for c in sorted(cited) if not (ROOT / c).is_file()]
