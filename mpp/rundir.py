@@ -8,7 +8,9 @@
   killed run for a few seconds do not keep its directory locked), so a second
   run in the same directory stops with one line naming the first one's pid instead of interleaving
   with it. `unlock` removes the file (and the directory when `lock` made it and it stayed empty),
-  so a run that failed before writing leaves nothing behind.
+  so a run that failed before writing leaves nothing behind. Since the file can be removed
+  between another process's open and its lock, `lock` holds a lock only on the file that is still
+  at OUTPUT_DIR/.lock, and otherwise tries again (else two runs could hold two files).
 - `check_fresh`: `train.resume=none` refuses a directory that already holds a run (checkpoints,
   an encoder or metrics.json). It does not move the old run aside: the user says whether it goes.
 - `choose_checkpoint`: with `resume=auto`, the newest checkpoint that loads; the ones that do not
@@ -49,23 +51,43 @@ def lock(out: str | Path) -> None:
     if str(out) in _held:
         return
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / ".lock", "a+")
-    try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX lock: forked data workers do not inherit it
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise ConfigError(f"output_dir '{out}' is in use by another run (pid {holder}); wait for it to end "
-                          "or choose another output_dir") from None
+    while True:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            f = open(out / ".lock", "a+")
+        except FileNotFoundError:  # a run that made the directory removed it as it ended
+            continue
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX lock: forked data workers do not inherit it
+        except OSError as e:
+            f.close()
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise ConfigError(f"output_dir '{out}' is in use by another run (pid {_holder(out)}); wait for it "
+                              "to end or choose another output_dir") from None
+        if _is_path_of(f, out / ".lock"):
+            break
+        f.close()  # we locked a file that `unlock` removed meanwhile (a newer one may be held): again
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
     _held[str(out)] = (f, created)
+
+
+def _is_path_of(f, path: Path) -> bool:
+    """Whether the open file `f` is still the file at `path` (not unlinked or replaced)."""
+    try:
+        return os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _holder(out: Path) -> str:
+    try:
+        return (out / ".lock").read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def unlock(out: str | Path) -> None:

@@ -12,11 +12,13 @@ import io
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +34,25 @@ def _data(tmp: Path) -> Path:
     write_shards(tmp / "data/train", [8, 8], classes=3)
     write_shards(tmp / "data/val", [4, 4], classes=3)
     write_shards(tmp / "data/other", [4, 4], classes=4)
+    from mpp.data.writer import write_samples
+    from shardutil import encode
+    pixels = np.random.default_rng(0).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
+    write_samples([(f"c{i % 3}/{i}.png", lambda p=p: encode(p), i % 3) for i, p in enumerate(pixels)],
+                  tmp / "data/made", classes=["c0", "c1", "c2"], samples_per_shard=4, progress=False)
     return tmp / "data"
+
+
+def _made(tmp: Path, shard: bytes = b"", manifest=None, labels=None) -> None:
+    """TMP/m: a copy of data/made (written by mpp's writer) with `shard` appended to its second
+    shard and `manifest(dict)` / `labels(list)` applied to its manifest / label index."""
+    shutil.copytree(tmp / "data/made", tmp / "m")
+    with open(tmp / "m/000001.tar", "ab") as f:
+        f.write(shard)
+    for name, edit in (("manifest.json", manifest), ("labels.json", labels)):
+        if edit:
+            data = json.loads((tmp / "m" / name).read_text())
+            edit(data)
+            (tmp / "m" / name).write_text(json.dumps(data))
 
 
 def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None) -> Path:
@@ -96,6 +116,16 @@ CASES = [
     ("manifest naming a command (pipe:)", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/pipe/manifest.json"],
      lambda t: (t / "pipe").mkdir() or (t / "pipe/manifest.json").write_text(json.dumps(
          {"shards": [{"name": "pipe:touch /tmp/owned", "num_samples": 8}]}))),
+    ("a shard changed since its manifest was written", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/m"],
+     lambda t: _made(t, shard=b"\0" * 512)),
+    ("manifest total that disagrees with its shards", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/m"],
+     lambda t: _made(t, manifest=lambda m: m.update(num_samples=13))),
+    ("label index edited after its manifest", "finetune",
+     lambda t: [*FT(t), f"data.train={t}/m", "finetune.label_fraction=0.5"],
+     lambda t: _made(t, labels=lambda x: x[0].reverse())),
+    ("label index that does not describe its shards (older manifest)", "finetune",
+     lambda t: [*FT(t), f"data.train={t}/m", "finetune.label_fraction=0.5"],
+     lambda t: _made(t, manifest=lambda m: m.pop("labels_sha256"), labels=lambda x: x[1].pop())),
     ("output_dir is a file", "pretrain", lambda t: [*TRAIN(t)[1:], f"output_dir={t}/afile"],
      lambda t: (t / "afile").write_text("x")),
     ("output_dir in use by another run", "pretrain", TRAIN,

@@ -101,6 +101,51 @@ def test_a_second_run_in_the_same_directory_is_refused(run, tmp_path):
     assert os.listdir(tmp_path / "run") == [".lock"]  # the holder's file, untouched
 
 
+# another run's side of the lock, as `rundir.lock`/`unlock` do it (without importing torch):
+# open + lockf + pid; on a line from stdin, remove the file, then let go of it
+LOCKER = """import fcntl, os, sys, time
+f = open(sys.argv[1], "a+"); fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+f.truncate(0); f.write(f"{os.getpid()}\\n"); f.flush(); print("held", flush=True)
+if sys.stdin.readline():
+    os.unlink(sys.argv[1]); f.close(); print("released", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_lock_released_while_another_run_locks_has_one_holder(tmp_path, monkeypatch):
+    """Run A releases (removes .lock) just after run B opened it and before B locks it, and run C
+    then creates and locks a new .lock: B must not count the old, removed file as held."""
+    from mpp import rundir
+    out = tmp_path / "run"
+    out.mkdir()
+    start = lambda: subprocess.Popen([sys.executable, "-c", LOCKER, str(out / ".lock")],  # noqa: E731
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs = [start()]
+    real_lockf = rundir.fcntl.lockf
+
+    def slow_lockf(f, flags):  # B between its open and its lock: A lets go, C takes a new file
+        if len(procs) == 1:
+            a = procs[0]
+            a.stdin.write("go\n")
+            a.stdin.flush()
+            assert a.stdout.readline() == "released\n"
+            procs.append(start())
+            assert procs[1].stdout.readline() == "held\n"
+        return real_lockf(f, flags)
+
+    try:
+        assert procs[0].stdout.readline() == "held\n"
+        monkeypatch.setattr(rundir.fcntl, "lockf", slow_lockf)
+        with pytest.raises(ConfigError, match=r"in use by another run \(pid \d+\)") as refused:
+            rundir.lock(out)
+        assert f"(pid {procs[1].pid})" in str(refused.value)  # C holds it, and only C
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert str(out) not in rundir._held
+
+
 def test_resume_none_refuses_an_earlier_run(run, tmp_path):
     data, done = run
     with pytest.raises(ConfigError, match="holds an earlier run .*step_0000004"):

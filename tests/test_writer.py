@@ -132,6 +132,62 @@ def test_subsets_read_the_label_index_not_the_shards(folder: Path, tmp_path: Pat
         subset.select_subset(resolve(str(out / "manifest.json")), 0.5, seed=3)
 
 
+def test_manifest_label_index_and_shards_agree_or_the_reader_says_so(folder: Path, tmp_path: Path, caplog):
+    """The manifest records each shard's size and the label index's digest; a shard rewritten after
+    it, a swapped or edited index, or a manifest whose counts or classes disagree is one DataError
+    naming the file and the fix, before any work. Old manifests (no sizes) load with a warning."""
+    from mpp.data.decode import DataError
+    from mpp.data.sources import resolve
+    from mpp.data.subset import select_subset
+
+    out = tmp_path / "out"
+    m = write_shards(folder, out, samples_per_shard=5, seed=0, progress=False)
+    assert [s["bytes"] for s in m["shards"]] == [(out / s["name"]).stat().st_size for s in m["shards"]]
+    manifest, index = out / "manifest.json", json.loads((out / "labels.json").read_text())
+    good = select_subset(resolve(str(manifest)), 0.5, seed=3)
+
+    def rewrite(path: Path, edit):
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+
+    # a shard changed since the manifest (here: one byte longer) is refused by name
+    shard = out / "000002.tar"
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    with pytest.raises(DataError, match=rf"shard 000002.tar is {m['shards'][2]['bytes'] + 1} bytes but the "
+                                        rf"manifest recorded {m['shards'][2]['bytes']}; the shards changed"):
+        resolve(str(out))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    # the manifest's total, its classes, the label index's digest, counts and labels must agree
+    for edit, message in [
+        (lambda d: d.update(num_samples=d["num_samples"] + 1), "num_samples is 22 but its shards hold 21"),
+        (lambda d: d.update(classes=["a_cls", "b_cls", "a_cls"]), "class 'a_cls' is listed twice"),
+    ]:
+        rewrite(manifest, edit)
+        with pytest.raises(DataError, match=message):
+            resolve(str(manifest))
+        manifest.write_text(json.dumps(m, indent=1))
+    (out / "labels.json").write_text(json.dumps(index) + " ")
+    with pytest.raises(DataError, match="not the one its manifest recorded"):
+        select_subset(resolve(str(manifest)), 0.5, seed=3)
+    rewrite(manifest, lambda d: d.pop("labels_sha256"))  # an older manifest: counts and labels still checked
+    assert select_subset(resolve(str(manifest)), 0.5, seed=3) == good
+    for entry, message in [(index[1][:-1], "lists 4 samples for shard 000001.tar but the manifest records 5"),
+                           ([[k, 3] for k, _ in index[1]], "gives label 3 in shard 000001.tar but the manifest "
+                                                            "lists 3 classes")]:
+        (out / "labels.json").write_text(json.dumps([index[0], entry, *index[2:]]))
+        with pytest.raises(DataError, match=message):
+            select_subset(resolve(str(manifest)), 0.5, seed=3)
+    # a manifest without sizes still loads, with one warning per manifest
+    rewrite(manifest, lambda d: [s.pop("bytes") for s in d["shards"]])
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    with caplog.at_level("WARNING"):
+        assert resolve(str(manifest)).counts == resolve(str(manifest)).counts == [5, 5, 5, 5, 1]
+    assert [r.getMessage() for r in caplog.records].count(
+        f"warning: {manifest} records no shard sizes (written by an older mpp): shards changed since it was written go "
+        "unnoticed; re-run tools/make_shards.py to record them") == 1
+
+
 def test_shuffled_across_shards_seeded_and_reproducible(folder: Path, tmp_path: Path):
     runs = {}
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):

@@ -7,13 +7,17 @@ total `num_samples` must be given and is assumed spread evenly over the shards (
 fallback; a rank's surplus is then dropped or its shortfall padded, both counted). URLs are opened
 with webdataset's gopen: local paths, `file:`, `http(s)://`, and `pipe:` where the user wrote it.
 A manifest is data from elsewhere: the names it lists may only be paths or http(s)/file URLs
-(`MANIFEST_SCHEMES`), never a command or another opener.
+(`MANIFEST_SCHEMES`), never a command or another opener. Before any work a manifest is checked
+against itself and its local shards: its total count against the shards', its classes for
+duplicates, and each shard's size against the one recorded when it was written (`_check_sizes`);
+the label index is checked where it is read (`subset.read_label_index`).
 """
 from __future__ import annotations
 
 import gzip
 import heapq
 import json
+import logging
 import os
 import re
 import zlib
@@ -30,18 +34,22 @@ from mpp.data.tarstream import CorruptTar, TruncatedTar, tar_files
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
 MANIFEST_SCHEMES = ("http", "https", "file")  # what a manifest may name besides plain paths
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+log = logging.getLogger(__name__)
+_unchecked: set[str] = set()  # manifests without shard sizes, warned about once per process
 
 
 @dataclass
 class ShardSet:
     """Shards with their sample counts; `keys` (per shard) restricts them to a subset; `labels`:
-    the URL of the manifest's label index (`writer.LABELS`), if it has one."""
+    the URL of the manifest's label index (`writer.LABELS`), if it has one, and `labels_sha256`
+    its digest as the manifest recorded it."""
     urls: list[str]
     counts: list[int]
     classes: list[str] | None = None
     exact: bool = True
     keys: list[frozenset] | None = field(default=None, repr=False)
     labels: str | None = None
+    labels_sha256: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -60,24 +68,53 @@ def _local_path(url: str) -> str | None:
     return None if _is_url(url) else url
 
 
-def _read_manifest(path: str) -> ShardSet:
+def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
+    """The manifest's shard set and the size in bytes it recorded per shard (None: not recorded)."""
     try:
         with gopen(path, "rb") as f:
             m = json.load(f)
         shards = m["shards"]
         names = [s["name"] for s in shards]
         counts = [int(s["num_samples"]) for s in shards]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        sizes = [None if s.get("bytes") is None else int(s["bytes"]) for s in shards]
+        classes = m.get("classes") or None
+        if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+            raise TypeError("'classes' is not a list of names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"manifest '{path}' is unreadable or lacks 'shards' [{{name, num_samples}}] "
                         f"({type(e).__name__}: {e}); rewrite it with tools/make_shards.py") from e
     base = path.rsplit("/", 1)[0] if "/" in path else "."
     labels = m.get("labels") if isinstance(m.get("labels"), str) else None
     for name in names + ([labels] if labels else []):
         _check_manifest_name(path, name)
+    fix = "the manifest does not describe its shards; re-run tools/make_shards.py"
+    if "num_samples" in m and m["num_samples"] != sum(counts):
+        raise DataError(f"{path}: num_samples is {m['num_samples']!r} but its shards hold {sum(counts)}; {fix}")
+    if classes is not None and len(set(classes)) < len(classes):
+        twice = next(c for c in classes if classes.count(c) > 1)
+        raise DataError(f"{path}: class {twice!r} is listed twice in 'classes'; {fix}")
     urls = [_beside(base, n) for n in names]
-    classes = m.get("classes") or None
-    labels = _beside(base, labels) if labels else None
-    return ShardSet(urls, counts, list(classes) if classes else None, exact=True, labels=labels)
+    digest = m.get("labels_sha256") if labels else None
+    return ShardSet(urls, counts, classes, exact=True, labels=_beside(base, labels) if labels else None,
+                    labels_sha256=digest), sizes
+
+
+def _check_sizes(manifest: str, shards: ShardSet, sizes: list[int | None]) -> None:
+    """A local shard whose size differs from the one its manifest recorded was changed (rewritten,
+    truncated, replaced) after the manifest: its counts and label index no longer describe it.
+    One stat per shard; manifests written before sizes were recorded are trusted, with a warning."""
+    if all(size is None for size in sizes):
+        if manifest not in _unchecked:
+            _unchecked.add(manifest)
+            log.warning("warning: %s records no shard sizes (written by an older mpp): shards changed since it was "
+                        "written go unnoticed; re-run tools/make_shards.py to record them", manifest)
+        return
+    for url, size in zip(shards.urls, sizes):
+        path = _local_path(url)
+        if size is not None and path is not None and (actual := os.path.getsize(path)) != size:
+            raise DataError(f"{manifest}: shard {url.rsplit('/', 1)[-1]} is {actual} bytes but the manifest "
+                            f"recorded {size}; the shards changed since the manifest was written; re-run "
+                            "tools/make_shards.py (or restore the shards)")
 
 
 def _check_manifest_name(manifest: str, name) -> None:
@@ -111,8 +148,9 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
         if spec.endswith(".json"):
             if local is not None and not os.path.isfile(local):
                 raise DataError(f"manifest '{spec}' does not exist; write shards with tools/make_shards.py")
-            shards = _read_manifest(spec)
+            shards, sizes = _read_manifest(spec)
             _check_local(shards.urls)
+            _check_sizes(spec, shards, sizes)
             return shards
         urls = list(braceexpand.braceexpand(spec))
     else:

@@ -12,6 +12,7 @@ without it; `dev` picks the development split, otherwise the rest.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections import defaultdict
@@ -36,20 +37,34 @@ def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
 
 
 def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
-    """Per shard, the (key, label) pairs of the manifest's label index with a label in range (as
-    `read_labels` gives them); DataError when it is unreadable or does not match the manifest's
-    shards."""
+    """Per shard, the (key, label) pairs of the manifest's label index. DataError when it is
+    unreadable, is not the index the manifest recorded (its SHA-256), or disagrees with the
+    manifest: another number of shards or of samples in a shard, a label outside its classes."""
+    fix = "rewrite the shards with tools/make_shards.py"
     try:
         with gopen(shards.labels, "rb") as f:
-            index = json.load(f)
+            raw = f.read()
+        index = json.loads(raw)
         if not isinstance(index, list) or len(index) != len(shards.urls):
             raise ValueError(f"{len(index) if isinstance(index, list) else 'no'} shard entries for "
                              f"{len(shards.urls)} shards")
-        n = len(shards.classes)
-        return [[(str(key), int(label)) for key, label in entry if 0 <= int(label) < n] for entry in index]
+        index = [[(str(key), int(label)) for key, label in entry] for entry in index]
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"label index '{shards.labels}' is unreadable or does not match its manifest "
-                        f"({type(e).__name__}: {e}); rewrite the shards with tools/make_shards.py") from e
+                        f"({type(e).__name__}: {e}); {fix}") from e
+    if shards.labels_sha256 and hashlib.sha256(raw).hexdigest() != shards.labels_sha256:
+        raise DataError(f"label index '{shards.labels}' is not the one its manifest recorded (another SHA-256): "
+                        f"it changed since the shards were written; {fix}")
+    n = len(shards.classes)
+    for url, entry, count in zip(shards.urls, index, shards.counts):
+        shard = url.rsplit("/", 1)[-1]
+        if len(entry) != count:
+            raise DataError(f"label index '{shards.labels}' lists {len(entry)} samples for shard {shard} but "
+                            f"the manifest records {count}; {fix}")
+        if (bad := next((label for _, label in entry if not 0 <= label < n), None)) is not None:
+            raise DataError(f"label index '{shards.labels}' gives label {bad} in shard {shard} but the manifest "
+                            f"lists {n} classes; {fix}")
+    return index
 
 
 def select_subset(shards: ShardSet, fraction: float, seed: int, dev_fraction: float = 0.0,

@@ -1,6 +1,7 @@
 """Image folder or tar archive -> WebDataset shards `OUT/NNNNNN.tar` + `OUT/manifest.json`
 (+ `OUT/labels.json` when labeled: each shard's [key, label] pairs, so that class-balanced subsets
-are chosen without reading the shards).
+are chosen without reading the shards). The manifest records each shard's size in bytes and the
+label index's SHA-256, so a reader can tell when either changed after it was written.
 
 Each sample holds `__key__` (from the file's relative path, unique and stable), the image bytes
 exactly as in the source under the extension of their real format (`jpg`, `png`, `webp`, ...;
@@ -18,6 +19,7 @@ counts whatever still fails to decode.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import io
 import json
@@ -169,6 +171,8 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
     finally:
         if writer is not None:
             writer.close()
+    for shard in shards:  # what the reader checks the shards against (sources.check_shard_sizes)
+        shard["bytes"] = (out / shard["name"]).stat().st_size
 
     report = {"count": len(skipped), "examples": skipped[:10]}
     if skipped:
@@ -176,11 +180,12 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
     if not shards:
         raise ShardError(f"no readable images to write ({len(skipped)} files skipped"
                          + (f", e.g. {skipped[0]})" if skipped else ")"))
+    index = json.dumps(labels).encode()
     manifest = {
         "num_samples": sum(s["num_samples"] for s in shards),
         "shards": shards,
         "classes": classes,
-        **({"labels": LABELS} if classes else {}),
+        **({"labels": LABELS, "labels_sha256": hashlib.sha256(index).hexdigest()} if classes else {}),
         "formats": formats,
         "skipped": report,
         "made": {**(made or {}), "seed": seed, "samples_per_shard": samples_per_shard,
@@ -189,7 +194,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
     if classes:
-        write_atomic(out / LABELS, json.dumps(labels))
+        write_atomic(out / LABELS, index)
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 

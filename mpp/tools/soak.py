@@ -18,7 +18,9 @@ SETTINGS = ["model=vit_micro4_32", "batch_size=32", "steps=1000000", "train.ckpt
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
     p.add_argument("out", help="working directory (data/, run/, logs, soak.json)")
-    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--minutes", type=float, default=60.0,
+                   help="how long to soak, in wall-clock minutes (default 60); the run in progress is killed "
+                        "at the end, so the report covers exactly this time")
     p.add_argument("--kill-after", type=float, nargs=2, default=(15.0, 60.0), metavar=("MIN", "MAX"),
                    help="seconds before each kill -9, drawn uniformly (default 15 60)")
     p.add_argument("--seed", type=int, default=0)

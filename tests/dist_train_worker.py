@@ -1,0 +1,36 @@
+"""Run by tests/test_dist_faults.py under `torchrun --nproc_per_node N`: each gloo rank pre-trains
+with the settings given (mpp.train.train, as tools/pretrain.py would) and writes to
+OUTPUT_DIR/rank{r}.json the pixel hashes of the samples its loader gave, the steps it took and a
+digest of its final weights (encoder and head)."""
+import hashlib
+import json
+import sys
+
+import torch
+
+import mpp.train
+from mpp.config import load_config
+from mpp.data.stream import ShardLoader
+
+
+def main(*overrides: str) -> None:
+    cfg = load_config(None, list(overrides))
+    hashes, tasks = [], []
+    epoch, build = ShardLoader.epoch, mpp.train.build_task
+
+    def recorded(self, *args, **kwargs):
+        for batch in epoch(self, *args, **kwargs):
+            hashes.append([hashlib.sha1(img.permute(1, 2, 0).numpy().tobytes()).hexdigest() for img in batch["image"]])
+            yield batch
+
+    ShardLoader.epoch = recorded
+    mpp.train.build_task = lambda *a: tasks.append(build(*a)) or tasks[-1]
+    metrics = mpp.train.train(cfg)
+    weights = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in tasks[0].state_dict().values()))
+    rank = torch.distributed.get_rank()
+    with open(f"{cfg.output_dir}/rank{rank}.json", "w") as f:
+        json.dump({"steps": metrics["steps"], "batches": hashes[:metrics["steps"]], "weights": weights.hexdigest()}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
