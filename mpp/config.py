@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +193,13 @@ def choices() -> dict[str, tuple[str, ...]]:
             "train.compile": tuple(COMPILE)}
 
 
+def _suggest(key: str, valid: list[str]) -> str:
+    """'did you mean X?' for a near miss (`resume` -> `train.resume`), else the valid keys."""
+    near = [k for k in valid if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]] or \
+        difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    return f"did you mean '{near[0]}'?" if near else f"valid keys: {', '.join(valid)}"
+
+
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     """All dotted keys of the schema, for error messages and --help."""
     keys = []
@@ -251,7 +259,7 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
-            raise ConfigError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys(root))}")
+            raise ConfigError(f"unknown config key '{key}'; {_suggest(key, valid_keys(root))}")
         cur = getattr(obj, k)
         if dataclasses.is_dataclass(cur):
             if not isinstance(v, dict):

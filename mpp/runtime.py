@@ -51,3 +51,11 @@ def die_with_launcher() -> None:
     collective times out, and a restarted job finds the run directory locked by them."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def leave_process_group() -> None:
+    """End a tool's distributed run: a process group still alive at interpreter exit can abort a
+    rank after its work is done ("terminate called without an active exception"). The tools call
+    this, not `train`, so a script may still use the group after training."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

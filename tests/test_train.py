@@ -262,7 +262,11 @@ def test_finetune_from_scratch_beats_chance_on_held_out_data(colours, tmp_path):
 def test_bad_settings_fail_before_any_work(data, tmp_path):
     done = run_tool(["tools/pretrain.py", f"output_dir={tmp_path / 'x'}", "optim.lrr=0.1"])
     assert done.returncode == 2
-    assert "unknown config key 'optim.lrr'" in done.stderr and "optim.lr," in done.stderr
+    assert "unknown config key 'optim.lrr'; did you mean 'optim.lr'?" in done.stderr
+    with pytest.raises(ConfigError, match="'resume'; did you mean 'train.resume'"):  # right name, no section
+        config(settings(data, tmp_path / "x", resume="auto"))
+    with pytest.raises(ConfigError, match="'zzz'; valid keys: output_dir, objective"):  # no near miss: the list
+        config(settings(data, tmp_path / "x", zzz=1))
     assert not (tmp_path / "x").exists()
     with pytest.raises(ConfigError, match="not divisible"):
         train(config(settings(data, tmp_path / "y", batch_size=10, **{"train.grad_accum": 4})))

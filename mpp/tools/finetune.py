@@ -15,8 +15,10 @@ from mpp.cli import one_line_errors, parse_config_args
 @one_line_errors()
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config_args(__doc__, argv, defaults=["objective=classify"])
-    from mpp.train import train  # after parsing: --help and a bad key answer without importing torch
+    from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
+    from mpp.train import train
     train(cfg)
+    leave_process_group()
 
 
 if __name__ == "__main__":
