@@ -60,10 +60,11 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
         reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
         resumed = RESUMED.search(text)
         runs.append({"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
-                     "resumed_at": int(resumed.group(1)) if resumed else 0, "reached": reached,
+                     # None: killed before it resumed or trained (starved of CPU, or at the deadline)
+                     "resumed_at": int(resumed.group(1)) if resumed else (0 if reached else None),
+                     "reached": reached,
                      "errors": [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback"))]})
-    for prev, nxt in zip(runs, runs[1:]):
-        prev["lost"] = max(prev["reached"] - nxt["resumed_at"], 0)  # steps done but not checkpointed
+    count_lost(runs, _newest_checkpoint(out / "run"))
     buckets: dict[int, int] = {}
     for t, rss in samples:
         buckets[int(t // window)] = max(buckets.get(int(t // window), 0), rss)
@@ -73,6 +74,21 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             "steps_lost": sum(r.get("lost", 0) for r in runs),
             "peak_rss_mib_per_window": {f"{int(k * window)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
             "runs": runs}
+
+
+def count_lost(runs: list[dict], checkpointed: int) -> None:
+    """Set each run's `lost`: steps it trained that the next run that got going did not resume from
+    (the last run: beyond the newest checkpoint). Runs killed before they resumed lose nothing."""
+    going = [r for r in runs if r["resumed_at"] is not None]
+    for prev, nxt in zip(going, going[1:]):
+        prev["lost"] = max(prev["reached"] - nxt["resumed_at"], 0)
+    if going:
+        going[-1]["lost"] = max(going[-1]["reached"] - checkpointed, 0)
+
+
+def _newest_checkpoint(run_dir: Path) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()]
+    return max(steps, default=0)
 
 
 def write_report(report: dict, path: Path) -> None:
