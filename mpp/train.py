@@ -40,6 +40,7 @@ from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data import make_loader
 from mpp.data.sources import resolve
+from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
 from mpp.models import save_encoder
 from mpp.objectives import OBJECTIVES, Task, build_task
@@ -126,7 +127,7 @@ def setup(cfg: Config) -> Run:
     set_seed(cfg.seed)
     encoder = objective.encoder_for(cfg)
     loader = make_loader(cfg.data.train, batch_size=cfg.batch_size // (world * accum),
-                         img_size=encoder.grid_size[0] * encoder.patch_size, train=True, labeled=objective.labeled,
+                         img_size=encoder_img_size(encoder), train=True, labeled=objective.labeled,
                          data_cfg=cfg.data, seed=cfg.seed, rank=accelerator.process_index, world_size=world,
                          num_samples=cfg.data.num_samples, subset=objective.subset(cfg))
     if objective.labeled and not loader.classes:
@@ -233,7 +234,7 @@ def finish(run: Run) -> dict:
         save_encoder(task.encoder, out)
         task.export(out)
     encoder = task.encoder
-    img_size = encoder.grid_size[0] * encoder.patch_size
+    img_size = encoder_img_size(encoder)
     results = {
         "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size,
         "precision": run.precision,  # train.precision as resolved for this device (auto decides)

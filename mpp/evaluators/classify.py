@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from mpp.config import Config, ConfigError
 from mpp.data import make_loader
 from mpp.data.sources import check_same_classes, resolve
+from mpp.evaluators.features import encoder_img_size
 from mpp.runtime import autocast
 
 
@@ -33,7 +34,7 @@ class Evaluator:
         dev = f.dev_fraction > 0
         spec, num_samples = (cfg.data.train, cfg.data.num_samples) if dev else (cfg.data.val, cfg.data.val_num_samples)
         loader = make_loader(spec, batch_size=cfg.batch_size // (state.num_processes * cfg.train.grad_accum),
-                             img_size=classifier.encoder.grid_size[0] * classifier.encoder.patch_size, train=False,
+                             img_size=encoder_img_size(classifier.encoder), train=False,
                              labeled=True, data_cfg=cfg.data, rank=state.process_index,
                              world_size=state.num_processes, num_samples=num_samples,
                              subset=(f.label_fraction, f.split_seed, f.dev_fraction, True) if dev else None)
