@@ -73,6 +73,8 @@ class FinetuneConfig:
     split_seed: int = 0        # draws the subset and the dev split (kept across `seed`, which varies the run)
     drop_path: float = 0.0
     label_smoothing: float = 0.0
+    head_init: str = "zero"    # zero (the paper) | probe: the linear probe of the frozen encoder on the
+                               # same training labels (LP-FT), so fine-tuning starts at the probe's accuracy
 
 
 @dataclass
@@ -184,11 +186,11 @@ def choices() -> dict[str, tuple[str, ...]]:
     themselves (imported here, not with this module, so that reading a config stays cheap)."""
     from mpp.compiled import COMPILE
     from mpp.models import POOLS, PRESETS
-    from mpp.objectives import OBJECTIVES, TARGETS
+    from mpp.objectives import HEAD_INITS, OBJECTIVES, TARGETS
     from mpp.optim import OPTIMIZERS, SCHEDULES
     from mpp.runtime import ATTENTION, PRECISIONS
     return {"objective": tuple(OBJECTIVES), "model": tuple(PRESETS), "mpp.target": tuple(TARGETS),
-            "finetune.pool": POOLS, "probe.pool": ("auto", *POOLS), "optim.name": tuple(OPTIMIZERS),
+            "finetune.pool": POOLS, "finetune.head_init": HEAD_INITS, "probe.pool": ("auto", *POOLS), "optim.name": tuple(OPTIMIZERS),
             "optim.schedule": tuple(SCHEDULES), "train.precision": PRECISIONS, "train.attn": tuple(ATTENTION),
             "train.compile": tuple(COMPILE)}
 

@@ -185,9 +185,10 @@ class Task(nn.Module):
 
     A Task class also says what its run needs, so the trainer asks it instead of testing the
     objective's name: `labeled` (whether forward needs labels), `encoder_for(cfg)` (the encoder it
-    starts from), `subset(cfg)` (the training samples it reads), `final_eval` (the evaluator of
-    mpp.evaluators run on it at the end), `export(out)` and `settings(cfg)` (what it adds to the
-    run directory and to metrics.json)."""
+    starts from), `subset(cfg)` (the training samples it reads), `begin(cfg, device, precision)`
+    (work before the first step of a fresh run), `final_eval` (the evaluator of mpp.evaluators run
+    on it at the end), `export(out)` and `settings(cfg)` (what it adds to the run directory and to
+    metrics.json)."""
     labeled = False
     final_eval: str | None = None
 
@@ -205,6 +206,11 @@ class Task(nn.Module):
     def subset(cls, cfg) -> tuple | None:
         """The loader's `subset` of data.train (None: all of it)."""
         return None
+
+    def begin(self, cfg, device: torch.device, precision: str) -> bool:
+        """Work before the first step of a fresh run (not on resume), on the device; returns
+        whether it changed any weight (the trainer then copies the main process's to every rank)."""
+        return False
 
     def export(self, out_dir: Path) -> None:
         """Files beyond the encoder that the finished run leaves in its directory (none)."""
@@ -300,14 +306,30 @@ class SupervisedTask(LabelTask):
 
 
 class ClassifyTask(LabelTask):
-    """Fine-tuning: a zero-initialised linear head on an encoder loaded from `finetune.init` (or
-    fresh), trained on a label fraction of data.train and evaluated at the end (top-1/5)."""
+    """Fine-tuning: a linear head on an encoder loaded from `finetune.init` (or fresh), trained on a
+    label fraction of data.train and evaluated at the end (top-1/5). The head starts at zero (the
+    paper) or, with finetune.head_init=probe, at the encoder's linear probe on the same training
+    labels (LP-FT, Kumar et al. 2022: fine-tuning then starts where the probe ends instead of
+    first distorting the features to fit a blank head)."""
     final_eval = "classify"
+    head_fit: dict = {}  # the probe behind a head_init=probe head: its L2 and held-out top-1
 
     @classmethod
     def from_config(cls, cfg, encoder: nn.Module, num_classes: int) -> ClassifyTask:
         f = cfg.finetune
         return cls(encoder, cfg.data, _linear(encoder.embed_dim, num_classes, zero=True), f.pool, f.label_smoothing)
+
+    def begin(self, cfg, device: torch.device, precision: str) -> bool:
+        if cfg.finetune.head_init != "probe":
+            return False
+        from mpp.evaluators.linear_probe import probe_head  # only an LP-FT run pays for its import
+        fit = probe_head(self.encoder, cfg, pool=self.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
+                         device=device, precision=precision)
+        with torch.no_grad():
+            self.head.weight.copy_(fit.pop("weight"))
+            self.head.bias.copy_(fit.pop("bias"))
+        self.head_fit = fit
+        return True
 
     @classmethod
     def encoder_for(cls, cfg) -> nn.Module:
@@ -327,7 +349,11 @@ class ClassifyTask(LabelTask):
     def settings(self, cfg) -> dict:
         f = cfg.finetune
         return dict(init=f.init, label_fraction=f.label_fraction, dev_fraction=f.dev_fraction,
-                    split_seed=f.split_seed, seed=cfg.seed, pool=f.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr)
+                    split_seed=f.split_seed, seed=cfg.seed, pool=f.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr,
+                    head_init=f.head_init, **{f"head_probe_{k}": v for k, v in self.head_fit.items()})
+
+
+HEAD_INITS = ("zero", "probe")  # finetune.head_init: the paper's zero head | the linear probe's (LP-FT)
 
 
 # objective -> its Task: config's `objective` choices come from this table

@@ -153,14 +153,14 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
 
 def _recipes(dev_runs: list[dict], finals: list[dict]) -> dict:
     """The sweep of one cell: each dev run's values of the keys the sweep varied and its dev top-1,
-    and the values (plus finetune.pool) the final runs used."""
+    and the values (plus finetune.pool and head_init) the final runs used."""
     flats = [_flat(r["config"]) for r in dev_runs]
     varied = sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
                     and len({json.dumps(f.get(k)) for f in flats}) > 1)
     final = _flat(finals[0]["config"]) if finals else {}
     return {"dev": [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])}
                     for f, r in zip(flats, dev_runs)],
-            "chosen": {k: final.get(k) for k in varied + ["finetune.pool"] if k in final}}
+            "chosen": {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}}
 
 
 def collect(runs: list[dict]) -> dict:

@@ -152,6 +152,11 @@ def setup(cfg: Config) -> Run:
             _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
         save_config(cfg, out / "config.yaml")
     if not resume:
+        with accelerator.main_process_first():  # the others then read its features from the cache
+            changed = task.begin(cfg, device, precision)
+        if changed and world > 1:  # every rank starts from the main process's weights, bit for bit
+            for p in task.parameters():
+                torch.distributed.broadcast(p.data, 0)
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0,
                  "last": {}, "skipped": {}}

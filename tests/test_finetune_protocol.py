@@ -84,3 +84,39 @@ def test_adamw_recipe_trains(colours, tmp_path):
         f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
         "data.num_workers=0", "train.attn=math"]))
     assert m["top1"] > 0.6, m  # chance: 1/3
+
+
+def test_folded_probe_head_predicts_like_the_probe_on_standardised_features():
+    """fit_linear_head folds the standardisation into the weights: raw features through the head
+    give the logits of the logistic fit on standardised features."""
+    import torch
+
+    from mpp.evaluators.features import standardize
+    from mpp.evaluators.linear_probe import _fit_logistic, fit_linear_head
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 4, (200,), generator=g)
+    x = torch.randn(200, 16, generator=g) * torch.linspace(0.1, 50, 16) + 7 + y[:, None] * torch.rand(16, generator=g)
+    weight, bias = fit_linear_head(x, y, 4, l2=1e-2)
+    w = _fit_logistic(standardize(x)[0], y, 4, 1e-2)
+    torch.testing.assert_close(x @ weight.T + bias, standardize(x)[0] @ w[:-1] + w[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
+    """With finetune.head_init=probe the head is the linear probe fitted on the run's own training
+    labels (dev split excluded): a fine-tune that does not move (its one step inside the warmup, at
+    lr 0) scores the probe's accuracy
+    on the dev split, where a zero head scores chance; the probe's L2 and held-out top-1 are recorded."""
+    from mpp.train import train
+    items = [f"output_dir={tmp_path / 'zero'}", "objective=classify", "model=vit_micro4_32", "batch_size=16",
+             "steps=1", "optim.warmup_steps=1", "optim.name=sgd", "optim.weight_decay=0", "finetune.pool=avg",
+             f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
+             "data.num_workers=0", "train.attn=math", "finetune.dev_fraction=0.2", "data.eval_crop_pct=1.0"]
+    zero = train(load_config(None, items))
+    probe = train(load_config(None, items + [f"output_dir={tmp_path / 'probe'}", "finetune.head_init=probe"]))
+    assert zero["head_init"] == "zero" and "head_probe_l2" not in zero
+    assert zero["top1"] == pytest.approx(1 / 3, abs=0.01)  # every logit 0: one class for all
+    assert probe["evaluated_on"] == "dev" and probe["head_init"] == "probe"
+    assert probe["top1"] > 0.6 and probe["head_probe_heldout_top1"] > 0.6, probe
+    assert probe["head_probe_l2"] > 0
+    assert list(tmp_path.glob("feature_cache/features-*.safetensors"))  # the sweep's other runs reuse them

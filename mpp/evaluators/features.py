@@ -27,6 +27,12 @@ def encoder_img_size(encoder) -> int:
     return encoder.grid_size[0] * encoder.patch_size
 
 
+def feature_cache_dir(cfg: Config) -> Path:
+    """Where features are cached: probe.cache_dir, else OUTPUT_DIR/../feature_cache (shared by the
+    runs of one comparison)."""
+    return Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else Path(cfg.output_dir).parent / "feature_cache"
+
+
 def candidate_pools(setting: str) -> tuple[str, ...]:
     """The representations a `probe.pool` setting evaluates: all of POOLS for auto, else the one."""
     return POOLS if setting == "auto" else (setting,)
@@ -79,20 +85,23 @@ def _data_fingerprint(spec, num_samples: int) -> list:
 
 
 def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
-                      precision: str) -> str:
-    """Hash of everything the features depend on: architecture, weights, data, transform, pooling,
-    precision."""
+                      precision: str, subset: tuple | None = None) -> str:
+    """Hash of everything the features depend on: architecture, weights, data (and the subset of
+    it), transform, pooling, precision."""
     d = cfg.data
     key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder),
-               data=_data_fingerprint(spec, num_samples), img_size=img_size, pools=list(pools), precision=precision,
+               data=_data_fingerprint(spec, num_samples), subset=list(subset) if subset else None,
+               img_size=img_size, pools=list(pools), precision=precision,
                mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POOLS, num_samples: int = 0,
                      cache_dir: str | Path | None = None, device: torch.device | str = "cpu",
-                     precision: str = "auto", progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`.
+                     precision: str = "auto", progress: bool = True,
+                     subset: tuple | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`
+    (or of its `subset`, as `make_loader` takes it).
 
     Every representation of `pools` comes from one forward pass. The encoder is frozen (eval mode,
     no grad; its mode is restored after); images get the eval transform at the encoder's
@@ -105,13 +114,13 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     path = None
     if cache_dir:
         key = feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
-                                num_samples=num_samples, precision=precision)
+                                num_samples=num_samples, precision=precision, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
             cached = load_file(str(path))
             return {p: cached[f"features.{p}"] for p in pools}, cached["labels"]
     loader = make_loader(spec, batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True,
-                         data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1)
+                         data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1, subset=subset)
     feats, labels = [], []
     with eval_mode(encoder):
         for batch in tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="features",
@@ -130,8 +139,12 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     return features, labels
 
 
+def feature_stats(train: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature mean and (population) std + eps of `train` (N, D), each (1, D)."""
+    return train.mean(0, keepdim=True), train.std(0, unbiased=False, keepdim=True) + eps
+
+
 def standardize(train: torch.Tensor, *others: torch.Tensor, eps: float = 1e-5) -> list[torch.Tensor]:
     """Whiten with the mean and (population) std of `train`, as big_vision does."""
-    mean = train.mean(0, keepdim=True)
-    std = train.std(0, unbiased=False, keepdim=True) + eps
+    mean, std = feature_stats(train, eps)
     return [(x - mean) / std for x in (train, *others)]

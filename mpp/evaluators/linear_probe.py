@@ -18,7 +18,8 @@ from timm.utils import accuracy
 
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data.sources import check_same_classes
-from mpp.evaluators.features import candidate_pools, encoder_img_size, extract_features, standardize
+from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
+                                     feature_stats, standardize)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import write_atomic
 from mpp.models import create_encoder, load_encoder
@@ -54,47 +55,80 @@ def _topk(logits: torch.Tensor, y: torch.Tensor, k: int) -> float:
     return accuracy(logits, y, topk=(k,))[0].item() / 100
 
 
-def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
-                 val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> dict:
-    """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
-    held-out train features.
+def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight (C, D) and bias (C,) of the logistic fit on features `x` standardised with their own
+    statistics, the standardisation folded in: logits = x @ weight.T + bias on raw features, so
+    the pair can also be the weights of an nn.Linear head (finetune.head_init=probe)."""
+    x = x.float()
+    mean, std = feature_stats(x)
+    w = _fit_logistic((x - mean) / std, y.long(), num_classes, l2)
+    scaled = w[:-1] / std.T  # (D, C)
+    return scaled.T.contiguous(), w[-1] - (mean @ scaled)[0]
 
-    `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
-    Features are standardised with training statistics. Every (representation, L2 of `l2_grid`)
-    pair is fitted on the train part (1 - val_fraction, one seeded random split) and scored on the
-    rest; the best (ties: the stronger L2, then the earlier representation) is refitted on all
-    training features and evaluated once on test. With a dict the result also holds
-    `representation` (the chosen one) and `heldout_top1` (each candidate's best held-out top-1).
-    """
-    several = isinstance(train_x, dict)
-    trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
-    train_y, test_y = train_y.long(), test_y.long()
-    if num_classes is None:
-        num_classes = int(max(train_y.max(), test_y.max())) + 1
+
+def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
+                 val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> tuple[str, float, dict]:
+    """(representation, L2, {representation: {L2: held-out top-1}}): every pair fitted on the
+    train part (1 - val_fraction, one seeded random split) of {representation: features (N, D)}
+    and scored on the rest; the best wins (ties: the stronger L2, then the earlier representation)."""
+    train_y = train_y.long()
     perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(val_fraction * len(train_y))))
     if len(train_y) - n_val < 1:
         raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
     fit_idx, val_idx = perm[n_val:], perm[:n_val]
     scores: dict[str, dict[float, float]] = {}
-    for name, x in trains.items():
+    for name, x in train_x.items():
         fx, vx = standardize(x[fit_idx].float(), x[val_idx].float())
         scores[name], w = {}, None
         for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
             w = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
             scores[name][l2] = _topk(vx @ w[:-1] + w[-1], train_y[val_idx], 1)
-    order = list(trains)
+    order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
-    tx, sx = standardize(trains[rep].float(), tests[rep].float())
-    w = _fit_logistic(tx, train_y, num_classes, best)
-    logits = sx @ w[:-1] + w[-1]
+    return rep, best, scores
+
+
+def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
+                 val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> dict:
+    """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
+    held-out train features (`choose_probe`), refitted on all training features and evaluated once
+    on test (features standardised with training statistics).
+
+    `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
+    With a dict the result also holds `representation` (the chosen one) and `heldout_top1` (each
+    candidate's best held-out top-1).
+    """
+    several = isinstance(train_x, dict)
+    trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
+    train_y, test_y = train_y.long(), test_y.long()
+    if num_classes is None:
+        num_classes = int(max(train_y.max(), test_y.max())) + 1
+    rep, best, scores = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
+                                     l2_grid=l2_grid, seed=seed)
+    weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best)
+    logits = tests[rep].float() @ weight.T + bias
     out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
            "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())}}
     if several:
         out["representation"] = rep
-        out["heldout_top1"] = {n: max(scores[n].values()) for n in order}
+        out["heldout_top1"] = {n: max(scores[n].values()) for n in trains}
     return out
+
+
+def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
+               precision: str) -> dict:
+    """The linear probe of frozen `encoder` on its `pool` features of the labeled `subset` of
+    data.train (as `make_loader` takes it), the L2 chosen on a held-out part (probe.val_fraction,
+    split by finetune.split_seed): {weight (C, D), bias (C,), l2, heldout_top1}, the starting head
+    of a fine-tune with finetune.head_init=probe. Features go through the feature cache."""
+    x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=(pool,), num_samples=cfg.data.num_samples,
+                            cache_dir=feature_cache_dir(cfg), device=device, precision=precision, subset=subset)
+    _, l2, scores = choose_probe(x, y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
+                                 seed=cfg.finetune.split_seed)
+    weight, bias = fit_linear_head(x[pool], y, num_classes, l2)
+    return {"weight": weight, "bias": bias, "l2": l2, "heldout_top1": scores[pool][l2]}
 
 
 class Evaluator:
@@ -112,8 +146,7 @@ class Evaluator:
 
     def run(self, encoder) -> dict:
         cfg = self.cfg
-        cache = Path(cfg.probe.cache_dir) if cfg.probe.cache_dir else Path(cfg.output_dir).parent / "feature_cache"
-        kw = dict(cfg=cfg, pools=candidate_pools(cfg.probe.pool), cache_dir=cache, device=self.device,
+        kw = dict(cfg=cfg, pools=candidate_pools(cfg.probe.pool), cache_dir=feature_cache_dir(cfg), device=self.device,
                   precision=resolve_precision(cfg.train.precision, self.device.type))  # the cache key names what ran
         t0 = time.time()
         tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
