@@ -190,9 +190,9 @@ def choices() -> dict[str, tuple[str, ...]]:
     from mpp.optim import OPTIMIZERS, SCHEDULES
     from mpp.runtime import ATTENTION, PRECISIONS
     return {"objective": tuple(OBJECTIVES), "model": tuple(PRESETS), "mpp.target": tuple(TARGETS),
-            "finetune.pool": POOLS, "finetune.head_init": HEAD_INITS, "probe.pool": ("auto", *POOLS), "optim.name": tuple(OPTIMIZERS),
-            "optim.schedule": tuple(SCHEDULES), "train.precision": PRECISIONS, "train.attn": tuple(ATTENTION),
-            "train.compile": tuple(COMPILE)}
+            "finetune.pool": POOLS, "finetune.head_init": HEAD_INITS, "probe.pool": ("auto", *POOLS),
+            "optim.name": tuple(OPTIMIZERS), "optim.schedule": tuple(SCHEDULES), "train.precision": PRECISIONS,
+            "train.attn": tuple(ATTENTION), "train.compile": tuple(COMPILE)}
 
 
 def _suggest(key: str, valid: list[str]) -> str:
