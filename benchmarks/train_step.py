@@ -1,6 +1,6 @@
 """Training-step benchmark of the MPP objective: this project against two straightforward ways.
 
-  python benchmarks/train_step.py [--only ti4 s16] [--device cuda] [--json PATH]
+  python benchmarks/train_step.py [--only ti4 s16 b16] [--device cuda] [--json PATH]
   python benchmarks/train_step.py --only ti4 --steps 2 --warmup 1 --no-loader     (a quick check)
 
 Take final figures on a quiet machine and record them in docs/benchmarks.md.
@@ -15,7 +15,8 @@ turn and summarised by the median step time:
   loss (boolean-mask corruption, head over all tokens, loss on the chosen ones) and
   `torch.optim.AdamW` defaults;
 - `mpp+compile`, `timm+compile`: the same steps with the model under `torch.compile` (mpp through
-  `mpp.compiled`, as the trainer's `train.compile`);
+  `mpp.compiled`, as the trainer's `train.compile`); `mpp+cudagraphs`: compiled with
+  `train.compile_mode=reduce-overhead` (CUDA graphs);
 - `vit-pytorch`: the `vit_pytorch` package's `ViT` + `MPP` at 50% / 80-10-10 (its `cls_token`
   and `pos_embedding` reshaped to the 3-D tensors its MPP expects), `torch.optim.AdamW`.
 Model FLOPs of one step are counted with `torch.utils.flop_counter` (matmuls, convolutions,
@@ -53,11 +54,14 @@ from mpp.objectives import build_task, mean_color_targets
 from mpp.optim import create_optimizer
 from mpp.runtime import autocast
 
-# benchmark name -> (preset, default batch size)
-MODELS = {"ti4": ("vit_ti4_32", 128), "s16": ("vit_s16", 128)}
-METHODS = ("mpp", "mpp+compile", "timm+loop", "timm+compile", "vit-pytorch")
-DEFAULT_METHODS = {"cpu": ("mpp", "timm+loop", "vit-pytorch"),  # compiling takes minutes on CPU
-                   "cuda": ("mpp", "mpp+compile", "timm+loop", "timm+compile")}  # vit-pytorch fails on CUDA
+# benchmark name -> preset; per device: the models run by default and each one's default batch
+MODELS = {"ti4": "vit_ti4_32", "s16": "vit_s16", "b16": "vit_b16"}
+DEFAULT_MODELS = {"cpu": ("ti4", "s16"), "cuda": ("ti4", "s16", "b16")}
+DEFAULT_BATCH = {"cpu": {"ti4": 128, "s16": 128, "b16": 32}, "cuda": {"ti4": 1024, "s16": 256, "b16": 256}}
+METHODS = ("mpp", "mpp+compile", "mpp+cudagraphs", "timm+loop", "timm+compile", "vit-pytorch")
+# compiling takes minutes on CPU; vit-pytorch fails on CUDA
+DEFAULT_METHODS = {"cpu": ("mpp", "timm+loop", "vit-pytorch"),
+                   "cuda": ("mpp", "mpp+compile", "mpp+cudagraphs", "timm+loop", "timm+compile")}
 PRECISIONS = {"bf16": "bf16", "fp32": "no"}
 CPU = torch.device("cpu")
 
@@ -101,9 +105,8 @@ def gemm_rates(model: str, batch_size: int = 0, device: torch.device = CPU) -> d
     """bf16 FLOP/s (`matmul_rate`) of the forward GEMM shapes of a model's linear layers at a batch
     (tokens x dim times dim x {3 dim, dim, mlp}, tokens x mlp times mlp x dim): how close the step's
     own matrix multiplies come to the large-matmul peak."""
-    preset, default_batch = MODELS[model]
-    d = _arch(preset)[2]
-    tokens = (batch_size or default_batch) * ((d["img"] // d["patch"]) ** 2 + 1)
+    d = _arch(MODELS[model])[2]
+    tokens = (batch_size or DEFAULT_BATCH[device.type][model]) * ((d["img"] // d["patch"]) ** 2 + 1)
     shapes = ((d["dim"], 3 * d["dim"]), (d["dim"], d["dim"]), (d["dim"], d["mlp"]), (d["mlp"], d["dim"]))
     return {f"{tokens}x{k}x{n}": matmul_rate(tokens, k, n, device=device) for k, n in shapes}
 
@@ -134,12 +137,13 @@ def _clip_and_step(params, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def ours(preset: str, precision: str, compile: bool = False, device: torch.device = CPU) -> tuple[Callable, nn.Module]:
-    """The trainer's step: Task + fused AdamW; non-finite steps skipped on the device."""
+def ours(preset: str, precision: str, compile: str = "", device: torch.device = CPU) -> tuple[Callable, nn.Module]:
+    """The trainer's step: Task + fused AdamW; non-finite steps skipped on the device; `compile`:
+    eager if empty, else compiled in that `train.compile_mode`."""
     cfg = build_config({"model": preset, "train": {"precision": precision}})
     task = build_task(cfg, create_encoder(preset, attn=cfg.train.attn), None).to(device)
     optimizer = create_optimizer(cfg, task)
-    forward = compile_task(task) if compile else task
+    forward = compile_task(task, compile) if compile else task
     params = [p for p in task.parameters() if p.requires_grad]
 
     def step(images):
@@ -217,7 +221,8 @@ def vit_pytorch(preset: str, precision: str, device: torch.device = CPU) -> tupl
     return step, model
 
 
-BUILDERS = {"mpp": ours, "mpp+compile": functools.partial(ours, compile=True), "timm+loop": timm_loop,
+BUILDERS = {"mpp": ours, "mpp+compile": functools.partial(ours, compile="default"),
+            "mpp+cudagraphs": functools.partial(ours, compile="reduce-overhead"), "timm+loop": timm_loop,
             "timm+compile": functools.partial(timm_loop, compile=True), "vit-pytorch": vit_pytorch}
 
 
@@ -259,12 +264,12 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
         warmup: int = 2, batch_size: int = 0, device: torch.device = CPU,
         progress: Callable[[str], None] = print) -> list[dict]:
     """One row per (model, precision, method): images/s, speed-up of each `mpp` method over the
-    faster other method at the same precision, the model FLOPs of one step (counted on the eager
-    `mpp` step, see `add_peaks`) and the peak memory on CUDA."""
+    faster other method at the same precision and over each other method (`vs`), the model FLOPs of
+    one step (counted on the eager `mpp` step, see `add_peaks`) and the peak memory on CUDA."""
     rows = []
     for key in models:
-        preset, default_batch = MODELS[key]
-        B = batch_size or default_batch
+        preset = MODELS[key]
+        B = batch_size or DEFAULT_BATCH[device.type][key]
         img = _arch(preset)[2]["img"]
         images = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8, device=device)
         for prec in precisions:
@@ -284,13 +289,14 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
             flops = step_flops(built["mpp"] if "mpp" in built else BUILDERS["mpp"](preset, PRECISIONS[prec],
                                                                                    device=device)[0], images)
             del built
-            others = [r["images_per_s"] for r in group if not r["method"].startswith("mpp")]
+            others = {r["method"]: r["images_per_s"] for r in group if not r["method"].startswith("mpp")}
             for r in group:
                 if r["method"].startswith("mpp"):
                     r["flops"] = flops
                     r["model_tflops"] = flops / r["step_s"] / 1e12
                     if others:
-                        r["speedup"] = r["images_per_s"] / max(others)
+                        r["speedup"] = r["images_per_s"] / max(others.values())
+                        r["vs"] = {m: r["images_per_s"] / v for m, v in others.items()}
             rows += group
     return rows
 
@@ -308,7 +314,7 @@ def run_with_peaks(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=D
 
 def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, block_steps: int = 4,
                  warmup: int = 2, batch_size: int = 0, precision: str = "bf16", num_workers: int = 2,
-                 shuffle_buffer: int = 2000, compile: bool = False, device: torch.device = CPU,
+                 shuffle_buffer: int = 2000, compile: str = "", device: torch.device = CPU,
                  progress: Callable[[str], None] = print) -> dict:
     """The `mpp` step fed by `make_loader` over synthetic shards vs the same step on an in-memory
     batch, as a training run feels it: steady state, per-step time including the wait for the batch.
@@ -326,8 +332,8 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
     from mpp.data.synthetic import make_synthetic
     from mpp.prefetch import DevicePrefetcher
 
-    preset, default_batch = MODELS[model]
-    B = batch_size or default_batch
+    preset = MODELS[model]
+    B = batch_size or DEFAULT_BATCH[device.type][model]
     step, task = ours(preset, PRECISIONS[precision], compile=compile, device=device)
     img = task.encoder.grid_size[0] * task.encoder.patch_size
     n = B * (warmup + blocks * block_steps + 1)  # one epoch holds every loader step
@@ -392,6 +398,10 @@ def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict 
         mem = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else ""
         lines.append(f"{r['model']:6} {r['precision']:5} {r['method']:12} {r['batch']:>5} {r['step_s']:>8.3f} "
                      f"{r['images_per_s']:>8.1f} {sp:>8} {tf:>8} {of:>7} {ce:>8} {mem:>7}")
+    for r in rows:
+        if "vs" in r:
+            lines.append(f"{r['model']} {r['precision']} {r['method']}: " + ", ".join(
+                f"{v:.2f}x {m}" for m, v in r["vs"].items()))
     lines.append("speed-up: mpp images/s over the faster of the other methods at the same precision "
                  "(target >= 1.3x); of peak: model FLOP/s over the bf16 matmul peak (target >= 45% for s16); "
                  "ceiling: images/s with every model FLOP at the matmul peak of the row's precision, nothing else")
@@ -411,14 +421,16 @@ def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict 
 @one_line_errors(extra=(RuntimeError, ValueError))
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
-    p.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default: all)")
+    p.add_argument("--only", nargs="+", choices=list(MODELS),
+                   help="models (default: " + "; ".join(f"{d}: {' '.join(m)}" for d, m in DEFAULT_MODELS.items()) + ")")
     p.add_argument("--precision", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     p.add_argument("--methods", nargs="+", choices=list(METHODS),
                    help="default: " + "; ".join(f"{d}: {' '.join(m)}" for d, m in DEFAULT_METHODS.items()))
     p.add_argument("--device", choices=list(DEFAULT_METHODS), default="cpu")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method, one at a time in turn with the other methods; the median counts (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--batch-size", type=int, default=0, help="0: 128 for both models")
+    p.add_argument("--batch-size", type=int, default=0, help="0: per model and device, " + "; ".join(
+        f"{d}: " + " ".join(f"{m} {b}" for m, b in bs.items()) for d, bs in DEFAULT_BATCH.items()))
     p.add_argument("--no-loader", action="store_true", help="skip the shard-loader check")
     p.add_argument("--loader-model", choices=list(MODELS), default="ti4")
     p.add_argument("--workers", type=int, default=2, help="loader workers for the loader check")
@@ -434,17 +446,18 @@ def main(argv: list[str] | None = None) -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no CUDA device; use --device cpu")
     device = torch.device(a.device)
-    rows, peaks = run_with_peaks(a.only, a.precision, a.methods or DEFAULT_METHODS[a.device], steps=a.steps,
+    models = a.only or DEFAULT_MODELS[a.device]
+    rows, peaks = run_with_peaks(models, a.precision, a.methods or DEFAULT_METHODS[a.device], steps=a.steps,
                                  warmup=a.warmup, batch_size=a.batch_size, device=device,
                                  progress=lambda m: print(m, flush=True))
-    gemms = {m: gemm_rates(m, a.batch_size, device) for m in a.only} if "bf16" in a.precision else {}
+    gemms = {m: gemm_rates(m, a.batch_size, device) for m in models} if "bf16" in a.precision else {}
     loader = None
     if not a.no_loader:
         with tempfile.TemporaryDirectory() as tmp:
             loader = loader_check(a.work_dir or tmp, a.loader_model, blocks=a.loader_blocks,
                                   block_steps=a.loader_block_steps, warmup=max(a.warmup, 1),
                                   batch_size=a.batch_size, num_workers=a.workers,
-                                  compile=device.type == "cuda", device=device)
+                                  compile="default" if device.type == "cuda" else "", device=device)
     print(format_table(rows, peaks, loader, gemms))
     if a.json:
         Path(a.json).write_text(json.dumps({"peak_flops": peaks, "gemm_flops": gemms, "rows": rows, "loader": loader},

@@ -5,6 +5,8 @@ see mpp.models), and the batch dimension is dynamic, so an epoch's smaller tail 
 run reuse the compiled graph instead of recompiling (only a batch of one specialises). "auto"
 compiles on CUDA, where the fused kernels and fewer launches pay for the compile time; on CPU the
 compile takes minutes for a gain that short runs never recover, so it is off unless asked for.
+`train.compile_mode` is torch.compile's mode; "reduce-overhead" also replays the step as CUDA graphs
+(one launch instead of hundreds: for small models, where launch overhead dominates).
 """
 from __future__ import annotations
 
@@ -19,16 +21,25 @@ COMPILE = {"auto": lambda device_type: device_type == "cuda",
            "never": lambda device_type: False}
 
 
+# train.compile_mode -> whether torch.compile's mode records CUDA graphs (on CUDA only; elsewhere ignored)
+COMPILE_MODES = {"default": False, "reduce-overhead": True, "max-autotune": True, "max-autotune-no-cudagraphs": False}
+
+
 def use_compile(setting: str, device: torch.device) -> bool:
     """Whether `train.compile` (a mode of COMPILE) compiles on `device`."""
     return COMPILE[setting](device.type)
 
 
-def compile_task(model: torch.nn.Module) -> Callable:
-    """`model(images[, labels]) -> (loss, metrics)` compiled, with the batch dimension dynamic."""
-    compiled = torch.compile(model)
+def compile_task(model: torch.nn.Module, mode: str = "default") -> Callable:
+    """`model(images[, labels]) -> (loss, metrics)` compiled, with the batch dimension dynamic.
+    With CUDA graphs every call starts a new step: the caller has consumed the outputs of the last
+    one (loss backwarded, metrics added into its own sums) before the graph overwrites them."""
+    compiled = torch.compile(model, mode=mode)
+    graphs = COMPILE_MODES[mode]
 
     def forward(images: torch.Tensor, labels: torch.Tensor | None = None):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         torch._dynamo.maybe_mark_dynamic(images, 0)
         if labels is None:
             return compiled(images)

@@ -105,6 +105,7 @@ class TrainConfig:
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
     compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
+    compile_mode: str = "default"  # torch.compile's mode; reduce-overhead adds CUDA graphs (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
 
 
@@ -184,7 +185,7 @@ class CompareConfig:
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each key that names an entry of a table, read off the tables
     themselves (imported here, not with this module, so that reading a config stays cheap)."""
-    from mpp.compiled import COMPILE
+    from mpp.compiled import COMPILE, COMPILE_MODES
     from mpp.models import POOLS, PRESETS
     from mpp.objectives import HEAD_INITS, OBJECTIVES, TARGETS
     from mpp.optim import OPTIMIZERS, SCHEDULES
@@ -192,7 +193,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {"objective": tuple(OBJECTIVES), "model": tuple(PRESETS), "mpp.target": tuple(TARGETS),
             "finetune.pool": POOLS, "finetune.head_init": HEAD_INITS, "probe.pool": ("auto", *POOLS),
             "optim.name": tuple(OPTIMIZERS), "optim.schedule": tuple(SCHEDULES), "train.precision": PRECISIONS,
-            "train.attn": tuple(ATTENTION), "train.compile": tuple(COMPILE)}
+            "train.attn": tuple(ATTENTION), "train.compile": tuple(COMPILE),
+            "train.compile_mode": tuple(COMPILE_MODES)}
 
 
 def _suggest(key: str, valid: list[str]) -> str:

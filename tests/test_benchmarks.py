@@ -31,15 +31,18 @@ def load(name: str):
 @pytest.mark.slow
 def test_train_step_benchmark_times_every_method_and_counts_flops(monkeypatch):
     b = load("train_step")
-    monkeypatch.setitem(b.MODELS, "micro", ("vit_micro4_32", 2))  # the tests' preset: seconds, not minutes
+    monkeypatch.setitem(b.MODELS, "micro", "vit_micro4_32")  # the tests' preset: seconds, not minutes
     rows = b.run(("micro",), ("fp32",), ("mpp", "timm+loop"), steps=1, warmup=0, batch_size=2,
                  progress=lambda m: None)
     assert [r["method"] for r in rows] == ["mpp", "timm+loop"]
     assert all(r["images_per_s"] > 0 for r in rows)
-    assert rows[0]["flops"] > 0 and "speedup" in rows[0] and "flops" not in rows[1]
+    assert rows[0]["flops"] > 0 and "flops" not in rows[1]
+    assert rows[0]["speedup"] == pytest.approx(rows[0]["vs"]["timm+loop"])
+    assert rows[0]["vs"]["timm+loop"] == pytest.approx(rows[0]["images_per_s"] / rows[1]["images_per_s"])
     b.add_peaks(rows, {"bf16": 1e12, "fp32": 1e12})
     table = b.format_table(rows, {"bf16": 1e12}, None)
     assert "timm+loop" in table and "mpp" in table and "matmul peak: bf16 1.000 TFLOP/s" in table
+    assert f"micro fp32 mpp: {rows[0]['vs']['timm+loop']:.2f}x timm+loop" in table
 
 
 @pytest.mark.slow

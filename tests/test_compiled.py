@@ -26,22 +26,25 @@ def eager_random():
         yield
 
 
-@pytest.mark.parametrize("objective", ["mpp", "classify"])
-def test_compiled_step_equals_eager_without_recompiles(objective, eager_random):
+@pytest.mark.parametrize("objective,mode", [("mpp", "default"), ("classify", "default"), ("mpp", "reduce-overhead")])
+def test_compiled_step_equals_eager_without_recompiles(objective, mode, eager_random):
+    """On CUDA where there is one (reduce-overhead then replays CUDA graphs), else on CPU (where the
+    mode checks its step marking and that it compiles the same single graph)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.reset()
     counters.clear()
     cfg = Config(objective=objective)
     torch.manual_seed(0)
-    task = build_task(cfg, create_encoder("vit_micro4_32", attn="auto"), 10 if objective != "mpp" else None)
-    step = compile_task(task)
+    task = build_task(cfg, create_encoder("vit_micro4_32", attn="auto"), 10 if objective != "mpp" else None).to(device)
+    step = compile_task(task, mode)
     for batch in (8, 5, 3):  # a full batch, then the smaller tail batches of an epoch
-        images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8)
-        labels = torch.randint(0, 10, (batch,)) if objective != "mpp" else None
+        images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, device=device)
+        labels = torch.randint(0, 10, (batch,), device=device) if objective != "mpp" else None
         results = []
         for run in (task, step):
             torch.manual_seed(batch)  # the same corruption draw
             task.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss, metrics = run(images, labels)
             loss.backward()
             results.append((loss.detach(), [p.grad.clone() for p in task.parameters() if p.grad is not None]))

@@ -191,6 +191,20 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
     assert json.loads((tmp_path / "ft/metrics.json").read_text())["val_samples"] == 64
 
 
+def test_train_compile_settings_choose_the_step(data, tmp_path, monkeypatch):
+    """train.compile decides whether the step is compiled, train.compile_mode how (mpp.compiled)."""
+    modes = []
+
+    def recorded(model, mode):
+        modes.append(mode)
+        return model  # eager: the compiled step's numerics are tests/test_compiled.py's business
+    monkeypatch.setattr(mpp.train, "compile_task", recorded)
+    extra = {"steps": 2, "train.compile": "always", "train.compile_mode": "reduce-overhead"}
+    train(config(settings(data, tmp_path / "graphs", **extra)))
+    train(config(settings(data, tmp_path / "eager", **{**extra, "train.compile": "never"})))
+    assert modes == ["reduce-overhead"]
+
+
 def nan_after(calls: int):
     """build_task patched so that every forward from call `calls` on returns a NaN loss."""
     build = mpp.train.build_task
