@@ -1,0 +1,62 @@
+"""Does a frozen encoder carry more after an intermediate block than after its last one? The linear
+probe's held-out top-1 (`choose_probe`: fit on 90% of the training features, scored on the rest,
+its L2 grid) of the [class] token and of the patch mean after every block, for each encoder.
+
+  python benchmarks/probe_blocks.py --data data/cifar10/train/manifest.json \\
+      --encoder mpp=runs/compare_cifar10/pretrain_mpp --encoder random=none:vit_mini8_32
+
+The probe tool offers only the last block (`probe.pool`): this script measured that the earlier
+ones do not matter for the CIFAR-10 encoders (docs/results.md). Intermediate blocks get the final
+norm's shape, a LayerNorm without affine parameters; the last block its trained final norm.
+"""
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from mpp.cli import ArgumentParser, one_line_errors
+from mpp.data import make_loader, normalize, to_float01
+from mpp.evaluators.features import encoder_img_size
+from mpp.evaluators.linear_probe import choose_probe
+from mpp.figures.inspection import load_inspected
+
+
+@torch.no_grad()
+def block_features(encoder, data: str, data_cfg) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """{'blockK token' | 'blockK avg': features (N, D)} after each block K of labeled shards `data`
+    (evaluation transform), and the labels."""
+    v, img = encoder.vit, encoder_img_size(encoder)
+    loader = make_loader(data, batch_size=256, img_size=img, train=False, labeled=True, data_cfg=data_cfg)
+    feats: dict[str, list[torch.Tensor]] = {}
+    labels = []
+    encoder.eval()
+    for batch in tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="features", leave=False):
+        x = v.norm_pre(v._pos_embed(v.patch_embed(normalize(to_float01(batch["image"]), data_cfg.mean, data_cfg.std))))
+        for k, block in enumerate(v.blocks, 1):
+            x = block(x)
+            h = v.norm(x) if k == len(v.blocks) else torch.nn.functional.layer_norm(x, x.shape[-1:])
+            feats.setdefault(f"block{k} token", []).append(h[:, 0])
+            feats.setdefault(f"block{k} avg", []).append(h[:, 1:].mean(1))
+        labels.append(batch["label"].long())
+    return {k: torch.cat(f) for k, f in feats.items()}, torch.cat(labels)
+
+
+@one_line_errors(extra=(ValueError, FileNotFoundError))
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(__doc__)
+    p.add_argument("--data", required=True, help="labeled training shards (a manifest, shard list or pattern)")
+    p.add_argument("--encoder", action="append", required=True,
+                   help="[LABEL=]RUN_DIR | ENCODER.safetensors | none:PRESET (repeatable)")
+    a = p.parse_args(argv)
+    for spec in a.encoder:
+        enc = load_inspected(spec)
+        x, y = block_features(enc.encoder, a.data, enc.data)
+        _, _, scores = choose_probe(x, y, num_classes=int(y.max()) + 1)
+        best = {k: 100 * max(s.values()) for k, s in scores.items()}
+        print(f"{enc.name}: held-out top-1 per block, [class] token / patch mean")
+        for k in range(1, len(enc.encoder.vit.blocks) + 1):
+            print(f"  block {k}: {best[f'block{k} token']:.1f} / {best[f'block{k} avg']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
