@@ -1,4 +1,4 @@
-"""benchmarks/: the two benchmark scripts still run end to end at toy sizes (they live outside the
+"""benchmarks/: the benchmark scripts still run end to end at toy sizes (they live outside the
 package, so nothing else imports them), and their tables carry every method they timed."""
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mpp.config import DataConfig, build_config
+from mpp.data.synthetic import make_synthetic
+from mpp.evaluators.features import extract_features
+from mpp.models import create_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +60,22 @@ def test_data_benchmark_rates_every_method(tmp_path):
     assert all(row[m] > 0 for m in ("pil_loop", "mpp_decode", "shards", "imagefolder"))
     assert row["vs_imagefolder"] == pytest.approx(row["shards"] / row["imagefolder"])
     assert "| generated 48px, 32 crops |" in b.format_table(rows)
+
+
+@pytest.mark.slow
+def test_probe_blocks_last_block_is_the_encoders_own_output(tmp_path, capsys):
+    """The per-block features' last block equals what the probe reads from the encoder's forward."""
+    b = load("probe_blocks")
+    make_synthetic(tmp_path, train=40, test=4, shards=2, progress=False)
+    data = str(tmp_path / "train" / "manifest.json")
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", attn="math")
+    feats, labels = b.block_features(encoder, data, DataConfig())
+    assert sorted(feats) == ["block1 avg", "block1 token", "block2 avg", "block2 token"] and len(labels) == 40
+    own, own_labels = extract_features(encoder, data, cfg=build_config({}), pools=("token", "avg"), progress=False)
+    assert torch.equal(labels, own_labels)
+    torch.testing.assert_close(feats["block2 token"], own["token"])
+    torch.testing.assert_close(feats["block2 avg"], own["avg"])
+    b.main(["--data", data, "--encoder", "tiny=none:vit_micro4_32"])
+    out = capsys.readouterr().out
+    assert "tiny: held-out top-1 per block" in out and "block 2:" in out and "block 3:" not in out
