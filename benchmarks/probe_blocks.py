@@ -6,8 +6,8 @@ its L2 grid) of the [class] token and of the patch mean after every block, for e
       --encoder mpp=runs/compare_cifar10/pretrain_mpp --encoder random=none:vit_mini8_32
 
 The probe tool offers only the last block (`probe.pool`): this script measured that the earlier
-ones do not matter for the CIFAR-10 encoders (docs/results.md). Intermediate blocks get the final
-norm's shape, a LayerNorm without affine parameters; the last block its trained final norm.
+ones do not matter for the CIFAR-10 encoders (docs/results.md). Every block's output goes through
+the trained final norm (timm's `forward_intermediates`), as the last one does in the encoder.
 """
 from __future__ import annotations
 
@@ -25,18 +25,18 @@ from mpp.figures.inspection import load_inspected
 def block_features(encoder, data: str, data_cfg) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """{'blockK token' | 'blockK avg': features (N, D)} after each block K of labeled shards `data`
     (evaluation transform), and the labels."""
-    v, img = encoder.vit, encoder_img_size(encoder)
-    loader = make_loader(data, batch_size=256, img_size=img, train=False, labeled=True, data_cfg=data_cfg)
+    loader = make_loader(data, batch_size=256, img_size=encoder_img_size(encoder), train=False, labeled=True,
+                         data_cfg=data_cfg)
     feats: dict[str, list[torch.Tensor]] = {}
     labels = []
     encoder.eval()
     for batch in tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="features", leave=False):
-        x = v.norm_pre(v._pos_embed(v.patch_embed(normalize(to_float01(batch["image"]), data_cfg.mean, data_cfg.std))))
-        for k, block in enumerate(v.blocks, 1):
-            x = block(x)
-            h = v.norm(x) if k == len(v.blocks) else torch.nn.functional.layer_norm(x, x.shape[-1:])
-            feats.setdefault(f"block{k} token", []).append(h[:, 0])
-            feats.setdefault(f"block{k} avg", []).append(h[:, 1:].mean(1))
+        x = normalize(to_float01(batch["image"]), data_cfg.mean, data_cfg.std)
+        blocks = encoder.vit.forward_intermediates(x, norm=True, output_fmt="NLC", return_prefix_tokens=True,
+                                                   intermediates_only=True)
+        for k, (patches, prefix) in enumerate(blocks, 1):
+            feats.setdefault(f"block{k} token", []).append(prefix[:, 0])
+            feats.setdefault(f"block{k} avg", []).append(patches.mean(1))
         labels.append(batch["label"].long())
     return {k: torch.cat(f) for k, f in feats.items()}, torch.cat(labels)
 

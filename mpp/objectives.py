@@ -208,8 +208,9 @@ class Task(nn.Module):
         return None
 
     def begin(self, cfg, device: torch.device, precision: str) -> bool:
-        """Work before the first step of a fresh run (not on resume), on the device; returns
-        whether it changed any weight (the trainer then copies the main process's to every rank)."""
+        """Work before the first step of a fresh run (not on resume), on the device, in the main
+        process only; returns whether it changed any weight (the trainer then copies them to every
+        rank)."""
         return False
 
     def export(self, out_dir: Path) -> None:

@@ -30,7 +30,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
@@ -152,9 +152,9 @@ def setup(cfg: Config) -> Run:
             _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
         save_config(cfg, out / "config.yaml")
     if not resume:
-        with accelerator.main_process_first():  # the others then read its features from the cache
-            changed = task.begin(cfg, device, precision)
-        if changed and world > 1:  # every rank starts from the main process's weights, bit for bit
+        # the main process alone does the Task's start-up work; every rank then starts from its weights
+        changed = task.begin(cfg, device, precision) if accelerator.is_main_process else False
+        if world > 1 and broadcast_object_list([changed])[0]:
             for p in task.parameters():
                 torch.distributed.broadcast(p.data, 0)
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
