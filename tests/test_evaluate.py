@@ -88,6 +88,27 @@ def test_linear_probe_picks_interior_regulariser_on_weak_dense_signal():
     assert out["top1"] > weakest["top1"] + 0.02
 
 
+def test_probe_fit_is_converged_on_vit_features():
+    """The logistic fit a probe reports is the optimum of its L2, not an early-stopped one: on a
+    random ViT's patch-mean features (correlated, and separable at a weak L2, where L-BFGS needs
+    hundreds of iterations) going on from the returned weights lowers the objective by nothing."""
+    from mpp.evaluators.features import standardize
+    from mpp.evaluators.linear_probe import _fit_logistic
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 10, (2000,), generator=g)
+    img = torch.randn(2000, 3, 32, 32, generator=g) * 0.5 + torch.randn(10, 3, 1, 1, generator=g)[y] * 0.3
+    torch.manual_seed(0)
+    vit = create_encoder("vit_mini8_32", img_size=32).vit.eval()
+    with torch.no_grad():
+        x = standardize(vit.forward_features(img)[:, 1:].mean(1))[0]
+
+    def objective(w):
+        return (F.cross_entropy(x @ w[:-1] + w[-1], y) + 0.5e-4 * w[:-1].pow(2).sum()).item()
+    w = _fit_logistic(x, y, 10, 1e-4)
+    further = _fit_logistic(x, y, 10, 1e-4, init=w, max_iter=5000)
+    assert objective(w) - objective(further) < 1e-6
+
+
 def test_linear_probe_chooses_representation_on_heldout_train_features():
     """Candidates {token, avg}: the chosen one is the informative one, whichever it is; the
     per-candidate held-out scores are reported."""

@@ -28,10 +28,13 @@ from mpp.runtime import resolve_precision
 PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, standardised features
 
 
-def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 100) -> torch.Tensor:
+def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
     """Weights (D + 1, C) of L2-regularised multinomial logistic regression (bias unregularised),
-    fitted full-batch with L-BFGS from `init` (warm start) or zeros. The gradient is written out
-    (x^T (softmax - onehot) / N) rather than autograd's: about 3x faster on CPU."""
+    fitted full-batch with L-BFGS from `init` (warm start) or zeros, to convergence: L-BFGS stops
+    when the loss or the gradient stops changing, `max_iter` only caps a fit that never does (the
+    weak-L2 fits of ViT features need a few hundred iterations; a cap of 100 left a probe's refit
+    from zeros short of its optimum, a different fit from the one its L2 was chosen with). The
+    gradient is written out (x^T (softmax - onehot) / N) rather than autograd's: about 3x faster on CPU."""
     w = init.clone() if init is not None else torch.zeros(x.shape[1] + 1, num_classes)
     w.requires_grad_(True)
     xt, onehot = x.T.contiguous(), F.one_hot(y, num_classes).float()
