@@ -11,6 +11,7 @@ import torch
 import mpp.train
 from mpp.config import load_config
 from mpp.data.stream import ShardLoader
+from mpp.runtime import leave_process_group
 
 
 def main(*overrides: str) -> None:
@@ -30,6 +31,7 @@ def main(*overrides: str) -> None:
     rank = torch.distributed.get_rank()
     with open(f"{cfg.output_dir}/rank{rank}.json", "w") as f:
         json.dump({"steps": metrics["steps"], "batches": hashes[:metrics["steps"]], "weights": weights.hexdigest()}, f)
+    leave_process_group()  # as the tools do: a group alive at exit can abort a rank after its work
 
 
 if __name__ == "__main__":
