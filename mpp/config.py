@@ -128,6 +128,8 @@ class ProbeConfig:
     """Linear probe on frozen features."""
     pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
     val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation
+    l2_grid: tuple = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # L2 strengths tried (mean cross-entropy,
+                               # standardised features); widen it when the choice lands on an edge
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
     encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors;
                                # none: a randomly initialised `model` (the from-scratch baseline)
@@ -215,13 +217,22 @@ def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     return keys
 
 
-def _coerce(key: str, value: Any, kind: str) -> Any:
-    """Convert a YAML value to the field's declared type `kind`, or raise ConfigError."""
-    if kind in ("int", "float") and isinstance(value, str):
-        try:  # YAML 1.1 reads 1e-3 as a string
-            value = float(value)
+def _as_number(value: Any) -> Any:
+    """`value` as a float when it is a string that reads as one (YAML 1.1 reads 1e-3 as a string)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
         except ValueError:
             pass
+    return value
+
+
+def _coerce(key: str, value: Any, kind: str) -> Any:
+    """Convert a YAML value to the field's declared type `kind`, or raise ConfigError."""
+    if kind in ("int", "float"):
+        value = _as_number(value)
+    if kind == "tuple" and isinstance(value, (list, tuple)):
+        value = [_as_number(v) for v in value]
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "str" and value is False:  # YAML 1.1 reads `no` (as in train.precision=no) as false
@@ -448,3 +459,6 @@ def validate(cfg: Config) -> None:
     check(all(int(s) == s and s >= 1 for s in fs.shots) and fs.seeds >= 1 and fs.l2 >= 0,
           "config keys fewshot.shots (whole numbers >= 1), fewshot.seeds (>= 1), fewshot.l2 (>= 0)")
     check(0 < cfg.probe.val_fraction < 1, "config key 'probe.val_fraction' must be in (0, 1)")
+    check(len(cfg.probe.l2_grid) > 0 and all(v > 0 for v in cfg.probe.l2_grid),
+          f"config key 'probe.l2_grid' must be a non-empty list of L2 strengths > 0, e.g. [1e-4, 1e-2, 1], "
+          f"got {list(cfg.probe.l2_grid)}")

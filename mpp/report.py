@@ -194,6 +194,7 @@ def collect(runs: list[dict]) -> dict:
             place((r["family"], "probe"), r)
             row["linear_top1"] = _accuracy(m, "top1", r["dir"])
             row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
+            row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
             for k, v in m.items():
                 if k.endswith("shot_mean"):
                     shots = k[: -len("shot_mean")]
@@ -297,6 +298,13 @@ def render_markdown(rep: dict) -> str:
     if held:
         lines += ["", "Linear probe, held-out top-1 of each representation on training features (the best is used): "
                   + "; ".join(held) + "."]
+    l2s = [(FAMILY_NAMES[f], t[f]["probe_l2"], t[f]["probe_l2_grid"]) for f in FAMILIES if t[f].get("probe_l2") is not None]
+    if l2s:
+        edge = [name for name, l2, grid in l2s if len(grid) > 1 and l2 in (grid[0], grid[-1])]
+        lines += ["", "Linear probe L2 strength, chosen on the same held-out features: "
+                  + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
+                  + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
+                     "beyond it does not do better." if edge else "")]
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
         lines += ["", "## Fine-tune recipe chosen on a development split", "",

@@ -249,7 +249,7 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
     cmd = [sys.executable, str(ROOT / "tools/linear_probe.py"), "model=vit_micro4_32", "img_size=16",
            "batch_size=32", f"output_dir={out}", f"probe.encoder={tmp_path / 'pretrain'}",
            f"data.train={shards['train']}", f"data.val={shards['test']}", "data.num_workers=1",
-           "fewshot.shots=[1,5]", "fewshot.seeds=2"]
+           "fewshot.shots=[1,5]", "fewshot.seeds=2", "probe.l2_grid=[1e-5,1e-2]"]
     run = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's mpp, not the installed one
     assert run.returncode == 0, run.stderr
@@ -257,9 +257,23 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
     assert m["kind"] == "linear_probe" and m["num_train"] == 240 and m["num_test"] == 80
     assert m["top1"] > 0.6 and m["5shot_mean"] > 0.5  # chance is 0.25
     assert m["pool"] in ("token", "avg") and set(m["pool_heldout_top1"]) == {"token", "avg"}
+    assert set(m["probe_val_top1"]) == {"1e-05", "0.01"} and m["probe_l2"] in (1e-5, 1e-2)  # the grid it was given
     assert (out / "config.yaml").is_file() and (tmp_path / "feature_cache").is_dir()
     monkeypatch.setattr(sys, "argv", cmd[1:] + [f"probe.encoder={tmp_path / 'missing'}"])
     with pytest.raises(SystemExit) as exc:
         runpy.run_path(cmd[1], run_name="__main__")
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "missing" in err
+
+
+def test_probe_l2_grid_is_a_config_key(tmp_path):
+    """probe.l2_grid reads YAML 1.1's string-typed 1e-6 as a number; an empty or non-positive grid
+    is refused before any work, naming the key."""
+    from mpp.config import ConfigError, load_config
+    cfg = load_config(None, ["probe.l2_grid=[1e-6, 0.01, 1]"])
+    assert cfg.probe.l2_grid == (1e-6, 0.01, 1.0)
+    for bad in ("[]", "[0.01, 0]", "[-1]"):
+        with pytest.raises(ConfigError, match="probe.l2_grid"):
+            load_config(None, [f"probe.l2_grid={bad}"])
+    with pytest.raises(ConfigError, match="probe.l2_grid"):
+        load_config(None, ["probe.l2_grid=[weak]"])

@@ -126,8 +126,12 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
                 "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": "avg"}},
                 {"top1": acc, "evaluated_on": "val"}))
     runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
-                     {"kind": "linear_probe", "top1": 0.45, "pool": "avg",
+                     {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1e-4,
+                      "probe_val_top1": {"0.0001": 0.46, "0.01": 0.44, "1": 0.3},
                       "pool_heldout_top1": {"token": 0.37, "avg": 0.46}}))
+    runs.append(_run(root, "probe_sup", {"objective": "mpp", "probe": {"encoder": str(sup)}},
+                     {"kind": "linear_probe", "top1": 0.6, "pool": "token", "probe_l2": 0.01,
+                      "probe_val_top1": {"0.0001": 0.58, "0.01": 0.6, "1": 0.5}}))
     rep = write_report(runs, tmp_path / "out")
     t, g = rep["table"], rep["derived"]["finetune"]["0.1"]
     assert t["mpp"]["finetune"]["0.1"] == pytest.approx(0.62) and t["mpp"]["finetune_n"]["0.1"] == 3
@@ -143,6 +147,9 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
+    # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
+    assert "supervised pre-training 0.01; MPP pre-training 0.0001." in md
+    assert "edge of its grid for MPP pre-training:" in md
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "finetune": {

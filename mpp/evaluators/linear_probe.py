@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from timm.utils import accuracy
 
-from mpp.config import Config, ConfigError, save_config, to_dict
+from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
 from mpp.data.sources import check_same_classes
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
                                      feature_stats, standardize)
@@ -24,9 +24,6 @@ from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import write_atomic
 from mpp.models import create_encoder, load_encoder
 from mpp.runtime import resolve_precision
-
-PROBE_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # on mean cross-entropy, standardised features
-
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
     """Weights (D + 1, C) of L2-regularised multinomial logistic regression (bias unregularised),
@@ -70,7 +67,7 @@ def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: floa
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
-                 val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> tuple[str, float, dict]:
+                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> tuple[str, float, dict]:
     """(representation, L2, {representation: {L2: held-out top-1}}): every pair fitted on the
     train part (1 - val_fraction, one seeded random split) of {representation: features (N, D)}
     and scored on the rest; the best wins (ties: the stronger L2, then the earlier representation)."""
@@ -94,7 +91,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
-                 val_fraction: float = 0.1, l2_grid=PROBE_L2_GRID, seed: int = 0) -> dict:
+                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> dict:
     """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
     held-out train features (`choose_probe`), refitted on all training features and evaluated once
     on test (features standardised with training statistics).
@@ -129,7 +126,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=(pool,), num_samples=cfg.data.num_samples,
                             cache_dir=feature_cache_dir(cfg), device=device, precision=precision, subset=subset)
     _, l2, scores = choose_probe(x, y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
-                                 seed=cfg.finetune.split_seed)
+                                 l2_grid=cfg.probe.l2_grid, seed=cfg.finetune.split_seed)
     weight, bias = fit_linear_head(x[pool], y, num_classes, l2)
     return {"weight": weight, "bias": bias, "l2": l2, "heldout_top1": scores[pool][l2]}
 
@@ -157,7 +154,7 @@ class Evaluator:
         t1 = time.time()
         num_classes = int(max(tr_y.max(), te_y.max())) + 1
         lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
-                           seed=cfg.seed)
+                           l2_grid=cfg.probe.l2_grid, seed=cfg.seed)
         t2 = time.time()
         pool = lin["representation"]
         fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
