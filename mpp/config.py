@@ -128,8 +128,8 @@ class ProbeConfig:
     """Linear probe on frozen features."""
     pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
     val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation
-    l2_grid: tuple = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # L2 strengths tried (mean cross-entropy,
-                               # standardised features); widen it when the choice lands on an edge
+    l2_grid: tuple = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # L2 strengths tried (on mean
+                               # cross-entropy, standardised features); widen it when the choice lands on an edge
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
     encoder: str = ""          # the encoder to probe: a pre-training run dir or its encoder.safetensors;
                                # none: a randomly initialised `model` (the from-scratch baseline)
