@@ -103,7 +103,7 @@ class TrainConfig:
     keep_ckpts: int = 2
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
-    attn: str = "auto"         # auto (fused on CUDA and under autocast, else math) | fused | math (mpp.runtime.ATTENTION)
+    attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
     compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
     compile_mode: str = "default"  # torch.compile's mode; reduce-overhead adds CUDA graphs (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)

@@ -13,11 +13,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 PRECISIONS = ("auto", *DTYPES)
 
 # train.attn -> whether timm's Attention takes F.scaled_dot_product_attention on a device type.
-# auto: the fused kernels on CUDA and under CPU autocast (the math path's softmax would then run
-# in bf16, which CUDA autocast keeps in fp32: it cost the synthetic supervised pre-training ~11
-# points of training accuracy, docs/benchmarks.md); math for fp32 on CPU, where the fused path was
-# slower for short sequences. A fixed rule, never timed per process: identical runs take one path.
-ATTENTION = {"auto": lambda device_type: device_type == "cuda" or torch.is_autocast_enabled(device_type),
+# auto: the fused kernels on CUDA; math elsewhere, where the fused path was slower for short
+# sequences. A fixed rule, never timed per process: identical runs must take the same path.
+ATTENTION = {"auto": lambda device_type: device_type == "cuda",
              "fused": lambda device_type: True,
              "math": lambda device_type: False}
 

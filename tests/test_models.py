@@ -141,16 +141,14 @@ def test_drop_path_reaches_timm():
 
 
 def test_auto_attention_is_a_fixed_rule_on_cpu(monkeypatch):
-    """Identical runs must take the same attention path: on CPU "auto" is math in fp32 and fused
-    under autocast (whose math path would run the softmax in bf16), whatever the shape or grad mode
-    and however fast each path happens to be (it used to time them, and a close race went
-    different ways in identical runs)."""
+    """Identical runs must take the same attention path: on CPU "auto" is math whatever the shape,
+    precision or grad mode and however fast each path happens to be (it used to time them, and a
+    close race went different ways in identical runs)."""
     import time
     ticks = iter(range(10**6))
     monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) ** 2)  # whichever runs later looks slower
     enc = create_encoder(PRESET, attn="auto")
-    for batch, dtype, grad in ((1, torch.float32, True), (5, torch.bfloat16, False), (3, torch.float32, False),
-                               (2, torch.bfloat16, True)):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), torch.set_grad_enabled(grad):
+    for batch, dtype in ((1, torch.float32), (5, torch.bfloat16)):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             enc(torch.randn(batch, 3, 32, 32))
-        assert {m.fused_attn for m in enc._attn_modules} == {dtype == torch.bfloat16}
+        assert not any(m.fused_attn for m in enc._attn_modules)
