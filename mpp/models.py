@@ -8,7 +8,8 @@ is what `save_encoder` writes; `timm.create_model(name, pretrained=True,
 pretrained_cfg_overlay=dict(file=".../encoder.safetensors"), **kwargs)` loads it.
 
 The attention path (`attn`, a mode of mpp.runtime.ATTENTION) sets timm's per-module `fused_attn`
-flag for the device of each batch.
+flag for the device of each batch. The math path runs its softmax in fp32, as CUDA autocast does:
+CPU autocast would run it in bf16, which destabilised training (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -69,23 +70,40 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, 1).index_select(0, flat).view(B, rows.shape[1], *x.shape[2:])
 
 
+def _attend(a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of module `a` for (B, H, Nq, hd) queries over (B, H, N, hd) keys and values: fused
+    SDPA, or the math path with its softmax in fp32 (then back to the values' dtype)."""
+    if a.fused_attn:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=a.attn_drop.p if a.training else 0.0)
+    probs = ((q * a.scale) @ k.transpose(-2, -1)).softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    return a.attn_drop(probs) @ v
+
+
+class _Attention(Attention):
+    """timm's Attention with its math path through `_attend`; masks and gates go to timm's own."""
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False):
+        if self.fused_attn or attn_mask is not None or is_causal or self.gate is not None:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        o = _attend(self, self.q_norm(q), self.k_norm(k), v)
+        return self.proj_drop(self.proj(self.norm(o.transpose(1, 2).reshape(B, N, self.attn_dim))))
+
+
 def _block_rows(block: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """timm's pre-norm `Block.forward` evaluated only at token positions `rows` (B, K): keys and
     values come from all tokens, everything row-wise (queries, attention output, projection,
     residual, MLP) only for the K rows. Other block types run whole and are then gathered."""
     a = getattr(block, "attn", None)
-    if type(block) is not Block or type(a) is not Attention or getattr(a, "gate", None) is not None:
+    if type(block) is not Block or type(a) not in (Attention, _Attention) or getattr(a, "gate", None) is not None:
         return take_rows(block(x), rows)
     B, N, C = x.shape
     K = rows.shape[1]
     qkv = a.qkv(block.norm1(x))  # (B, N, 3 * attn_dim): queries only at the rows
     q = take_rows(qkv[..., :a.attn_dim], rows).reshape(B, K, a.num_heads, a.head_dim).transpose(1, 2)
     k, v = qkv[..., a.attn_dim:].reshape(B, N, 2, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    q, k = a.q_norm(q), a.k_norm(k)
-    if a.fused_attn:
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=a.attn_drop.p if a.training else 0.0)
-    else:
-        o = a.attn_drop(((q * a.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+    o = _attend(a, a.q_norm(q), a.k_norm(k), v)
     o = a.proj_drop(a.proj(a.norm(o.transpose(1, 2).reshape(B, K, a.attn_dim))))
     x = take_rows(x, rows) + block.drop_path1(block.ls1(o))
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
@@ -109,6 +127,9 @@ class MaskedEncoder(nn.Module):
         trunc_normal_(self.mask_token, std=0.02)
         self.attn = attn
         self._attn_modules = [m for m in self.vit.modules() if isinstance(m, Attention)]
+        for m in self._attn_modules:
+            if type(m) is Attention:
+                m.__class__ = _Attention  # same parameters and keys; only the math path differs
         self._set_fused(ATTENTION[attn]("cpu"))
 
     @property

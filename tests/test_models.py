@@ -152,3 +152,23 @@ def test_auto_attention_is_a_fixed_rule_on_cpu(monkeypatch):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             enc(torch.randn(batch, 3, 32, 32))
         assert not any(m.fused_attn for m in enc._attn_modules)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_math_attention_softmax_runs_in_fp32_under_cpu_autocast(monkeypatch, rows):
+    """CPU autocast has no fp32 rule for softmax (CUDA autocast has): the math path asks for fp32
+    itself, in every block and in the last block's row-wise path, and the output stays close to
+    the fp32 forward."""
+    dtypes, softmax = [], torch.Tensor.softmax
+    monkeypatch.setattr(torch.Tensor, "softmax", lambda t, *a, **k: dtypes.append(softmax(t, *a, **k).dtype)
+                        or softmax(t, *a, **k))
+    torch.manual_seed(0)
+    enc = create_encoder(PRESET, attn="math").eval()
+    x, r = torch.randn(2, 3, 32, 32), (torch.tensor([[1, 5], [0, 3]]) if rows else None)
+    with torch.no_grad():
+        ref = enc(x, rows=r)
+        dtypes.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = enc(x, rows=r)
+    assert dtypes == [torch.float32] * len(enc.vit.blocks)
+    torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
