@@ -96,7 +96,7 @@ def _block_rows(block: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.
     values come from all tokens, everything row-wise (queries, attention output, projection,
     residual, MLP) only for the K rows. Other block types run whole and are then gathered."""
     a = getattr(block, "attn", None)
-    if type(block) is not Block or type(a) not in (Attention, _Attention) or getattr(a, "gate", None) is not None:
+    if type(block) is not Block or type(a) is not _Attention or a.gate is not None:
         return take_rows(block(x), rows)
     B, N, C = x.shape
     K = rows.shape[1]
