@@ -109,6 +109,19 @@ def test_probe_fit_is_converged_on_vit_features():
     assert objective(w) - objective(further) < 1e-6
 
 
+def test_probe_fit_is_stationary_under_autograd():
+    """The fit's written-out gradient is the objective's: at the returned weights autograd's
+    gradient of cross-entropy + L2/2 |W|^2 (bias free) vanishes, for a warm start too."""
+    from mpp.evaluators.linear_probe import _fit_logistic
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 4, (600,), generator=g)
+    x = torch.randn(600, 12, generator=g) + torch.randn(4, 12, generator=g)[y]
+    for init in (None, torch.randn(13, 4, generator=g)):
+        w = _fit_logistic(x, y, 4, 1e-2, init=init).requires_grad_(True)
+        (F.cross_entropy(x @ w[:-1] + w[-1], y) + 0.5e-2 * w[:-1].pow(2).sum()).backward()
+        assert w.grad.abs().max() < 1e-4
+
+
 def test_linear_probe_chooses_representation_on_heldout_train_features():
     """Candidates {token, avg}: the chosen one is the informative one, whichever it is; the
     per-candidate held-out scores are reported."""
