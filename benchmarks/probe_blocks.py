@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in a.encoder:
         enc = load_inspected(spec)
         x, y = block_features(enc.encoder, a.data, enc.data)
-        _, _, scores = choose_probe(x, y, num_classes=int(y.max()) + 1)
+        scores = choose_probe(x, y, num_classes=int(y.max()) + 1).scores
         best = {k: 100 * max(s.values()) for k, s in scores.items()}
         print(f"{enc.name}: held-out top-1 per block, [class] token / patch mean")
         for k in range(1, len(enc.encoder.vit.blocks) + 1):

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         d = load_file(path)
         x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
         t = time.perf_counter()
-        rep, l2, scores = choose_probe(x, d["labels"], num_classes=int(d["labels"].max()) + 1)
+        rep, l2, scores, _ = choose_probe(x, d["labels"], num_classes=int(d["labels"].max()) + 1)
         print(f"{path}: {len(d['labels'])} samples, {len(x)} representations: choose_probe "
               f"{time.perf_counter() - t:.1f} s -> {rep}, L2 {l2:g}, held-out {100 * scores[rep][l2]:.1f}")
 

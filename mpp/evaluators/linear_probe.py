@@ -6,22 +6,26 @@ fixed, nor chosen on test). `Evaluator` adds the few-shot figures of the same re
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
+from safetensors import safe_open
+from safetensors.torch import save_file
 from timm.utils import accuracy
 
 from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
 from mpp.data.sources import check_same_classes
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
-                                     feature_stats, standardize)
+                                     feature_cache_key, feature_stats)
 from mpp.evaluators.fewshot import fewshot_eval
-from mpp.fileio import write_atomic
+from mpp.fileio import atomic_path, write_atomic
 from mpp.models import create_encoder, load_encoder
 from mpp.runtime import resolve_precision
 
@@ -58,22 +62,44 @@ def _topk(logits: torch.Tensor, y: torch.Tensor, k: int) -> float:
     return accuracy(logits, y, topk=(k,))[0].item() / 100
 
 
-def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight (C, D) and bias (C,) of the logistic fit on features `x` standardised with their own
-    statistics, the standardisation folded in: logits = x @ weight.T + bias on raw features, so
-    the pair can also be the weights of an nn.Linear head (finetune.head_init=probe)."""
-    x = x.float()
-    mean, std = feature_stats(x)
-    w = _fit_logistic((x - mean) / std, y.long(), num_classes, l2)
+def _fold(w: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights (D + 1, C) of a fit on features standardised by (mean, std) as a head on raw
+    features: weight (C, D) and bias (C,) with x @ weight.T + bias the same logits."""
     scaled = w[:-1] / std.T  # (D, C)
     return scaled.T.contiguous(), w[-1] - (mean @ scaled)[0]
 
 
+def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float,
+                    init: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight (C, D) and bias (C,) of the logistic fit on features `x` standardised with their own
+    statistics, the standardisation folded in: logits = x @ weight.T + bias on raw features, so
+    the pair can also be the weights of an nn.Linear head (finetune.head_init=probe). `init`, a
+    head of the same form (`choose_probe`'s), starts the fit where that head's logits are: the
+    optimum is the same, but a weak-L2 fit from zeros needs hundreds of iterations more."""
+    x = x.float()
+    mean, std = feature_stats(x)
+    start = None
+    if init is not None:  # the raw-feature head in this fit's standardised coordinates
+        weight, bias = init
+        start = torch.cat([(weight * std).T, (bias + (weight @ mean.T)[:, 0])[None]])
+    return _fold(_fit_logistic((x - mean) / std, y.long(), num_classes, l2, init=start), mean, std)
+
+
+class ProbeChoice(NamedTuple):
+    """What `choose_probe` found: the representation and L2 strength with the best held-out top-1,
+    every pair's score ({representation: {L2: top-1}}), and that pair's fitted head (weight (C, D),
+    bias (C,) on raw features), the warm start of the refit on all the features."""
+    pool: str
+    l2: float
+    scores: dict
+    head: tuple[torch.Tensor, torch.Tensor]
+
+
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
-                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> tuple[str, float, dict]:
-    """(representation, L2, {representation: {L2: held-out top-1}}): every pair fitted on the
-    train part (1 - val_fraction, one seeded random split) of {representation: features (N, D)}
-    and scored on the rest; the best wins (ties: the stronger L2, then the earlier representation)."""
+                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> ProbeChoice:
+    """Every (representation, L2) pair fitted on the train part (1 - val_fraction, one seeded random
+    split) of {representation: features (N, D)} and scored on the rest; the best wins (ties: the
+    stronger L2, then the earlier representation)."""
     train_y = train_y.long()
     perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(val_fraction * len(train_y))))
@@ -81,16 +107,20 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
         raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
     fit_idx, val_idx = perm[n_val:], perm[:n_val]
     scores: dict[str, dict[float, float]] = {}
+    fits: dict[tuple[str, float], torch.Tensor] = {}
+    stats = {}
     for name, x in train_x.items():
-        fx, vx = standardize(x[fit_idx].float(), x[val_idx].float())
+        fx, vx = x[fit_idx].float(), x[val_idx].float()
+        stats[name] = mean, std = feature_stats(fx)
+        fx, vx = (fx - mean) / std, (vx - mean) / std
         scores[name], w = {}, None
         for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
-            w = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
+            w = fits[name, l2] = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
             scores[name][l2] = _topk(vx @ w[:-1] + w[-1], train_y[val_idx], 1)
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
-    return rep, best, scores
+    return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]))
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -108,9 +138,9 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
-    rep, best, scores = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
-                                     l2_grid=l2_grid, seed=seed)
-    weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best)
+    rep, best, scores, head = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
+                                           l2_grid=l2_grid, seed=seed)
+    weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
     out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
            "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())}}
@@ -125,12 +155,28 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     """The linear probe of frozen `encoder` on its `pool` features of the labeled `subset` of
     data.train (as `make_loader` takes it), the L2 chosen on a held-out part (probe.val_fraction,
     split by finetune.split_seed): {weight (C, D), bias (C,), l2, heldout_top1}, the starting head
-    of a fine-tune with finetune.head_init=probe. Features go through the feature cache."""
+    of a fine-tune with finetune.head_init=probe. Features and the head go through the feature
+    cache: a comparison's sweep points and seeds start from the same encoder and labels, and the
+    head is fitted once for all of them."""
+    cache, p = feature_cache_dir(cfg), cfg.probe
+    features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=(pool,), img_size=encoder_img_size(encoder),
+                                 num_samples=cfg.data.num_samples, precision=precision, subset=subset)
+    key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes])
+    path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+    if path.is_file():
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), "l2": float(meta["l2"]),
+                    "heldout_top1": float(meta["heldout_top1"])}
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=(pool,), num_samples=cfg.data.num_samples,
-                            cache_dir=feature_cache_dir(cfg), device=device, precision=precision, subset=subset)
-    _, l2, scores = choose_probe(x, y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
-                                 l2_grid=cfg.probe.l2_grid, seed=cfg.finetune.split_seed)
-    weight, bias = fit_linear_head(x[pool], y, num_classes, l2)
+                            cache_dir=cache, device=device, precision=precision, subset=subset)
+    _, l2, scores, head = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
+                                       l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
+    weight, bias = fit_linear_head(x[pool], y, num_classes, l2, init=head)
+    cache.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({"weight": weight, "bias": bias}, str(tmp),
+                  metadata={"l2": repr(l2), "heldout_top1": repr(scores[pool][l2])})
     return {"weight": weight, "bias": bias, "l2": l2, "heldout_top1": scores[pool][l2]}
 
 
