@@ -207,11 +207,11 @@ class Task(nn.Module):
         """The loader's `subset` of data.train (None: all of it)."""
         return None
 
-    def begin(self, cfg, device: torch.device, precision: str) -> bool:
+    def begin(self, cfg, device: torch.device, precision: str) -> dict | None:
         """Work before the first step of a fresh run (not on resume), on the device, in the main
-        process only; returns whether it changed any weight (the trainer then copies them to every
-        rank)."""
-        return False
+        process only. Returns None when it changed no weight; else the figures to record in
+        metrics.json (the trainer copies the weights to every rank and records the start's score)."""
+        return None
 
     def export(self, out_dir: Path) -> None:
         """Files beyond the encoder that the finished run leaves in its directory (none)."""
@@ -313,24 +313,22 @@ class ClassifyTask(LabelTask):
     labels (LP-FT, Kumar et al. 2022: fine-tuning then starts where the probe ends instead of
     first distorting the features to fit a blank head)."""
     final_eval = "classify"
-    head_fit: dict = {}  # the probe behind a head_init=probe head: its L2 and held-out top-1
 
     @classmethod
     def from_config(cls, cfg, encoder: nn.Module, num_classes: int) -> ClassifyTask:
         f = cfg.finetune
         return cls(encoder, cfg.data, _linear(encoder.embed_dim, num_classes, zero=True), f.pool, f.label_smoothing)
 
-    def begin(self, cfg, device: torch.device, precision: str) -> bool:
+    def begin(self, cfg, device: torch.device, precision: str) -> dict | None:
         if cfg.finetune.head_init != "probe":
-            return False
+            return None
         from mpp.evaluators.linear_probe import probe_head  # only an LP-FT run pays for its import
         fit = probe_head(self.encoder, cfg, pool=self.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
                          device=device, precision=precision)
         with torch.no_grad():
             self.head.weight.copy_(fit.pop("weight"))
             self.head.bias.copy_(fit.pop("bias"))
-        self.head_fit = fit
-        return True
+        return {f"head_probe_{k}": v for k, v in fit.items()}  # its L2 and held-out top-1
 
     @classmethod
     def encoder_for(cls, cfg) -> nn.Module:
@@ -351,7 +349,7 @@ class ClassifyTask(LabelTask):
         f = cfg.finetune
         return dict(init=f.init, label_fraction=f.label_fraction, dev_fraction=f.dev_fraction,
                     split_seed=f.split_seed, seed=cfg.seed, pool=f.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr,
-                    head_init=f.head_init, **{f"head_probe_{k}": v for k, v in self.head_fit.items()})
+                    head_init=f.head_init)
 
 
 HEAD_INITS = ("zero", "probe")  # finetune.head_init: the paper's zero head | the linear probe's (LP-FT)

@@ -17,6 +17,8 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
 - a fine-tune evaluated on a development split (`"evaluated_on": "dev"`, a sweep stage of
   mpp.compare) is no table cell: it shows in the recipe section, with the config keys in which the
   sweep stages of its cell differ and the value the final runs used.
+- a fine-tune's `start_top1` (its model before the first step: under finetune.head_init=probe
+  the encoder with the probe on the same labels) shows beside its end in "what fine-tuning added".
 Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
 noise is the standard error of the difference of two means, sqrt(s_a^2/n_a + s_b^2/n_b); a gap
 under twice its noise is marked not significant, one of single runs has unknown noise.
@@ -167,7 +169,8 @@ def collect(runs: list[dict]) -> dict:
     """Table per family: pre-training dir, fine-tune top-1 per label fraction (mean, std and n over
     seeds), linear top-1 with its representation, few-shot; the recipes chosen on development
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
-    table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "linear_top1": None,
+    table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
+                 "linear_top1": None,
                  "probe_pool": None, "probe_heldout_top1": None, "fewshot": {}, "fewshot_std": {}} for f in FAMILIES}
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
@@ -203,6 +206,9 @@ def collect(runs: list[dict]) -> dict:
     for (f, key), finals in cells.items():
         mean, std = _mean_std([_accuracy(r["metrics"], "top1", r["dir"]) for r in finals])
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
+        starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals if "start_top1" in r["metrics"]]
+        if len(starts) == len(finals):  # LP-FT runs: where each fine-tune started, on the same test images
+            table[f]["finetune_start"][key] = _mean_std(starts)[0]
     recipes = {f: {key: _recipes(runs_, cells.get((f, key), [])) for (g, key), runs_ in dev.items() if g == f}
                for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
@@ -305,6 +311,17 @@ def render_markdown(rep: dict) -> str:
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
                      "beyond it does not do better." if edge else "")]
+    starts = [(f, fr) for f in FAMILIES for fr in fracs if fr in t[f]["finetune_start"]]
+    if starts:
+        lines += ["", "## What fine-tuning added to its start", "",
+                  "Each fine-tune's model before its first step (finetune.head_init=probe: the encoder with the "
+                  "linear probe fitted on the same training labels) scored on the same test images as at its "
+                  "end, mean over the same seeds.", "",
+                  "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
+        for f, fr in starts:
+            start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
+            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | "
+                         f"{_pp(100 * (end - start))} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
         lines += ["", "## Fine-tune recipe chosen on a development split", "",

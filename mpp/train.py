@@ -153,13 +153,18 @@ def setup(cfg: Config) -> Run:
         save_config(cfg, out / "config.yaml")
     if not resume:
         # the main process alone does the Task's start-up work; every rank then starts from its weights
-        changed = task.begin(cfg, device, precision) if accelerator.is_main_process else False
-        if world > 1 and broadcast_object_list([changed])[0]:
-            for p in task.parameters():
+        begun = task.begin(cfg, device, precision) if accelerator.is_main_process else None
+        changed = begun is not None
+        if world > 1:
+            changed = broadcast_object_list([changed])[0]
+            for p in task.parameters() if changed else ():
                 torch.distributed.broadcast(p.data, 0)
+        if changed and final is not None:  # where training starts, scored as the end will be (e.g. LP-FT's probe)
+            begun = {**(begun or {}), "start_top1": final.run(task)["top1"]}
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0,
-                 "last": {}, "skipped": {}}
+                 "last": {}, "skipped": {}, "begun": begun or {}}
+    state.setdefault("begun", {})  # a checkpoint from before start-up figures were kept
     start = state["step"]
     scheduler.step_update(start)
     main = accelerator.is_main_process
@@ -257,6 +262,7 @@ def finish(run: Run) -> dict:
     if run.final is not None:
         results.update(run.final.run(task))
     results.update(task.settings(cfg))
+    results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes
     results["wall_time_s"] = run.state["elapsed"] + time.time() - run.t_begin  # all segments, evaluation included
     if accelerator.is_main_process:
         write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
@@ -295,7 +301,7 @@ def _checkpoint(run: Run, done: int) -> None:
     epoch, batch_pos = divmod(done * run.cfg.train.grad_accum, run.loader.batches_per_epoch)
     save_checkpoint(run.accelerator, run.out / "checkpoints", done, run.task, run.optimizer, run.scheduler,
                     keep=run.cfg.train.keep_ckpts,
-                    state={"epoch": epoch, "batch": batch_pos, "skipped": _skipped(run),
+                    state={"epoch": epoch, "batch": batch_pos, "skipped": _skipped(run), "begun": run.state["begun"],
                            "bad_run": int(run.bad.run.item()), **_totals(run)})
 
 

@@ -106,7 +106,8 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     """With finetune.head_init=probe the head is the linear probe fitted on the run's own training
     labels (dev split excluded): a fine-tune that does not move (its one step inside the warmup, at
     lr 0) scores the probe's accuracy
-    on the dev split, where a zero head scores chance; the probe's L2 and held-out top-1 are recorded."""
+    on the dev split, where a zero head scores chance; the probe's L2 and held-out top-1 and the
+    start's score are recorded, and kept when the run resumes from its checkpoint."""
     from mpp.train import train
     items = [f"output_dir={tmp_path / 'zero'}", "objective=classify", "model=vit_micro4_32", "batch_size=16",
              "steps=1", "optim.warmup_steps=1", "optim.name=sgd", "optim.weight_decay=0", "finetune.pool=avg",
@@ -119,4 +120,10 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     assert probe["evaluated_on"] == "dev" and probe["head_init"] == "probe"
     assert probe["top1"] > 0.6 and probe["head_probe_heldout_top1"] > 0.6, probe
     assert probe["head_probe_l2"] > 0
+    assert probe["start_top1"] == probe["top1"] and "start_top1" not in zero  # scored before the step too
     assert list(tmp_path.glob("feature_cache/features-*.safetensors"))  # the sweep's other runs reuse them
+    assert list(tmp_path.glob("feature_cache/head-*.safetensors"))
+    longer = train(load_config(None, items + [f"output_dir={tmp_path / 'probe'}", "finetune.head_init=probe",
+                                              "steps=2", "optim.warmup_steps=2"]))  # resumes at step 1
+    assert {k: longer[k] for k in ("start_top1", "head_probe_l2", "head_probe_heldout_top1")} == \
+        {k: probe[k] for k in ("start_top1", "head_probe_l2", "head_probe_heldout_top1")}

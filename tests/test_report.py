@@ -154,3 +154,25 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "finetune": {
             "init": str(mpp), "label_fraction": 0.1}}, {"top1": 0.6})], tmp_path / "out2")
+
+
+def test_what_fine_tuning_added_to_its_start(tmp_path):
+    """Fine-tunes that record their start (start_top1, LP-FT's probe on the same labels) show it
+    beside their end, averaged over the same seeds; a cell where a seed lacks it shows none."""
+    root = tmp_path / "runs"
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 100})
+    runs = [sup]
+    for seed, (start, end) in enumerate(((0.50, 0.54), (0.52, 0.56))):
+        runs.append(_run(root, f"ft_sup_{seed}", {"objective": "classify", "seed": seed,
+                                                  "finetune": {"init": str(sup), "label_fraction": 0.1}},
+                         {"top1": end, "start_top1": start}))
+    for seed in (0, 1):
+        runs.append(_run(root, f"ft_scratch_{seed}", {"objective": "classify", "seed": seed,
+                                                      "finetune": {"init": "none", "label_fraction": 0.1}},
+                         {"top1": 0.3, **({"start_top1": 0.2} if seed else {})}))
+    rep = write_report(runs, tmp_path / "out")
+    assert rep["table"]["supervised"]["finetune_start"] == {"0.1": pytest.approx(0.51)}
+    assert rep["table"]["scratch"]["finetune_start"] == {}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| supervised pre-training | 10% | 51.0 | 55.0 | +4.0 |" in md
+    assert "| from scratch | 10%" not in md.split("What fine-tuning added")[1]
