@@ -152,18 +152,10 @@ def setup(cfg: Config) -> Run:
             _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
         save_config(cfg, out / "config.yaml")
     if not resume:
-        # the main process alone does the Task's start-up work; every rank then starts from its weights
-        begun = task.begin(cfg, device, precision) if accelerator.is_main_process else None
-        changed = begun is not None
-        if world > 1:
-            changed = broadcast_object_list([changed])[0]
-            for p in task.parameters() if changed else ():
-                torch.distributed.broadcast(p.data, 0)
-        if changed and final is not None:  # where training starts, scored as the end will be (e.g. LP-FT's probe)
-            begun = {**(begun or {}), "start_top1": final.run(task)["top1"]}
+        begun = _begin(cfg, accelerator, task, final, precision)
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0,
-                 "last": {}, "skipped": {}, "begun": begun or {}}
+                 "last": {}, "skipped": {}, "begun": begun}
     state.setdefault("begun", {})  # a checkpoint from before start-up figures were kept
     start = state["step"]
     scheduler.step_update(start)
@@ -179,6 +171,21 @@ def setup(cfg: Config) -> Run:
         writer=SummaryWriter(str(out / "tensorboard"), purge_step=start) if main else None,
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
         t_begin=t_begin, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
+
+
+def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
+    """The Task's start-up work of a fresh run, by the main process alone (every rank then starts
+    from its weights), and when it changed weights, the start scored on the final evaluation's
+    data (e.g. LP-FT's probe head): the figures metrics.json records."""
+    begun = task.begin(cfg, accelerator.device, precision) if accelerator.is_main_process else None
+    changed = begun is not None
+    if accelerator.num_processes > 1:
+        changed = broadcast_object_list([changed])[0]
+        for p in task.parameters() if changed else ():
+            torch.distributed.broadcast(p.data, 0)
+    if changed and final is not None:
+        begun = {**(begun or {}), "start_top1": final.run(task)["top1"]}
+    return begun or {}
 
 
 def loop(run: Run) -> None:
