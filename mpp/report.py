@@ -170,8 +170,8 @@ def collect(runs: list[dict]) -> dict:
     seeds), linear top-1 with its representation, few-shot; the recipes chosen on development
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
-                 "linear_top1": None,
-                 "probe_pool": None, "probe_heldout_top1": None, "fewshot": {}, "fewshot_std": {}} for f in FAMILIES}
+                 "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "fewshot": {},
+                 "fewshot_std": {}} for f in FAMILIES}
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
     dev: dict = {}    # (family, fraction) -> dev-split runs

@@ -210,13 +210,19 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
 
 def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path, monkeypatch):
     """An LP-FT head (probe_head) is cached beside the features: the same encoder, labels and
-    probe settings load it (no shards read, no fit), a different L2 grid or encoder fits anew."""
+    probe settings load it (no fit), a different L2 grid or encoder fits anew; a miss hashes the
+    encoder's weights once."""
     from mpp.evaluators.linear_probe import probe_head
     cfg = _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-3, 1e-1]})
     torch.manual_seed(0)
     enc_a, enc_b = create_encoder("vit_micro4_32", img_size=16), create_encoder("vit_micro4_32", img_size=16)
     kw = dict(pool="avg", subset=(0.5, 0, 0.0, False), num_classes=4, device=torch.device("cpu"), precision="no")
+    hashes = []
+    real_hash = mpp.evaluators.features._weights_hash
+    monkeypatch.setattr(mpp.evaluators.features, "_weights_hash", lambda e: hashes.append(1) or real_hash(e))
     first = probe_head(enc_a, cfg, **kw)
+    assert len(hashes) == 1  # the features' key is computed once, for the head's key and the features
+    monkeypatch.undo()
     assert first["l2"] in (1e-3, 1e-1) and first["weight"].shape == (4, enc_a.embed_dim)
     fits = []
     real_choose = mpp.evaluators.linear_probe.choose_probe
@@ -229,7 +235,7 @@ def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path,
     assert len(fits) == 2 and len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 3
 
 
-def test_probe_refit_starts_at_the_chosen_head():
+def test_probe_refit_starts_at_the_chosen_head(monkeypatch):
     """fit_linear_head's warm start is the given raw-feature head carried into the refit's
     standardised coordinates (a fit that stops at once returns it unchanged), and from
     choose_probe's head the refit on all features ends at the same objective as one from zeros."""
@@ -239,12 +245,9 @@ def test_probe_refit_starts_at_the_chosen_head():
     x, y = _blobs(600, torch.randn(4, 12, generator=g) * 2, g)
     x = x * torch.linspace(0.1, 20, 12) + 5
     weight, bias = torch.randn(4, 12, generator=g), torch.randn(4, generator=g)
-    real_fit = mpp.evaluators.linear_probe._fit_logistic
-    try:
-        mpp.evaluators.linear_probe._fit_logistic = lambda x, y, c, l2, init=None: init
-        w, b = fit_linear_head(x, y, 4, 1e-2, init=(weight, bias))
-    finally:
-        mpp.evaluators.linear_probe._fit_logistic = real_fit
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "_fit_logistic", lambda x, y, c, l2, init=None: init)
+    w, b = fit_linear_head(x, y, 4, 1e-2, init=(weight, bias))
+    monkeypatch.undo()
     torch.testing.assert_close((w, b), (weight, bias), rtol=1e-4, atol=1e-4)
     choice = choose_probe({"x": x}, y, num_classes=4, l2_grid=(1e-3, 1e-1))
     mean, std = feature_stats(x)

@@ -98,8 +98,8 @@ def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img
 
 def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POOLS, num_samples: int = 0,
                      cache_dir: str | Path | None = None, device: torch.device | str = "cpu",
-                     precision: str = "auto", progress: bool = True,
-                     subset: tuple | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                     precision: str = "auto", progress: bool = True, subset: tuple | None = None,
+                     key: str | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`
     (or of its `subset`, as `make_loader` takes it).
 
@@ -107,14 +107,15 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     no grad; its mode is restored after); images get the eval transform at the encoder's
     resolution. With `cache_dir` the result is stored as safetensors under a key of weights + data
     + transform + pools + precision, and a later call with the same key loads it instead of
-    running the encoder.
+    running the encoder. `key`: the `feature_cache_key` of these arguments, when the caller has
+    it already (hashing a large encoder's weights takes a while).
     """
     device = torch.device(device)
     img_size = encoder_img_size(encoder)
     path = None
     if cache_dir:
-        key = feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
-                                num_samples=num_samples, precision=precision, subset=subset)
+        key = key or feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
+                                       num_samples=num_samples, precision=precision, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
             cached = load_file(str(path))

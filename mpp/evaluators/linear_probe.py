@@ -69,6 +69,12 @@ def _fold(w: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tuple[torch
     return scaled.T.contiguous(), w[-1] - (mean @ scaled)[0]
 
 
+def _unfold(weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_fold`: a head on raw features as the weights (D + 1, C) of a fit on
+    features standardised by (mean, std)."""
+    return torch.cat([(weight * std).T, (bias + (weight @ mean.T)[:, 0])[None]])
+
+
 def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float,
                     init: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight (C, D) and bias (C,) of the logistic fit on features `x` standardised with their own
@@ -78,10 +84,7 @@ def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: floa
     optimum is the same, but a weak-L2 fit from zeros needs hundreds of iterations more."""
     x = x.float()
     mean, std = feature_stats(x)
-    start = None
-    if init is not None:  # the raw-feature head in this fit's standardised coordinates
-        weight, bias = init
-        start = torch.cat([(weight * std).T, (bias + (weight @ mean.T)[:, 0])[None]])
+    start = None if init is None else _unfold(*init, mean, std)
     return _fold(_fit_logistic((x - mean) / std, y.long(), num_classes, l2, init=start), mean, std)
 
 
@@ -169,7 +172,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
             return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), "l2": float(meta["l2"]),
                     "heldout_top1": float(meta["heldout_top1"])}
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=(pool,), num_samples=cfg.data.num_samples,
-                            cache_dir=cache, device=device, precision=precision, subset=subset)
+                            cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
     _, l2, scores, head = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
                                        l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
     weight, bias = fit_linear_head(x[pool], y, num_classes, l2, init=head)
