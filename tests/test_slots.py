@@ -3,8 +3,11 @@ over them is alive."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import pickle
+import sys
 
+import pytest
 import torch
 
 from mpp.config import DataConfig
@@ -57,3 +60,21 @@ def test_held_batches_are_never_overwritten_and_slots_come_back(tmp_path):
     assert FILLING in states(slots)
     again = list(loader.epoch(2))  # reclaimed as the workers start this epoch: all 8 in use again
     assert states(slots).count(HELD) == 8 and len(again) == loader.batches_per_epoch
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_workers_are_forked_whatever_the_default_start_method(tmp_path):
+    """A tools/compare.py stage inherits the 'forkserver' start method (and Python 3.14 makes it
+    Linux's default): the loader still forks its workers, which keep the slots' mapping (a worker
+    started from a server would import torch again and send every batch the usual way)."""
+    manifest, _ = write_shards(tmp_path, [8] * 2)
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        loader = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                             data_cfg=DataConfig(num_workers=2, eval_crop_pct=1.0))
+        held = list(loader.epoch(0))
+        assert len(held) == 4 and states(loader.stream.slots).count(HELD) == 4
+        loader.close()
+    finally:
+        multiprocessing.set_start_method(before, force=True)

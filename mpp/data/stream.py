@@ -40,6 +40,7 @@ import logging
 import math
 import multiprocessing
 import random
+import sys
 import warnings
 import weakref
 from typing import Iterator
@@ -56,6 +57,12 @@ from mpp.data.subset import select_subset
 from mpp.data.transforms import build_transform, stack
 
 log = logging.getLogger(__name__)
+
+# workers are forked where the platform allows it, whatever the process's default start method (a
+# stage of tools/compare.py inherits 'forkserver', and Python 3.14 makes it the default on Linux):
+# a forked worker inherits the imported modules and the batch slots' mapping, while one started
+# from a server imports torch again and sends every batch through a fresh shared-memory segment
+WORKER_START = "fork" if sys.platform == "linux" else None
 
 # batch slots per worker: DataLoader's 2 prefetched batches, 1 being filled, 1 held by the consumer
 SLOTS_PER_WORKER = 4
@@ -246,7 +253,8 @@ class ShardLoader:
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
         self._dataloader = functools.partial(
             DataLoader, self.stream, batch_size=None, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0, generator=torch.Generator())
+            persistent_workers=self.num_workers > 0, generator=torch.Generator(),
+            multiprocessing_context=WORKER_START if self.num_workers else None)
         self._loader = self._dataloader()
         # the epoch being streamed, weakly: a strong reference would make a cycle through self, and
         # a loader freed by the garbage collector stops its workers only after a 5 s timeout each
