@@ -206,6 +206,9 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     extract_features(enc_a, shards["test"], **kw)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 4
+    monkeypatch.setattr(mpp.evaluators.features, "code_version", lambda: "other code")  # an upgrade
+    extract_features(enc_a, shards["test"], **kw)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 5
 
 
 def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path, monkeypatch):

@@ -1,11 +1,12 @@
 """Features of a frozen encoder, shared by the evaluators: one forward pass pools every
 candidate representation (mpp.models.POOLS) and, with a cache directory, is stored on disk
-(safetensors) under a key made of the encoder weights, the data and the transform, so the probe,
-the few-shot figures and a rerun all reuse one pass.
+(safetensors) under a key made of the encoder weights, the data, the transform and the code, so
+the probe, the few-shot figures and a rerun all reuse one pass.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -74,6 +75,18 @@ def _weights_hash(encoder) -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def code_version() -> str:
+    """Hash of the mpp package's source and the torch version: what other code (an upgrade, a local
+    change) cached in a reused run directory, features or probe heads, is computed again."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(f"{path.relative_to(root)}\0".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _data_fingerprint(spec, num_samples: int) -> list:
     """Every shard the spec resolves to, with size and mtime when local (rewritten shards miss the cache)."""
     shards = resolve(spec, num_samples)
@@ -87,9 +100,9 @@ def _data_fingerprint(spec, num_samples: int) -> list:
 def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
                       precision: str, subset: tuple | None = None) -> str:
     """Hash of everything the features depend on: architecture, weights, data (and the subset of
-    it), transform, pooling, precision."""
+    it), transform, pooling, precision, code."""
     d = cfg.data
-    key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder),
+    key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder), code=code_version(),
                data=_data_fingerprint(spec, num_samples), subset=list(subset) if subset else None,
                img_size=img_size, pools=list(pools), precision=precision,
                mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
