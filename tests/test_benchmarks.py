@@ -80,3 +80,14 @@ def test_probe_blocks_last_block_is_the_encoders_own_output(tmp_path, capsys):
     b.main(["--data", data, "--encoder", "tiny=none:vit_micro4_32"])
     out = capsys.readouterr().out
     assert "tiny: held-out top-1 per block" in out and "block 2:" in out and "block 3:" not in out
+
+
+@pytest.mark.slow
+def test_epoch_starts_benchmark_times_both_ways(tmp_path, capsys):
+    b = load("epoch_starts")
+    make_synthetic(tmp_path, train=80, test=4, shards=4, progress=False)
+    b.main(["--data", str(tmp_path / "train" / "manifest.json"), "--fraction", "0.5", "--batch-size", "8",
+            "--epochs", "3", "--step-ms", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "| 1 | restarted every epoch |" in out and "| 1 | run on (shipped) |" in out
+    assert "later epoch starts' wait, run on / restarted: " in out

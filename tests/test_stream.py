@@ -385,5 +385,32 @@ def test_workers_cache_a_small_set_and_replay_it_unchanged(tmp_path):
     small.stream.cache_limit = 100  # bytes: the set outgrows it, so nothing is kept
     list(small.epoch(0))
     (tmp_path / "d").rename(tmp_path / "gone")
-    with pytest.raises(DataError):
+    with pytest.raises(DataError):  # epoch 1's first batches may have been read ahead, not epoch 2's
         list(small.epoch(1))
+        list(small.epoch(2))
+
+
+def test_workers_read_the_next_epoch_ahead_and_a_restart_reads_the_same(tmp_path):
+    """Training workers run on into the next epoch before it is asked for (no stall at an epoch
+    start); the batches are still those of a loader that starts at that epoch (a resumed run),
+    with uneven shards, so the workers end their epochs at different points of the round robin."""
+    manifest, _ = write_shards(tmp_path, [10, 7, 13, 5, 9])
+
+    def loader():
+        return make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                           data_cfg=cfg(shuffle_buffer=8), seed=1)
+
+    ran_on = loader()
+    for _ in ran_on.epoch(0):  # each batch dropped at once: its slot is free for the read-ahead
+        pass
+    state = ran_on.stream.slots.state
+    deadline = time.monotonic() + 20
+    while 1 not in state[:] and time.monotonic() < deadline:  # a slot being filled (FILLING): epoch 1
+        time.sleep(0.01)
+    assert 1 in state[:], "the workers did not start the next epoch on their own"
+    for e in (1, 2):
+        restarted = loader()
+        assert all(torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+                   for a, b in zip(ran_on.epoch(e), restarted.epoch(e), strict=True))
+        restarted.close()
+    ran_on.close()

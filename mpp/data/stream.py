@@ -1,8 +1,10 @@
 """Sharded, distributed, exactly-sized batch streams: `make_loader(...) -> ShardLoader`.
 
 The DataLoader workers persist across epochs (forked once per loader, stopped by
-`ShardLoader.close()` or when the loader is freed); the loader tells them which epoch to stream
-through shared memory. Per epoch e (identical computation on every rank and worker):
+`ShardLoader.close()` or when the loader is freed); the loader tells them the epoch to start at
+through shared memory, and a training stream that is not resampled runs on into the next epochs,
+so the DataLoader's prefetch holds the next epoch's first batches before the step asks for them
+(no stall at every epoch start of a small set read many times). Per epoch e (identical computation on every rank and worker):
 1. shards are shuffled with a seed of (seed, e) (train only) and packed into one bin per rank by
    largest-first greedy (`sources.assign`): the bin totals depend only on the shard counts, so they
    are the same every epoch; in training the rank bins are then permuted with the same seed. A
@@ -27,13 +29,16 @@ Resampled mode: each worker draws shards with replacement, forever; the epoch en
 of the fixed `data.epoch_samples / world_size` samples per rank.
 `epoch(e, start_batch=k)` replays epoch e and discards its first k batches, so resuming yields
 exactly what an uninterrupted epoch would (the run is deterministic given seed, epoch, rank and
-worker count: DataLoader collects from workers in a fixed round-robin order, and shuffling and
+worker count: the loader takes an epoch's worker batches in the round-robin order of a fresh
+DataLoader start whether the workers start at that epoch or run on into it, and shuffling and
 augmentation use Python RNGs seeded from (seed, epoch, rank, worker)). The price: a resume in
 the middle of an epoch re-reads and decodes that epoch's first k batches (no model compute).
-Starting an epoch ends the loader's unfinished one (the workers are shared).
+Starting an epoch other than the one the workers run on into (or after an unfinished one)
+restarts them there (the workers are shared).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -104,7 +109,8 @@ class _ShardStream(IterableDataset):
         self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
         self.shuffle_buffer, self.resampled, self.seed, self.train = shuffle_buffer, resampled, seed, train
         self.rank, self.world_size, self.workers = rank, world_size, workers
-        # the epoch to stream: set by ShardLoader before each epoch, read by its persistent workers
+        self.follow = train and not resampled  # each epoch streams into the next (see __iter__)
+        # the epoch to start from: set by ShardLoader before it (re)starts its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
         # raw samples by shard id, kept by each persistent worker across epochs (see _keep)
@@ -159,13 +165,23 @@ class _ShardStream(IterableDataset):
             self.cache = None  # the set does not fit: free what was kept, stop caching
 
     def __iter__(self):
+        """This worker's items from the epoch set in `self.epoch` on: its batches, then an end item
+        with the epoch's final skip counts; every item names its worker and epoch. A training
+        stream that is not resampled goes on into the next epochs (`follow`), so the DataLoader's
+        prefetch already holds the next epoch's first batches when the main process reaches them."""
         info = get_worker_info()
         worker = info.id if info is not None else 0
         if info is not None:  # a worker process: corrupt images are counted, not warned about by PIL
             warnings.filterwarnings("ignore", module="PIL")
         if self.slots is not None:  # what this worker sent in an abandoned epoch was dropped unread
             self.slots.reclaim(worker)
-        epoch, skips = self.epoch.value, {}
+        epoch = self.epoch.value
+        while (yield from self._epoch(epoch, worker)) and self.follow:
+            epoch += 1
+
+    def _epoch(self, epoch: int, worker: int) -> Iterator[dict]:
+        """One epoch of this worker's items (see `__iter__`); returns False after an error item."""
+        skips: dict[str, int] = {}
         rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:augment")
         samples = self._raw(epoch, worker, skips)
         if self.shuffle_buffer > 0:
@@ -180,17 +196,18 @@ class _ShardStream(IterableDataset):
                 images += got[0]
                 labels += got[1]
                 if len(images) == self.batch_size:
-                    yield self._batch(images, labels, worker, skips)
+                    yield self._batch(images, labels, worker, epoch, skips)
                     images, labels = [], []
         except DataError as e:  # sent as an item so the main process raises it with a clean message
-            yield {"worker": worker, "skips": dict(skips), "error": str(e)}
-            return
+            yield {"worker": worker, "epoch": epoch, "skips": dict(skips), "error": str(e)}
+            return False
         if images:
-            yield self._batch(images, labels, worker, skips)
-        yield {"worker": worker, "skips": dict(skips)}  # the final counts of this worker
+            yield self._batch(images, labels, worker, epoch, skips)
+        yield {"worker": worker, "epoch": epoch, "skips": dict(skips), "end": True}  # the final counts
+        return True
 
-    def _batch(self, images, labels, worker, skips) -> dict:
-        out = {"worker": worker, "skips": dict(skips)}
+    def _batch(self, images, labels, worker, epoch, skips) -> dict:
+        out = {"worker": worker, "epoch": epoch, "skips": dict(skips)}
         slot = self.slots.acquire(worker) if self.slots is not None else None
         if slot is None:
             out["image"] = stack(images)
@@ -256,6 +273,9 @@ class ShardLoader:
             persistent_workers=self.num_workers > 0, generator=torch.Generator(),
             multiprocessing_context=WORKER_START if self.num_workers else None)
         self._loader = self._dataloader()
+        # the workers' running stream, the items it gave ahead of their epoch by worker, and the
+        # epoch it continues with (None: the next epoch restarts it)
+        self._items, self._held, self._next = None, {}, None
         # the epoch being streamed, weakly: a strong reference would make a cycle through self, and
         # a loader freed by the garbage collector stops its workers only after a 5 s timeout each
         self._current = lambda: None
@@ -268,6 +288,7 @@ class ShardLoader:
         this, or until the loader is freed); a later `epoch()` starts new ones."""
         self._end_epoch()
         self._loader = self._dataloader()  # the old DataLoader, freed, shuts its workers down
+        self._items, self._held, self._next = None, {}, None
 
     def _end_epoch(self) -> None:
         current = self._current()
@@ -288,26 +309,43 @@ class ShardLoader:
                         "(ShardLoader.counters())", kind, SKIP_KINDS.get(kind, kind), self.rank)
         self._skips[kind] = self._skips.get(kind, 0) + n
 
-    def _worker_items(self, tally: dict[str, int]) -> Iterator[dict]:
-        """The rank's worker stream for the epoch set on `self.stream` (re-iterating the DataLoader
-        restarts its persistent workers' streams, dropping what an abandoned epoch left unread);
-        skip counters are folded into `counters()` and this epoch's `tally`, worker errors are
-        raised here."""
+    def _worker_items(self, epoch: int, tally: dict[str, int]) -> Iterator[dict]:
+        """The rank's worker items of `epoch` in the order a fresh start of the DataLoader gives
+        (round robin over the workers, each left out once it ended), whether the workers start
+        here (re-iterating the DataLoader restarts its persistent workers' streams, dropping what
+        an abandoned epoch left unread) or run on from the epoch read before (`follow`): a resumed
+        run reads what an uninterrupted one did. Skip counters are folded into `counters()` and
+        this epoch's `tally`; worker errors are raised here."""
+        if self._next != epoch:
+            self.stream.epoch.value = epoch
+            self._items, self._held = iter(self._loader), collections.defaultdict(collections.deque)
+        self._next = None  # until this epoch is read to its end
         slots, seen = self.stream.slots, {}
-        for item in self._loader:
-            last = seen.get(item["worker"], {})
+        active, turn = list(range(self.workers)), 0
+        while active:
+            worker = active[turn]
+            while not self._held[worker]:  # a later epoch's items wait for it
+                item = next(self._items)
+                self._held[item["worker"]].append(item)
+            item = self._held[worker].popleft()
+            last = seen.get(worker, {})
             for kind, n in item["skips"].items():
                 self._count(kind, n - last.get(kind, 0))
                 tally[kind] = tally.get(kind, 0) + n - last.get(kind, 0)
-            seen[item["worker"]] = item["skips"]
+            seen[worker] = item["skips"]
             if "error" in item:
                 raise DataError(item["error"])
+            if item.get("end"):
+                active.pop(turn)
+                turn = turn if turn < len(active) else 0
+                continue
+            turn = (turn + 1) % len(active)
             if "slot" in item:
                 item["image"] = slots.receive(item.pop("slot"), item.pop("size")).permute(0, 3, 1, 2)
-            if "image" in item:
-                if "label" in item:
-                    item["label"] = torch.tensor(item["label"], dtype=torch.long)
-                yield item
+            if "label" in item:
+                item["label"] = torch.tensor(item["label"], dtype=torch.long)
+            yield item
+        self._next = epoch + 1 if self.stream.follow else None
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[dict]:
         """Batches `start_batch`.. of epoch `epoch`: dicts {'image': uint8 (B,3,H,W) (channels-last
@@ -332,14 +370,13 @@ class ShardLoader:
         Each batch size comes from the plan for what is still expected (the rank's count minus what
         was emitted and what workers reported skipped so far), so skips shrink the tail batches
         instead of leaving the rank short."""
-        self.stream.epoch.value = epoch
         if self.resampled:
             expected = self.num_samples // self.world_size
         else:
             expected = self.stream.plan(epoch).num_samples
         keys = ("image", "label") if self.stream.labeled else ("image",)
         tally: dict[str, int] = {}
-        items = self._worker_items(tally)
+        items = self._worker_items(epoch, tally)
         pieces: list[dict] = []  # pending worker batches (the first possibly partly used)
         have, last, ended, k = 0, None, False, self.batches_per_epoch
         for i in range(k):
