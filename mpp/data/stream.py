@@ -4,7 +4,8 @@ The DataLoader workers persist across epochs (forked once per loader, stopped by
 `ShardLoader.close()` or when the loader is freed); the loader tells them the epoch to start at
 through shared memory, and a training stream that is not resampled runs on into the next epochs,
 so the DataLoader's prefetch holds the next epoch's first batches before the step asks for them
-(no stall at every epoch start of a small set read many times). Per epoch e (identical computation on every rank and worker):
+(no stall at every epoch start of a small set read many times). Per epoch e (identical
+computation on every rank and worker):
 1. shards are shuffled with a seed of (seed, e) (train only) and packed into one bin per rank by
    largest-first greedy (`sources.assign`): the bin totals depend only on the shard counts, so they
    are the same every epoch; in training the rank bins are then permuted with the same seed. A
