@@ -20,8 +20,12 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
 - a fine-tune's `start_top1` (its model before the first step: under finetune.head_init=probe
   the encoder with the probe on the same labels) shows beside its end in "what fine-tuning added".
 Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
-noise is the standard error of the difference of two means, sqrt(s_a^2/n_a + s_b^2/n_b); a gap
-under twice its noise is marked not significant, one of single runs has unknown noise.
+noise is the standard error of the difference, from two sources combined: the seeds (fine-tunes:
+sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws; a probe's fit has none) and the test
+images' sampling (mpp.outcomes: the per-image difference of the two arms, paired over the same
+images, each arm averaged over its seeds). A gap under twice its noise is marked not significant;
+one whose seed noise is unknown (single fine-tunes) or, for a probe, whose runs recorded no
+outcomes, has unknown noise.
 Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
 """
 from __future__ import annotations
@@ -31,8 +35,10 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import yaml
 
+from mpp import outcomes
 from mpp.fileio import write_atomic
 
 FAMILIES = ("supervised", "mpp", "scratch")
@@ -110,21 +116,28 @@ def describe_run(run_dir: str | Path) -> dict:
             "seed": cfg.get("seed", 0), "evaluated_on": metrics.get("evaluated_on", "val"), "config": cfg}
 
 
-def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None) -> dict:
+def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
+           per_image: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
-    With `sem` (family -> standard error of its mean, None for a single run): each gap's noise in
-    points (`noise`) and whether the gap is at least twice it (`significant`, None: unknown)."""
+    With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
+    gets its noise in points (`noise`) and whether the gap is at least twice it (`significant`,
+    None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
+    adds the test images' paired sampling error (`noise_test`) where two families scored the
+    same images in the same order."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
-    sem = sem or {}
-    out["noise"], out["significant"] = {}, {}
+    sem, per_image = sem or {}, per_image or {}
+    out["noise"], out["noise_test"], out["significant"] = {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
+        test = None
+        if out[gap] is not None and per_image.get(a) and per_image.get(b) and per_image[a][0] == per_image[b][0]:
+            test = 100.0 * outcomes.paired_sem(per_image[a][1], per_image[b][1])
         noise = None
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
-            noise = round(100.0 * math.hypot(sem[a], sem[b]), 4)
-        out["noise"][gap] = noise
+            noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
+        out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["significant"][gap] = None if noise is None else abs(out[gap]) >= 2 * noise
     out["recovered_share"] = None
     gain = out["supervised_minus_scratch"]
@@ -171,7 +184,8 @@ def collect(runs: list[dict]) -> dict:
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "fewshot": {},
-                 "fewshot_std": {}} for f in FAMILIES}
+                 "fewshot_std": {}, "fewshot_seeds": None} for f in FAMILIES}
+    images: dict = {}  # (family, fraction | "probe") -> (labels digest, per-image top-1 on the test images)
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
     dev: dict = {}    # (family, fraction) -> dev-split runs
@@ -196,6 +210,8 @@ def collect(runs: list[dict]) -> dict:
         else:
             place((r["family"], "probe"), r)
             row["linear_top1"] = _accuracy(m, "top1", r["dir"])
+            images[r["family"], "probe"] = outcomes.read(m.get("outcomes"))
+            row["fewshot_seeds"] = m.get("fewshot_seeds")
             row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
             row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
             for k, v in m.items():
@@ -209,21 +225,38 @@ def collect(runs: list[dict]) -> dict:
         starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals if "start_top1" in r["metrics"]]
         if len(starts) == len(finals):  # LP-FT runs: where each fine-tune started, on the same test images
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
+        images[f, key] = _seed_mean_images([outcomes.read(r["metrics"].get("outcomes"))
+                                                              for r in finals])
     recipes = {f: {key: _recipes(runs_, cells.get((f, key), [])) for (g, key), runs_ in dev.items() if g == f}
                for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
-    column = lambda get: derive(*(get(table[f]) for f in FAMILIES))  # noqa: E731
 
     def sem(fr: str) -> dict:
         return {f: None if table[f]["finetune_std"].get(fr) is None
                 else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
+
+    def draws_sem(k: str) -> dict:  # few-shot std is over `fewshot_seeds` draws (population std)
+        return {f: None if table[f]["fewshot_std"].get(k) is None or (table[f]["fewshot_seeds"] or 0) < 2
+                else table[f]["fewshot_std"][k] / math.sqrt(table[f]["fewshot_seeds"] - 1) for f in FAMILIES}
     derived = {
-        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr)) for fr in fractions},
-        "linear_top1": column(lambda row: row["linear_top1"]),
-        "fewshot": {k: column(lambda row: row["fewshot"].get(k)) for k in shots},
+        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr),
+                                per_image={f: images.get((f, fr)) for f in FAMILIES})
+                     for fr in fractions},
+        "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
+                              sem={f: 0.0 if images.get((f, "probe")) else None for f in FAMILIES},
+                              per_image={f: images.get((f, "probe")) for f in FAMILIES}),
+        "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k)) for k in shots},
     }
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
+
+
+def _seed_mean_images(per_seed: list) -> tuple[str, np.ndarray] | None:
+    """(labels digest, per-image top-1 averaged over seeds) of a cell's final runs; None unless
+    every run recorded outcomes on the same images in the same order."""
+    if not per_seed or any(p is None for p in per_seed) or len({(d, len(v)) for d, v in per_seed}) > 1:
+        return None
+    return per_seed[0][0], np.mean([v for _, v in per_seed], axis=0)
 
 
 def _accuracy(metrics: dict, key: str, run_dir: str) -> float:
@@ -280,9 +313,12 @@ def render_markdown(rep: dict) -> str:
                                                    if row["fewshot_std"].get(k) is not None else "") for k in shots])
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Derived figures", "",
-              "Gaps in percentage points, ± the standard error of the difference of the two means "
-              "(sqrt(s_a²/n_a + s_b²/n_b)); a gap under twice that is marked not significant, a gap without ± "
-              "comes from single runs and its noise is unknown. Share = (MPP - scratch) / (supervised - scratch), "
+              "Gaps in percentage points, ± their standard error from two sources combined: the seeds "
+              "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws; a linear probe's fit has none) "
+              "and the sampling of the test images (the two arms' per-image results compared on the same "
+              "images). A gap under twice its standard error is marked not significant; a gap without ± has "
+              "unknown noise (single fine-tunes, or runs that recorded no per-image results). "
+              "Share = (MPP - scratch) / (supervised - scratch), "
               f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
               "(ViT-B/16 ImageNet fine-tunes).", "",
               f"| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered "

@@ -158,6 +158,8 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
               for kind in ("mpp", "scratch")}
     assert report["derived"]["linear_top1"]["mpp_minus_scratch"] == pytest.approx(
         probes["mpp"] - probes["scratch"], abs=0.06)
+    # every probe and fine-tune scored the same test images in the same order: each gap has its test noise
+    assert all(v is not None for g in (report["derived"]["linear_top1"], gap) for v in g["noise_test"].values())
 
     def files():  # every file of the stages and figures; the report itself is rewritten on purpose
         return {f: f.stat().st_mtime_ns for f in runs.rglob("*") if f.is_file() and f.parent != runs}

@@ -20,6 +20,7 @@ from PIL import Image
 
 import mpp.evaluators.features
 import mpp.evaluators.linear_probe
+from mpp import outcomes
 from mpp.config import build_config
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features
@@ -325,6 +326,8 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
     assert m["top1"] > 0.6 and m["5shot_mean"] > 0.5  # chance is 0.25
     assert m["pool"] in ("token", "avg") and set(m["pool_heldout_top1"]) == {"token", "avg"}
     assert set(m["probe_val_top1"]) == {"1e-05", "0.01"} and m["probe_l2"] in (1e-5, 1e-2)  # the grid it was given
+    _, correct = outcomes.read(m["outcomes"])
+    assert len(correct) == 80 and correct.mean() == pytest.approx(m["top1"])
     assert (out / "config.yaml").is_file() and (tmp_path / "feature_cache").is_dir()
     monkeypatch.setattr(sys, "argv", cmd[1:] + [f"probe.encoder={tmp_path / 'missing'}"])
     with pytest.raises(SystemExit) as exc:

@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import mpp.train
 from colours import write_colours
+from mpp import outcomes
 from mpp.config import ConfigError, build_config, load_config
 from mpp.data.synthetic import make_synthetic
 from mpp.models import load_encoder
@@ -191,6 +192,8 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 6
     ft = json.loads((tmp_path / "ft/metrics.json").read_text())
     assert ft["val_samples"] == 64 and ft["head_init"] == "probe" and "head_probe_l2" in ft
+    _, correct = outcomes.read(ft["outcomes"])  # both ranks' images, gathered
+    assert len(correct) == 64 and correct.mean() == pytest.approx(ft["top1"])
 
 
 def test_train_compile_settings_choose_the_step(data, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from timm.utils import accuracy
 
+from mpp import outcomes
 from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
 from mpp.data.sources import check_same_classes
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
@@ -134,7 +135,7 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 
     `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
     With a dict the result also holds `representation` (the chosen one) and `heldout_top1` (each
-    candidate's best held-out top-1).
+    candidate's best held-out top-1). `outcomes`: which test samples it got right (mpp.outcomes).
     """
     several = isinstance(train_x, dict)
     trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
@@ -146,7 +147,8 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
     out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
-           "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())}}
+           "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())},
+           "outcomes": outcomes.record(logits.argmax(1).eq(test_y).numpy(), test_y.numpy())}
     if several:
         out["representation"] = rep
         out["heldout_top1"] = {n: max(scores[n].values()) for n in trains}
@@ -213,6 +215,7 @@ class Evaluator:
                           l2=cfg.fewshot.l2, num_classes=num_classes)
         return {"top1": lin["top1"], "top5": lin["top5"], **fs, "pool": pool, "pool_setting": cfg.probe.pool,
                 "pool_heldout_top1": lin["heldout_top1"], "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
+                "outcomes": lin["outcomes"],
                 "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
                 "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x[pool].shape[1],
                 "img_size": encoder_img_size(encoder), "seconds_features": round(t1 - t0, 2),

@@ -1,0 +1,53 @@
+"""Which test images a model got right, kept in `metrics.json` so that the gap report can measure
+the test set's own noise: two encoders scored on the same 1,000 or 10,000 images differ by
+sampling as well as by what they learned, and seeds alone do not show it (every seed sees the
+same images). `record` packs the outcomes (a bit per image, base64) with a hash of the labels in
+the order they were scored; the report pairs two runs' outcomes only when those hashes match.
+Plain JSON, nothing executable: a metrics file from elsewhere is data.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+
+import numpy as np
+
+
+def labels_digest(labels) -> str:
+    """sha256 (16 hex digits) of the labels in scoring order: two runs with equal digests scored
+    the same images in the same order (the loader's order is deterministic for a given data spec
+    and world size)."""
+    return hashlib.sha256(np.asarray(labels, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def record(correct, labels) -> dict:
+    """{"n", "labels", "correct"} of a run's final evaluation: the count, the labels' digest and
+    one bit per image (1: top-1 right) in scoring order."""
+    correct = np.asarray(correct, dtype=bool)
+    if correct.shape != np.shape(labels) or correct.ndim != 1:
+        raise ValueError(f"outcomes: {correct.shape} predictions for labels of shape {np.shape(labels)}")
+    return {"n": int(correct.size), "labels": labels_digest(labels),
+            "correct": base64.b64encode(np.packbits(correct).tobytes()).decode("ascii")}
+
+
+def read(entry) -> tuple[str, np.ndarray] | None:
+    """(labels digest, bool array) of a `record` entry; None when it is absent or malformed
+    (the report then shows no test noise for that run rather than a wrong one)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("n"), int) or entry["n"] < 1:
+        return None
+    try:
+        bits = np.unpackbits(np.frombuffer(base64.b64decode(entry["correct"], validate=True), np.uint8))
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        return None
+    if len(bits) != (entry["n"] + 7) // 8 * 8 or not isinstance(entry.get("labels"), str):
+        return None
+    return entry["labels"], bits[: entry["n"]].astype(bool)
+
+
+def paired_sem(a: np.ndarray, b: np.ndarray) -> float:
+    """Standard error, as a fraction, of mean(a) - mean(b) from the test images' sampling: a and b
+    are per-image scores (0/1, or a mean over seeds) of two models on the same images in the
+    same order; the images are the sampled unit, so the difference is paired."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    return float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0

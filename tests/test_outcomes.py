@@ -1,0 +1,97 @@
+"""mpp.outcomes: per-image results in metrics.json, and the test images' noise in the gap report."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mpp import outcomes
+from mpp.report import derive, write_report
+from test_report import _run
+
+
+def test_record_round_trips_and_rejects_malformed_entries():
+    rng = np.random.default_rng(0)
+    correct, labels = rng.random(1001) < 0.4, rng.integers(0, 10, 1001)  # not a multiple of 8 bits
+    entry = json.loads(json.dumps(outcomes.record(correct, labels)))
+    digest, back = outcomes.read(entry)
+    assert digest == outcomes.labels_digest(labels) != outcomes.labels_digest(labels[::-1])
+    assert back.dtype == bool and np.array_equal(back, correct)
+    for bad in (None, "x", {}, {**entry, "n": 2000}, {**entry, "n": 0}, {**entry, "correct": "%%%"},
+                {**entry, "labels": 3}, {**entry, "n": "1001"}):
+        assert outcomes.read(bad) is None
+    with pytest.raises(ValueError, match="predictions"):
+        outcomes.record(correct[:-1], labels)
+
+
+def test_paired_sem_is_the_standard_error_of_the_per_image_difference():
+    a = np.array([1, 1, 0, 1, 0, 1, 1, 0], bool)
+    b = np.array([1, 0, 0, 1, 1, 1, 0, 0], bool)
+    d = a.astype(float) - b
+    assert outcomes.paired_sem(a, b) == pytest.approx(np.std(d, ddof=1) / np.sqrt(8))
+    assert outcomes.paired_sem(a, a) == 0.0  # the same predictions: no sampling noise in their gap
+
+
+def test_derive_adds_test_noise_only_for_the_same_images():
+    rng = np.random.default_rng(1)
+    n = 1000
+    sup, mpp = rng.random(n) < 0.6, rng.random(n) < 0.55
+    same, other = "d1", "d2"
+    sem = {"supervised": 0.003, "mpp": 0.004, "scratch": None}
+    g = derive(sup.mean(), mpp.mean(), None, sem=sem, per_image={"supervised": (same, sup), "mpp": (same, mpp)})
+    test = 100 * outcomes.paired_sem(sup, mpp)
+    assert 1.5 < test < 4  # two independent 0/1 vectors over 1,000 images: ~2.2 points
+    assert g["noise_test"]["supervised_minus_mpp"] == pytest.approx(test, abs=1e-3)
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(np.hypot(0.3, 0.4), test), abs=1e-3)
+    g2 = derive(sup.mean(), mpp.mean(), None, sem=sem, per_image={"supervised": (same, sup), "mpp": (other, mpp)})
+    assert g2["noise_test"]["supervised_minus_mpp"] is None  # other images or order: not paired
+    assert g2["noise"]["supervised_minus_mpp"] == pytest.approx(0.5, abs=1e-3)  # the seeds' part alone
+
+
+def _probe(root, name, encoder, correct, labels):
+    return _run(root, name, {"objective": "mpp", "probe": {"encoder": str(encoder)}},
+                {"kind": "linear_probe", "top1": float(np.mean(correct)), "pool": "avg",
+                 "outcomes": outcomes.record(correct, labels)})
+
+
+def test_report_marks_a_probe_gap_within_the_test_noise(tmp_path):
+    """Probes of three encoders on the same 400 test images: a 1-point gap (6 images won, 2 lost)
+    is within the sampling noise, a 20-point gap is not; a probe without outcomes leaves its gaps' noise
+    unknown rather than zero. Fine-tunes over seeds add the test noise to the seeds' part."""
+    root, n = tmp_path / "runs", 400
+    labels = np.arange(n) % 10
+    sup_run = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
+    mpp_run = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
+    scratch = np.arange(n) < 160                       # 40%
+    mpp = scratch.copy()
+    mpp[160:166], mpp[:2] = True, False                # 41%: +1 point, 6 images won and 2 lost
+    sup = np.arange(n) < 244                           # 61%
+    runs = [sup_run, mpp_run, _probe(root, "probe_sup", sup_run, sup, labels),
+            _probe(root, "probe_mpp", mpp_run, mpp, labels), _probe(root, "probe_scratch", "none", scratch, labels)]
+    for arm, init, base in (("supervised", sup_run, sup), ("mpp", mpp_run, mpp), ("scratch", "none", scratch)):
+        for seed in (0, 1):
+            c = base.copy()
+            c[n - 1] = bool(seed)                      # the seeds differ by one image
+            runs.append(_run(root, f"ft_{arm}_{seed}", {"objective": "classify", "seed": seed, "finetune": {
+                "init": str(init), "label_fraction": 1.0}}, {"top1": float(c.mean()), "outcomes": outcomes.record(c, labels)}))
+    rep = write_report(runs, tmp_path / "out")
+    lin, ft = rep["derived"]["linear_top1"], rep["derived"]["finetune"]["1"]
+    assert lin["mpp_minus_scratch"] == pytest.approx(1.0)
+    assert lin["noise"]["mpp_minus_scratch"] == pytest.approx(100 * outcomes.paired_sem(mpp, scratch), abs=1e-3)
+    assert lin["significant"] == {"supervised_minus_mpp": True, "mpp_minus_scratch": False,
+                                  "supervised_minus_scratch": True}
+    sem = np.std([0.0, 0.0025], ddof=1) / np.sqrt(2)  # each arm: 2 seeds 0.25 points apart
+    seeds_part = 100 * np.hypot(sem, sem)
+    assert ft["noise"]["mpp_minus_scratch"] > ft["noise_test"]["mpp_minus_scratch"] > 0
+    assert ft["noise"]["mpp_minus_scratch"] == pytest.approx(np.hypot(seeds_part, ft["noise_test"]["mpp_minus_scratch"]),
+                                                             abs=1e-3)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| linear probe | +20.0 ± 2.0 | +1.0 ± 0.7 not significant |" in md
+    # the same probes without per-image results: noise unknown, not zero
+    for name in ("probe_mpp", "probe_scratch"):
+        m = json.loads((root / name / "metrics.json").read_text())
+        del m["outcomes"]
+        (root / name / "metrics.json").write_text(json.dumps(m))
+    lin = write_report(runs, tmp_path / "out2")["derived"]["linear_top1"]
+    assert lin["noise"]["mpp_minus_scratch"] is None and lin["significant"]["mpp_minus_scratch"] is None
