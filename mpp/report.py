@@ -138,7 +138,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
-        out["significant"][gap] = None if noise is None else abs(out[gap]) >= 2 * noise
+        out["significant"][gap] = None if noise is None else abs(out[gap]) >= max(2 * noise, 1e-9)  # 0 ± 0 is no gap
     out["recovered_share"] = None
     gain = out["supervised_minus_scratch"]
     if gain is None or out["mpp_minus_scratch"] is None:
