@@ -183,6 +183,7 @@ def collect(runs: list[dict]) -> dict:
     seeds), linear top-1 with its representation, few-shot; the recipes chosen on development
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
+                 "finetune_added_noise": {},
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None} for f in FAMILIES}
     images: dict = {}  # (family, fraction | "probe") -> (labels digest, per-image top-1 on the test images)
@@ -220,13 +221,15 @@ def collect(runs: list[dict]) -> dict:
                     row["fewshot"][shots] = _accuracy(m, k, r["dir"])
                     row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
     for (f, key), finals in cells.items():
-        mean, std = _mean_std([_accuracy(r["metrics"], "top1", r["dir"]) for r in finals])
+        ends = [_accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
+        mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
-        starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals if "start_top1" in r["metrics"]]
-        if len(starts) == len(finals):  # LP-FT runs: where each fine-tune started, on the same test images
+        images[f, key] = _seed_mean_images([outcomes.read(r["metrics"].get("outcomes")) for r in finals])
+        if all("start_top1" in r["metrics"] for r in finals):  # LP-FT runs: where each started, on the same images
+            starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals]
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
-        images[f, key] = _seed_mean_images([outcomes.read(r["metrics"].get("outcomes"))
-                                                              for r in finals])
+            table[f]["finetune_added_noise"][key] = _added_noise(ends, starts, images[f, key], _seed_mean_images(
+                [outcomes.read(r["metrics"].get("start_outcomes")) for r in finals]))
     recipes = {f: {key: _recipes(runs_, cells.get((f, key), [])) for (g, key), runs_ in dev.items() if g == f}
                for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
@@ -249,6 +252,19 @@ def collect(runs: list[dict]) -> dict:
         "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k)) for k in shots},
     }
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
+
+
+def _added_noise(ends: list, starts: list, end_images, start_images) -> float | None:
+    """Standard error in points of what a cell's fine-tunes added to their start, mean(end) -
+    mean(start): the spread of the per-seed gains and, where start and end were scored image by
+    image on the same images, the test images' paired sampling. None for a single seed."""
+    sd = _mean_std([e - s for e, s in zip(ends, starts)])[1]
+    if sd is None:
+        return None
+    test = 0.0
+    if end_images and start_images and end_images[0] == start_images[0]:
+        test = outcomes.paired_sem(end_images[1], start_images[1])
+    return round(100.0 * math.hypot(sd / math.sqrt(len(ends)), test), 4)
 
 
 def _seed_mean_images(per_seed: list) -> tuple[str, np.ndarray] | None:
@@ -352,12 +368,16 @@ def render_markdown(rep: dict) -> str:
         lines += ["", "## What fine-tuning added to its start", "",
                   "Each fine-tune's model before its first step (finetune.head_init=probe: the encoder with the "
                   "linear probe fitted on the same training labels) scored on the same test images as at its "
-                  "end, mean over the same seeds.", "",
+                  "end, mean over the same seeds; what it added ± its standard error (the seeds' gains and the "
+                  "test images' sampling, as above).", "",
                   "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
         for f, fr in starts:
-            start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
-            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | "
-                         f"{_pp(100 * (end - start))} |")
+            start, end, noise = t[f]["finetune_start"][fr], t[f]["finetune"][fr], t[f]["finetune_added_noise"][fr]
+            added = _pp(100 * (end - start))
+            if noise is not None:
+                within = abs(100 * (end - start)) < max(2 * noise, 1e-9)
+                added += f" ± {noise:.1f}" + (" not significant" if within else "")
+            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
         lines += ["", "## Fine-tune recipe chosen on a development split", "",

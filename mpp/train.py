@@ -184,7 +184,9 @@ def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: 
         for p in task.parameters() if changed else ():
             torch.distributed.broadcast(p.data, 0)
     if changed and final is not None:
-        begun = {**(begun or {}), "start_top1": final.run(task)["top1"]}
+        start = final.run(task)
+        begun = {**(begun or {}), "start_top1": start["top1"],
+                 **({"start_outcomes": start["outcomes"]} if "outcomes" in start else {})}
     return begun or {}
 
 

@@ -130,3 +130,6 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
                                               "steps=2", "optim.warmup_steps=2"]))  # resumes at step 1
     assert {k: longer[k] for k in ("start_top1", "head_probe_l2", "head_probe_heldout_top1")} == \
         {k: probe[k] for k in ("start_top1", "head_probe_l2", "head_probe_heldout_top1")}
+    test = train(load_config(None, items[:-2] + [f"output_dir={tmp_path / 'test'}", "finetune.head_init=probe",
+                                                 "data.eval_crop_pct=1.0"]))
+    assert test["evaluated_on"] == "val" and test["start_outcomes"] == test["outcomes"]  # image by image, unmoved

@@ -98,3 +98,32 @@ def test_report_marks_a_probe_gap_within_the_test_noise(tmp_path):
         (root / name / "metrics.json").write_text(json.dumps(m))
     lin = write_report(runs, tmp_path / "out2")["derived"]["linear_top1"]
     assert lin["noise"]["mpp_minus_scratch"] is None and lin["significant"]["mpp_minus_scratch"] is None
+
+
+def test_what_fine_tuning_added_gets_its_noise(tmp_path):
+    """Two seeds start from the same probe head (40% of 400 images) and end at 45% and 46%: the gain
+    (+5.5) carries the seeds' spread and the images' paired sampling; a cell whose fine-tunes won
+    1 image and lost 1 is marked within its noise."""
+    root, n = tmp_path / "runs", 400
+    labels = np.arange(n) % 10
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
+    start = np.arange(n) < 160
+    runs = [sup]
+    for frac, ends in ((0.1, (180, 184)), (1.0, (160, 160))):
+        for seed, top in enumerate(ends):
+            end = np.arange(n) < top
+            if frac == 1.0:
+                end[0], end[200] = False, True             # one image lost, one won: +0.0
+            runs.append(_run(root, f"ft_{frac}_{seed}", {"objective": "classify", "seed": seed, "finetune": {
+                "init": str(sup), "label_fraction": frac}}, {
+                "top1": float(end.mean()), "outcomes": outcomes.record(end, labels),
+                "start_top1": float(start.mean()), "start_outcomes": outcomes.record(start, labels)}))
+    rep = write_report(runs, tmp_path / "out")
+    noise = rep["table"]["supervised"]["finetune_added_noise"]
+    gains = np.array([180, 184]) / n - 0.4
+    ends = [(np.arange(n) < t).astype(float) for t in (180, 184)]
+    expected = 100 * np.hypot(np.std(gains, ddof=1) / np.sqrt(2), outcomes.paired_sem(np.mean(ends, 0), start))
+    assert noise["0.1"] == pytest.approx(expected, abs=1e-3) and noise["0.1"] > 100 * np.std(gains, ddof=1) / 2 ** 0.5
+    md = (tmp_path / "out" / "report.md").read_text().split("What fine-tuning added")[1]
+    assert f"| supervised pre-training | 10% | 40.0 | 45.5 | +5.5 ± {noise['0.1']:.1f} |" in md
+    assert "| supervised pre-training | 100% | 40.0 | 40.0 | +0.0 ± 0.4 not significant |" in md
