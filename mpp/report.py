@@ -212,7 +212,7 @@ def collect(runs: list[dict]) -> dict:
             place((r["family"], "probe"), r)
             row["linear_top1"] = _accuracy(m, "top1", r["dir"])
             images[r["family"], "probe"] = outcomes.read(m.get("outcomes"))
-            row["fewshot_seeds"] = m.get("fewshot_seeds")
+            row["fewshot_seeds"] = m.get("fewshot_seeds") if isinstance(m.get("fewshot_seeds"), int) else None
             row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
             row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
             for k, v in m.items():
