@@ -138,7 +138,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
-        out["significant"][gap] = None if noise is None else abs(out[gap]) >= max(2 * noise, 1e-9)  # 0 ± 0 is no gap
+        out["significant"][gap] = None if noise is None else _significant(out[gap], noise)
     out["recovered_share"] = None
     gain = out["supervised_minus_scratch"]
     if gain is None or out["mpp_minus_scratch"] is None:
@@ -290,12 +290,20 @@ def _pp(v) -> str:
     return "—" if v is None else f"{v:+.1f}"
 
 
-def _gap(g: dict, name: str) -> str:
-    """'+9.3 ± 1.2', with 'not significant' when under twice its noise."""
-    v, noise = g[name], g["noise"].get(name)
+def _significant(gap: float, noise: float) -> bool:
+    """A gap (points) of at least twice its standard error; 0 ± 0 (the same predictions) is none."""
+    return abs(gap) >= max(2 * noise, 1e-9)
+
+
+def _with_noise(v: float | None, noise: float | None) -> str:
+    """'+9.3 ± 1.2', with 'not significant' when under twice its noise; '+9.3' when it is unknown."""
     if v is None or noise is None:
         return _pp(v)
-    return f"{v:+.1f} ± {noise:.1f}" + ("" if g["significant"][name] else " not significant")
+    return f"{v:+.1f} ± {noise:.1f}" + ("" if _significant(v, noise) else " not significant")
+
+
+def _gap(g: dict, name: str) -> str:
+    return _with_noise(g[name], g["noise"].get(name))
 
 
 def _finetune_cell(row: dict, fr: str) -> str:
@@ -372,11 +380,8 @@ def render_markdown(rep: dict) -> str:
                   "test images' sampling, as above).", "",
                   "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
         for f, fr in starts:
-            start, end, noise = t[f]["finetune_start"][fr], t[f]["finetune"][fr], t[f]["finetune_added_noise"][fr]
-            added = _pp(100 * (end - start))
-            if noise is not None:
-                within = abs(100 * (end - start)) < max(2 * noise, 1e-9)
-                added += f" ± {noise:.1f}" + (" not significant" if within else "")
+            start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
+            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr])
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
