@@ -43,7 +43,7 @@ class Evaluator:
                              world_size=state.num_processes, num_samples=num_samples,
                              subset=(f.label_fraction, f.split_seed, f.dev_fraction, True) if dev else None)
         counts = torch.zeros(3, device=device)  # top-1 hits, top-5 hits, samples
-        hits, seen = [], []  # per image: top-1 right, label (kept on the device until the end)
+        hits, seen = [], []  # test only, per image: top-1 right, label (on the device until the end)
         classifier.eval()
         bar = tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="evaluate",
                    disable=not state.is_main_process, dynamic_ncols=True)
@@ -54,8 +54,9 @@ class Evaluator:
                 hit = logits.argmax(-1).eq(labels)
                 top5 = accuracy(logits, labels, topk=(5,))[0] * len(labels) / 100
                 counts += torch.stack([hit.sum().float(), top5, torch.tensor(float(len(labels)), device=device)])
-                hits.append(hit)
-                seen.append(labels)
+                if not dev:
+                    hits.append(hit)
+                    seen.append(labels)
         top1, top5, n = reduce(counts.round(), "sum").tolist()
         out = {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n),
                "evaluated_on": "dev" if dev else "val"}
