@@ -139,7 +139,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["significant"][gap] = None if noise is None else _significant(out[gap], noise)
-    out["recovered_share"] = None
+    out["recovered_share"] = out["share_noise"] = None
     gain = out["supervised_minus_scratch"]
     if gain is None or out["mpp_minus_scratch"] is None:
         out["note"] = "needs supervised, MPP and scratch results"
@@ -148,7 +148,26 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
+        out["share_noise"] = _share_noise(acc, sem, per_image)
     return out
+
+
+def _share_noise(acc: dict, sem: dict, per_image: dict) -> float | None:
+    """Standard error of the share R = (m - s) / (u - s) (u, m, s: supervised, MPP, scratch), to
+    first order (the delta method): the seeds' part from each arm's standard error, and where all
+    three arms scored the same images, the test images' part from the per-image influence
+    ((m_i - s_i) - R (u_i - s_i)) / (u - s). None when an arm's seed noise is unknown."""
+    if any(sem.get(f) is None for f in acc):
+        return None
+    u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
+    gain, share = u - s, (m - s) / (u - s)
+    seeds = math.hypot(sem["mpp"] / gain, share * sem["supervised"] / gain, (share - 1) * sem["scratch"] / gain)
+    test = 0.0
+    images = [per_image.get(f) for f in ("supervised", "mpp", "scratch")]
+    if all(images) and len({d for d, _ in images}) == 1:
+        ui, mi, si = (v.astype(np.float64) for _, v in images)
+        test = outcomes.paired_sem((mi - si) / gain, share * (ui - si) / gain)
+    return round(math.hypot(seeds, test), 4)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -344,14 +363,16 @@ def render_markdown(rep: dict) -> str:
               "unknown noise (single fine-tunes, or runs that recorded no per-image results). "
               "Share = (MPP - scratch) / (supervised - scratch), "
               f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
-              "(ViT-B/16 ImageNet fine-tunes).", "",
+              "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "
+              "order.", "",
               f"| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered "
               f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
     notes = []
     for name, g in rows:
-        share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}"
+        share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
+            "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}")
         if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
             notes.append(f"- {name}: {g['note']}")
             share = "undefined"

@@ -147,3 +147,25 @@ def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
         m = json.loads((r / "metrics.json").read_text())
         (r / "metrics.json").write_text(json.dumps({**m, "fewshot_seeds": "5"}))  # not a count: unknown
     assert write_report(runs, tmp_path / "out2")["derived"]["fewshot"]["5"]["noise"]["supervised_minus_mpp"] is None
+
+
+def test_share_noise_matches_resampling():
+    """The share's standard error (delta method) against brute force: resampling the test images
+    (per-image results of three arms on 2,000 images) and, separately, drawing each arm's mean
+    from its seeds' standard error; both within 3%."""
+    rng = np.random.default_rng(3)
+    n = 2000
+    latent = rng.random(n)  # how hard each image is: the arms' results are correlated through it
+    u, m, s = (latent < p for p in (0.62, 0.45, 0.38))
+    u, m, s = (x ^ (rng.random(n) < 0.1) for x in (u, m, s))
+    per_image = {f: ("d", v) for f, v in zip(("supervised", "mpp", "scratch"), (u, m, s))}
+    g = derive(u.mean(), m.mean(), s.mean(), sem=dict.fromkeys(per_image, 0.0), per_image=per_image)
+    idx = rng.integers(0, n, (4000, n))
+    boot = (m[idx].mean(1) - s[idx].mean(1)) / (u[idx].mean(1) - s[idx].mean(1))
+    assert g["share_noise"] == pytest.approx(boot.std(), rel=0.03)
+    sem = {"supervised": 0.01, "mpp": 0.015, "scratch": 0.012}
+    g = derive(0.6, 0.45, 0.35, sem=sem)
+    draws = {f: rng.normal(mu, sem[f], 200_000) for f, mu in (("supervised", 0.6), ("mpp", 0.45), ("scratch", 0.35))}
+    mc = (draws["mpp"] - draws["scratch"]) / (draws["supervised"] - draws["scratch"])
+    assert g["recovered_share"] == pytest.approx(0.4) and g["share_noise"] == pytest.approx(mc.std(), rel=0.03)
+    assert derive(0.6, 0.45, 0.35, sem={**sem, "mpp": None})["share_noise"] is None
