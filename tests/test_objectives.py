@@ -189,6 +189,24 @@ def test_classify_head_starts_at_zero(pool):
     assert task.no_weight_decay() <= dict(task.named_parameters()).keys()
 
 
+@pytest.mark.parametrize("objective", ["classify", "supervised"])
+def test_class_logits_are_fp32_under_bf16_autocast(objective):
+    """bf16 logits tie and argmax then picks the lowest class: the head must run in fp32."""
+    task = task_for(objective, num_classes=10)
+    torch.manual_seed(0)
+    for p in task.head.parameters():
+        torch.nn.init.normal_(p, std=2.0)
+    images = batch(64, seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = task.logits(images)
+        pooled = task.encoder.pool(task.encoder(task.inputs(images)[1]), task.pool)
+    exact = task.head.double()(pooled.double())
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max().item() < 1e-4  # bf16 is off by ~1e-2 here
+    top2 = logits.topk(2, -1).values
+    assert (top2[:, 0] > top2[:, 1]).all()
+
+
 def test_bad_inputs():
     task = task_for()
     with pytest.raises(ValueError, match="uint8"):
