@@ -283,8 +283,8 @@ class LabelTask(Task):
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32 class logits (B, num_classes). The head runs in fp32 outside
-        autocast: bf16 logits tie often (the top two of ~2% of a bf16 fine-tune's test images),
-        and a tie's winner is then the lowest class index, not the model's choice."""
+        autocast: bf16 logits tie often (docs/results.md), and a tie's winner is then the lowest
+        class index, not the model's choice."""
         pooled = self.encoder.pool(self.encoder(self.inputs(images)[1]), self.pool)
         with torch.autocast(images.device.type, enabled=False):
             return self.head(pooled.float())
