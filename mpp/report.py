@@ -16,7 +16,8 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
 - label fraction of a fine-tune: config `finetune.label_fraction`; its seed: config `seed`.
 - a fine-tune evaluated on a development split (`"evaluated_on": "dev"`, a sweep stage of
   mpp.compare) is no table cell: it shows in the recipe section, with the config keys in which the
-  sweep stages of its cell differ and the value the final runs used.
+  sweep stages of its cell differ, the value the final runs used and that value's lead over the
+  next on the development images, ± its paired standard error (a toss-up when under twice it).
 - a fine-tune's `start_top1` (its model before the first step: under finetune.head_init=probe
   the encoder with the probe on the same labels) shows beside its end in "what fine-tuning added".
 Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
@@ -187,14 +188,34 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
 
 def _recipes(dev_runs: list[dict], finals: list[dict]) -> dict:
     """The sweep of one cell: each dev run's values of the keys the sweep varied and its dev top-1,
-    and the values (plus finetune.pool and head_init) the final runs used."""
+    the values (plus finetune.pool and head_init) the final runs used, and the chosen value's lead."""
     flats = [_flat(r["config"]) for r in dev_runs]
     varied = sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
                     and len({json.dumps(f.get(k)) for f in flats}) > 1)
     final = _flat(finals[0]["config"]) if finals else {}
-    return {"dev": [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])}
-                    for f, r in zip(flats, dev_runs)],
-            "chosen": {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}}
+    dev = [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"]),
+            "images": outcomes.read(r["metrics"].get("outcomes"))} for f, r in zip(flats, dev_runs)]
+    chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
+    lead = _lead(dev, {k: v for k, v in chosen.items() if k in varied})
+    return {"dev": [{k: v for k, v in x.items() if k != "images"} for x in dev], "chosen": chosen, "lead": lead}
+
+
+def _lead(dev: list[dict], chosen: dict) -> dict | None:
+    """The chosen value's development top-1 minus the best other value's, in points, with the
+    standard error of that difference from the development images' sampling (paired: every value
+    is scored on the same split) and whether the lead is at least twice it (`clear`; False: the
+    split could not tell the two apart, so the choice is noise that the seeds do not show).
+    None unless exactly one dev run has the chosen values and another exists."""
+    mine = [x for x in dev if x["values"] == chosen]
+    others = [x for x in dev if x["values"] != chosen]
+    if len(mine) != 1 or not others:
+        return None
+    (a,), b = mine, max(others, key=lambda x: x["dev_top1"])
+    points = round(100.0 * (a["dev_top1"] - b["dev_top1"]), 4)
+    if not (a["images"] and b["images"] and a["images"][0] == b["images"][0]):
+        return {"points": points, "noise": None, "clear": None}
+    noise = round(100.0 * outcomes.paired_sem(a["images"][1], b["images"][1]), 4)
+    return {"points": points, "noise": noise, "clear": _significant(points, noise) and points > 0}
 
 
 def collect(runs: list[dict]) -> dict:
@@ -332,6 +353,15 @@ def _finetune_cell(row: dict, fr: str) -> str:
     return _pct(row["finetune"][fr]) + ("" if std is None else f" ± {100 * std:.1f}") + f" (n={row['finetune_n'][fr]})"
 
 
+def _lead_cell(lead: dict | None) -> str:
+    """'+5.0 ± 1.2', '+0.4 ± 2.0 toss-up', or '+5.0' where the dev runs recorded no outcomes."""
+    if lead is None:
+        return "—"
+    if lead["noise"] is None:
+        return _pp(lead["points"])
+    return f"{lead['points']:+.1f} ± {lead['noise']:.1f}" + ("" if lead["clear"] else " toss-up")
+
+
 def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in values.items()) or "—"
 
@@ -408,11 +438,16 @@ def render_markdown(rep: dict) -> str:
     if recipes:
         lines += ["", "## Fine-tune recipe chosen on a development split", "",
                   "Each value trained on the labels minus a class-balanced development split and scored on it "
-                  "(top-1 %); the best was retrained on all the labels for the table above.", "",
-                  "| fine-tune | labels | chosen | development top-1 per value |", "|---|---|---|---|"]
+                  "(top-1 %); the best was retrained on all the labels for the table above. Its lead over the "
+                  "next value ± the standard error of that difference on the development images: a lead "
+                  "under twice it is a toss-up, a choice the split could not make, whose noise the seeds "
+                  "do not show.", "",
+                  "| fine-tune | labels | chosen | development top-1 per value | lead of the chosen |",
+                  "|---|---|---|---|---|"]
         for f, fr, r in recipes:
             devs = ", ".join(f"{_short(x['values'])}: {_pct(x['dev_top1'])}" for x in r["dev"])
-            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])} | {devs} |")
+            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])} | {devs} | "
+                         f"{_lead_cell(r.get('lead'))} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
     lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']})" for r in finals), ""]
     return "\n".join(lines)

@@ -52,7 +52,9 @@ def test_finetune_with_dev_fraction_trains_on_the_rest_and_evaluates_on_dev(colo
     final = train(load_config(None, items[:-1] + ["finetune.dev_fraction=0", f"output_dir={tmp_path / 'f'}"]))
     assert final["evaluated_on"] == "val" and final["val_samples"] == 60 and final["train_samples"] == 150
     _, correct = outcomes.read(final["outcomes"])  # the test images it got right, for the report's noise
-    assert len(correct) == 60 and correct.mean() == pytest.approx(final["top1"]) and "outcomes" not in m
+    assert len(correct) == 60 and correct.mean() == pytest.approx(final["top1"])
+    _, on_dev = outcomes.read(m["outcomes"])  # and the dev images, for the noise of the recipe's choice
+    assert len(on_dev) == 30 and on_dev.mean() == pytest.approx(m["top1"])
 
 
 def test_adamw_recipe_gives_layer_decayed_lrs():

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
+from mpp import outcomes
 from mpp.report import ReportError, derive, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +156,50 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "finetune": {
             "init": str(mpp), "label_fraction": 0.1}}, {"top1": 0.6})], tmp_path / "out2")
+
+
+def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
+    """Both cells choose lr 0.03 by 55.0 against 50.0 on the same 400 development images. Where the
+    two values disagree on 20 images the 5-point lead is clear; where they disagree on 380 it is
+    under twice its paired standard error: a toss-up. Dev runs without outcomes show the lead alone."""
+    root = tmp_path / "runs"
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 10})
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 10})
+    labels, idx = np.arange(400) % 10, np.arange(400)
+    dev_hits = {"mpp": {0.01: idx < 200, 0.03: idx < 220},           # the 0.03 run adds 20 images
+                "supervised": {0.01: idx >= 200, 0.03: idx < 220},   # the two agree on 20 of 400
+                "scratch": {0.01: None, 0.03: None}}                 # runs written before dev outcomes
+    runs = [mpp, sup]
+    for fam, init in (("mpp", mpp), ("supervised", sup), ("scratch", "none")):
+        for lr, hits in dev_hits[fam].items():
+            top1 = {0.01: 0.5, 0.03: 0.55}[lr]
+            runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
+                "objective": "classify", "seed": 0, "optim": {"lr": lr},
+                "finetune": {"init": str(init), "label_fraction": 0.1, "dev_fraction": 0.1}},
+                {"top1": top1, "evaluated_on": "dev",
+                 **({} if hits is None else {"outcomes": outcomes.record(hits, labels)})}))
+        runs.append(_run(root, f"ft_{fam}/seed0", {"objective": "classify", "seed": 0, "optim": {"lr": 0.03},
+                                                    "finetune": {"init": str(init), "label_fraction": 0.1}},
+                         {"top1": 0.6, "evaluated_on": "val"}))
+    rep = write_report(runs, tmp_path / "out")
+    lead = {f: rep["recipes"][f]["0.1"]["lead"] for f in ("mpp", "supervised", "scratch")}
+    clear_se = 100 * outcomes.paired_sem(dev_hits["mpp"][0.03], dev_hits["mpp"][0.01])
+    tossup_se = 100 * outcomes.paired_sem(dev_hits["supervised"][0.03], dev_hits["supervised"][0.01])
+    assert lead["mpp"] == {"points": pytest.approx(5.0), "noise": pytest.approx(clear_se, abs=1e-3), "clear": True}
+    assert lead["supervised"] == {"points": pytest.approx(5.0), "noise": pytest.approx(tossup_se, abs=1e-3),
+                                  "clear": False}
+    assert 2 * clear_se < 5.0 < 2 * tossup_se
+    assert lead["scratch"] == {"points": pytest.approx(5.0), "noise": None, "clear": None}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"+5.0 ± {clear_se:.1f} |" in md and f"+5.0 ± {tossup_se:.1f} toss-up |" in md
+    assert "| from scratch | 10% | lr 0.03 | lr 0.01: 50.0, lr 0.03: 55.0 | +5.0 |" in md
+    # a final that used the value the split ranked second leads by a negative margin: never clear
+    other = _run(root, "ft_mpp/seed0_lr0.01", {"objective": "classify", "seed": 0, "optim": {"lr": 0.01},
+                                               "finetune": {"init": str(mpp), "label_fraction": 0.1}},
+                 {"top1": 0.6, "evaluated_on": "val"})
+    runs = [r for r in runs if r != root / "ft_mpp/seed0"] + [other]
+    assert write_report(runs, tmp_path / "out2")["recipes"]["mpp"]["0.1"]["lead"] == {
+        "points": pytest.approx(-5.0), "noise": pytest.approx(clear_se, abs=1e-3), "clear": False}
 
 
 def test_what_fine_tuning_added_to_its_start(tmp_path):

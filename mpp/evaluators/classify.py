@@ -1,8 +1,8 @@
 """Top-1 / top-5 of a classifier (a classify Task: uint8 images -> logits) on `data.val`, or with
 `finetune.dev_fraction` > 0 on the development split held out of the training labels
 (`evaluated_on` says which). Every rank evaluates its own part; the counts are summed over ranks.
-A test evaluation also records which images it got right (mpp.outcomes), gathered in rank order,
-so the gap report can show the test set's sampling noise.
+Each evaluation also records which images it got right (mpp.outcomes), gathered in rank order,
+so the gap report can show the noise of the test images and of the choice made on the development split.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Evaluator:
                              world_size=state.num_processes, num_samples=num_samples,
                              subset=(f.label_fraction, f.split_seed, f.dev_fraction, True) if dev else None)
         counts = torch.zeros(3, device=device)  # top-1 hits, top-5 hits, samples
-        hits, seen = [], []  # test only, per image: top-1 right, label (on the device until the end)
+        hits, seen = [], []  # per image: top-1 right, label (on the device until the end)
         classifier.eval()
         bar = tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="evaluate",
                    disable=not state.is_main_process, dynamic_ncols=True)
@@ -54,14 +54,13 @@ class Evaluator:
                 hit = logits.argmax(-1).eq(labels)
                 top5 = accuracy(logits, labels, topk=(5,))[0] * len(labels) / 100
                 counts += torch.stack([hit.sum().float(), top5, torch.tensor(float(len(labels)), device=device)])
-                if not dev:
-                    hits.append(hit)
-                    seen.append(labels)
+                hits.append(hit)
+                seen.append(labels)
         top1, top5, n = reduce(counts.round(), "sum").tolist()
         out = {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n),
                "evaluated_on": "dev" if dev else "val"}
-        if not dev:  # every rank takes part in the gather, also one that had no batch
-            mine = [torch.cat(x).cpu().numpy() if x else np.zeros(0, np.int64) for x in (hits, seen)]
-            parts = gather_object([mine])  # rank order
-            out["outcomes"] = outcomes.record(*(np.concatenate(p) for p in zip(*parts)))
+        # every rank takes part in the gather, also one that had no batch
+        mine = [torch.cat(x).cpu().numpy() if x else np.zeros(0, np.int64) for x in (hits, seen)]
+        parts = gather_object([mine])  # rank order
+        out["outcomes"] = outcomes.record(*(np.concatenate(p) for p in zip(*parts)))
         return out
