@@ -17,7 +17,8 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
 - a fine-tune evaluated on a development split (`"evaluated_on": "dev"`, a sweep stage of
   mpp.compare) is no table cell: it shows in the recipe section, with the config keys in which the
   sweep stages of its cell differ, the value the final runs used and that value's lead over the
-  next on the development images, ± its paired standard error (a toss-up when under twice it).
+  next on the development images, ± its paired standard error (a toss-up when under twice it);
+  the gaps table marks (†) each fine-tune figure that involves an arm with a toss-up.
 - a fine-tune's `start_top1` (its model before the first step: under finetune.head_init=probe
   the encoder with the probe on the same labels) shows beside its end in "what fine-tuning added".
 Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
@@ -291,6 +292,8 @@ def collect(runs: list[dict]) -> dict:
                               per_image={f: images.get((f, "probe")) for f in FAMILIES}),
         "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k)) for k in shots},
     }
+    for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
+        g["recipe_toss_ups"] = [f for f in FAMILIES if ((recipes[f].get(fr) or {}).get("lead") or {}).get("clear") is False]
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
@@ -399,17 +402,23 @@ def render_markdown(rep: dict) -> str:
               f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
-    notes = []
+    notes, marked = [], False
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
             "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}")
         if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
             notes.append(f"- {name}: {g['note']}")
             share = "undefined"
-        lines.append(f"| {name} | {_gap(g, 'supervised_minus_mpp')} | {_gap(g, 'mpp_minus_scratch')} | "
-                     f"{_gap(g, 'supervised_minus_scratch')} | {share} |")
+        toss = set(g.get("recipe_toss_ups", []))  # † on every figure that involves such an arm
+        cells = [_gap(g, k) + (" †" if toss & set(GAPS[k]) else "") for k in GAPS] + [share + (" †" if toss else "")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        marked = marked or bool(toss)
     if notes:
         lines += [""] + notes
+    if marked:
+        lines += ["", "† an arm of this figure fine-tuned with a recipe its development split could not choose (a "
+                  "toss-up in the recipe table below): the ± does not count that choice, and the other value "
+                  "may have given another figure."]
     held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
             for f in FAMILIES if t[f].get("probe_heldout_top1")]
     if held:

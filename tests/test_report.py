@@ -149,6 +149,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
+    assert "†" not in md  # dev runs without outcomes: no lead's noise known, so no toss-up claimed
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
     assert "supervised pre-training 0.01; MPP pre-training 0.0001." in md
     assert "edge of its grid for MPP pre-training:" in md
@@ -193,6 +194,11 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert f"+5.0 ± {clear_se:.1f} |" in md and f"+5.0 ± {tossup_se:.1f} toss-up |" in md
     assert "| from scratch | 10% | lr 0.03 | lr 0.01: 50.0, lr 0.03: 55.0 | +5.0 |" in md
+    # the gaps table marks every figure with a toss-up arm (supervised), not the others
+    assert rep["derived"]["finetune"]["0.1"]["recipe_toss_ups"] == ["supervised"]
+    row = next(line for line in md.splitlines() if line.startswith("| fine-tune @ 10% labels"))
+    assert [c.strip().endswith("†") for c in row.strip("| ").split(" | ")[1:]] == [True, False, True, True]
+    assert "† an arm of this figure" in md
     # a final that used the value the split ranked second leads by a negative margin: never clear
     other = _run(root, "ft_mpp/seed0_lr0.01", {"objective": "classify", "seed": 0, "optim": {"lr": 0.01},
                                                "finetune": {"init": str(mpp), "label_fraction": 0.1}},
