@@ -293,7 +293,8 @@ def collect(runs: list[dict]) -> dict:
         "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k)) for k in shots},
     }
     for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
-        g["recipe_toss_ups"] = [f for f in FAMILIES if ((recipes[f].get(fr) or {}).get("lead") or {}).get("clear") is False]
+        leads = {f: (recipes[f].get(fr) or {}).get("lead") or {} for f in FAMILIES}
+        g["recipe_toss_ups"] = [f for f in FAMILIES if leads[f].get("clear") is False]
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
