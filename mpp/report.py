@@ -194,28 +194,29 @@ def _recipes(dev_runs: list[dict], finals: list[dict]) -> dict:
     varied = sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
                     and len({json.dumps(f.get(k)) for f in flats}) > 1)
     final = _flat(finals[0]["config"]) if finals else {}
-    dev = [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"]),
-            "images": outcomes.read(r["metrics"].get("outcomes"))} for f, r in zip(flats, dev_runs)]
+    dev = [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])}
+           for f, r in zip(flats, dev_runs)]
+    images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
-    lead = _lead(dev, {k: v for k, v in chosen.items() if k in varied})
-    return {"dev": [{k: v for k, v in x.items() if k != "images"} for x in dev], "chosen": chosen, "lead": lead}
+    return {"dev": dev, "chosen": chosen, "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen})}
 
 
-def _lead(dev: list[dict], chosen: dict) -> dict | None:
+def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
     """The chosen value's development top-1 minus the best other value's, in points, with the
     standard error of that difference from the development images' sampling (paired: every value
-    is scored on the same split) and whether the lead is at least twice it (`clear`; False: the
-    split could not tell the two apart, so the choice is noise that the seeds do not show).
-    None unless exactly one dev run has the chosen values and another exists."""
-    mine = [x for x in dev if x["values"] == chosen]
-    others = [x for x in dev if x["values"] != chosen]
+    is scored on the same split; `images` holds each dev run's mpp.outcomes) and whether the lead
+    is at least twice it (`clear`; False: the split could not tell the two apart, so the choice is
+    noise that the seeds do not show). None unless exactly one dev run has the chosen values and
+    another exists."""
+    mine = [i for i, x in enumerate(dev) if x["values"] == chosen]
+    others = [i for i, x in enumerate(dev) if x["values"] != chosen]
     if len(mine) != 1 or not others:
         return None
-    (a,), b = mine, max(others, key=lambda x: x["dev_top1"])
-    points = round(100.0 * (a["dev_top1"] - b["dev_top1"]), 4)
-    if not (a["images"] and b["images"] and a["images"][0] == b["images"][0]):
+    a, b = mine[0], max(others, key=lambda i: dev[i]["dev_top1"])
+    points = round(100.0 * (dev[a]["dev_top1"] - dev[b]["dev_top1"]), 4)
+    if not (images[a] and images[b] and images[a][0] == images[b][0]):
         return {"points": points, "noise": None, "clear": None}
-    noise = round(100.0 * outcomes.paired_sem(a["images"][1], b["images"][1]), 4)
+    noise = round(100.0 * outcomes.paired_sem(images[a][1], images[b][1]), 4)
     return {"points": points, "noise": noise, "clear": _significant(points, noise) and points > 0}
 
 
@@ -339,11 +340,15 @@ def _significant(gap: float, noise: float) -> bool:
     return abs(gap) >= max(2 * noise, 1e-9)
 
 
+def _pm(v: float | None, noise: float | None) -> str:
+    """'+9.3 ± 1.2'; '+9.3' when the noise is unknown."""
+    return _pp(v) if v is None or noise is None else f"{v:+.1f} ± {noise:.1f}"
+
+
 def _with_noise(v: float | None, noise: float | None) -> str:
     """'+9.3 ± 1.2', with 'not significant' when under twice its noise; '+9.3' when it is unknown."""
-    if v is None or noise is None:
-        return _pp(v)
-    return f"{v:+.1f} ± {noise:.1f}" + ("" if _significant(v, noise) else " not significant")
+    flag = v is not None and noise is not None and not _significant(v, noise)
+    return _pm(v, noise) + (" not significant" if flag else "")
 
 
 def _gap(g: dict, name: str) -> str:
@@ -361,9 +366,7 @@ def _lead_cell(lead: dict | None) -> str:
     """'+5.0 ± 1.2', '+0.4 ± 2.0 toss-up', or '+5.0' where the dev runs recorded no outcomes."""
     if lead is None:
         return "—"
-    if lead["noise"] is None:
-        return _pp(lead["points"])
-    return f"{lead['points']:+.1f} ± {lead['noise']:.1f}" + ("" if lead["clear"] else " toss-up")
+    return _pm(lead["points"], lead["noise"]) + (" toss-up" if lead["clear"] is False else "")
 
 
 def _short(values: dict) -> str:

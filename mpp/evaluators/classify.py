@@ -42,7 +42,7 @@ class Evaluator:
                              labeled=True, data_cfg=cfg.data, rank=state.process_index,
                              world_size=state.num_processes, num_samples=num_samples,
                              subset=(f.label_fraction, f.split_seed, f.dev_fraction, True) if dev else None)
-        counts = torch.zeros(3, device=device)  # top-1 hits, top-5 hits, samples
+        top5_hits = torch.zeros((), device=device)  # top-1 and the count come from the per-image hits
         hits, seen = [], []  # per image: top-1 right, label (on the device until the end)
         classifier.eval()
         bar = tqdm(loader.epoch(0), total=loader.batches_per_epoch, desc="evaluate",
@@ -51,16 +51,13 @@ class Evaluator:
             for batch in bar:
                 labels = batch["label"].to(device, non_blocking=True)
                 logits = classifier.logits(batch["image"].to(device, non_blocking=True))
-                hit = logits.argmax(-1).eq(labels)
-                top5 = accuracy(logits, labels, topk=(5,))[0] * len(labels) / 100
-                counts += torch.stack([hit.sum().float(), top5, torch.tensor(float(len(labels)), device=device)])
-                hits.append(hit)
+                top5_hits += accuracy(logits, labels, topk=(5,))[0] * len(labels) / 100
+                hits.append(logits.argmax(-1).eq(labels))
                 seen.append(labels)
-        top1, top5, n = reduce(counts.round(), "sum").tolist()
-        out = {"top1": top1 / max(n, 1), "top5": top5 / max(n, 1), "val_samples": int(n),
-               "evaluated_on": "dev" if dev else "val"}
+        top5 = reduce(top5_hits.round(), "sum").item()
         # every rank takes part in the gather, also one that had no batch
         mine = [torch.cat(x).cpu().numpy() if x else np.zeros(0, np.int64) for x in (hits, seen)]
-        parts = gather_object([mine])  # rank order
-        out["outcomes"] = outcomes.record(*(np.concatenate(p) for p in zip(*parts)))
-        return out
+        correct, labels = (np.concatenate(p) for p in zip(*gather_object([mine])))  # rank order
+        n = len(correct)
+        return {"top1": float(correct.sum()) / max(n, 1), "top5": top5 / max(n, 1), "val_samples": n,
+                "evaluated_on": "dev" if dev else "val", "outcomes": outcomes.record(correct, labels)}
