@@ -5,7 +5,9 @@ and of a from-scratch baseline at each label fraction, then the gap report.
 Fine-tuning follows the paper's protocol, identically for every arm: each value of the `sweep`
 grid is trained on the labels minus a class-balanced development split (`dev_fraction`) and
 scored on it; the best is retrained on all the labels, `seeds` times, and tested on `data.val`
-once per seed. `finetune.pool` is each arm's linear-probe choice (`finetune_pool: probe`; the
+once per seed. Where the split could not separate the best value from the next (its lead under
+twice its paired standard error: a toss-up), `runner_up` also retrains the next with the same
+seeds, so that the report can give each figure the range that choice spans. `finetune.pool` is each arm's linear-probe choice (`finetune_pool: probe`; the
 probes run first): choosing it by probe costs one cheap frozen-feature fit per arm, where sweeping
 it would double every fine-tune sweep. Such run-time choices are `Choice`s of a stage, read from
 the finished stages' metrics.json just before it starts.
@@ -30,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mpp import outcomes
 from mpp.config import CompareConfig, ConfigError, as_list, load_config, parse_overrides
+from mpp.report import choice_lead
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -45,6 +49,14 @@ class Choice:
 
 
 @dataclass
+class Condition:
+    """Whether a stage runs at all, decided by earlier stages' results (a runner-up's finals run
+    only after a toss-up); checked just before it would start."""
+    what: str                       # for the plan
+    holds: Callable[[], bool]       # reads the finished stages' metrics.json
+
+
+@dataclass
 class Stage:
     name: str
     tool: str             # module in mpp.tools
@@ -52,6 +64,7 @@ class Stage:
     overrides: list[str]  # its key=value overrides
     out: Path             # its output_dir; done when out/metrics.json exists
     choices: list[Choice] = field(default_factory=list)
+    when: Condition | None = None  # None: always runs
 
     def args(self, resolved: bool = True) -> list[str]:
         """Overrides, then the run-time choices (their placeholders unless `resolved`), then output_dir."""
@@ -81,15 +94,26 @@ def _metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def best_point(points: list[list[str]], outs: list[Path]) -> list[str]:
-    """The grid point whose sweep stage has the best top-1 on its development split (ties: the earlier)."""
-    scores = []
-    for out in outs:
-        m = _metrics(out)
+def _ranked(outs: list[Path]) -> list[tuple[int, dict]]:
+    """(index, metrics) of the sweep stages from the best top-1 on the development split down (ties: the earlier)."""
+    ms = [_metrics(out) for out in outs]
+    for out, m in zip(outs, ms):
         if m.get("evaluated_on") != "dev":
             raise RuntimeError(f"{out}/metrics.json was not evaluated on a development split; delete it and resume")
-        scores.append(m["top1"])
-    return points[max(range(len(points)), key=lambda i: (scores[i], -i))]
+    return sorted(enumerate(ms), key=lambda im: (-im[1]["top1"], im[0]))
+
+
+def best_point(points: list[list[str]], outs: list[Path], rank: int = 0) -> list[str]:
+    """The grid point whose sweep stage ranks `rank` on its development split (0: the best)."""
+    return points[_ranked(outs)[rank][0]]
+
+
+def toss_up(outs: list[Path]) -> bool:
+    """Whether the development split could not separate the best sweep value from the next: the
+    report's `choice_lead` of the two is not clear (False, not None: both recorded outcomes)."""
+    (_, a), (_, b) = _ranked(outs)[:2]
+    return choice_lead(a["top1"], b["top1"], outcomes.read(a.get("outcomes")),
+                       outcomes.read(b.get("outcomes")))["clear"] is False
 
 
 def plan(cfg: CompareConfig) -> list[Stage]:
@@ -118,12 +142,23 @@ def plan(cfg: CompareConfig) -> list[Stage]:
                                        cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"],
                                        root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}", list(pool)))
                 stages += sweep
+            outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
-                           lambda outs=[s.out for s in sweep]: best_point(points, outs))] if sweep else []
+                           lambda outs=outs: best_point(points, outs))] if sweep else []
             for seed in range(cfg.seeds):
                 stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune", cfg.finetune,
                                     base + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
                                     pool + best))
+            if cfg.runner_up and len(sweep) > 1:
+                second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
+                                points[1], lambda outs=outs: best_point(points, outs, rank=1))
+                when = Condition("the best value's dev lead over it is under twice its standard error (a toss-up)",
+                                 lambda outs=outs: toss_up(outs))
+                for seed in range(cfg.seeds):
+                    stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}", "finetune",
+                                        cfg.finetune, base + [f"seed={seed}"],
+                                        root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
+                                        pool + [second], when))
     return stages
 
 
@@ -186,12 +221,17 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             print(f"[{i}/{total}] {s.name}: {shlex.join(s.command(launcher, resolved=False))}")
             for c in s.choices:
                 print(f"    chosen when it starts: {c.what} (shown: {' '.join(c.placeholder)})")
+            if s.when:
+                print(f"    runs only if {s.when.what}")
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
     for i, s in enumerate(stages, 2):
         if (s.out / "metrics.json").exists():
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)
+            continue
+        if s.when and not s.when.holds():
+            print(f"[{i}/{total}] {s.name}: not needed (it runs only if {s.when.what})", flush=True)
             continue
         t0 = time.time()
         cmd = s.command(launcher)
@@ -205,5 +245,5 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     from mpp.report import write_report
     print(f"[{total}/{total}] figures and report", flush=True)
     write_compare_figures([s.out for s in stages if s.tool == "pretrain"], None, Path(cfg.output_dir) / "figures")
-    write_report([s.out for s in stages], Path(cfg.output_dir))  # links the figures
+    write_report([s.out for s in stages if (s.out / "metrics.json").exists()], Path(cfg.output_dir))  # links figures
     return Path(cfg.output_dir) / "report.md"

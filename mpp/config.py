@@ -178,6 +178,8 @@ class CompareConfig:
                                # e.g. {optim.lr: [0.01, 0.03]}; several keys: every combination
     dev_fraction: float = 0.1  # class-balanced share of each fine-tune's labels held out to choose the sweep value
     seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
+    runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
+                               # the report gives the figures it touches their range
     finetune_pool: str = "probe"  # probe: each arm's finetune.pool is its linear probe's choice; config: the stage config's
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')

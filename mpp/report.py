@@ -19,6 +19,9 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
   sweep stages of its cell differ, the value the final runs used and that value's lead over the
   next on the development images, ± its paired standard error (a toss-up when under twice it);
   the gaps table marks (†) each fine-tune figure that involves an arm with a toss-up.
+- a cell's final runs that used another swept value than the best on its development split (the
+  comparison's runner-up stages) are no cell either: the recipe section lists their test top-1,
+  and where the choice was a toss-up each figure of that arm gets its range over both values.
 - a fine-tune's `start_top1` (its model before the first step: under finetune.head_init=probe
   the encoder with the probe on the same labels) shows beside its end in "what fine-tuning added".
 Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
@@ -187,37 +190,99 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def _recipes(dev_runs: list[dict], finals: list[dict]) -> dict:
-    """The sweep of one cell: each dev run's values of the keys the sweep varied and its dev top-1,
-    the values (plus finetune.pool and head_init) the final runs used, and the chosen value's lead."""
+def _varied(dev_runs: list[dict]) -> list[str]:
+    """The config keys in which a cell's development-split runs differ (the swept keys)."""
     flats = [_flat(r["config"]) for r in dev_runs]
-    varied = sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
-                    and len({json.dumps(f.get(k)) for f in flats}) > 1)
+    return sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
+                  and len({json.dumps(f.get(k)) for f in flats}) > 1) if flats else []
+
+
+def _split_finals(finals: list[dict], dev_runs: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """A cell's final runs grouped by the values of the keys its sweep varied: the group whose
+    values scored best on the development split is the cell (the protocol retrains the best), the
+    others are alternatives (the comparison's runner-up stages). One run per seed in each group."""
+    varied = _varied(dev_runs)
+
+    def values(r):
+        flat = _flat(r["config"])
+        return json.dumps([flat.get(k) for k in varied])
+
+    groups: dict = {}
+    for r in finals:
+        group = groups.setdefault(values(r), [])
+        twin = next((x for x in group if x["seed"] == r["seed"]), None)
+        if twin:
+            raise ReportError(f"two runs fill the same report cell ({r['family']}, {r['label_fraction']:g} labels, "
+                              f"seed {r['seed']}): {twin['dir']} and {r['dir']}; pass one")
+        group.append(r)
+    if len(groups) == 1:
+        return finals, []
+    rank: dict = {}
+    for i, r in enumerate(dev_runs):
+        rank.setdefault(values(r), (_accuracy(r["metrics"], "top1", r["dir"]), -i))
+    stray = next((g for g in groups if g not in rank), None)
+    if stray is not None:
+        raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "
+                          f"and it used values no development-split run tried, so the report cannot tell which runs "
+                          f"are the cell; pass the finals of one value, or the sweep stages of each")
+    order = sorted(groups, key=rank.__getitem__, reverse=True)
+    return groups[order[0]], [groups[g] for g in order[1:]]
+
+
+def _recipes(dev_runs: list[dict], finals: list[dict], retrained: list[dict]) -> dict:
+    """The sweep of one cell: each dev run's values of the keys the sweep varied and its dev top-1,
+    the values (plus finetune.pool and head_init) the final runs used, the chosen value's lead, and
+    the other values that were retrained on all the labels (`retrained`: their test top-1)."""
+    varied = _varied(dev_runs)
     final = _flat(finals[0]["config"]) if finals else {}
-    dev = [{"values": {k: f.get(k) for k in varied}, "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])}
-           for f, r in zip(flats, dev_runs)]
+    dev = [{"values": {k: _flat(r["config"]).get(k) for k in varied},
+            "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
-    return {"dev": dev, "chosen": chosen, "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen})}
+    return {"dev": dev, "chosen": chosen, "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
+            "retrained": retrained}
 
 
 def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
-    """The chosen value's development top-1 minus the best other value's, in points, with the
-    standard error of that difference from the development images' sampling (paired: every value
-    is scored on the same split; `images` holds each dev run's mpp.outcomes) and whether the lead
-    is at least twice it (`clear`; False: the split could not tell the two apart, so the choice is
-    noise that the seeds do not show). None unless exactly one dev run has the chosen values and
-    another exists."""
+    """The chosen value's lead (`choice_lead`) over the best other value of the sweep. None unless
+    exactly one dev run has the chosen values and another exists."""
     mine = [i for i, x in enumerate(dev) if x["values"] == chosen]
     others = [i for i, x in enumerate(dev) if x["values"] != chosen]
     if len(mine) != 1 or not others:
         return None
     a, b = mine[0], max(others, key=lambda i: dev[i]["dev_top1"])
-    points = round(100.0 * (dev[a]["dev_top1"] - dev[b]["dev_top1"]), 4)
-    if not (images[a] and images[b] and images[a][0] == images[b][0]):
+    return choice_lead(dev[a]["dev_top1"], dev[b]["dev_top1"], images[a], images[b])
+
+
+def choice_lead(top1: float, other_top1: float, images, other_images) -> dict:
+    """One value's development top-1 minus another's, in points, with the standard error of that
+    difference from the development images' sampling (paired: both scored on the same split;
+    `images`: each run's mpp.outcomes) and whether the lead is at least twice it (`clear`; False:
+    the split could not tell the two apart, so the choice is noise that the seeds do not show;
+    None: a run recorded no outcomes)."""
+    points = round(100.0 * (top1 - other_top1), 4)
+    if not (images and other_images and images[0] == other_images[0]):
         return {"points": points, "noise": None, "clear": None}
-    noise = round(100.0 * outcomes.paired_sem(images[a][1], images[b][1]), 4)
+    noise = round(100.0 * outcomes.paired_sem(images[1], other_images[1]), 4)
     return {"points": points, "noise": noise, "clear": _significant(points, noise) and points > 0}
+
+
+def _ranges(candidates: dict) -> dict:
+    """Each fine-tune figure's [low, high] over every combination of the arms' candidate results
+    (family -> the chosen value's mean top-1, then those of retrained runner-ups where the choice
+    was a toss-up); only the figures an alternative moves. The share's range needs every
+    combination to have supervised above scratch."""
+    out = {}
+    for gap, (a, b) in GAPS.items():
+        if None not in (candidates[a][0], candidates[b][0]) and len(candidates[a]) + len(candidates[b]) > 2:
+            d = [100.0 * (x - y) for x in candidates[a] for y in candidates[b]]
+            out[gap] = [round(min(d), 4), round(max(d), 4)]
+    u, m, s = (candidates[f] for f in ("supervised", "mpp", "scratch"))
+    combos = [(x, y, z) for x in u for y in m for z in s]
+    if len(combos) > 1 and all(None not in c and c[0] > c[2] for c in combos):
+        shares = [(y - z) / (x - z) for x, y, z in combos]
+        out["recovered_share"] = [round(min(shares), 4), round(max(shares), 4)]
+    return out
 
 
 def collect(runs: list[dict]) -> dict:
@@ -248,7 +313,6 @@ def collect(runs: list[dict]) -> dict:
             if r["evaluated_on"] == "dev":
                 dev.setdefault((r["family"], key), []).append(r)
                 continue
-            place((r["family"], "finetune", key, f"seed {r['seed']}"), r)
             cells.setdefault((r["family"], key), []).append(r)
         else:
             place((r["family"], "probe"), r)
@@ -262,7 +326,14 @@ def collect(runs: list[dict]) -> dict:
                     shots = k[: -len("shot_mean")]
                     row["fewshot"][shots] = _accuracy(m, k, r["dir"])
                     row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
+    retrained: dict = {}  # (family, fraction) -> the alternatives' summaries
     for (f, key), finals in cells.items():
+        finals, others = _split_finals(finals, dev.get((f, key), []))
+        cells[f, key] = finals
+        varied = _varied(dev.get((f, key), []))
+        retrained[f, key] = [{"values": {k: _flat(g[0]["config"]).get(k) for k in varied},
+                              **dict(zip(("top1", "std"), _mean_std([_accuracy(r["metrics"], "top1", r["dir"])
+                                                                     for r in g]))), "n": len(g)} for g in others]
         ends = [_accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
         mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
@@ -272,8 +343,8 @@ def collect(runs: list[dict]) -> dict:
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
             table[f]["finetune_added_noise"][key] = _added_noise(ends, starts, images[f, key], _seed_mean_images(
                 [outcomes.read(r["metrics"].get("start_outcomes")) for r in finals]))
-    recipes = {f: {key: _recipes(runs_, cells.get((f, key), [])) for (g, key), runs_ in dev.items() if g == f}
-               for f in FAMILIES}
+    recipes = {f: {key: _recipes(runs_, cells.get((f, key), []), retrained.get((f, key), []))
+                   for (g, key), runs_ in dev.items() if g == f} for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
 
@@ -296,6 +367,8 @@ def collect(runs: list[dict]) -> dict:
     for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
         leads = {f: (recipes[f].get(fr) or {}).get("lead") or {} for f in FAMILIES}
         g["recipe_toss_ups"] = [f for f in FAMILIES if leads[f].get("clear") is False]
+        g["range"] = _ranges({f: [table[f]["finetune"].get(fr)] + [x["top1"] for x in retrained.get((f, fr), [])
+                                                                   if f in g["recipe_toss_ups"]] for f in FAMILIES})
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
@@ -355,11 +428,20 @@ def _gap(g: dict, name: str) -> str:
     return _with_noise(g[name], g["noise"].get(name))
 
 
+def _range_cell(r: list | None, fmt: str) -> str:
+    """' (range +7.7 to +12.0)' for a figure that a toss-up's runner-up moves; '' otherwise."""
+    return "" if r is None else f" (range {fmt.format(r[0])} to {fmt.format(r[1])})"
+
+
+def _seeds_cell(mean: float, std: float | None, n: int) -> str:
+    """'62.0 ± 3.0 (n=3)': a mean over seeds, its sample std (none for one seed) and the count."""
+    return _pct(mean) + ("" if std is None else f" ± {100 * std:.1f}") + f" (n={n})"
+
+
 def _finetune_cell(row: dict, fr: str) -> str:
     if fr not in row["finetune"]:
         return "—"
-    std = row["finetune_std"][fr]
-    return _pct(row["finetune"][fr]) + ("" if std is None else f" ± {100 * std:.1f}") + f" (n={row['finetune_n'][fr]})"
+    return _seeds_cell(row["finetune"][fr], row["finetune_std"][fr], row["finetune_n"][fr])
 
 
 def _lead_cell(lead: dict | None) -> str:
@@ -406,23 +488,28 @@ def render_markdown(rep: dict) -> str:
               f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
-    notes, marked = [], False
+    notes, marked, ranged = [], False, False
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
             "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}")
         if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
             notes.append(f"- {name}: {g['note']}")
             share = "undefined"
-        toss = set(g.get("recipe_toss_ups", []))  # † on every figure that involves such an arm
-        cells = [_gap(g, k) + (" †" if toss & set(GAPS[k]) else "") for k in GAPS] + [share + (" †" if toss else "")]
+        toss, ranges = set(g.get("recipe_toss_ups", [])), g.get("range", {})  # † on every figure of such an arm
+        cells = [_gap(g, k) + (" †" if toss & set(GAPS[k]) else "") + _range_cell(ranges.get(k), "{:+.1f}")
+                 for k in GAPS]
+        cells.append(share + (" †" if toss else "") + _range_cell(ranges.get("recovered_share"), "{:.2f}"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        marked = marked or bool(toss)
+        marked, ranged = marked or bool(toss), ranged or bool(ranges)
     if notes:
         lines += [""] + notes
     if marked:
         lines += ["", "† an arm of this figure fine-tuned with a recipe its development split could not choose (a "
                   "toss-up in the recipe table below): the ± does not count that choice, and the other value "
-                  "may have given another figure."]
+                  "may have given another figure."
+                  + (" In brackets, the range that choice spans: the figure recomputed with each such arm's "
+                     "runner-up value, retrained on all the labels with the same seeds (test top-1 in the recipe "
+                     "table), in every combination." if ranged else "")]
     held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
             for f in FAMILIES if t[f].get("probe_heldout_top1")]
     if held:
@@ -455,12 +542,14 @@ def render_markdown(rep: dict) -> str:
                   "next value ± the standard error of that difference on the development images: a lead "
                   "under twice it is a toss-up, a choice the split could not make, whose noise the seeds "
                   "do not show.", "",
-                  "| fine-tune | labels | chosen | development top-1 per value | lead of the chosen |",
-                  "|---|---|---|---|---|"]
+                  "| fine-tune | labels | chosen | development top-1 per value | lead of the chosen "
+                  "| other values retrained (test top-1) |", "|---|---|---|---|---|---|"]
         for f, fr, r in recipes:
             devs = ", ".join(f"{_short(x['values'])}: {_pct(x['dev_top1'])}" for x in r["dev"])
+            again = ", ".join(f"{_short(x['values'])}: {_seeds_cell(x['top1'], x['std'], x['n'])}"
+                              for x in r["retrained"]) or "—"
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])} | {devs} | "
-                         f"{_lead_cell(r.get('lead'))} |")
+                         f"{_lead_cell(r.get('lead'))} | {again} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
     lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']})" for r in finals), ""]
     return "\n".join(lines)

@@ -11,8 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from mpp import outcomes
 from mpp.compare import best_point, plan, run, validate
 from mpp.config import ConfigError, load_compare_config
 
@@ -70,7 +72,9 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     stages = {s.name: s for s in plan(cfg)}
     sweeps = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, sweep")]
     finals = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, seed")]
-    assert len(stages) == 5 + 3 * (3 + 2) and len(sweeps) == 3 and len(finals) == 2
+    runner_ups = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, runner-up")]
+    assert len(stages) == 5 + 3 * (3 + 2 + 2) and len(sweeps) == 3 and len(finals) == len(runner_ups) == 2
+    assert {s.out.name for s in runner_ups} == {"runner_up_seed0", "runner_up_seed1"}
     assert [s.out.name for s in sweeps] == ["sweep_lr0.01", "sweep_lr0.03", "sweep_lr0.1"]
     assert all("finetune.dev_fraction=0.2" in s.overrides for s in sweeps)
     assert not any("dev_fraction" in o for s in finals for o in s.args(resolved=False))  # finals test on data.val
@@ -82,6 +86,16 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     (tmp_path / "runs" / "probe_scratch").mkdir(parents=True)
     (tmp_path / "runs" / "probe_scratch" / "metrics.json").write_text(json.dumps({"pool": "token"}))
     assert finals[0].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.03"]
+    assert runner_ups[1].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.1"]  # the second best, 0.5
+    assert not runner_ups[0].when.holds()  # no per-image outcomes: no toss-up can be claimed
+    labels, idx = np.arange(200) % 10, np.arange(200)
+    for s, hits in zip(sweeps, (idx < 80, idx < 120, idx >= 100)):  # 0.03 leads 0.1 by 10 points on 200 images
+        s.out.joinpath("metrics.json").write_text(json.dumps({"top1": hits.mean(), "evaluated_on": "dev",
+                                                              "outcomes": outcomes.record(hits, labels)}))
+    assert runner_ups[0].when.holds()  # ... but they disagree on 180 of them: a toss-up
+    (sweeps[2].out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "outcomes":
+                                                           outcomes.record((idx < 100), labels)}))
+    assert not runner_ups[0].when.holds()  # they disagree on 20: a clear lead, no runner-up run
     assert best_point([["a"], ["b"]], [sweeps[1].out, sweeps[1].out]) == ["a"]  # ties: the earlier value
     (sweeps[0].out / "metrics.json").write_text(json.dumps({"top1": 0.9, "evaluated_on": "val"}))
     with pytest.raises(RuntimeError, match="development split"):
@@ -89,6 +103,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
     assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "the choice of linear probe mpp" in out
+    assert "runs only if the best value's dev lead over it is under twice its standard error" in out
     assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
 
@@ -125,7 +140,7 @@ def test_compare_config_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
-    path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",  # 17 stages: seconds each
+    path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",  # 17-23 stages: seconds each
                           compare_extra="sweep: {optim.lr: [0.01, 0.1]}\nseeds: 2\ndev_fraction: 0.25\n")
     cmd = [sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
@@ -135,8 +150,10 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     md = (runs / "report.md").read_text()
     assert "MPP" in md and "share" in md and (runs / "report.png").stat().st_size > 0
     assert "](figures/attention_distance.png)" in md and (runs / "figures/attention_distance.png").is_file()
-    for stage in plan(load_compare_config(path)):
-        assert (stage.out / "metrics.json").is_file(), stage.name
+    stages = plan(load_compare_config(path))
+    for stage in stages:  # every stage ran, a runner-up's finals exactly where its cell's choice was a toss-up
+        assert (stage.out / "metrics.json").is_file() == (stage.when is None or stage.when.holds()), stage.name
+    ran = [s for s in stages if (s.out / "metrics.json").is_file()]
     ft = json.loads((runs / "finetune_mpp_50pct" / "seed1" / "metrics.json").read_text())
     assert 0.0 <= ft["top1"] <= 1.0 and ft["label_fraction"] == 0.5 and ft["evaluated_on"] == "val"
     probe_pool = json.loads((runs / "probe_mpp" / "metrics.json").read_text())["pool"]
@@ -146,6 +163,12 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert all(m["evaluated_on"] == "dev" and m["train_samples"] < ft["train_samples"] for m in sweep)
     best = 0.01 if sweep[0]["top1"] >= sweep[1]["top1"] else 0.1
     assert ft["lr"] == best and report["recipes"]["mpp"]["0.5"]["chosen"]["optim.lr"] == best
+    for arm in ("scratch", "mpp", "supervised"):  # a toss-up's runner-up is listed, and is no table cell
+        chosen = report["recipes"][arm]["0.5"]["chosen"]["optim.lr"]
+        tossed = arm in report["derived"]["finetune"]["0.5"]["recipe_toss_ups"]
+        again = report["recipes"][arm]["0.5"]["retrained"]
+        assert [x["values"]["optim.lr"] for x in again] == ([0.1 if chosen == 0.01 else 0.01] if tossed else [])
+        assert report["table"][arm]["finetune_n"]["0.5"] == 2
     # the derived figures are computed from the fine-tunes' own metrics: means over the seeds
     tops = {init: sum(json.loads((runs / f"finetune_{init}_50pct" / f"seed{s}" / "metrics.json").read_text())["top1"]
                       for s in (0, 1)) * 50 for init in ("mpp", "scratch", "supervised")}
@@ -166,7 +189,7 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     before = files()
     r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert r2.returncode == 0, r2.stderr[-2000:]
-    assert r2.stdout.count("done earlier") == 17
+    assert r2.stdout.count("done earlier") == len(ran) and r2.stdout.count("not needed") == len(stages) - len(ran)
     assert files() == before  # nothing re-trained, re-probed or redrawn
 
 

@@ -155,8 +155,13 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert "edge of its grid for MPP pre-training:" in md
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
-        write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "finetune": {
-            "init": str(mpp), "label_fraction": 0.1}}, {"top1": 0.6})], tmp_path / "out2")
+        write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "optim": {"lr": 0.03},
+                                                          "finetune": {"init": str(mpp), "label_fraction": 0.1}},
+                                  {"top1": 0.6})], tmp_path / "out2")
+    with pytest.raises(ReportError, match="no development-split run tried"):  # finals of a value never swept
+        write_report(runs + [_run(root, "ft_mpp/stray", {"objective": "classify", "seed": 1, "optim": {"lr": 0.3},
+                                                          "finetune": {"init": str(mpp), "label_fraction": 0.1}},
+                                  {"top1": 0.6})], tmp_path / "out3")
 
 
 def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
@@ -206,6 +211,50 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
     runs = [r for r in runs if r != root / "ft_mpp/seed0"] + [other]
     assert write_report(runs, tmp_path / "out2")["recipes"]["mpp"]["0.1"]["lead"] == {
         "points": pytest.approx(-5.0), "noise": pytest.approx(clear_se, abs=1e-3), "clear": False}
+
+
+def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
+    """The comparison's runner-up stages: finals of the value the development split ranked second,
+    beside the chosen value's. The report keeps the chosen value's runs as the cell whatever order
+    the runs come in, lists the other value's test top-1 in the recipe table, and where the choice
+    was a toss-up (supervised here, not MPP) gives each figure of that arm its range over both."""
+    root = tmp_path / "runs"
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 10})
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 10})
+    labels, idx = np.arange(400) % 10, np.arange(400)
+    dev_hits = {"mpp": {0.01: idx < 200, 0.03: idx < 220}, "supervised": {0.01: idx >= 200, 0.03: idx < 220}}
+    finals = {"supervised": {0.03: (0.70, 0.72), 0.01: (0.60, 0.62)}, "mpp": {0.03: (0.50, 0.52), 0.01: (0.40, 0.40)},
+              "scratch": {0.03: (0.30, 0.32)}}
+    runs = [mpp, sup]
+    for fam, init in (("mpp", mpp), ("supervised", sup), ("scratch", "none")):
+        for lr in (0.01, 0.03):
+            hits = dev_hits.get(fam, {}).get(lr)
+            runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
+                "objective": "classify", "seed": 0, "optim": {"lr": lr},
+                "finetune": {"init": str(init), "label_fraction": 0.1, "dev_fraction": 0.1}},
+                {"top1": {0.01: 0.5, 0.03: 0.55}[lr], "evaluated_on": "dev",
+                 **({} if hits is None else {"outcomes": outcomes.record(hits, labels)})}))
+        for lr, tops in sorted(finals[fam].items()):  # the runner-up's runs come first
+            for seed, top1 in enumerate(tops):
+                runs.append(_run(root, f"ft_{fam}/lr{lr}_seed{seed}", {
+                    "objective": "classify", "seed": seed, "optim": {"lr": lr},
+                    "finetune": {"init": str(init), "label_fraction": 0.1}}, {"top1": top1, "evaluated_on": "val"}))
+    rep = write_report(runs, tmp_path / "out")
+    t, g = rep["table"], rep["derived"]["finetune"]["0.1"]
+    assert [t[f]["finetune"]["0.1"] for f in ("supervised", "mpp", "scratch")] == pytest.approx([0.71, 0.51, 0.31])
+    assert rep["recipes"]["supervised"]["0.1"]["chosen"]["optim.lr"] == 0.03
+    assert rep["recipes"]["supervised"]["0.1"]["retrained"] == [
+        {"values": {"optim.lr": 0.01}, "top1": pytest.approx(0.61), "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2}]
+    assert g["recipe_toss_ups"] == ["supervised"]  # MPP's lead is clear: its runner-up moves no figure
+    assert g["range"] == {"supervised_minus_mpp": pytest.approx([10.0, 20.0]),
+                          "supervised_minus_scratch": pytest.approx([30.0, 40.0]),
+                          "recovered_share": pytest.approx([0.5, 2 / 3], abs=1e-4)}
+    md = (tmp_path / "out" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| fine-tune @ 10% labels"))
+    cells = row.strip("| ").split(" | ")[1:]
+    assert cells[0].endswith("† (range +10.0 to +20.0)") and "range" not in cells[1]
+    assert cells[3].endswith("† (range 0.50 to 0.67)") and "In brackets, the range" in md
+    assert "| lr 0.01: 61.0 ± 1.4 (n=2) |" in md and "| lr 0.01: 40.0 ± 0.0 (n=2) |" in md
 
 
 def test_what_fine_tuning_added_to_its_start(tmp_path):
