@@ -7,10 +7,11 @@ grid is trained on the labels minus a class-balanced development split (`dev_fra
 scored on it; the best is retrained on all the labels, `seeds` times, and tested on `data.val`
 once per seed. Where the split could not separate the best value from the next (its lead under
 twice its paired standard error: a toss-up), `runner_up` also retrains the next with the same
-seeds, so that the report can give each figure the range that choice spans. `finetune.pool` is each arm's linear-probe choice (`finetune_pool: probe`; the
-probes run first): choosing it by probe costs one cheap frozen-feature fit per arm, where sweeping
-it would double every fine-tune sweep. Such run-time choices are `Choice`s of a stage, read from
-the finished stages' metrics.json just before it starts.
+seeds, so that the report can give each figure the range that choice spans. `finetune.pool` is
+each arm's linear-probe choice (`finetune_pool: probe`; the probes run first): choosing it by
+probe costs one cheap frozen-feature fit per arm, where sweeping it would double every fine-tune
+sweep. Such run-time choices are `Choice`s of a stage (whether it runs at all, its `Condition`),
+read from the finished stages' metrics.json just before it starts.
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
@@ -245,5 +246,6 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     from mpp.report import write_report
     print(f"[{total}/{total}] figures and report", flush=True)
     write_compare_figures([s.out for s in stages if s.tool == "pretrain"], None, Path(cfg.output_dir) / "figures")
-    write_report([s.out for s in stages if (s.out / "metrics.json").exists()], Path(cfg.output_dir))  # links figures
+    ran = [s.out for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed
+    write_report(ran, Path(cfg.output_dir))  # links the figures
     return Path(cfg.output_dir) / "report.md"
