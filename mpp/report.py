@@ -333,7 +333,8 @@ def collect(runs: list[dict]) -> dict:
         varied = _varied(dev.get((f, key), []))
         retrained[f, key] = [{"values": {k: _flat(g[0]["config"]).get(k) for k in varied},
                               **dict(zip(("top1", "std"), _mean_std([_accuracy(r["metrics"], "top1", r["dir"])
-                                                                     for r in g]))), "n": len(g)} for g in others]
+                                                                     for r in g]))), "n": len(g),
+                              "dirs": [r["dir"] for r in g]} for g in others]
         ends = [_accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
         mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
@@ -551,7 +552,10 @@ def render_markdown(rep: dict) -> str:
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
-    lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']})" for r in finals), ""]
+    other = {d for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}
+    lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']}"
+                                       + (", another value retrained" if r["dir"] in other else "") + ")"
+                                       for r in finals), ""]
     return "\n".join(lines)
 
 

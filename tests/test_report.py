@@ -244,7 +244,8 @@ def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
     assert [t[f]["finetune"]["0.1"] for f in ("supervised", "mpp", "scratch")] == pytest.approx([0.71, 0.51, 0.31])
     assert rep["recipes"]["supervised"]["0.1"]["chosen"]["optim.lr"] == 0.03
     assert rep["recipes"]["supervised"]["0.1"]["retrained"] == [
-        {"values": {"optim.lr": 0.01}, "top1": pytest.approx(0.61), "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2}]
+        {"values": {"optim.lr": 0.01}, "top1": pytest.approx(0.61), "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2,
+         "dirs": [str(root / f"ft_supervised/lr0.01_seed{s}") for s in (0, 1)]}]
     assert g["recipe_toss_ups"] == ["supervised"]  # MPP's lead is clear: its runner-up moves no figure
     assert g["range"] == {"supervised_minus_mpp": pytest.approx([10.0, 20.0]),
                           "supervised_minus_scratch": pytest.approx([30.0, 40.0]),
@@ -255,6 +256,8 @@ def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
     assert cells[0].endswith("† (range +10.0 to +20.0)") and "range" not in cells[1]
     assert cells[3].endswith("† (range 0.50 to 0.67)") and "In brackets, the range" in md
     assert "| lr 0.01: 61.0 ± 1.4 (n=2) |" in md and "| lr 0.01: 40.0 ± 0.0 (n=2) |" in md
+    assert f"`{root / 'ft_mpp/lr0.01_seed1'}` (mpp finetune, another value retrained)" in md
+    assert f"`{root / 'ft_mpp/lr0.03_seed1'}` (mpp finetune)" in md
 
 
 def test_what_fine_tuning_added_to_its_start(tmp_path):
