@@ -610,11 +610,23 @@ def _figures_section(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """The run directories among `paths`: one holding metrics.json is a run; a directory without
+    it stands for every run directory below it (a comparison's output_dir, a cell's seeds)."""
+    found = []
+    for path in map(Path, paths):
+        below = [] if (path / "metrics.json").exists() or not path.is_dir() else \
+            sorted(m.parent for m in path.rglob("metrics.json") if (m.parent / "config.yaml").is_file())
+        found += below or [path]  # a path with no run below: describe_run says what is missing
+    return found
+
+
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict:
-    """Read the runs, write report.md / report.json / report.png to `out_dir` (default: the runs'
-    common parent directory) and return the report dict."""
+    """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
+    (default: the runs' common parent directory) and return the report dict."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
+    run_dirs = find_runs(run_dirs)
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)
     rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction", "seed", "evaluated_on")}

@@ -101,6 +101,13 @@ def test_tool_prints_table_and_fails_in_one_line(tmp_path):
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "share recovered" in ok.stdout and (tmp_path / "runs" / "report.md").is_file()
+    (tmp_path / "runs" / "ft_mpp_1" / "feature_cache").mkdir()  # no run: skipped when searching
+    whole = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(tmp_path / "runs"),
+                            "--out", str(tmp_path / "whole")], capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr  # a directory of runs stands for every run below it
+    same = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("whole", "runs")]
+    assert same[0]["table"] == same[1]["table"] and same[0]["derived"] == same[1]["derived"]
+    assert sorted(r["dir"] for r in same[0]["runs"]) == sorted(map(str, runs))
     bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(tmp_path / "nope")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "metrics.json" in bad.stderr

@@ -1,5 +1,6 @@
 """The gap report of MPP vs supervised pre-training vs scratch from finished run directories.
 
+  mpp-report runs/compare_cifar10                      # every run below a comparison's output_dir
   mpp-report runs/cmp/mpp runs/cmp/sup runs/cmp/ft_mpp_10 ... --out runs/cmp
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ def main(argv: list[str] | None = None) -> None:
                                             "probe.encoder, finetune.label_fraction) or a 'role' key in its "
                                             "metrics.json; see mpp/report.py.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories holding metrics.json and config.yaml")
+                        help="run directories holding metrics.json and config.yaml, or directories "
+                             "to search for them (e.g. a comparison's output_dir)")
     parser.add_argument("--out", help="where report.md/.json/.png go (default: the runs' common parent)")
     args = parser.parse_args(argv)
     from mpp.report import write_report
