@@ -122,7 +122,8 @@ def plan(cfg: CompareConfig) -> list[Stage]:
     root = Path(cfg.output_dir)
     common = as_list(cfg.overrides)
     pre = {"mpp": root / "pretrain_mpp", "supervised": root / "pretrain_supervised"}
-    stages = [Stage(f"pre-train {kind}", "pretrain", getattr(cfg, kind), common, out) for kind, out in pre.items()]
+    stages = [Stage(f"pre-train {kind}", "pretrain", getattr(cfg, kind), common + as_list(cfg.pretrain_overrides), out)
+              for kind, out in pre.items()]
     probes = {arm: root / f"probe_{arm}" for arm in ("mpp", "supervised", "scratch")}
     for arm, out in probes.items():
         stages.append(Stage(f"linear probe {arm}", "linear_probe", cfg.probe,
@@ -170,10 +171,11 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             load_config(s.config, s.args(resolved=False))
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
-    try:
-        parse_overrides(as_list(cfg.overrides))
-    except ConfigError as e:
-        raise ConfigError(f"compare config key 'overrides': {e}") from None
+    for key in ("overrides", "pretrain_overrides"):
+        try:
+            parse_overrides(as_list(getattr(cfg, key)))
+        except ConfigError as e:
+            raise ConfigError(f"compare config key '{key}': {e}") from None
 
 
 def prepare_data(cfg: CompareConfig) -> None:

@@ -182,6 +182,7 @@ class CompareConfig:
                                # the report gives the figures it touches their range
     finetune_pool: str = "probe"  # probe: each arm's finetune.pool is its linear probe's choice; config: the stage config's
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
+    pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
 

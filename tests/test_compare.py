@@ -51,6 +51,9 @@ def test_plan_covers_every_stage_and_wires_inits(tmp_path):
                          "linear probe scratch"]  # probes first: fine-tunes take their representation
     assert sum(n.startswith("fine-tune") for n in names) == 6  # 3 inits x 2 label fractions, no sweep, 1 seed
     assert "probe.encoder=none" in {s.name: s for s in stages}["linear probe scratch"].overrides
+    longer = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data"), ["pretrain_overrides=[steps=5]"]))
+    assert [s.name for s in longer if "steps=5" in s.overrides] == ["pre-train mpp", "pre-train supervised"]
+    assert all(s.overrides.index("steps=5") > s.overrides.index("steps=2") for s in longer[:2])  # after `overrides`
     assert len({s.out for s in stages}) == len(stages)  # no two stages share a run dir
     ft = {s.name: s for s in stages}["fine-tune mpp, 50% labels, seed 0"]
     assert f"finetune.init={tmp_path / 'runs' / 'pretrain_mpp'}" in ft.overrides
