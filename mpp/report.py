@@ -194,22 +194,25 @@ def _varied(dev_runs: list[dict]) -> list[str]:
     """The config keys in which a cell's development-split runs differ (the swept keys)."""
     flats = [_flat(r["config"]) for r in dev_runs]
     return sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
-                  and len({json.dumps(f.get(k)) for f in flats}) > 1) if flats else []
+                  and len({json.dumps(f.get(k)) for f in flats}) > 1)
 
 
-def _split_finals(finals: list[dict], dev_runs: list[dict]) -> tuple[list[dict], list[list[dict]]]:
-    """A cell's final runs grouped by the values of the keys its sweep varied: the group whose
-    values scored best on the development split is the cell (the protocol retrains the best), the
-    others are alternatives (the comparison's runner-up stages). One run per seed in each group."""
-    varied = _varied(dev_runs)
+def _values(run: dict, varied: list[str]) -> dict:
+    """A run's values of the keys its cell's sweep varied."""
+    flat = _flat(run["config"])
+    return {k: flat.get(k) for k in varied}
 
-    def values(r):
-        flat = _flat(r["config"])
-        return json.dumps([flat.get(k) for k in varied])
+
+def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -> tuple[list[dict], list[list[dict]]]:
+    """A cell's final runs grouped by their values of the swept keys: the group whose values scored
+    best on the development split is the cell (the protocol retrains the best), the others are
+    alternatives (the comparison's runner-up stages). One run per seed in each group."""
+    def key(r):
+        return json.dumps(list(_values(r, varied).values()))
 
     groups: dict = {}
     for r in finals:
-        group = groups.setdefault(values(r), [])
+        group = groups.setdefault(key(r), [])
         twin = next((x for x in group if x["seed"] == r["seed"]), None)
         if twin:
             raise ReportError(f"two runs fill the same report cell ({r['family']}, {r['label_fraction']:g} labels, "
@@ -219,7 +222,7 @@ def _split_finals(finals: list[dict], dev_runs: list[dict]) -> tuple[list[dict],
         return finals, []
     rank: dict = {}
     for i, r in enumerate(dev_runs):
-        rank.setdefault(values(r), (_accuracy(r["metrics"], "top1", r["dir"]), -i))
+        rank.setdefault(key(r), (_accuracy(r["metrics"], "top1", r["dir"]), -i))
     stray = next((g for g in groups if g not in rank), None)
     if stray is not None:
         raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "
@@ -229,14 +232,19 @@ def _split_finals(finals: list[dict], dev_runs: list[dict]) -> tuple[list[dict],
     return groups[order[0]], [groups[g] for g in order[1:]]
 
 
-def _recipes(dev_runs: list[dict], finals: list[dict], retrained: list[dict]) -> dict:
-    """The sweep of one cell: each dev run's values of the keys the sweep varied and its dev top-1,
-    the values (plus finetune.pool and head_init) the final runs used, the chosen value's lead, and
-    the other values that were retrained on all the labels (`retrained`: their test top-1)."""
-    varied = _varied(dev_runs)
+def _retrained(group: list[dict], varied: list[str]) -> dict:
+    """Another value's final runs: its values, test top-1 mean and std over its seeds, their dirs."""
+    mean, std = _mean_std([_accuracy(r["metrics"], "top1", r["dir"]) for r in group])
+    return {"values": _values(group[0], varied), "top1": mean, "std": std, "n": len(group),
+            "dirs": [r["dir"] for r in group]}
+
+
+def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrained: list[dict]) -> dict:
+    """The sweep of one cell: each dev run's values of the swept keys and its dev top-1, the values
+    (plus finetune.pool and head_init) the final runs used, the chosen value's lead, and the other
+    values that were retrained on all the labels (`retrained`)."""
     final = _flat(finals[0]["config"]) if finals else {}
-    dev = [{"values": {k: _flat(r["config"]).get(k) for k in varied},
-            "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
+    dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
     return {"dev": dev, "chosen": chosen, "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
@@ -326,15 +334,13 @@ def collect(runs: list[dict]) -> dict:
                     shots = k[: -len("shot_mean")]
                     row["fewshot"][shots] = _accuracy(m, k, r["dir"])
                     row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
-    retrained: dict = {}  # (family, fraction) -> the alternatives' summaries
+    varied = {cell: _varied(runs_) for cell, runs_ in dev.items()}  # the keys each cell's sweep varied
+    retrained: dict = {}  # (family, fraction) -> the other values' final runs, summed up
     for (f, key), finals in cells.items():
-        finals, others = _split_finals(finals, dev.get((f, key), []))
+        swept = varied.get((f, key), [])
+        finals, others = _split_finals(finals, dev.get((f, key), []), swept)
         cells[f, key] = finals
-        varied = _varied(dev.get((f, key), []))
-        retrained[f, key] = [{"values": {k: _flat(g[0]["config"]).get(k) for k in varied},
-                              **dict(zip(("top1", "std"), _mean_std([_accuracy(r["metrics"], "top1", r["dir"])
-                                                                     for r in g]))), "n": len(g),
-                              "dirs": [r["dir"] for r in g]} for g in others]
+        retrained[f, key] = [_retrained(g, swept) for g in others]
         ends = [_accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
         mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
@@ -344,7 +350,7 @@ def collect(runs: list[dict]) -> dict:
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
             table[f]["finetune_added_noise"][key] = _added_noise(ends, starts, images[f, key], _seed_mean_images(
                 [outcomes.read(r["metrics"].get("start_outcomes")) for r in finals]))
-    recipes = {f: {key: _recipes(runs_, cells.get((f, key), []), retrained.get((f, key), []))
+    recipes = {f: {key: _recipes(runs_, varied[g, key], cells.get((f, key), []), retrained.get((f, key), []))
                    for (g, key), runs_ in dev.items() if g == f} for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
