@@ -414,3 +414,19 @@ def test_workers_read_the_next_epoch_ahead_and_a_restart_reads_the_same(tmp_path
                    for a, b in zip(ran_on.epoch(e), restarted.epoch(e), strict=True))
         restarted.close()
     ran_on.close()
+
+
+def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_path):
+    """Equal shards that split unevenly over the workers (2 and 1): the DataLoader takes items from
+    its workers strictly in turn, so the short worker's batches must not pile up in the main
+    process by an epoch's difference every epoch (memory and shared-memory files without bound)."""
+    manifest, _ = write_shards(tmp_path, [16, 16, 16], size=8)
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True,
+                         data_cfg=cfg(shuffle_buffer=0, cache_mb=0), seed=0)
+    assert sorted(len(b) for b in loader.stream.plan(0).bins) == [1, 2]
+    held = []
+    for e in range(8):
+        assert sum(len(b["image"]) for b in loader.epoch(e)) == 48
+        held.append(sum(len(q) for q in loader._held.values()))
+    loader.close()
+    assert max(held) <= 2 * loader.workers, held

@@ -189,7 +189,7 @@ class _ShardStream(IterableDataset):
             samples = wds_shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
                                   rng=random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:buffer"))(samples)
         num_classes = len(self.shards.classes) if self.shards.classes else None
-        images, labels = [], []
+        images, labels, sent = [], [], 0
         try:  # decode only as many samples as the batch still needs: batches stay in stream order
             while chunk := list(itertools.islice(samples, self.batch_size - len(images))):
                 got = decode_batch(chunk, self.transform, rng, labeled=self.labeled, num_classes=num_classes,
@@ -198,14 +198,27 @@ class _ShardStream(IterableDataset):
                 labels += got[1]
                 if len(images) == self.batch_size:
                     yield self._batch(images, labels, worker, epoch, skips)
-                    images, labels = [], []
+                    images, labels, sent = [], [], sent + 1
         except DataError as e:  # sent as an item so the main process raises it with a clean message
             yield {"worker": worker, "epoch": epoch, "skips": dict(skips), "error": str(e)}
             return False
         if images:
             yield self._batch(images, labels, worker, epoch, skips)
+            sent += 1
+        if self.follow:  # see _ticks
+            for _ in range(self._ticks(epoch) - sent):
+                yield {"worker": worker, "epoch": epoch, "tick": True}
         yield {"worker": worker, "epoch": epoch, "skips": dict(skips), "end": True}  # the final counts
         return True
+
+    def _ticks(self, epoch: int) -> int:
+        """How many items every worker of a following stream sends in `epoch` before its end item:
+        the most batches any of this rank's workers can make, a worker with fewer filling up with
+        empty ticks. The DataLoader takes items from its workers strictly in turn, so a worker with
+        fewer batches would otherwise run ahead into later epochs by that many items every epoch,
+        and the main process would hold ever more of its batches (memory, shared-memory files)."""
+        counts = self.shards.counts
+        return max(math.ceil(sum(counts[s] for s in b) / self.batch_size) for b in self.plan(epoch).bins)
 
     def _batch(self, images, labels, worker, epoch, skips) -> dict:
         out = {"worker": worker, "epoch": epoch, "skips": dict(skips)}
@@ -329,6 +342,9 @@ class ShardLoader:
                 item = next(self._items)
                 self._held[item["worker"]].append(item)
             item = self._held[worker].popleft()
+            if item.get("tick"):  # this worker's batches of the epoch are done: its turn passes
+                turn = (turn + 1) % len(active)
+                continue
             last = seen.get(worker, {})
             for kind, n in item["skips"].items():
                 self._count(kind, n - last.get(kind, 0))
