@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -178,6 +179,16 @@ def test_manifest_label_index_and_shards_agree_or_the_reader_says_so(folder: Pat
         (out / "labels.json").write_text(json.dumps([index[0], entry, *index[2:]]))
         with pytest.raises(DataError, match=message):
             select_subset(resolve(str(manifest)), 0.5, seed=3)
+    # the index is untrusted input: read only when it is a file, and only so far
+    (out / "labels.json").write_text(json.dumps(index) + " " * 2**21)
+    with pytest.raises(DataError, match=r"more than \d+ bytes for 21 samples"):
+        select_subset(resolve(str(manifest)), 0.5, seed=3)
+    (out / "labels.json").unlink()
+    os.mkfifo(out / "labels.json")  # reading it would wait forever
+    with pytest.raises(DataError, match="labels.json' is not a file"):
+        select_subset(resolve(str(manifest)), 0.5, seed=3)
+    (out / "labels.json").unlink()
+    (out / "labels.json").write_text(json.dumps(index))
     # a manifest without sizes still loads, with one warning per manifest
     rewrite(manifest, lambda d: [s.pop("bytes") for s in d["shards"]])
     shard.write_bytes(shard.read_bytes() + b"\0")
@@ -202,6 +213,9 @@ def test_shuffled_across_shards_seeded_and_reproducible(folder: Path, tmp_path: 
 def test_keys_unique_and_readable_by_webdataset(folder: Path, tmp_path: Path):
     assert sample_keys(["x/a.jpg", "x/a.png", "x/a.b.jpg", "x/a_b.jpg", "y.z/c.jpg"]) == \
         ["x/a", "x/a_2", "x/a_b", "x/a_b_2", "y.z/c"]
+    # keys webdataset would take for metadata members ('__x__...') are changed, not dropped
+    assert sample_keys(["__background__/3.jpg", "__init__.png", "__a__b/c.jpg"]) == \
+        ["x__background__/3", "x__init__", "__a__b/c"]
     out = tmp_path / "out"
     m = write_shards(folder, out, samples_per_shard=100, progress=False)
     ds = wds.WebDataset(str(out / "000000.tar"), shardshuffle=False)
@@ -225,6 +239,15 @@ def test_tar_sources_plain_compressed_and_with_top_folder(folder: Path, tmp_path
         _check_round_trip(out, folder, m)
         assert _read_shards(out) == _read_shards(tmp_path / "ref")  # same keys and order as the folder
         assert m["skipped"]["count"] == ref["skipped"]["count"] == 3
+    src = tmp_path / "stray.tar"  # a stray file beside the class folders leaves 'train/' the root
+    with tarfile.open(src, "w") as tar:
+        tar.add(folder, arcname="train")
+        info = tarfile.TarInfo("train/.DS_Store")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"\0\0\0\1"))
+    m = write_shards(src, tmp_path / "out_stray", seed=3, progress=False)
+    assert m["classes"] == CLASSES and m["num_samples"] == ref["num_samples"]
+    assert any(e.startswith(".DS_Store") for e in m["skipped"]["examples"]), m["skipped"]
 
 
 def test_unlabeled(folder: Path, tmp_path: Path):
@@ -288,21 +311,25 @@ def test_every_written_format_is_one_the_loader_decodes():
     assert set(FORMAT_EXT) <= set(decode.PIL_FORMATS) and set(FORMAT_EXT.values()) <= set(decode.IMAGE_EXTS)
 
 
+CLASS_NAMES = ["__background__", "k1", "k2"]  # the first as webdataset names metadata members
+
+
 def test_folder_to_shards_to_batches(tmp_path: Path):
-    """The issue's round trip: lossless source images come out of the loader with their labels."""
+    """The issue's round trip: lossless source images come out of the loader with their labels,
+    a class folder named like a webdataset metadata member ('__background__') included."""
     from mpp.config import DataConfig
     from mpp.data import make_loader
     source = []
     for c in range(3):
         for i in range(7):
             arr = np.random.default_rng(10 * c + i).integers(0, 255, (16, 16, 3), dtype=np.uint8)
-            (tmp_path / "src" / f"k{c}").mkdir(parents=True, exist_ok=True)
-            Image.fromarray(arr).save(tmp_path / "src" / f"k{c}" / f"{i}.png")
+            (tmp_path / "src" / CLASS_NAMES[c]).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(arr).save(tmp_path / "src" / CLASS_NAMES[c] / f"{i}.png")
             source.append((c, arr.tobytes()))
     m = write_shards(tmp_path / "src", tmp_path / "out", samples_per_shard=4, progress=False)
     loader = make_loader(str(tmp_path / "out" / "manifest.json"), batch_size=5, img_size=16, train=False,
                          labeled=True, data_cfg=DataConfig(num_workers=0, eval_crop_pct=1.0))
     got = [(int(lab), img.permute(1, 2, 0).numpy().tobytes())
            for b in loader.epoch(0) for img, lab in zip(b["image"], b["label"])]
-    assert loader.num_samples == m["num_samples"] == 21 and loader.classes == ["k0", "k1", "k2"]
+    assert loader.num_samples == m["num_samples"] == 21 and loader.classes == CLASS_NAMES
     assert sorted(got) == sorted(source)

@@ -60,7 +60,7 @@ def _is_url(s: str) -> bool:
     return "://" in s or s.startswith(("pipe:", "file:"))
 
 
-def _local_path(url: str) -> str | None:
+def local_path(url: str) -> str | None:
     if url.startswith("file://"):
         return url[len("file://"):]
     if url.startswith("file:"):
@@ -110,7 +110,7 @@ def _check_sizes(manifest: str, shards: ShardSet, sizes: list[int | None]) -> No
                         "written go unnoticed; re-run tools/make_shards.py to record them", manifest)
         return
     for url, size in zip(shards.urls, sizes):
-        path = _local_path(url)
+        path = local_path(url)
         if size is not None and path is not None and (actual := os.path.getsize(path)) != size:
             raise DataError(f"{manifest}: shard {url.rsplit('/', 1)[-1]} is {actual} bytes but the manifest "
                             f"recorded {size}; the shards changed since the manifest was written; re-run "
@@ -139,7 +139,7 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     if not spec:
         raise DataError("no data given: set a manifest.json, a shard list or a brace pattern (e.g. data.train)")
     if isinstance(spec, str):
-        local = _local_path(spec)
+        local = local_path(spec)
         if local is not None and os.path.isdir(local):
             spec, local = f"{spec.rstrip('/')}/manifest.json", os.path.join(local, "manifest.json")
         elif local is not None and "{" not in spec and not os.path.exists(local):
@@ -180,7 +180,7 @@ def check_same_classes(train_spec, val_spec, val_num_samples: int = 0) -> None:
 
 def _check_local(urls: list[str]) -> None:
     for url in urls:
-        path = _local_path(url)
+        path = local_path(url)
         if path is not None and not os.path.isfile(path):
             raise DataError(f"shard '{url}' does not exist; check the data path or rewrite the shards")
 

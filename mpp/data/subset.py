@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections import defaultdict
 
@@ -21,7 +22,9 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
 from mpp.data.decode import DataError, read_label
-from mpp.data.sources import ShardSet, tar_members
+from mpp.data.sources import ShardSet, local_path, tar_members
+
+LABEL_BYTES_PER_SAMPLE = 4096  # a [key, label] pair of the label index: a long key path at most
 
 
 def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
@@ -41,9 +44,15 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
     unreadable, is not the index the manifest recorded (its SHA-256), or disagrees with the
     manifest: another number of shards or of samples in a shard, a label outside its classes."""
     fix = "rewrite the shards with tools/make_shards.py"
+    path = local_path(shards.labels)
+    if path is not None and not os.path.isfile(path):
+        raise DataError(f"label index '{shards.labels}' is not a file; {fix}")
+    most = LABEL_BYTES_PER_SAMPLE * shards.num_samples + 2**20  # untrusted: a bounded read
     try:
         with gopen(shards.labels, "rb") as f:
-            raw = f.read()
+            raw = f.read(most + 1)
+        if len(raw) > most:
+            raise ValueError(f"more than {most} bytes for {shards.num_samples} samples")
         index = json.loads(raw)
         if not isinstance(index, list) or len(index) != len(shards.urls):
             raise ValueError(f"{len(index) if isinstance(index, list) else 'no'} shard entries for "

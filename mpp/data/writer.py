@@ -36,6 +36,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mpp.config import DataConfig
+from mpp.data.sources import META
 from mpp.fileio import write_atomic
 
 log = logging.getLogger(__name__)
@@ -78,12 +79,14 @@ def probe_image(data: bytes, max_pixels: int = DataConfig.max_pixels) -> str:
 
 def sample_keys(names: Sequence[str]) -> list[str]:
     """`__key__` per relative path: the path without its extension, dots in the file stem turned
-    into '_' (webdataset splits a member name at the stem's first dot); clashes get '_2', '_3'..."""
+    into '_' (webdataset splits a member name at the stem's first dot), an 'x' before a key that
+    webdataset would read as metadata ('__background__/3'); clashes get '_2', '_3'..."""
     keys, seen = [], set()
     for name in names:
         folder, _, base = name.rpartition("/")
         stem = (base.rsplit(".", 1)[0] if "." in base[1:] else base).replace(".", "_") or "_"
         key = f"{folder}/{stem}" if folder else stem
+        key = "x" + key if META.match(key) else key
         unique, n = key, 1
         while unique in seen:
             n += 1
@@ -218,6 +221,11 @@ def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled
             for n, r in zip(names, readers)], classes
 
 
+def _image_name(name: str) -> bool:
+    """Whether a file name has the extension of an image format the shards take."""
+    return Image.registered_extensions().get(os.path.splitext(name)[1].lower()) in FORMAT_EXT
+
+
 def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
     names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     return names, [lambda p=root / n: p.read_bytes() for n in names]
@@ -230,7 +238,10 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
     tops = {n.split("/", 1)[0] for n in names}
-    if len(tops) == 1 and all(n.count("/") >= 2 for n in names):  # 'train/CLASS/x.jpg': the folder is 'train/'
+    # 'train/CLASS/x.jpg': the folder is 'train/', whatever else lies in it beside the class
+    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do
+    if (len(tops) == 1 and any(n.count("/") >= 2 for n in names)
+            and not any(n.count("/") == 1 and _image_name(n) for n in names)):
         names = [n.split("/", 1)[1] for n in names]
     if isinstance(tar.fileobj, io.BufferedReader):
         return names, [lambda m=m: tar.extractfile(m).read() for m in members]
