@@ -195,6 +195,9 @@ def test_subset_class_balanced_exact(tmp_path):
     table = lookup(source)
     assert ({k for b in loader.epoch(0) for k in batch_keys(b, table)}
             == {k for b in again.epoch(0) for k in batch_keys(b, table)})
+    whole = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
+                        data_cfg=cfg(), subset=(1.0, 5))  # (fraction, seed) with all the labels
+    assert whole.num_samples == 60
 
 
 def test_labeled_loader_on_unlabeled_shards_errors(tmp_path):

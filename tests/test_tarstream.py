@@ -104,3 +104,19 @@ def test_read_shard_malformed_ends_shard(tmp_path):
     cut.write_bytes(raw[:len(raw) // 2])
     skips = {}
     assert [s["__key__"] for s in read_shard(str(cut), skips)] == ["a"] and skips == {"truncated_tar": 1}
+
+
+def test_gzipped_shards_read_from_any_source(tmp_path):
+    """A .tar.gz shard gives the same samples from a path and through a pipe: (webdataset's pipe
+    and HTTP streams cannot peek at the gzip magic)."""
+    from mpp.data.sources import read_shard
+    members = [("k1.jpg", b"a" * 300), ("k1.cls", b"1"), ("k2.jpg", b"b" * 40), ("k2.cls", b"0")]
+    plain = _tar(tmp_path / "s.tar", members)
+    zipped = tmp_path / "s.tar.gz"
+    zipped.write_bytes(gzip.compress((tmp_path / "s.tar").read_bytes()))
+    got = {}
+    for url in (plain, str(zipped), f"pipe:cat {zipped}", f"pipe:cat {plain}"):
+        skips: dict = {}
+        got[url] = [{k: v for k, v in s.items() if k != "__url__"} for s in read_shard(url, skips)]
+        assert not skips, (url, skips)
+    assert len(set(map(repr, got.values()))) == 1 and len(got[plain]) == 2

@@ -104,14 +104,40 @@ def _skip(f: BinaryIO, n: int, seekable: bool) -> None:
         n -= len(_read(f, min(n, SKIP_CHUNK)))
 
 
+class _Prefixed:
+    """A stream whose first bytes were already read (`head`), read from its start again."""
+
+    def __init__(self, head: bytes, f: BinaryIO):
+        self.head, self.f = head, f
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            out, self.head = self.head + self.f.read(), b""
+            return out
+        out, self.head = self.head[:n], self.head[n:]
+        return out + self.f.read(n - len(out)) if len(out) < n else out
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _gunzipped(f: BinaryIO) -> BinaryIO:
+    """`f`, or its decompressed stream if it starts as gzip does (.tar.gz shards), from any source:
+    webdataset's pipe and HTTP streams cannot peek, so their first bytes are read and put back."""
+    if hasattr(f, "peek"):
+        head = f.peek(2)[:2]
+    else:
+        head = f.read(2)
+        f = _Prefixed(head, f)
+    return gzip.GzipFile(fileobj=f) if head == b"\x1f\x8b" else f
+
+
 def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None,
               max_member: int = MAX_MEMBER) -> Iterator[tuple[str, bytes]]:
     """(name, bytes) of each regular file in the tar stream `f`, in archive order; with `select`,
     only of the names it accepts (the others are skipped without being held in memory). A member
     larger than `max_member` bytes that would be read raises CorruptTar."""
-    peek = getattr(f, "peek", None)
-    if peek is not None and peek(2)[:2] == b"\x1f\x8b":
-        f = gzip.GzipFile(fileobj=f)
+    f = _gunzipped(f)
     seekable = f.seekable() if hasattr(f, "seekable") else False
     pax: dict[str, str] = {}
     longname = None
