@@ -264,6 +264,12 @@ def test_bytes_per_shard_limit(folder: Path, tmp_path: Path):
     sizes = [(tmp_path / "out" / s["name"]).stat().st_size for s in m["shards"]]
     assert len(sizes) > 1 and max(sizes) <= limit
     assert m["num_samples"] == 21
+    # long and non-ASCII names take extended headers, counted too
+    for i in range(12):
+        (folder / "a_cls" / f"{'é' * 15}{'n' * 60}{i}.png").write_bytes(_image_bytes(200 + i, "PNG"))
+    m = write_shards(folder, tmp_path / "out", bytes_per_shard=limit, overwrite=True, progress=False)
+    sizes = [(tmp_path / "out" / s["name"]).stat().st_size for s in m["shards"]]
+    assert max(sizes) <= limit and m["num_samples"] == 33
 
 
 def test_refuses_non_empty_output_and_overwrite_removes_stale_shards(folder: Path, tmp_path: Path):

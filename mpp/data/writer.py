@@ -96,10 +96,16 @@ def sample_keys(names: Sequence[str]) -> list[str]:
     return keys
 
 
-def _tar_bytes(members: int, payload: int) -> int:
-    """Size of a finished tar file: header + padded data per member, end blocks, record padding."""
-    size = members * _BLOCK + payload + 2 * _BLOCK
+def _tar_bytes(member_bytes: int) -> int:
+    """Size of a finished tar file from its members' bytes (`_member_bytes`): end blocks, record padding."""
+    size = member_bytes + 2 * _BLOCK
     return -(-size // _RECORD) * _RECORD
+
+
+def _member_bytes(name: str, data: bytes) -> int:
+    """A member's bytes in a shard: its header as tarfile writes it by default (PAX: a long or
+    non-ASCII name takes an extended header) and its data padded to whole blocks."""
+    return len(tarfile.TarInfo(name).tobuf(tarfile.DEFAULT_FORMAT)) + _padded(len(data))
 
 
 def _padded(n: int) -> int:
@@ -142,7 +148,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
     labels: list[list] = []  # per shard, [key, label] of each labeled sample
     skipped: list[str] = []
     formats: dict[str, int] = {}
-    writer, count, members, payload = None, 0, 0, 0
+    writer, count, payload = None, 0, 0
     try:
         for i in tqdm(order, desc=f"writing {out}", unit="img", disable=not progress):
             name, read, label = items[i]
@@ -156,19 +162,19 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
             sample = {"__key__": keys[i], ext: data}
             if label is not None:
                 sample["cls"] = str(label).encode()
-            size = sum(_padded(len(v)) for k, v in sample.items() if k != "__key__")
+            size = sum(_member_bytes(f"{keys[i]}.{k}", v) for k, v in sample.items() if k != "__key__")
             if writer is None or count >= samples_per_shard or (
-                    count and _tar_bytes(members + len(sample) - 1, payload + size) > bytes_per_shard):
+                    count and _tar_bytes(payload + size) > bytes_per_shard):
                 if writer is not None:
                     writer.close()
                 shards.append({"name": f"{len(shards):06d}.tar", "num_samples": 0})
                 labels.append([])
                 writer = wds.TarWriter(str(out / shards[-1]["name"]), encoder=False, mtime=_MTIME)
-                count = members = payload = 0
+                count = payload = 0
             writer.write(sample)
             if label is not None:
                 labels[-1].append([keys[i], label])
-            count, members, payload = count + 1, members + len(sample) - 1, payload + size
+            count, payload = count + 1, payload + size
             shards[-1]["num_samples"] = count
             formats[ext] = formats.get(ext, 0) + 1
     finally:
