@@ -96,12 +96,14 @@ def _metrics(out: Path) -> dict:
 
 
 def _ranked(outs: list[Path]) -> list[tuple[int, dict]]:
-    """(index, metrics) of the sweep stages from the best top-1 on the development split down (ties: the earlier)."""
+    """(index, metrics) of the sweep stages from the best top-1 on the development split down; an
+    exact tie goes to the stage whose folder name sorts first, as the report breaks it (it sees
+    the folders, not the grid's order)."""
     ms = [_metrics(out) for out in outs]
     for out, m in zip(outs, ms):
         if m.get("evaluated_on") != "dev":
             raise RuntimeError(f"{out}/metrics.json was not evaluated on a development split; delete it and resume")
-    return sorted(enumerate(ms), key=lambda im: (-im[1]["top1"], im[0]))
+    return sorted(enumerate(ms), key=lambda im: (-im[1]["top1"], outs[im[0]].name))
 
 
 def best_point(points: list[list[str]], outs: list[Path], rank: int = 0) -> list[str]:
@@ -147,9 +149,10 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
                            lambda outs=outs: best_point(points, outs))] if sweep else []
+            final = base + ["finetune.dev_fraction=0"]  # all the labels, tested on data.val, whatever the configs say
             for seed in range(cfg.seeds):
                 stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune", cfg.finetune,
-                                    base + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
+                                    final + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
                                     pool + best))
             if cfg.runner_up and len(sweep) > 1:
                 second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
@@ -158,7 +161,7 @@ def plan(cfg: CompareConfig) -> list[Stage]:
                                  lambda outs=outs: toss_up(outs))
                 for seed in range(cfg.seeds):
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}", "finetune",
-                                        cfg.finetune, base + [f"seed={seed}"],
+                                        cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
                                         pool + [second], when))
     return stages

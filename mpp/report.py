@@ -220,15 +220,16 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
         group.append(r)
     if len(groups) == 1:
         return finals, []
-    rank: dict = {}
-    for i, r in enumerate(dev_runs):
-        rank.setdefault(key(r), (_accuracy(r["metrics"], "top1", r["dir"]), -i))
+    rank: dict = {}  # best dev top-1 first; an exact tie as the comparison breaks it (mpp.compare._ranked)
+    for r in dev_runs:
+        mine = (-_accuracy(r["metrics"], "top1", r["dir"]), Path(r["dir"]).name)
+        rank[key(r)] = min(rank.get(key(r), mine), mine)
     stray = next((g for g in groups if g not in rank), None)
     if stray is not None:
         raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "
                           f"and it used values no development-split run tried, so the report cannot tell which runs "
                           f"are the cell; pass the finals of one value, or the sweep stages of each")
-    order = sorted(groups, key=rank.__getitem__, reverse=True)
+    order = sorted(groups, key=rank.__getitem__)
     return groups[order[0]], [groups[g] for g in order[1:]]
 
 

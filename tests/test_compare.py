@@ -80,7 +80,8 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     assert {s.out.name for s in runner_ups} == {"runner_up_seed0", "runner_up_seed1"}
     assert [s.out.name for s in sweeps] == ["sweep_lr0.01", "sweep_lr0.03", "sweep_lr0.1"]
     assert all("finetune.dev_fraction=0.2" in s.overrides for s in sweeps)
-    assert not any("dev_fraction" in o for s in finals for o in s.args(resolved=False))  # finals test on data.val
+    # finals and runner-ups train on all the labels and test on data.val, even where a config sets a split
+    assert all(s.overrides[-2:] == ["finetune.dev_fraction=0", f"seed={s.out.name[-1]}"] for s in finals + runner_ups)
     assert [o for o in finals[1].overrides if o.startswith("seed=")] == ["seed=1"]
     validate(cfg, list(stages.values()))  # every grid value and the finals' placeholders resolve
     for s, top1 in zip(sweeps, (0.4, 0.6, 0.5)):
@@ -99,7 +100,6 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     (sweeps[2].out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "outcomes":
                                                            outcomes.record((idx < 100), labels)}))
     assert not runner_ups[0].when.holds()  # they disagree on 20: a clear lead, no runner-up run
-    assert best_point([["a"], ["b"]], [sweeps[1].out, sweeps[1].out]) == ["a"]  # ties: the earlier value
     (sweeps[0].out / "metrics.json").write_text(json.dumps({"top1": 0.9, "evaluated_on": "val"}))
     with pytest.raises(RuntimeError, match="development split"):
         finals[0].args()
@@ -216,3 +216,38 @@ def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, 
         got = json.loads(out.read_text())
         assert got == {"pid": got["pid"], "argv": [str(out), "x=1"], "name": "__main__", "preloaded": preloaded}
         assert got["pid"] != os.getpid()
+
+
+def test_an_exact_tie_is_broken_alike_by_the_comparison_and_the_report(tmp_path):
+    """A descending grid whose two values score the same on the development split: the value the
+    comparison retrains (its finals, in seed*) is the report's cell, the other its runner-up."""
+    import yaml
+
+    from mpp.compare import grid_points, toss_up
+    from mpp.report import write_report
+    points, labels = grid_points({"optim.lr": [0.03, 0.003]}), np.arange(500) % 10
+    outs = []
+    for point, hits in zip(points, (np.arange(500) < 230, np.arange(500) >= 270)):  # 230 right each
+        out = tmp_path / "finetune_scratch_10pct" / f"sweep_lr{point[0].split('=')[1]}"
+        out.mkdir(parents=True)
+        cfg = {"objective": "classify", "optim": {"lr": float(point[0].split("=")[1])},
+               "finetune": {"init": "none", "label_fraction": 0.1, "dev_fraction": 0.1}}
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (out / "metrics.json").write_text(json.dumps({"top1": hits.mean(), "evaluated_on": "dev",
+                                                      "outcomes": outcomes.record(hits, labels)}))
+        outs.append(out)
+    chosen, second = best_point(points, outs), best_point(points, outs, rank=1)
+    assert toss_up(outs) and {chosen[0], second[0]} == {"optim.lr=0.03", "optim.lr=0.003"}
+    for name, point, top1 in (("seed0", chosen, 0.40), ("seed1", chosen, 0.42),
+                              ("runner_up_seed0", second, 0.30), ("runner_up_seed1", second, 0.31)):
+        out = tmp_path / "finetune_scratch_10pct" / name
+        out.mkdir()
+        cfg = {"objective": "classify", "seed": int(name[-1]), "optim": {"lr": float(point[0].split("=")[1])},
+               "finetune": {"init": "none", "label_fraction": 0.1}}
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (out / "metrics.json").write_text(json.dumps({"top1": top1, "evaluated_on": "val"}))
+    for order in (1, -1):  # whatever order the runs are passed in
+        runs = sorted((tmp_path / "finetune_scratch_10pct").iterdir())[::order]
+        recipe = write_report(runs, tmp_path)["recipes"]["scratch"]["0.1"]
+        assert recipe["chosen"]["optim.lr"] == float(chosen[0].split("=")[1])
+        assert [r["values"]["optim.lr"] for r in recipe["retrained"]] == [float(second[0].split("=")[1])]
