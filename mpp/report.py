@@ -129,18 +129,18 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     gets its noise in points (`noise`) and whether the gap is at least twice it (`significant`,
     None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
     adds the test images' paired sampling error (`noise_test`) where two families scored the
-    same images in the same order."""
+    same images in the same order; where they scored other images, the noise is unknown."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
     sem, per_image = sem or {}, per_image or {}
     out["noise"], out["noise_test"], out["significant"] = {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
-        test = None
-        if out[gap] is not None and per_image.get(a) and per_image.get(b) and per_image[a][0] == per_image[b][0]:
+        test, apart = None, bool(per_image.get(a) and per_image.get(b) and per_image[a][0] != per_image[b][0])
+        if out[gap] is not None and per_image.get(a) and per_image.get(b) and not apart:
             test = 100.0 * outcomes.paired_sem(per_image[a][1], per_image[b][1])
-        noise = None
-        if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
+        noise = None  # unknown too where the two scored other test images: their sampling is not in it
+        if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None and not apart:
             noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["significant"][gap] = None if noise is None else _significant(out[gap], noise)
