@@ -525,7 +525,8 @@ def render_markdown(rep: dict) -> str:
                   + "; ".join(held) + "."]
     l2s = [(FAMILY_NAMES[f], t[f]["probe_l2"], t[f]["probe_l2_grid"]) for f in FAMILIES if t[f].get("probe_l2") is not None]
     if l2s:
-        edge = [name for name, l2, grid in l2s if len(grid) > 1 and l2 in (grid[0], grid[-1])]
+        edge = [name for name, l2, grid in l2s if len(grid) > 1  # the grid's keys carry 6 digits (:g)
+                and any(math.isclose(l2, g, rel_tol=1e-5) for g in (grid[0], grid[-1]))]
         lines += ["", "Linear probe L2 strength, chosen on the same held-out features: "
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "

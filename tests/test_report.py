@@ -147,8 +147,8 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
                 "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": "avg"}},
                 {"top1": acc, "evaluated_on": "val"}))
     runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
-                     {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1e-4,
-                      "probe_val_top1": {"0.0001": 0.46, "0.01": 0.44, "1": 0.3},
+                     {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1 / 30000,
+                      "probe_val_top1": {"3.33333e-05": 0.46, "0.01": 0.44, "1": 0.3},  # keys as :g writes them
                       "pool_heldout_top1": {"token": 0.37, "avg": 0.46}}))
     runs.append(_run(root, "probe_sup", {"objective": "mpp", "probe": {"encoder": str(sup)}},
                      {"kind": "linear_probe", "top1": 0.6, "pool": "token", "probe_l2": 0.01,
@@ -170,7 +170,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
     assert "†" not in md  # dev runs without outcomes: no lead's noise known, so no toss-up claimed
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
-    assert "supervised pre-training 0.01; MPP pre-training 0.0001." in md
+    assert "supervised pre-training 0.01; MPP pre-training 3.33333e-05." in md
     assert "edge of its grid for MPP pre-training:" in md
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
