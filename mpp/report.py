@@ -28,9 +28,10 @@ Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n 
 noise is the standard error of the difference, from two sources combined: the seeds (fine-tunes:
 sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws; a probe's fit has none) and the test
 images' sampling (mpp.outcomes: the per-image difference of the two arms, paired over the same
-images, each arm averaged over its seeds). A gap under twice its noise is marked not significant;
-one whose seed noise is unknown (single fine-tunes) or, for a probe, whose runs recorded no
-outcomes, has unknown noise.
+images, each arm averaged over its seeds; few-shot runs record no per-image results, so theirs is
+the shot draws' alone). A gap under twice its noise is marked not significant; one whose seed
+noise is unknown (single fine-tunes), whose arms scored other test images or, for a probe, whose
+runs recorded no outcomes, has unknown noise.
 Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
 """
 from __future__ import annotations
@@ -486,8 +487,9 @@ def render_markdown(rep: dict) -> str:
               "Gaps in percentage points, ± their standard error from two sources combined: the seeds "
               "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws; a linear probe's fit has none) "
               "and the sampling of the test images (the two arms' per-image results compared on the same "
-              "images). A gap under twice its standard error is marked not significant; a gap without ± has "
-              "unknown noise (single fine-tunes, or runs that recorded no per-image results). "
+              "images; few-shot runs record none, so their ± is the shot draws' alone and understates). A gap "
+              "under twice its standard error is marked not significant; a gap without ± has unknown noise "
+              "(single fine-tunes, runs that recorded no per-image results, or arms tested on other images). "
               "Share = (MPP - scratch) / (supervised - scratch), "
               f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
               "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "
