@@ -30,6 +30,9 @@ from mpp.config import ConfigError
 from mpp.fileio import atomic_path
 
 PREFIX = "step_"
+# what a resumed run reads from state.pt, and its types (a checkpoint is untrusted input)
+STATE_KEYS = {"step": int, "world_size": int, "nonfinite_steps": int, "elapsed": (int, float),
+              "train_time": (int, float), "data_wait": (int, float), "last": dict}
 
 
 def rng_state() -> dict:
@@ -86,10 +89,14 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
                         "scaler": scaler}, f)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if final.exists():  # the same step saved before (a finished run saved again): replace it
+        if final.is_dir():  # the same step saved before (a finished run saved again): replace it
             shutil.rmtree(final)
+        elif final.exists():  # a stray file of a checkpoint's name
+            final.unlink()
         tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep]:
+        # the newest `keep` up to this step; later ones (ones resume=auto skipped as damaged) are
+        # neither counted nor removed, so they never push out the checkpoint just written
+        for old in [c for c in list_checkpoints(root) if c.name <= final.name][:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
@@ -100,6 +107,9 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
     grad scaler and this rank's RNGs; returns the saved plain state (step, ...)."""
     path = Path(path)
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    bad = [k for k, kind in STATE_KEYS.items() if not isinstance(state.get(k), kind) or isinstance(state[k], bool)]
+    if bad or state["step"] < 0:  # untrusted: a damaged or crafted state is refused like a corrupt file
+        raise ValueError(f"state.pt lacks, mistypes or misstates {', '.join(bad) or 'step'}")
     if state["world_size"] != accelerator.num_processes:
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "

@@ -35,7 +35,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from mpp import evaluators, rundir
-from mpp.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from mpp.checkpoint import PREFIX, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data import make_loader
@@ -147,6 +147,10 @@ def setup(cfg: Config) -> Run:
         rundir.lock(out)
     accelerator.wait_for_everyone()
     resume, state = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
+    if state.get("step", 0) > steps:
+        raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
+                          f"steps; give steps (or epochs) of at least {state['step']}, or train.resume=none and "
+                          "another output_dir")
     if accelerator.is_main_process:
         if resume and (out / "config.yaml").is_file():
             _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
@@ -440,6 +444,11 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
             state = {}
         whys = [w for w in gather_object([why]) if w]
         if not whys:
+            newer = [c.name for c in list_checkpoints(root) if c.name > f"{PREFIX}{state['step']:07d}"]
+            if cfg.train.resume != "auto" and newer:
+                raise ConfigError(f"train.resume={cfg.train.resume!r} (step {state['step']}) is older than "
+                                  f"{', '.join(newer)} in {root}: going on here would mix two runs' checkpoints; "
+                                  "resume into another output_dir, or delete those")
             if skipped:
                 accelerator.print(f"warning: resume skipped checkpoints that do not load: {'; '.join(skipped)}",
                                   file=sys.stderr)

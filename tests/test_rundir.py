@@ -72,6 +72,45 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, ca
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out_new_ones(run, tmp_path, capfd):
+    """state.pt files that load but lack a key or misstate the step are skipped like corrupt ones,
+    a file named like a checkpoint is replaced when the run gets to its step, and with
+    keep_ckpts=1 the run's new checkpoints are kept, not a damaged step_0000009."""
+    data, done = run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    for name in ("metrics.json", "encoder.safetensors"):
+        (out / name).unlink()
+    ck = out / "checkpoints"
+    for step, edit in ((4, lambda s: s.pop("last")), (2, lambda s: s.update(step=-3))):
+        state = torch.load(ck / f"step_000000{step}/state.pt", weights_only=True)
+        edit(state)
+        torch.save(state, ck / f"step_000000{step}/state.pt")
+    shutil.copytree(ck / "step_0000004", ck / "step_0000009")
+    shutil.rmtree(ck / "step_0000003")
+    (ck / "step_0000003").write_text("not a checkpoint")
+    train(load_config(None, items(data, out, **{"train.keep_ckpts": 1})))
+    err = capfd.readouterr()
+    assert "step_0000001 (step 1)" in err.out + err.err
+    assert all(f"step_000000{s} (ValueError: state.pt" in err.err for s in (2, 4, 9))
+    assert sorted(p.name for p in ck.iterdir()) == ["step_0000004", "step_0000009"]
+    a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path):
+    """train.resume=PATH older than checkpoints in the output dir would mix two runs (and rotation
+    would remove the new ones); a checkpoint past `steps` would export it as a shorter run."""
+    data, done = run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    older = out / "checkpoints/step_0000002"
+    with pytest.raises(ConfigError, match=r"\(step 2\) is older than step_0000003, step_0000004 in .*another output_dir"):
+        train(load_config(None, items(data, out, **{"train.resume": older})))
+    with pytest.raises(ConfigError, match="is at step 4, past this run's 2 steps"):
+        train(load_config(None, items(data, out, steps=2)))
+
+
 def test_a_failed_resume_changes_nothing(run, tmp_path):
     data, done = run
     out = tmp_path / "run"
