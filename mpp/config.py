@@ -277,6 +277,10 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
+            if "." in str(k) and key in valid_keys(root):  # 'optim.lr: 0.1' in a YAML file
+                head, rest = str(k).split(".", 1)
+                raise ConfigError(f"config key '{key}' is written with a dot in a file; nest it there "
+                                  f"({head}: {{{rest}: ...}}), or give it as an override {key}=...")
             raise ConfigError(f"unknown config key '{key}'; {_suggest(key, valid_keys(root))}")
         cur = getattr(obj, k)
         if dataclasses.is_dataclass(cur):
@@ -405,6 +409,17 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    def numbers(v, key=""):  # (dotted key, value) of every number in the config, lists included
+        if isinstance(v, dict):
+            for k, x in v.items():
+                yield from numbers(x, f"{key}.{k}" if key else k)
+        elif isinstance(v, list):
+            for x in v:
+                yield from numbers(x, key)
+        elif isinstance(v, float):
+            yield key, v
+    for key, v in numbers(to_dict(cfg)):
+        check(math.isfinite(v), f"config key '{key}' must be a finite number, got {v}")
     for key, allowed in choices().items():
         obj = cfg
         for part in key.split("."):
@@ -446,6 +461,11 @@ def validate(cfg: Config) -> None:
     check(o.weight_decay >= 0 and o.min_lr >= 0 and o.warmup_steps >= 0 and o.clip_grad >= 0,
           "config keys optim.weight_decay, optim.min_lr, optim.warmup_steps, optim.clip_grad must be >= 0")
     check(0 <= o.layer_decay <= 1, "config key 'optim.layer_decay' must be in [0, 1] (0: off)")
+    check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and 0 <= o.momentum < 1,
+          f"config keys optim.beta1, optim.beta2 and optim.momentum must be in [0, 1), got {o.beta1}, {o.beta2}, "
+          f"{o.momentum}")
+    check(o.min_lr <= o.lr, f"config key 'optim.min_lr' ({o.min_lr}) is above optim.lr ({o.lr}): the schedule "
+          "would rise; give a smaller one")
     t = cfg.train
     check(t.grad_accum >= 1, "config key 'train.grad_accum' must be >= 1")
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1,
@@ -458,9 +478,13 @@ def validate(cfg: Config) -> None:
     check(0 <= f.dev_fraction < 1, f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
           "drop_path and label_smoothing must be in [0, 1)")
+    check(cfg.supervised.hidden_dim >= 0, "config key 'supervised.hidden_dim' must be >= 0 (0: the encoder width)")
+    check(d.max_pixels > 0, f"config key 'data.max_pixels' must be > 0, got {d.max_pixels}")
     fs = cfg.fewshot
-    check(all(int(s) == s and s >= 1 for s in fs.shots) and fs.seeds >= 1 and fs.l2 >= 0,
-          "config keys fewshot.shots (whole numbers >= 1), fewshot.seeds (>= 1), fewshot.l2 (>= 0)")
+    check(len(fs.shots) > 0 and all(int(s) == s and s >= 1 for s in fs.shots) and fs.seeds >= 1 and fs.l2 >= 0
+          and fs.every >= 0 and fs.max_test >= 1,
+          "config keys fewshot.shots (a non-empty list of whole numbers >= 1), fewshot.seeds (>= 1), fewshot.l2 "
+          "(>= 0), fewshot.every (>= 0, 0: off), fewshot.max_test (>= 1)")
     check(0 < cfg.probe.val_fraction < 1, "config key 'probe.val_fraction' must be in (0, 1)")
     check(len(cfg.probe.l2_grid) > 0 and all(v > 0 for v in cfg.probe.l2_grid),
           f"config key 'probe.l2_grid' must be a non-empty list of L2 strengths > 0, e.g. [1e-4, 1e-2, 1], "
