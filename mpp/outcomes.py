@@ -51,3 +51,12 @@ def paired_sem(a: np.ndarray, b: np.ndarray) -> float:
     same order; the images are the sampled unit, so the difference is paired."""
     d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
     return float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0
+
+
+def unpaired_sem(a: np.ndarray, b: np.ndarray) -> float:
+    """Standard error, as a fraction, of mean(a) - mean(b) when a and b were scored on other
+    images (or the same in another order, which this overstates): two independent samples."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size < 2 or b.size < 2:
+        return 0.0
+    return float(np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size))

@@ -28,10 +28,10 @@ Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n 
 noise is the standard error of the difference, from two sources combined: the seeds (fine-tunes:
 sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws; a probe's fit has none) and the test
 images' sampling (mpp.outcomes: the per-image difference of the two arms, paired over the same
-images, each arm averaged over its seeds; few-shot runs record no per-image results, so theirs is
-the shot draws' alone). A gap under twice its noise is marked not significant; one whose seed
-noise is unknown (single fine-tunes), whose arms scored other test images or, for a probe, whose
-runs recorded no outcomes, has unknown noise.
+images, each arm averaged over its seeds; unpaired where the two scored other images; few-shot
+runs record no per-image results, so theirs is the shot draws' alone). A gap under twice its
+noise is marked not significant; one whose seed noise is unknown (single fine-tunes) or, for a
+probe, whose runs recorded no outcomes, has unknown noise.
 Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
 """
 from __future__ import annotations
@@ -129,19 +129,20 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`) and whether the gap is at least twice it (`significant`,
     None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
-    adds the test images' paired sampling error (`noise_test`) where two families scored the
-    same images in the same order; where they scored other images, the noise is unknown."""
+    adds the test images' sampling error (`noise_test`): paired where two families scored the
+    same images in the same order, else as two independent samples."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
     sem, per_image = sem or {}, per_image or {}
     out["noise"], out["noise_test"], out["significant"] = {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
-        test, apart = None, bool(per_image.get(a) and per_image.get(b) and per_image[a][0] != per_image[b][0])
-        if out[gap] is not None and per_image.get(a) and per_image.get(b) and not apart:
-            test = 100.0 * outcomes.paired_sem(per_image[a][1], per_image[b][1])
-        noise = None  # unknown too where the two scored other test images: their sampling is not in it
-        if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None and not apart:
+        test = None
+        if out[gap] is not None and per_image.get(a) and per_image.get(b):
+            same = per_image[a][0] == per_image[b][0]
+            test = 100.0 * (outcomes.paired_sem if same else outcomes.unpaired_sem)(per_image[a][1], per_image[b][1])
+        noise = None
+        if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["significant"][gap] = None if noise is None else _significant(out[gap], noise)
@@ -489,7 +490,8 @@ def render_markdown(rep: dict) -> str:
               "and the sampling of the test images (the two arms' per-image results compared on the same "
               "images; few-shot runs record none, so their ± is the shot draws' alone and understates). A gap "
               "under twice its standard error is marked not significant; a gap without ± has unknown noise "
-              "(single fine-tunes, runs that recorded no per-image results, or arms tested on other images). "
+              "(single fine-tunes, or runs that recorded no per-image results); arms scored on other test "
+              "images count them as two independent samples. "
               "Share = (MPP - scratch) / (supervised - scratch), "
               f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
               "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "

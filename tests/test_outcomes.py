@@ -45,8 +45,10 @@ def test_derive_adds_test_noise_only_for_the_same_images():
     assert g["noise_test"]["supervised_minus_mpp"] == pytest.approx(test, abs=1e-3)
     assert g["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(np.hypot(0.3, 0.4), test), abs=1e-3)
     g2 = derive(sup.mean(), mpp.mean(), None, sem=sem, per_image={"supervised": (same, sup), "mpp": (other, mpp)})
-    assert g2["noise_test"]["supervised_minus_mpp"] is None  # other images or order: not paired
-    assert g2["noise"]["supervised_minus_mpp"] == pytest.approx(0.5, abs=1e-3)  # the seeds' part alone
+    unpaired = 100 * outcomes.unpaired_sem(sup, mpp)  # other images or order: two independent samples
+    assert unpaired == pytest.approx(100 * np.sqrt(sup.var(ddof=1) / n + mpp.var(ddof=1) / n))
+    assert g2["noise_test"]["supervised_minus_mpp"] == pytest.approx(unpaired, abs=1e-3)
+    assert g2["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(0.5, unpaired), abs=1e-3)
     same_runs = derive(0.5, 0.5, 0.5, sem=dict.fromkeys(sem, 0.0), per_image=dict.fromkeys(sem, (same, sup)))
     assert same_runs["noise"]["mpp_minus_scratch"] == 0.0
     assert same_runs["significant"]["mpp_minus_scratch"] is False  # 0 ± 0 is no gap

@@ -69,16 +69,17 @@ def test_undefined_share_is_explained():
     assert derive(0.6, 0.45, 0.5)["recovered_share"] == pytest.approx(-0.5)  # MPP below scratch: negative
 
 
-def test_a_gap_between_other_test_images_has_unknown_noise():
+def test_a_probe_gap_between_other_test_images_counts_their_sampling():
     """Probes have no seed noise, only the test images' sampling: two probes that scored other
-    test images (another labels digest) have a gap of unknown noise, not a significant one of ± 0."""
+    test images (another labels digest) get it unpaired, not a significant gap of ± 0."""
     hits = np.arange(1000) % 3 == 0
     same = {"supervised": ("d1", hits), "mpp": ("d1", ~hits)}
     apart = {"supervised": ("d1", hits), "mpp": ("d2", ~hits)}
     sem = {"supervised": 0.0, "mpp": 0.0, "scratch": None}
     assert derive(0.501, 0.5, None, sem=sem, per_image=same)["noise"]["supervised_minus_mpp"] > 0
     g = derive(0.501, 0.5, None, sem=sem, per_image=apart)
-    assert g["noise"]["supervised_minus_mpp"] is None and g["significant"]["supervised_minus_mpp"] is None
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.sqrt(2 * hits.var(ddof=1) / 1000), abs=1e-3)
+    assert g["significant"]["supervised_minus_mpp"] is False
 
 
 def test_role_override_and_clear_errors(tmp_path):
