@@ -200,6 +200,16 @@ def test_subset_class_balanced_exact(tmp_path):
     assert whole.num_samples == 60
 
 
+def test_a_subset_scan_that_cannot_read_a_shard_stops_in_one_line(tmp_path):
+    """Shards without a label index are scanned for their labels on every rank: one that cannot be
+    read is an error, not a subset drawn from what one rank happened to read."""
+    manifest, _ = write_shards(tmp_path, [15, 15, 15], classes=3)
+    shard = tmp_path / "000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    with pytest.raises(DataError, match="the labels of shard .*000001.tar' could not be read .*make_shards"):
+        make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True, data_cfg=cfg(), subset=(0.5, 0))
+
+
 def test_labeled_loader_on_unlabeled_shards_errors(tmp_path):
     manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=None)
     with pytest.raises(DataError, match="unlabeled"):

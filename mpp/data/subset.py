@@ -28,14 +28,20 @@ LABEL_BYTES_PER_SAMPLE = 4096  # a [key, label] pair of the label index: a long 
 
 
 def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
-    """(key, label) of every sample of a shard with a valid `cls` member."""
-    out = []
-    for name, data in tar_members(url, [], select=lambda name: name.endswith(".cls")):
+    """(key, label) of every sample of a shard with a valid `cls` member. A shard that cannot be
+    read to its end is a DataError: every rank draws the subset from its own pass, and ranks that
+    read a shard differently (a transient failure) would get other subsets and batch counts."""
+    out, errors = [], []
+    for name, data in tar_members(url, errors, select=lambda name: name.endswith(".cls")):
         key, _ = base_plus_ext(name)
         try:
             out.append((key, read_label(data, num_classes)))
         except (ValueError, UnicodeDecodeError):
             continue  # a bad label is skipped (and counted) by the stream as well
+    if errors:
+        raise DataError(f"the labels of shard '{url}' could not be read ({type(errors[0]).__name__}: {errors[0]}), "
+                        "and a label subset needs every shard read alike on every rank: repair or leave out the "
+                        "shard, or rewrite the data with tools/make_shards.py (its labels.json spares this pass)")
     return out
 
 
