@@ -1,7 +1,7 @@
 """`train.compile`: the Task's forward (and through AOTAutograd its backward) under torch.compile.
 
-One graph per task, no graph breaks (the attention "auto" rule is not re-applied while tracing,
-see mpp.models), and the batch dimension is dynamic, so an epoch's smaller tail batches and a resumed
+One graph per task, no graph breaks (the attention "auto" rule is applied for the model's device
+before the first trace and not re-applied while tracing, see mpp.models), and the batch dimension is dynamic, so an epoch's smaller tail batches and a resumed
 run reuse the compiled graph instead of recompiling (only a batch of one specialises). "auto"
 compiles on CUDA, where the fused kernels and fewer launches pay for the compile time; on CPU the
 compile takes minutes for a gain that short runs never recover, so it is off unless asked for.
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from mpp.models import MaskedEncoder
 
 
 # train.compile -> whether the step is compiled on a device type
@@ -34,6 +36,10 @@ def compile_task(model: torch.nn.Module, mode: str = "default") -> Callable:
     """`model(images[, labels]) -> (loss, metrics)` compiled, with the batch dimension dynamic.
     With CUDA graphs every call starts a new step: the caller has consumed the outputs of the last
     one (loss backwarded, metrics added into its own sums) before the graph overwrites them."""
+    device_type = next(model.parameters()).device.type
+    for m in model.modules():  # the attention path of the device, before tracing fixes one
+        if isinstance(m, MaskedEncoder):
+            m.choose_attention(device_type)
     compiled = torch.compile(model, mode=mode)
     graphs = COMPILE_MODES[mode]
 

@@ -152,11 +152,15 @@ class MaskedEncoder(nn.Module):
         for m in self._attn_modules:
             m.fused_attn = fused
 
+    def choose_attention(self, device_type: str) -> None:
+        """Apply the attention rule (`attn`) for a device type: every eager forward does it for its
+        batch, and `mpp.compiled.compile_task` before the first trace (a compiled step keeps the
+        path it was traced with; an eager forward that changed it would make it recompile)."""
+        self._set_fused(ATTENTION[self.attn](device_type))
+
     def _choose_attention(self, x: torch.Tensor) -> None:
-        """Apply the attention rule for the device of this batch. Not while torch.compile traces:
-        the compiled step keeps the path set by the eager forward."""
         if not torch.compiler.is_compiling():
-            self._set_fused(ATTENTION[self.attn](x.device.type))
+            self.choose_attention(x.device.type)
 
     def pool(self, tokens: torch.Tensor, pool: str) -> torch.Tensor:
         """Tokens (B, 1 + N, D) -> (B, D): one of POOLS, through timm's `VisionTransformer.pool`."""

@@ -55,3 +55,23 @@ def test_compiled_step_equals_eager_without_recompiles(objective, mode, eager_ra
             torch.testing.assert_close(g, e, rtol=5e-2, atol=5e-3)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all three batch sizes
+
+
+def test_the_first_compiled_step_takes_the_devices_attention_path(monkeypatch):
+    """A run's first step is a compiled one (no eager forward before it): it must be traced on
+    the device's attention path ('auto': fused on CUDA, stood in for here), or the first eager
+    forward (a periodic evaluation) switches the path and the step recompiles mid-run."""
+    from mpp import models
+    torch._dynamo.reset()
+    counters.clear()
+    task = build_task(Config(objective="mpp"), create_encoder("vit_micro4_32", attn="auto"), None)
+    assert not any(m.fused_attn for m in task.encoder._attn_modules)  # built for the CPU rule
+    monkeypatch.setitem(models.ATTENTION, "auto", lambda device_type: True)
+    step = compile_task(task)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    step(images)[0].backward()
+    assert all(m.fused_attn for m in task.encoder._attn_modules)
+    with torch.no_grad():
+        task.encoder(torch.randn(2, 3, 32, 32))  # an eager forward, e.g. a periodic few-shot evaluation
+    step(images)[0].backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
