@@ -188,6 +188,10 @@ def test_compare_figures_add_a_random_init(data, tmp_path):
     save_encoder(create_encoder("vit_micro4_32"), sup)  # a newer encoder: drawn again
     write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)
     assert (tmp_path / "figures/filters.png").exists()
+    (tmp_path / "figures/filters.png").unlink()  # up to date, but for another list of encoders: drawn again
+    numbers = write_compare_figures([sup], data, tmp_path / "figures", images=4, grid_images=2)
+    assert list(numbers["encoders"]) == ["pretrain_supervised", "random init"]
+    assert (tmp_path / "figures/filters.png").exists()
 
 
 def test_image_every_is_checked_before_any_work():

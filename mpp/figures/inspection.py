@@ -109,7 +109,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cache: dict[int, torch.Tensor] = {}
-    numbers: dict = {"data": str(data), "images": images, "encoders": {}}
+    numbers: dict = {"data": str(data), "specs": list(specs), "images": images, "encoders": {}}
     distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
     for spec, m in zip(specs, models):
         size = encoder_img_size(m.encoder)
@@ -143,13 +143,17 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
 def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path = "figures", **kw) -> dict:
     """The figures of a comparison's pre-trained encoders plus a random initialisation of the
     first one's preset, on `data` (default: the first run's data.val, else its data.train). Like a
-    finished stage, figures newer than every encoder are kept (a resumed comparison redraws nothing)."""
+    finished stage, figures of the same encoders and data, newer than every encoder, are kept (a
+    resumed comparison redraws nothing)."""
     runs = [Path(d) for d in run_dirs if (Path(d) / "encoder.safetensors").is_file()]
     if not runs:
         raise ValueError(f"none of {[str(d) for d in run_dirs]} holds an encoder.safetensors")
-    done = Path(out) / "inspect.json"
-    if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
-        return json.loads(done.read_text())
     cfg = load_config(runs[0] / "config.yaml")
     specs = [str(r) for r in runs] + [f"random init=none:{cfg.model}"]
-    return inspect_encoders(specs, data or cfg.data.val or cfg.data.train, out, **kw)
+    data = data or cfg.data.val or cfg.data.train
+    done = Path(out) / "inspect.json"
+    if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
+        kept = json.loads(done.read_text())
+        if kept.get("specs") == specs and kept.get("data") == str(data):  # the same encoders on the same images
+            return kept
+    return inspect_encoders(specs, data, out, **kw)
