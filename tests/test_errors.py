@@ -162,6 +162,8 @@ CASES = [
     ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
     ("inspect an encoder that does not exist", "inspect_encoders",
      lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),
+    ("inspect on data that does not exist", "inspect_encoders",
+     lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/nope", "--out", f"{t}/figures"], None),
 ]
 _locks: list = []
 
@@ -197,7 +199,7 @@ def run_tool(tool: str, argv: list[str]) -> tuple[int, str]:
 def snapshot(root: Path) -> dict[str, tuple]:
     """Every path under `root` with its size and mtime (files only: a lock taken and given back
     touches its directory's mtime, not its content)."""
-    return {str(p.relative_to(root)): None if p.is_dir() else (p.lstat().st_size, p.lstat().st_mtime_ns)
+    return {str(p.relative_to(root)): "dir" if p.is_dir() else (p.lstat().st_size, p.lstat().st_mtime_ns)
             for p in sorted(root.rglob("*"))}
 
 

@@ -106,9 +106,10 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     models = [load_inspected(s, seed) for s in specs]
     for m, name in zip(models, _unique([m.name for m in models])):
         m.name = name
+    first = encoder_img_size(models[0].encoder)  # the data is read before anything is written
+    cache = {first: read_images(data, first, max(images, grid_images), models[0].data)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cache: dict[int, torch.Tensor] = {}
     numbers: dict = {"data": str(data), "specs": list(specs), "images": images, "encoders": {}}
     distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
     for spec, m in zip(specs, models):
