@@ -51,14 +51,19 @@ def test_every_file_is_whole_and_0644(run):
     assert not [p for p in out.rglob("*") if ".tmp" in p.name or p.name == ".lock"]
 
 
+def unfinished(done: Path, out: Path) -> Path:
+    """A copy of the finished run `done` as a run killed after its last checkpoint."""
+    shutil.copytree(done, out)
+    for name in ("metrics.json", "encoder.safetensors"):
+        (out / name).unlink()
+    return out
+
+
 def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, capfd):
     """Newest checkpoint corrupt, the next with an empty model.safetensors, a `step_*` that is a
     file: resume skips and names them, continues from step 2 and ends bit-identical to the run."""
     data, done = run
-    out = tmp_path / "run"
-    shutil.copytree(done, out)
-    for name in ("metrics.json", "encoder.safetensors"):
-        (out / name).unlink()
+    out = unfinished(done, tmp_path / "run")
     ck = out / "checkpoints"
     (ck / "step_0000004/state.pt").write_bytes((ck / "step_0000004/state.pt").read_bytes()[:200])
     (ck / "step_0000003/model.safetensors").write_bytes(b"")
@@ -77,10 +82,7 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
     a file named like a checkpoint is replaced when the run gets to its step, and with
     keep_ckpts=1 the run's new checkpoints are kept, not a damaged step_0000009."""
     data, done = run
-    out = tmp_path / "run"
-    shutil.copytree(done, out)
-    for name in ("metrics.json", "encoder.safetensors"):
-        (out / name).unlink()
+    out = unfinished(done, tmp_path / "run")
     ck = out / "checkpoints"
     for step, edit in ((4, lambda s: s.pop("last")), (2, lambda s: s.update(step=-3))):
         state = torch.load(ck / f"step_000000{step}/state.pt", weights_only=True)
