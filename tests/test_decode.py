@@ -132,3 +132,23 @@ def test_transforms_same_draws_and_pixels_on_both_decoders(size):
     reduced, _ = _load(open_image(jpeg(2000, 1500), CAP), (0, 0, 1500, 1500), size)
     assert isinstance(reduced, torch.Tensor) and reduced.shape[2] <= 1000
     assert _load(open_image(jpeg(256, 256), CAP), (0, 0, 256, 256), 224)[0].shape == (3, 256, 256)
+
+
+def test_odd_decoder_errors_and_16_bit_images():
+    """A JPEG with a chroma subsampling libjpeg-turbo's header reader does not know (4:4:1; it
+    raised KeyError in a worker and stopped the run at the same step on every resume) goes to PIL;
+    a 16-bit greyscale PNG is scaled to 8 bits, not clipped white by PIL's conversion."""
+    from mpp.config import DataConfig
+    from mpp.data.decode import decode_batch
+    from mpp.data.transforms import build_transform
+    data = bytearray(jpeg())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 11] = 0x14  # the first component's sampling factors: 1x4
+    grey = io.BytesIO()
+    Image.fromarray(np.full((20, 30), 32768, np.uint16)).save(grey, "PNG")
+    skips: dict = {}
+    images, _ = decode_batch([{"__key__": "a", "jpg": bytes(data)}, {"__key__": "b", "png": grey.getvalue()}],
+                             build_transform(16, False, DataConfig(eval_crop_pct=1.0)), random.Random(0),
+                             labeled=False, num_classes=None, max_pixels=CAP, skips=skips)
+    assert len(images) == 2 and not skips
+    assert images[1].float().mean().item() == pytest.approx(128.0, abs=1.0)

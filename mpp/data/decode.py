@@ -39,9 +39,11 @@ SKIP_KINDS = {
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": "samples beyond a rank's expected count (shards without exact counts in a manifest)",
 }
-# what PIL raises on corrupt, truncated or hostile bytes (a bug in our code still raises)
-IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, ZeroDivisionError, struct.error,
-                Image.DecompressionBombError)
+# what PIL and libjpeg-turbo raise on corrupt, truncated or hostile bytes (a bug in our code still
+# raises): KeyError (simplejpeg on an unknown chroma subsampling), TypeError and OverflowError (PIL
+# on mistyped or out-of-range TIFF tags) came from mutated images that a fuzzer fed through decode_batch
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError, OverflowError,
+                ZeroDivisionError, struct.error, Image.DecompressionBombError)
 SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label", "missing_label")  # kinds that are one sample each
 
 
@@ -99,7 +101,7 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image | Jpeg:
     if data[:2] == b"\xff\xd8":
         try:
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-        except ValueError:  # a header libjpeg-turbo refuses: PIL's call
+        except IMAGE_ERRORS:  # a header libjpeg-turbo refuses: PIL's call
             pass
     if not width or colorspace in ("CMYK", "YCCK") or width * height > (Image.MAX_IMAGE_PIXELS or max_pixels):
         return _open_pil(data, max_pixels)

@@ -17,6 +17,7 @@ import math
 import random
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -67,9 +68,17 @@ def _attempt(fn, *args):
         return None
 
 
+def _rgb(img: Image.Image) -> Image.Image:
+    """`img` in RGB. 16-bit integer greyscale (PIL's I;16 modes, and I, which 16-bit PNGs and TIFFs
+    open as) is scaled to 8 bits first: PIL's conversion clips it at 255, a white image."""
+    if img.mode in ("I;16", "I;16L", "I;16B", "I"):
+        img = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
 def _hwc(img: Image.Image) -> torch.Tensor:
     """A copy of a PIL image's RGB pixels as a uint8 (H, W, 3) tensor."""
-    img = img if img.mode == "RGB" else img.convert("RGB")
+    img = _rgb(img)
     return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3)
 
 
@@ -82,7 +91,7 @@ def resized_crop(img: Image.Image | torch.Tensor, box: tuple[int, int, int, int]
     slightly, the rest is within +-1.)"""
     left, top, w, h = box
     if isinstance(img, Image.Image) and size < TORCH_RESIZE_FROM:
-        img = img if img.mode == "RGB" else img.convert("RGB")
+        img = _rgb(img)
         img = img.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
         return _hwc(img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img).permute(2, 0, 1)
     hwc = img.permute(1, 2, 0) if isinstance(img, torch.Tensor) else _hwc(img)
@@ -149,11 +158,16 @@ class _Transform:
               ) -> list[torch.Tensor | None]:
         """Each image as uint8 (3, size, size) (channels-last), or None where its data fail to
         decode; crops are drawn from `rng` in list order (the draws of transforming the images one
-        by one), so augmentation is reproducible."""
-        plans = [self.params(img, rng) for img in images]
-        loaded = [_attempt(_load, img, box, self.size) for img, (box, _) in zip(images, plans)]
-        return [None if got is None else _attempt(resized_crop, *got, self.size, flip)
-                for got, (_, flip) in zip(loaded, plans)]
+        by one), so augmentation is reproducible. Each image is decoded, cropped and closed before
+        the next, so a batch holds one decoded image at a time (pixel caps bound one image)."""
+        out = []
+        for img, (box, flip) in zip(images, [self.params(img, rng) for img in images]):
+            got = _attempt(_load, img, box, self.size)
+            out.append(None if got is None else _attempt(resized_crop, *got, self.size, flip))
+            for used in (img, got[0] if got else None):
+                if isinstance(used, Image.Image):
+                    used.close()
+        return out
 
 
 class TrainTransform(_Transform):
