@@ -10,6 +10,7 @@ import errno
 import sys
 
 from mpp.config import Config, ConfigError, load_config, valid_keys
+from mpp.launcher import die_with_launcher
 
 
 class UsageError(Exception):
@@ -67,8 +68,9 @@ def os_message(e: OSError) -> str:
 @contextlib.contextmanager
 def one_line_errors(extra: tuple[type, ...] = ()):
     """Run a tool's body (as `with one_line_errors(): ...` or as `@one_line_errors()` on its
-    `main`): the user-facing errors (`_user_errors`, then `extra` and OSError, exit 1) end with one
+    `main`), a rank of a launcher dying with it (`mpp.launcher`): the user-facing errors (`_user_errors`, then `extra` and OSError, exit 1) end with one
     line `error: ...` on stderr. Other exceptions (bugs) keep their traceback."""
+    die_with_launcher()
     try:
         yield
     except Exception as e:

@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
-import signal
-import sys
 
 import torch
 
@@ -43,14 +39,6 @@ def autocast(device: torch.device, precision: str):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def die_with_launcher() -> None:
-    """Under torchrun / accelerate launch (Linux): ask the kernel to kill this rank when its launcher
-    dies. Otherwise a kill -9 of the launcher leaves the ranks training on, orphaned, until a
-    collective times out, and a restarted job finds the run directory locked by them."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def leave_process_group() -> None:

@@ -42,11 +42,12 @@ from mpp.data import make_loader
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
+from mpp.launcher import die_with_launcher
 from mpp.models import save_encoder
 from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler
 from mpp.prefetch import DevicePrefetcher
-from mpp.runtime import die_with_launcher, resolve_precision
+from mpp.runtime import resolve_precision
 
 
 class NonFiniteError(RuntimeError):

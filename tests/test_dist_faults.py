@@ -46,6 +46,29 @@ def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks(tmp_path):
     assert metrics["steps"] == 6 and sum(metrics["skipped_samples"].values()) > 0, metrics
 
 
+ORPHAN = """import os, sys, time
+time.sleep(1)  # the launcher (the shell) is gone by now
+print(os.getppid(), flush=True)
+from mpp.tools.report import main  # any tool: the check comes before its work
+main(["--help"])
+"""
+
+
+def test_a_rank_whose_launcher_died_while_it_started_exits(tmp_path):
+    """A launcher killed in a rank's seconds of start-up, before the rank asked the kernel to
+    follow it: the rank finds itself init's child and exits in one line instead of training on."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    launcher = subprocess.run(["sh", "-c", f'{sys.executable} -c "$0" > {out} 2> {err} &', ORPHAN],
+                              env={**ENV, "TORCHELASTIC_RUN_ID": "test"})
+    assert launcher.returncode == 0
+    deadline = time.time() + 60
+    while not (err.exists() and err.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    if out.read_text().split()[:1] != ["1"]:
+        pytest.skip("orphans here are adopted by a subreaper, not init: the check does not apply")
+    assert err.read_text().startswith("error: this rank's launcher") and "usage" not in out.read_text()
+
+
 def test_killing_the_launcher_ends_its_ranks(tmp_path):
     manifest, _ = write_shards(tmp_path / "data", [16, 16, 16, 16], classes=None)
     out = tmp_path / "run"

@@ -1,0 +1,21 @@
+"""A rank started by torchrun / accelerate launch dies with its launcher (Linux). Torch-free, so
+that the tools ask for it before their heavy imports: the kernel's request covers only the parent
+alive when it is made, and a launcher killed during a rank's seconds of start-up used to leave that
+rank orphaned (training on, holding the run directory, or joining the next launcher on the port)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+
+def die_with_launcher() -> None:
+    """Under a torch elastic launcher: ask the kernel to kill this process when its parent dies
+    (PR_SET_PDEATHSIG), and exit now if the parent has already died (the process then belongs to
+    init, pid 1). `mpp.cli.one_line_errors` (every tool) and `mpp.train.setup` call it."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            raise SystemExit("error: this rank's launcher (torchrun / accelerate launch) exited while it "
+                             "started; start the job again")
