@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.cifar_images < 0 or min(counts) < 1:
         raise UsageError("sample and image counts, --batch-size, --workers and --repeats must be >= 1 "
                          "(--cifar-images >= 0)")
+    if min(a.cifar_samples, a.gen_samples) <= a.batch_size:  # the rates are timed from the first batch on
+        raise UsageError(f"--cifar-samples and --gen-samples must exceed --batch-size ({a.batch_size})")
     work = Path(a.work_dir)
     sets, samples = [], {}
     if a.only != "generated":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/benchmarks.md, in device calls that each end inside the lent machine's
-# 10-minute limit, results under $OUT (or ./gpu_out). The machine has torch, timm and accelerate but
-# not webdataset or simplejpeg: fetch their wheels here once (`wheels`), carry `.whl` with each call.
+# 10-minute limit, results under $OUT (or ./gpu_out). A session now has 15 device-minutes in all,
+# start-up included: one or two parts per session, in the order of priority below. The machine has
+# torch, timm and accelerate but not webdataset or simplejpeg: fetch their wheels here once
+# (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
 #   bash benchmarks/gpu_session.sh step ti4 s16    on the GPU: the step table (train_step.py --device cuda)
@@ -13,13 +15,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
 what=${1:?"say what: wheels | step MODEL... | trainer | tests"}
 shift
 case "$what" in
     wheels|step|trainer|tests) ;;
     *) echo "unknown part '$what': wheels | step MODEL... | trainer | tests" >&2; exit 2 ;;
 esac
+[ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
 
 if [ "$what" = wheels ]; then
     mkdir -p .git/info && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -30,9 +32,11 @@ if [ "$what" = wheels ]; then
     exit 0
 fi
 
-# on the device: the carried wheels, then this project (its own dependencies are there already)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+# on the device: the carried wheels into the interpreter itself (not a --target folder on PYTHONPATH:
+# the tests' subprocesses set PYTHONPATH to the checkout and would lose them), then this project
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"

@@ -457,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
             loader = loader_check(a.work_dir or tmp, a.loader_model, blocks=a.loader_blocks,
                                   block_steps=a.loader_block_steps, warmup=max(a.warmup, 1),
                                   batch_size=a.batch_size, num_workers=a.workers,
+                                  precision="bf16" if "bf16" in a.precision else a.precision[0],
                                   compile="default" if device.type == "cuda" else "", device=device)
     print(format_table(rows, peaks, loader, gemms))
     if a.json:
