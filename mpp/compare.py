@@ -23,11 +23,15 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
+import multiprocessing.connection
+import os
 import re
 import runpy
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,23 +186,39 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
 
 
 def prepare_data(cfg: CompareConfig) -> None:
-    """Make the data sets the stages read, unless their manifests already exist."""
+    """Make the data sets the stages read, unless their manifests already exist (the synthetic
+    set: with the sizes asked for); a folder that a cut-off write left without its manifest is
+    written again."""
     p = cfg.prepare
-    if p.synthetic and not (Path(p.synthetic) / "test" / "manifest.json").exists():
+    if p.synthetic:
         from mpp.data.synthetic import make_synthetic
-        print(f"[data] generating the synthetic data set at {p.synthetic}", flush=True)
+        print(f"[data] the synthetic data set at {p.synthetic}", flush=True)
         make_synthetic(p.synthetic, train=p.synthetic_train, test=p.synthetic_test)
     for src, out in zip(as_list(p.shards_src), as_list(p.shards_out)):
         if not (Path(out) / "manifest.json").exists():
             from mpp.data.writer import write_shards
             print(f"[data] writing shards of {src} to {out}", flush=True)
-            write_shards(src, out)
+            write_shards(src, out, overwrite=True)
 
 
 def _tool_main(module: str, argv: list[str]) -> None:
-    """In a stage's process: run a tool module as `python -m module argv...` would."""
+    """In a stage's process: run a tool module as `python -m module argv...` would, and die with the
+    comparison (the process is the forkserver's child, so nothing else ends it when the comparison
+    is killed: it trained on, orphaned, holding its run directory). Ctrl-C ends it quietly: the
+    comparison says what was interrupted."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_die_with, args=(parent.sentinel,), daemon=True).start()
     sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def _die_with(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # ready when the comparison's process has ended
+    os.kill(os.getpid(), signal.SIGKILL)  # checkpoints and metrics.json are written atomically
 
 
 def run_stage(cmd: list[str], launcher: str) -> int:
@@ -212,7 +232,13 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
     proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...
     proc.start()
-    proc.join()
+    try:
+        proc.join()
+    except KeyboardInterrupt:  # the stage got Ctrl-C too: it ends first, so its last lines come first
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        raise
     return proc.exitcode
 
 
@@ -243,7 +269,12 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         cmd = s.command(launcher)
         chosen = [o for c in s.choices for o in c.pick()]
         print(f"[{i}/{total}] {s.name} -> {s.out}" + (f" (chosen: {' '.join(chosen)})" if chosen else ""), flush=True)
-        if run_stage(cmd, cfg.launcher) != 0:
+        try:
+            code = run_stage(cmd, cfg.launcher)
+        except KeyboardInterrupt:
+            raise SystemExit(f"error: interrupted during stage '{s.name}'; run the same command again to resume "
+                             "(finished stages and checkpoints are kept)") from None
+        if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
         print(f"[{i}/{total}] {s.name}: finished in {time.time() - t0:.0f} s", flush=True)

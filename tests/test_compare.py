@@ -218,6 +218,63 @@ def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, 
         assert got["pid"] != os.getpid()
 
 
+def test_data_cut_off_mid_write_is_written_again(tmp_path):
+    """A comparison stopped while it wrote its data leaves shards without a manifest: the next run
+    writes them again instead of refusing the non-empty folder."""
+    from mpp.compare import prepare_data
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "data"))
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "data" / "train" / "000000.tar").write_bytes(b"\0" * 1024)  # the first shard, cut off
+    prepare_data(cfg)
+    for split, n in (("train", 120), ("test", 40)):
+        assert json.loads((tmp_path / "data" / split / "manifest.json").read_text())["num_samples"] == n
+
+
+def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
+    """Ctrl-C reaches the comparison and its stage (the terminal's process group): one line that
+    names the stage and how to resume, no tracebacks."""
+    import signal
+    import time
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra="pretrain_overrides: [steps=100000]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mpp.tools.compare", "--config", str(path)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "runs/pretrain_mpp/tensorboard").is_dir() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted during stage 'pre-train mpp'; run the same")
+
+
+def test_a_stage_dies_with_the_comparison(tmp_path):
+    """A stage is the forkserver's child, not the comparison's: a kill -9 of the comparison must
+    still end it (it trained on, orphaned, holding its run directory against the next run)."""
+    import signal
+    import time
+
+    import psutil
+    (tmp_path / "sleeper.py").write_text("import os, sys, time\n"
+                                         "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                                         "time.sleep(120)\n")
+    pid_file = tmp_path / "stage.pid"
+    comparison = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from mpp.compare import run_stage\n"
+                               "run_stage([sys.executable, '-m', 'sleeper', sys.argv[1]], '')", str(pid_file)],
+        env={**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, cwd=tmp_path)
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    stage = psutil.Process(int(pid_file.read_text()))
+    comparison.send_signal(signal.SIGKILL)
+    comparison.wait()
+    gone, alive = psutil.wait_procs([stage], timeout=20)
+    for p in alive:
+        p.kill()
+    assert not alive, "the stage outlived the comparison"
+
+
 def test_an_exact_tie_is_broken_alike_by_the_comparison_and_the_report(tmp_path):
     """A descending grid whose two values score the same on the development split: the value the
     comparison retrains (its finals, in seed*) is the report's cell, the other its runner-up."""

@@ -159,5 +159,6 @@ def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size
                 continue
         items = [(f"{i:06d}.jpg", functools.partial(_jpeg, i, seed, split, size), i % len(CLASSES)) for i in range(n)]
         manifests[split] = write_samples(items, path, classes=list(CLASSES), seed=seed, made=params,
-                                         samples_per_shard=-(-n // shards), overwrite=overwrite, progress=progress)
+                                         samples_per_shard=-(-n // shards), progress=progress,
+                                         overwrite=overwrite or not (path / MANIFEST).is_file())  # a cut-off write
     return manifests
