@@ -91,3 +91,11 @@ def test_epoch_starts_benchmark_times_both_ways(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 1 | restarted every epoch |" in out and "| 1 | run on (shipped) |" in out
     assert "later epoch starts' wait, run on / restarted: " in out
+
+
+def test_data_loading_refuses_counts_that_time_no_batch(capsys):
+    """Rates are timed from the first batch on: as many samples as one batch would print nan."""
+    b = load("data_loading")
+    with pytest.raises(SystemExit) as stop:
+        b.main(["--only", "generated", "--gen-samples", "8", "--batch-size", "8"])
+    assert stop.value.code == 2 and "must exceed --batch-size (8)" in capsys.readouterr().err
