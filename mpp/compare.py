@@ -39,6 +39,7 @@ from typing import Callable
 
 from mpp import outcomes
 from mpp.config import CompareConfig, ConfigError, as_list, load_config, parse_overrides
+from mpp.launcher import follow_parent
 from mpp.report import choice_lead
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
@@ -226,8 +227,8 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     process is forked from a server that imported the training and evaluation code once (Python's
     forkserver), so a stage does not pay the seconds of importing torch, timm and accelerate again;
     the server runs no torch operation, so each stage still starts from a clean state."""
-    if launcher:
-        return subprocess.run(cmd).returncode
+    if launcher:  # the launcher (torchrun) gets SIGTERM when the comparison dies, and stops its ranks
+        return subprocess.run(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM)).returncode
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
     proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...

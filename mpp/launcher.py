@@ -1,4 +1,5 @@
-"""A rank started by torchrun / accelerate launch dies with its launcher (Linux). Torch-free, so
+"""A process dies with the one that started it (Linux): a rank with its torchrun / accelerate
+launch, a comparison's stage with the comparison (`follow_parent`). Torch-free, so
 that the tools ask for it before their heavy imports: the kernel's request covers only the parent
 alive when it is made, and a launcher killed during a rank's seconds of start-up used to leave that
 rank orphaned (training on, holding the run directory, or joining the next launcher on the port)."""
@@ -10,12 +11,18 @@ import signal
 import sys
 
 
+def follow_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; elsewhere nothing)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
 def die_with_launcher() -> None:
     """Under a torch elastic launcher: ask the kernel to kill this process when its parent dies
     (PR_SET_PDEATHSIG), and exit now if the parent has already died (the process then belongs to
     init, pid 1). `mpp.cli.one_line_errors` (every tool) and `mpp.train.setup` call it."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        follow_parent()
         if os.getppid() == 1:
             raise SystemExit("error: this rank's launcher (torchrun / accelerate launch) exited while it "
                              "started; start the job again")

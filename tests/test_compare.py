@@ -250,7 +250,8 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
 
 def test_a_stage_dies_with_the_comparison(tmp_path):
     """A stage is the forkserver's child, not the comparison's: a kill -9 of the comparison must
-    still end it (it trained on, orphaned, holding its run directory against the next run)."""
+    still end it (it trained on, orphaned, holding its run directory against the next run); so
+    must it end a stage started by a `launcher:` (torchrun stops its ranks on the SIGTERM)."""
     import signal
     import time
 
@@ -258,21 +259,22 @@ def test_a_stage_dies_with_the_comparison(tmp_path):
     (tmp_path / "sleeper.py").write_text("import os, sys, time\n"
                                          "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
                                          "time.sleep(120)\n")
-    pid_file = tmp_path / "stage.pid"
-    comparison = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from mpp.compare import run_stage\n"
-                               "run_stage([sys.executable, '-m', 'sleeper', sys.argv[1]], '')", str(pid_file)],
-        env={**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, cwd=tmp_path)
-    deadline = time.time() + 60
-    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
-        time.sleep(0.1)
-    stage = psutil.Process(int(pid_file.read_text()))
-    comparison.send_signal(signal.SIGKILL)
-    comparison.wait()
-    gone, alive = psutil.wait_procs([stage], timeout=20)
-    for p in alive:
-        p.kill()
-    assert not alive, "the stage outlived the comparison"
+    for launcher in ("", sys.executable):  # forked from the server; started by a launcher
+        pid_file = tmp_path / f"stage{len(launcher)}.pid"
+        comparison = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from mpp.compare import run_stage\n"
+                                   "run_stage([sys.executable, '-m', 'sleeper', sys.argv[1]], sys.argv[2])",
+             str(pid_file), launcher], env={**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, cwd=tmp_path)
+        deadline = time.time() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+            time.sleep(0.1)
+        stage = psutil.Process(int(pid_file.read_text()))
+        comparison.send_signal(signal.SIGKILL)
+        comparison.wait()
+        gone, alive = psutil.wait_procs([stage], timeout=20)
+        for p in alive:
+            p.kill()
+        assert not alive, f"the stage outlived the comparison (launcher {launcher!r})"
 
 
 def test_an_exact_tie_is_broken_alike_by_the_comparison_and_the_report(tmp_path):
