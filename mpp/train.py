@@ -219,15 +219,17 @@ def loop(run: Run) -> None:
         run.optimizer.optimizer.found_inf = (~finite).float()  # fused kernels skip the update when set
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step_update(step + 1)
+        done = step + 1
+        log_now = done % cfg.train.log_every == 0 or done == run.steps
+        lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
+        run.scheduler.step_update(done)
         run.win.add_step(grad_norm, finite)
         run.bad.add(finite)
         run.bar.update(1)
-        done = step + 1
 
         # -- log: one gather of the window's sums every log_every steps
-        if done % cfg.train.log_every == 0 or done == run.steps:
-            _log(run, done)
+        if log_now:
+            _log(run, done, lr)
 
         # -- MPP prediction grid of a fixed set of images (the first logged batch's) to TensorBoard
         if main and cfg.train.image_every and done % cfg.train.image_every == 0:
@@ -290,13 +292,14 @@ def finish(run: Run) -> dict:
 _TAGS = {"images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac"}  # others: train/...
 
 
-def _log(run: Run, done: int) -> None:
-    """Gather the window's figures (all ranks), write them to TensorBoard and the progress bar."""
+def _log(run: Run, done: int, lr: float) -> None:
+    """Gather the window's figures (all ranks), write them to TensorBoard and the progress bar;
+    `lr`: the (largest group's) learning rate of the window's last step."""
     _check_finite(run, done)
     now = time.perf_counter()
     figures = run.win.read(run.accelerator)
     figures.update({"skipped_" + k: n for k, n in _skipped(run).items()})
-    figures["lr"] = max(g["lr"] for g in run.optimizer.param_groups)
+    figures["lr"] = lr
     figures["images_per_s"] = run.win.steps * run.cfg.batch_size / (now - run.t_win)
     figures["data_wait_frac"] = run.wait_win / (now - run.t_win)
     figures["nonfinite_steps"] = run.state["nonfinite_steps"] + int(run.bad.total.item())

@@ -91,6 +91,8 @@ def test_mpp_run_learns_and_writes_its_run_dir(mpp_run):
     for tag in ("train/lr", "train/grad_norm", "train/acc", "train/baseline", "perf/images_per_s",
                 "perf/data_wait_frac", "train/nonfinite_steps"):
         assert scalars(mpp_run, tag), tag
+    lrs = scalars(mpp_run, "train/lr")  # the rate each logged step used: the last is not the schedule's end (0)
+    assert 0 < lrs[-1] < lrs[0] and lrs == sorted(lrs, reverse=True)
     metrics = json.loads((mpp_run / "metrics.json").read_text())
     assert metrics["steps"] == 24 and metrics["nonfinite_steps"] == 0 and metrics["loss"] == pytest.approx(losses[-1])
     assert metrics["images_per_s"] > 0 and 0 <= metrics["data_wait_frac"] < 1
