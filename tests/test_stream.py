@@ -198,6 +198,9 @@ def test_subset_class_balanced_exact(tmp_path):
     whole = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
                         data_cfg=cfg(), subset=(1.0, 5))  # (fraction, seed) with all the labels
     assert whole.num_samples == 60
+    with pytest.raises(DataError, match="class 0 has 1 sample.* would take them all"):  # 1 a class: none to train on
+        make_loader(manifest, batch_size=1, img_size=16, train=True, labeled=True, data_cfg=cfg(),
+                    subset=(0.05, 5, 0.1, False))
 
 
 def test_a_subset_scan_that_cannot_read_a_shard_stops_in_one_line(tmp_path):

@@ -104,6 +104,10 @@ def select_subset(shards: ShardSet, fraction: float, seed: int, dev_fraction: fl
     for label, members in picked.items():
         if dev_fraction:
             held = set(dev_rng.sample(sorted(members), max(1, round(dev_fraction * len(members)))))
+            if len(held) == len(members):
+                raise DataError(f"class {label} has {len(members)} sample(s) in the {fraction:g} label subset, and "
+                                f"the development split (dev_fraction={dev_fraction:g}) would take them all, leaving "
+                                "none to train on; use a larger label fraction or a smaller dev_fraction")
             members = [m for m in members if (m in held) == dev]
         for s, key in members:
             keep[s].add(key)
