@@ -432,6 +432,21 @@ def test_workers_read_the_next_epoch_ahead_and_a_restart_reads_the_same(tmp_path
     ran_on.close()
 
 
+def test_unequal_rank_shares_are_warned_about(tmp_path, caplog):
+    """Three equal shards on two ranks: 32 and 16 samples a rank, so the smaller rank's batches
+    shrink and its samples weigh double in the averaged gradient; two shards split evenly."""
+    uneven, _ = write_shards(tmp_path / "three", [16, 16, 16])
+    even, _ = write_shards(tmp_path / "two", [16, 16])
+    warned = []
+    for manifest in (uneven, even):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mpp.data"):
+            make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True, data_cfg=cfg(num_workers=0),
+                        rank=0, world_size=2)
+        warned.append(any("shares of the training data differ (16 to 32" in r.getMessage() for r in caplog.records))
+    assert warned == [True, False]
+
+
 def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_path):
     """Equal shards that split unevenly over the workers (2 and 1): the DataLoader takes items from
     its workers strictly in turn, so the short worker's batches must not pile up in the main
