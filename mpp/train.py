@@ -203,14 +203,17 @@ def loop(run: Run) -> None:
     model.train()
     for step in range(run.start, run.steps):
         # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
-        for i in range(accum):
+        micro = []
+        for _ in range(accum):
             t0 = time.perf_counter()
-            batch = next(run.batches)
+            micro.append(next(run.batches))
             run.wait_win += time.perf_counter() - t0
+        weights = _sample_weights(accelerator, micro)
+        for i, batch in enumerate(micro):
             images = batch["image"]
             with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
                 loss, metrics = run.forward(images, batch.get("label"))
-                accelerator.backward(loss / accum)
+                accelerator.backward(loss * weights[i] / accum)
             run.win.add_micro(loss, metrics)
 
         # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
@@ -288,6 +291,22 @@ def finish(run: Run) -> dict:
 
 
 # ---- the loop's helpers
+
+
+def _sample_weights(accelerator, micro: list[dict]) -> list:
+    """Each micro-batch's weight in the step's gradient, so that every sample of the step counts the
+    same: its size x micro-batches x ranks / the step's samples on all ranks. DDP averages the ranks'
+    gradients and each loss is a mean over its own micro-batch, so a tail batch that shrank (an
+    epoch's end, ranks with unequal shares) would otherwise weigh each of its samples more. 1.0 for
+    all when the sizes are equal (then the gradient is bit for bit what it was without weights); on
+    one process with one micro-batch, no work at all."""
+    world = accelerator.num_processes
+    if world == 1 and len(micro) == 1:
+        return [1.0]
+    sizes = torch.tensor([float(len(b["image"])) for b in micro], device=accelerator.device)
+    total = accelerator.reduce(sizes.sum(), "sum") if world > 1 else sizes.sum()
+    return list(sizes * (len(micro) * world) / total)
+
 
 _TAGS = {"images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac"}  # others: train/...
 

@@ -350,3 +350,29 @@ def test_optimizer_groups_and_schedule():
     assert all(a > b for a, b in zip(lrs[2:-1], lrs[3:])) and lrs[-1] == pytest.approx(1e-5)  # cosine to min_lr
     sgd = create_optimizer(build_config({"model": "vit_micro4_32", "optim": {"name": "sgd"}}), task)
     assert not sgd.param_groups[0]["nesterov"] and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
+    """A step over micro-batches of 6 and 2 images (grad_accum 2, as when an epoch's tail batch
+    shrank) moves the weights as one batch of the same 8 images does: each micro-batch's mean loss
+    is weighted by its size, not counted once."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    labels = torch.arange(8) % 10
+
+    def fixed(parts):
+        def batches(loader, start):
+            while True:
+                for a, b in parts:
+                    yield {"image": images[a:b].contiguous(memory_format=torch.channels_last), "label": labels[a:b]}
+        return batches
+    encoders = []
+    for name, parts, accum in (("one", [(0, 8)], 1), ("two", [(0, 6), (6, 8)], 2)):
+        monkeypatch.setattr(mpp.train, "_batches", fixed(parts))
+        out = tmp_path / name
+        train(config(settings(data, out, objective="supervised", steps=1, batch_size=8, **{
+            "train.grad_accum": accum, "train.precision": "no", "optim.name": "sgd", "optim.lr": 0.5,
+            "optim.warmup_steps": 0, "optim.clip_grad": 0, "optim.weight_decay": 0, "train.log_every": 1})))
+        encoders.append(load_file(str(out / "encoder.safetensors")))
+    for k in encoders[0]:
+        torch.testing.assert_close(encoders[1][k], encoders[0][k], rtol=1e-5, atol=1e-6)

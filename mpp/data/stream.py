@@ -273,9 +273,9 @@ class ShardLoader:
                 f"smallest has {least} samples; use more (evenly sized) shards, fewer ranks or a smaller batch")
         if train and rank == 0 and most - least >= batch_size:
             log.warning("mpp.data: the ranks' shares of the training data differ (%d to %d samples a rank): the "
-                        "smaller ones' batches shrink to keep the batch count equal, and each of their samples then "
-                        "weighs more in the averaged gradient; evenly sized shards, as many as a multiple of ranks x "
-                        "workers, avoid it", least, most)
+                        "smaller ones' batches shrink to keep the batch count equal, so many steps train on fewer "
+                        "samples than batch_size; evenly sized shards, as many as a multiple of ranks x workers, "
+                        "avoid it", least, most)
         self.stream = _ShardStream(
             shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
