@@ -214,7 +214,7 @@ def loop(run: Run) -> None:
             with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
                 loss, metrics = run.forward(images, batch.get("label"))
                 accelerator.backward(loss * weights[i] / accum)
-            run.win.add_micro(loss, metrics)
+            run.win.add_micro(loss, metrics, weights[i])
 
         # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
@@ -399,9 +399,10 @@ class _Window:
         self.steps = 0
         self.norm, self.finite = self.zero.clone(), self.zero.clone()
 
-    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight=1.0) -> None:
+        """`weight`: the micro-batch's sample weight (`_sample_weights`), 1.0 for a full one."""
         for k, v in {"loss": loss, **metrics}.items():
-            self.sums[k] = self.sums.get(k, self.zero) + v.detach().float()
+            self.sums[k] = self.sums.get(k, self.zero) + v.detach().float() * weight
         self.micro += 1
 
     def add_step(self, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
@@ -410,8 +411,8 @@ class _Window:
         self.steps += 1
 
     def read(self, accelerator: Accelerator) -> dict[str, float]:
-        """Means over micro-batches and ranks; the gradient norm (the same on every rank) over the
-        window's finite steps."""
+        """Means over the window's samples (micro-batches and ranks, by their sample weights); the
+        gradient norm (the same on every rank) over the window's finite steps."""
         names = sorted(self.sums)
         row = torch.stack([self.sums[k] / self.micro for k in names] + [self.norm, self.finite])
         mean = accelerator.gather(row[None]).mean(0).tolist()

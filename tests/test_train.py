@@ -354,8 +354,8 @@ def test_optimizer_groups_and_schedule():
 
 def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
     """A step over micro-batches of 6 and 2 images (grad_accum 2, as when an epoch's tail batch
-    shrank) moves the weights as one batch of the same 8 images does: each micro-batch's mean loss
-    is weighted by its size, not counted once."""
+    shrank) moves the weights as one batch of the same 8 images does, and logs the same loss: each
+    micro-batch's mean loss is weighted by its size, not counted once."""
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.arange(8) % 10
@@ -376,3 +376,4 @@ def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
         encoders.append(load_file(str(out / "encoder.safetensors")))
     for k in encoders[0]:
         torch.testing.assert_close(encoders[1][k], encoders[0][k], rtol=1e-5, atol=1e-6)
+    assert scalars(tmp_path / "two", "train/loss") == pytest.approx(scalars(tmp_path / "one", "train/loss"), rel=1e-5)
