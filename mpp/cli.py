@@ -68,8 +68,9 @@ def os_message(e: OSError) -> str:
 @contextlib.contextmanager
 def one_line_errors(extra: tuple[type, ...] = ()):
     """Run a tool's body (as `with one_line_errors(): ...` or as `@one_line_errors()` on its
-    `main`), a rank of a launcher dying with it (`mpp.launcher`): the user-facing errors (`_user_errors`, then `extra` and OSError, exit 1) end with one
-    line `error: ...` on stderr. Other exceptions (bugs) keep their traceback."""
+    `main`), a rank of a launcher dying with it (`mpp.launcher`): the user-facing errors
+    (`_user_errors`, then `extra` and OSError, exit 1) end with one line `error: ...` on stderr.
+    Other exceptions (bugs) keep their traceback."""
     die_with_launcher()
     try:
         yield

@@ -1,10 +1,11 @@
 """`train.compile`: the Task's forward (and through AOTAutograd its backward) under torch.compile.
 
 One graph per task, no graph breaks (the attention "auto" rule is applied for the model's device
-before the first trace and not re-applied while tracing, see mpp.models), and the batch dimension is dynamic, so an epoch's smaller tail batches and a resumed
-run reuse the compiled graph instead of recompiling (only a batch of one specialises). "auto"
-compiles on CUDA, where the fused kernels and fewer launches pay for the compile time; on CPU the
-compile takes minutes for a gain that short runs never recover, so it is off unless asked for.
+before the first trace and not re-applied while tracing, see mpp.models), and the batch dimension
+is dynamic, so an epoch's smaller tail batches and a resumed run reuse the compiled graph instead
+of recompiling (only a batch of one specialises). "auto" compiles on CUDA, where the fused kernels
+and fewer launches pay for the compile time; on CPU the compile takes minutes for a gain that
+short runs never recover, so it is off unless asked for.
 `train.compile_mode` is torch.compile's mode; "reduce-overhead" also replays the step as CUDA graphs
 (one launch instead of hundreds: for small models, where launch overhead dominates).
 """

@@ -409,17 +409,9 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    def numbers(v, key=""):  # (dotted key, value) of every number in the config, lists included
-        if isinstance(v, dict):
-            for k, x in v.items():
-                yield from numbers(x, f"{key}.{k}" if key else k)
-        elif isinstance(v, list):
-            for x in v:
-                yield from numbers(x, key)
-        elif isinstance(v, float):
-            yield key, v
-    for key, v in numbers(to_dict(cfg)):
-        check(math.isfinite(v), f"config key '{key}' must be a finite number, got {v}")
+    for key, value in _flatten(to_dict(cfg)).items():  # every number, lists' included, is finite
+        for v in value if isinstance(value, list) else [value]:
+            check(not isinstance(v, float) or math.isfinite(v), f"config key '{key}' must be a finite number, got {v}")
     for key, allowed in choices().items():
         obj = cfg
         for part in key.split("."):

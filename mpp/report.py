@@ -224,8 +224,8 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
         return finals, []
     rank: dict = {}  # best dev top-1 first; an exact tie as the comparison breaks it (mpp.compare._ranked)
     for r in dev_runs:
-        mine = (-_accuracy(r["metrics"], "top1", r["dir"]), Path(r["dir"]).name)
-        rank[key(r)] = min(rank.get(key(r), mine), mine)
+        k, mine = key(r), (-_accuracy(r["metrics"], "top1", r["dir"]), Path(r["dir"]).name)
+        rank[k] = min(rank.get(k, mine), mine)
     stray = next((g for g in groups if g not in rank), None)
     if stray is not None:
         raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "

@@ -298,14 +298,14 @@ def _sample_weights(accelerator, micro: list[dict]) -> list:
     same: its size x micro-batches x ranks / the step's samples on all ranks. DDP averages the ranks'
     gradients and each loss is a mean over its own micro-batch, so a tail batch that shrank (an
     epoch's end, ranks with unequal shares) would otherwise weigh each of its samples more. 1.0 for
-    all when the sizes are equal (then the gradient is bit for bit what it was without weights); on
-    one process with one micro-batch, no work at all."""
-    world = accelerator.num_processes
-    if world == 1 and len(micro) == 1:
-        return [1.0]
-    sizes = torch.tensor([float(len(b["image"])) for b in micro], device=accelerator.device)
-    total = accelerator.reduce(sizes.sum(), "sum") if world > 1 else sizes.sum()
-    return list(sizes * (len(micro) * world) / total)
+    all when the sizes are equal (then the gradient is bit for bit what it was without weights).
+    Plain floats on one process; on several, one all-reduce of the step's sample count, on the
+    device (made by a fill, not copied from the host: a copy from pageable memory would wait for
+    the device every step)."""
+    world, sizes = accelerator.num_processes, [len(b["image"]) for b in micro]
+    total = sum(sizes) if world == 1 else accelerator.reduce(
+        torch.full((), float(sum(sizes)), device=accelerator.device), "sum")
+    return [n * len(micro) * world / total for n in sizes]
 
 
 _TAGS = {"images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac"}  # others: train/...
@@ -399,7 +399,7 @@ class _Window:
         self.steps = 0
         self.norm, self.finite = self.zero.clone(), self.zero.clone()
 
-    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight=1.0) -> None:
+    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight) -> None:
         """`weight`: the micro-batch's sample weight (`_sample_weights`), 1.0 for a full one."""
         for k, v in {"loss": loss, **metrics}.items():
             self.sums[k] = self.sums.get(k, self.zero) + v.detach().float() * weight
@@ -468,8 +468,8 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
             state = {}
         whys = [w for w in gather_object([why]) if w]
         if not whys:
-            newer = [c.name for c in list_checkpoints(root) if c.name > f"{PREFIX}{state['step']:07d}"]
-            if cfg.train.resume != "auto" and newer:
+            if cfg.train.resume != "auto" and (newer := [
+                    c.name for c in list_checkpoints(root) if c.name > f"{PREFIX}{state['step']:07d}"]):
                 raise ConfigError(f"train.resume={cfg.train.resume!r} (step {state['step']}) is older than "
                                   f"{', '.join(newer)} in {root}: going on here would mix two runs' checkpoints; "
                                   "resume into another output_dir, or delete those")

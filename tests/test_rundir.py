@@ -107,7 +107,8 @@ def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path
     out = tmp_path / "run"
     shutil.copytree(done, out)
     older = out / "checkpoints/step_0000002"
-    with pytest.raises(ConfigError, match=r"\(step 2\) is older than step_0000003, step_0000004 in .*another output_dir"):
+    older_than = r"\(step 2\) is older than step_0000003, step_0000004 in .*another output_dir"
+    with pytest.raises(ConfigError, match=older_than):
         train(load_config(None, items(data, out, **{"train.resume": older})))
     with pytest.raises(ConfigError, match="is at step 4, past this run's 2 steps"):
         train(load_config(None, items(data, out, steps=2)))

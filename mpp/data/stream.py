@@ -481,7 +481,7 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
     if labeled and shards.exact and not shards.classes:
         raise DataError(f"data {spec!r} has no 'classes' in its manifest, but a labeled loader was asked "
                         "for: these shards look unlabeled; use labeled shards or an unlabeled objective (mpp)")
-    if subset is not None and (subset[0] != 1 or len(subset) > 2 and subset[2] > 0):  # all labels, no dev split: no label pass
-        shards = select_subset(shards, *subset)
+    if subset is not None and (subset[0] != 1 or len(subset) > 2 and subset[2] > 0):
+        shards = select_subset(shards, *subset)  # (all labels and no dev split need no label pass)
     return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
                        data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)
