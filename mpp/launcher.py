@@ -17,12 +17,28 @@ def follow_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
+LAUNCHERS = {"torchrun", "accelerate", "torch.distributed.run", "torch.distributed.launch"}
+INIT_CMDLINE = "/proc/1/cmdline"
+
+
+def _init_is_launcher() -> bool:
+    """Whether pid 1 is itself a launcher (torchrun as a container's entrypoint): its ranks are then
+    init's children from the start. Unreadable counts as yes: a rank is not stopped on a guess."""
+    try:
+        with open(INIT_CMDLINE, "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return True
+    return any(os.path.basename(a.decode(errors="replace")) in LAUNCHERS for a in args)
+
+
 def die_with_launcher() -> None:
     """Under a torch elastic launcher: ask the kernel to kill this process when its parent dies
     (PR_SET_PDEATHSIG), and exit now if the parent has already died (the process then belongs to
-    init, pid 1). `mpp.cli.one_line_errors` (every tool) and `mpp.train.setup` call it."""
+    init, pid 1, unless init is the launcher). `mpp.cli.one_line_errors` (every tool) and
+    `mpp.train.setup` call it."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
         follow_parent()
-        if os.getppid() == 1:
+        if os.getppid() == 1 and not _init_is_launcher():
             raise SystemExit("error: this rank's launcher (torchrun / accelerate launch) exited while it "
                              "started; start the job again")

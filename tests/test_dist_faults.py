@@ -69,6 +69,25 @@ def test_a_rank_whose_launcher_died_while_it_started_exits(tmp_path):
     assert err.read_text().startswith("error: this rank's launcher") and "usage" not in out.read_text()
 
 
+RANK = """import os
+from mpp.cli import one_line_errors  # what every tool runs first
+with one_line_errors():
+    print("rank started, parent", os.getppid(), flush=True)
+"""
+
+
+def test_a_launcher_that_is_init_starts_its_ranks(tmp_path):
+    """torchrun as a container's entrypoint is pid 1: its ranks are init's children from the start
+    and must not take themselves for orphans (they all used to exit at start-up)."""
+    if subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("no user and pid namespaces here (unshare -Urpf)")
+    (tmp_path / "rank.py").write_text(RANK)
+    done = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-m", "torch.distributed.run",
+                           "--standalone", "--nproc_per_node", "1", str(tmp_path / "rank.py")],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "rank started, parent 1" in done.stdout, done.stderr[-2000:]
+
+
 def test_killing_the_launcher_ends_its_ranks(tmp_path):
     manifest, _ = write_shards(tmp_path / "data", [16, 16, 16, 16], classes=None)
     out = tmp_path / "run"
