@@ -447,17 +447,21 @@ def test_unequal_rank_shares_are_warned_about(tmp_path, caplog):
     assert warned == [True, False]
 
 
-def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_path):
+@pytest.mark.parametrize("spec", ["manifest", "pattern, exact count", "pattern, count too small"])
+def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_path, spec):
     """Equal shards that split unevenly over the workers (2 and 1): the DataLoader takes items from
     its workers strictly in turn, so the short worker's batches must not pile up in the main
-    process by an epoch's difference every epoch (memory and shared-memory files without bound)."""
+    process by an epoch's difference every epoch (memory and shared-memory files without bound);
+    nor where the counts are estimates (a pattern and num_samples), which a worker can exceed."""
     manifest, _ = write_shards(tmp_path, [16, 16, 16], size=8)
-    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True,
+    data, n = {"manifest": (manifest, None), "pattern, exact count": (f"{tmp_path}/{{000000..000002}}.tar", 48),
+               "pattern, count too small": (f"{tmp_path}/{{000000..000002}}.tar", 36)}[spec]
+    loader = make_loader(data, num_samples=n, batch_size=4, img_size=8, train=True, labeled=True,
                          data_cfg=cfg(shuffle_buffer=0, cache_mb=0), seed=0)
     assert sorted(len(b) for b in loader.stream.plan(0).bins) == [1, 2]
     held = []
     for e in range(8):
-        assert sum(len(b["image"]) for b in loader.epoch(e)) == 48
+        assert sum(len(b["image"]) for b in loader.epoch(e)) == (n or 48)
         held.append(sum(len(q) for q in loader._held.values()))
     loader.close()
     assert max(held) <= 2 * loader.workers, held

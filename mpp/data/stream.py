@@ -110,7 +110,9 @@ class _ShardStream(IterableDataset):
         self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
         self.shuffle_buffer, self.resampled, self.seed, self.train = shuffle_buffer, resampled, seed, train
         self.rank, self.world_size, self.workers = rank, world_size, workers
-        self.follow = train and not resampled  # each epoch streams into the next (see __iter__)
+        # each epoch streams into the next (see __iter__); only where the counts are exact, as a worker
+        # that makes more batches than they say would run ahead by the surplus every epoch (see _ticks)
+        self.follow = train and not resampled and shards.exact
         # the epoch to start from: set by ShardLoader before it (re)starts its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
