@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import math
 
 import numpy as np
 
@@ -49,14 +50,17 @@ def paired_sem(a: np.ndarray, b: np.ndarray) -> float:
     """Standard error, as a fraction, of mean(a) - mean(b) from the test images' sampling: a and b
     are per-image scores (0/1, or a mean over seeds) of two models on the same images in the
     same order; the images are the sampled unit, so the difference is paired."""
-    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    return float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0
+    return sem(np.asarray(a, np.float64) - np.asarray(b, np.float64)) or 0.0
+
+
+def sem(a: np.ndarray) -> float | None:
+    """Standard error, as a fraction, of mean(a) over the sampled images; None under 2 images."""
+    a = np.asarray(a, np.float64)
+    return float(a.std(ddof=1) / np.sqrt(a.size)) if a.size > 1 else None
 
 
 def unpaired_sem(a: np.ndarray, b: np.ndarray) -> float:
     """Standard error, as a fraction, of mean(a) - mean(b) when a and b were scored on other
     images (or the same in another order, which this overstates): two independent samples."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.size < 2 or b.size < 2:
-        return 0.0
-    return float(np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size))
+    sa, sb = sem(a), sem(b)
+    return 0.0 if sa is None or sb is None else math.hypot(sa, sb)

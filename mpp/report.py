@@ -26,10 +26,10 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
   the encoder with the probe on the same labels) shows beside its end in "what fine-tuning added".
 Fine-tunes of one cell with different seeds are averaged: mean ± sample std (n shown). A gap's
 noise is the standard error of the difference, from two sources combined: the seeds (fine-tunes:
-sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws; a probe's fit has none) and the test
-images' sampling (mpp.outcomes: the per-image difference of the two arms, paired over the same
-images, each arm averaged over its seeds; unpaired where the two scored other images; few-shot
-runs record no per-image results, so theirs is the shot draws' alone). A gap under twice its
+sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws, paired draw by draw where both arms drew
+the same shots; a probe's fit has none) and the test images' sampling (mpp.outcomes: the
+per-image difference of the two arms, paired over the same images, each arm averaged over its
+seeds or draws; unpaired where the two scored other images). A gap under twice its
 noise is marked not significant; one whose seed noise is unknown (single fine-tunes) or, for a
 probe, whose runs recorded no outcomes, has unknown noise.
 Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
@@ -123,17 +123,19 @@ def describe_run(run_dir: str | Path) -> dict:
 
 
 def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
-           per_image: dict | None = None) -> dict:
+           per_image: dict | None = None, draws: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`) and whether the gap is at least twice it (`significant`,
     None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
     adds the test images' sampling error (`noise_test`): paired where two families scored the
-    same images in the same order, else as two independent samples."""
+    same images in the same order, else as two independent samples. `draws` (family -> (digest of
+    what was drawn, each draw's figure)) makes the seed part paired where two families' digests
+    and draw counts match: the few-shot draws, which use the same shots in every arm."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
-    sem, per_image = sem or {}, per_image or {}
+    sem, per_image, draws = sem or {}, per_image or {}, draws or {}
     out["noise"], out["noise_test"], out["significant"] = {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
@@ -143,7 +145,9 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             test = 100.0 * (outcomes.paired_sem if same else outcomes.unpaired_sem)(per_image[a][1], per_image[b][1])
         noise = None
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
-            noise = round(math.hypot(100.0 * sem[a], 100.0 * sem[b], test or 0.0), 4)
+            paired = _paired_draws(draws, a, b)
+            seeds = math.hypot(sem[a], sem[b]) if paired is None else outcomes.paired_sem(*paired)
+            noise = round(math.hypot(100.0 * seeds, test or 0.0), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["significant"][gap] = None if noise is None else _significant(out[gap], noise)
     out["recovered_share"] = out["share_noise"] = None
@@ -155,25 +159,43 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        out["share_noise"] = _share_noise(acc, sem, per_image)
+        out["share_noise"] = _share_noise(acc, sem, per_image, draws)
     return out
 
 
-def _share_noise(acc: dict, sem: dict, per_image: dict) -> float | None:
+def _paired_draws(draws: dict, *families: str) -> list[np.ndarray] | None:
+    """The families' per-draw figures when all drew the same (equal digests and counts, >= 2)."""
+    got = [draws.get(f) for f in families]
+    if not all(got) or len({(d, len(v)) for d, v in got}) > 1 or len(got[0][1]) < 2:
+        return None
+    return [np.asarray(v, np.float64) for _, v in got]
+
+
+def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict) -> float | None:
     """Standard error of the share R = (m - s) / (u - s) (u, m, s: supervised, MPP, scratch), to
-    first order (the delta method): the seeds' part from each arm's standard error, and where all
-    three arms scored the same images, the test images' part from the per-image influence
-    ((m_i - s_i) - R (u_i - s_i)) / (u - s). None when an arm's seed noise is unknown."""
+    first order (the delta method), from the influence of each unit on R, ((m_i - s_i) - R (u_i -
+    s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
+    from each arm's own standard error: the seeds' part, and the test images' part where all three
+    arms recorded their per-image results. None when an arm's seed noise is unknown."""
     if any(sem.get(f) is None for f in acc):
         return None
     u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
     gain, share = u - s, (m - s) / (u - s)
-    seeds = math.hypot(sem["mpp"] / gain, share * sem["supervised"] / gain, (share - 1) * sem["scratch"] / gain)
+    paired = _paired_draws(draws, "supervised", "mpp", "scratch")
+    if paired is None:
+        seeds = math.hypot(sem["mpp"] / gain, share * sem["supervised"] / gain, (share - 1) * sem["scratch"] / gain)
+    else:
+        ud, md, sd = paired
+        seeds = outcomes.paired_sem((md - sd) / gain, share * (ud - sd) / gain)
     test = 0.0
     images = [per_image.get(f) for f in ("supervised", "mpp", "scratch")]
-    if all(images) and len({d for d, _ in images}) == 1:
+    if all(images):
         ui, mi, si = (v.astype(np.float64) for _, v in images)
-        test = outcomes.paired_sem((mi - si) / gain, share * (ui - si) / gain)
+        if len({d for d, _ in images}) == 1:
+            test = outcomes.paired_sem((mi - si) / gain, share * (ui - si) / gain)
+        else:  # scored on other images: three independent samples
+            test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in
+                                ((1 / gain, mi), (share / gain, ui), ((share - 1) / gain, si))))
     return round(math.hypot(seeds, test), 4)
 
 
@@ -303,7 +325,7 @@ def collect(runs: list[dict]) -> dict:
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
                  "finetune_added_noise": {},
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "fewshot": {},
-                 "fewshot_std": {}, "fewshot_seeds": None} for f in FAMILIES}
+                 "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
     images: dict = {}  # (family, fraction | "probe") -> (labels digest, per-image top-1 on the test images)
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
@@ -337,6 +359,9 @@ def collect(runs: list[dict]) -> dict:
                     shots = k[: -len("shot_mean")]
                     row["fewshot"][shots] = _accuracy(m, k, r["dir"])
                     row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
+                    row["fewshot_draws"][shots] = _draws(m, shots)
+                    images[r["family"], f"{shots}shot"] = _seed_mean_images(
+                        [outcomes.read(e) for e in m.get(f"{shots}shot_outcomes") or []])
     varied = {cell: _varied(runs_) for cell, runs_ in dev.items()}  # the keys each cell's sweep varied
     retrained: dict = {}  # (family, fraction) -> the other values' final runs, summed up
     for (f, key), finals in cells.items():
@@ -362,9 +387,9 @@ def collect(runs: list[dict]) -> dict:
         return {f: None if table[f]["finetune_std"].get(fr) is None
                 else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
 
-    def draws_sem(k: str) -> dict:  # few-shot std is over `fewshot_seeds` draws (population std)
+    def draws_sem(k: str) -> dict:  # few-shot std is the sample std over `fewshot_seeds` draws
         return {f: None if table[f]["fewshot_std"].get(k) is None or (table[f]["fewshot_seeds"] or 0) < 2
-                else table[f]["fewshot_std"][k] / math.sqrt(table[f]["fewshot_seeds"] - 1) for f in FAMILIES}
+                else table[f]["fewshot_std"][k] / math.sqrt(table[f]["fewshot_seeds"]) for f in FAMILIES}
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES})
@@ -372,7 +397,9 @@ def collect(runs: list[dict]) -> dict:
         "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
                               sem={f: 0.0 if images.get((f, "probe")) else None for f in FAMILIES},
                               per_image={f: images.get((f, "probe")) for f in FAMILIES}),
-        "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k)) for k in shots},
+        "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k),
+                              per_image={f: images.get((f, f"{k}shot")) for f in FAMILIES},
+                              draws={f: table[f]["fewshot_draws"].get(k) for f in FAMILIES}) for k in shots},
     }
     for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
         leads = {f: (recipes[f].get(fr) or {}).get("lead") or {} for f in FAMILIES}
@@ -401,6 +428,15 @@ def _seed_mean_images(per_seed: list) -> tuple[str, np.ndarray] | None:
     if not per_seed or any(p is None for p in per_seed) or len({(d, len(v)) for d, v in per_seed}) > 1:
         return None
     return per_seed[0][0], np.mean([v for _, v in per_seed], axis=0)
+
+
+def _draws(metrics: dict, shots: str) -> tuple[str, list[float]] | None:
+    """(digest of the training labels the shots were drawn from, each draw's accuracy) of a probe's
+    k-shot figure; None when it recorded no draws (then its draws pair with none)."""
+    d, v = metrics.get("fewshot_train_labels"), metrics.get(f"{shots}shot_draws")
+    if not isinstance(d, str) or not isinstance(v, list) or not all(isinstance(x, (int, float)) for x in v):
+        return None
+    return d, [float(x) for x in v]
 
 
 def _accuracy(metrics: dict, key: str, run_dir: str) -> float:
@@ -471,7 +507,7 @@ def render_markdown(rep: dict) -> str:
             + ["linear top-1 (representation)"] + [f"{k}-shot" for k in shots])
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
-             "(n runs); few-shot: mean ± std over shot draws. Representation: the one the linear probe chose "
+             "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
              "on held-out training features (token: [class] token, avg: mean of the patch tokens).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
@@ -486,9 +522,10 @@ def render_markdown(rep: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Derived figures", "",
               "Gaps in percentage points, ± their standard error from two sources combined: the seeds "
-              "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws; a linear probe's fit has none) "
-              "and the sampling of the test images (the two arms' per-image results compared on the same "
-              "images; few-shot runs record none, so their ± is the shot draws' alone and understates). A gap "
+              "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws, paired draw by draw where both "
+              "arms drew the same shots; a linear probe's fit has none) "
+              "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
+              "draws, compared on the same images). A gap "
               "under twice its standard error is marked not significant; a gap without ± has unknown noise "
               "(single fine-tunes, or runs that recorded no per-image results); arms scored on other test "
               "images count them as two independent samples. "

@@ -63,6 +63,12 @@ def test_fewshot_eval_separable_and_deterministic():
     assert set(out) == {"1shot_mean", "1shot_std", "5shot_mean", "5shot_std"}
     assert out["5shot_mean"] > 0.9 and out["1shot_mean"] > 0.5  # chance is 0.2
     assert out == fewshot_eval(x, y, xt, yt, shots=(1, 5), seeds=3, l2=1024.0)
+    full = fewshot_eval(x, y, xt, yt, shots=(1, 5), seeds=3, l2=1024.0, draws=True)
+    assert {k: full[k] for k in out} == out and full["fewshot_train_labels"] == outcomes.labels_digest(y)
+    for k in (1, 5):  # each draw's accuracy and outcomes; the std is their sample std
+        assert [outcomes.read(e)[1].mean() for e in full[f"{k}shot_outcomes"]] == full[f"{k}shot_draws"]
+        assert out[f"{k}shot_std"] == pytest.approx(np.std(full[f"{k}shot_draws"], ddof=1))
+        assert out[f"{k}shot_mean"] == pytest.approx(np.mean(full[f"{k}shot_draws"]))
 
 
 def test_linear_probe_separable_beats_chance():

@@ -132,7 +132,7 @@ def test_what_fine_tuning_added_gets_its_noise(tmp_path):
 
 
 def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
-    """Few-shot figures are a mean over `fewshot_seeds` draws with their (population) std: a gap's
+    """Few-shot figures are a mean over `fewshot_seeds` draws with their sample std: a gap's
     noise is the two means' standard errors combined; without the draw count it is unknown."""
     root = tmp_path / "runs"
     mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
@@ -143,8 +143,8 @@ def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
                          {"kind": "linear_probe", "top1": 0.5, "5shot_mean": mean, "5shot_std": std,
                           "fewshot_seeds": 5}))
     g = write_report(runs, tmp_path / "out")["derived"]["fewshot"]["5"]
-    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.hypot(0.02 / 2, 0.04 / 2), abs=1e-3)
-    assert g["significant"]["supervised_minus_mpp"] is True  # 6 points against 2 x 2.24
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.hypot(0.02, 0.04) / 5 ** 0.5, abs=1e-3)
+    assert g["significant"]["supervised_minus_mpp"] is True  # 6 points against 2 x 2.0
     for r in runs[2:]:
         m = json.loads((r / "metrics.json").read_text())
         (r / "metrics.json").write_text(json.dumps({**m, "fewshot_seeds": "5"}))  # not a count: unknown
@@ -171,3 +171,56 @@ def test_share_noise_matches_resampling():
     mc = (draws["mpp"] - draws["scratch"]) / (draws["supervised"] - draws["scratch"])
     assert g["recovered_share"] == pytest.approx(0.4) and g["share_noise"] == pytest.approx(mc.std(), rel=0.03)
     assert derive(0.6, 0.45, 0.35, sem={**sem, "mpp": None})["share_noise"] is None
+
+
+def _probe_figures(root, name, enc, features, y, xt, yt):
+    """A probe run whose few-shot figures come from `fewshot_eval` on the given features."""
+    import torch
+    from mpp.evaluators.fewshot import fewshot_eval
+    fs = fewshot_eval(torch.from_numpy(features), torch.from_numpy(y), torch.from_numpy(xt), torch.from_numpy(yt),
+                      shots=(2,), seeds=4, l2=1.0, draws=True)
+    return _run(root, name, {"objective": "mpp", "probe": {"encoder": str(enc)}},
+                {"kind": "linear_probe", "top1": 0.5, "fewshot_seeds": 4, **fs}), fs
+
+
+def test_fewshot_gaps_pair_the_same_shots_and_test_images(tmp_path):
+    """Every arm's few-shot draws use the same shots, scored on the same test images: a gap's noise is
+    the paired standard error over draws combined with the paired one over images, not the two
+    arms' draw spreads added as if independent (which overstates it here, where the draws move
+    both arms alike)."""
+    rng = np.random.default_rng(5)
+    centers = rng.normal(0, 1.5, (5, 8))
+    y, yt = np.repeat(np.arange(5), 40), np.repeat(np.arange(5), 200)
+    x, xt = centers[y] + rng.normal(0, 1, (200, 8)), centers[yt] + rng.normal(0, 1, (1000, 8))
+    root = tmp_path / "runs"
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
+    (p_mpp, a), (p_sup, b) = (_probe_figures(root, f"probe_{n}", enc, x * s + rng.normal(0, 0.1, x.shape),
+                                             y, xt * s, yt) for n, enc, s in (("mpp", mpp, 1.0), ("sup", sup, 2.0)))
+    g = write_report([mpp, sup, p_mpp, p_sup], tmp_path / "out")["derived"]["fewshot"]["2"]
+    da, db = np.array(a["2shot_draws"]), np.array(b["2shot_draws"])
+    ia, ib = (np.mean([outcomes.read(e)[1] for e in m["2shot_outcomes"]], 0) for m in (a, b))
+    paired = 100 * np.hypot(np.std(db - da, ddof=1) / 2, outcomes.paired_sem(ib, ia))
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(paired, abs=1e-3)
+    assert g["noise_test"]["supervised_minus_mpp"] == pytest.approx(100 * outcomes.paired_sem(ib, ia), abs=1e-3)
+    unpaired = 100 * np.hypot(np.std(da, ddof=1), np.std(db, ddof=1)) / 2
+    assert np.std(db - da, ddof=1) / 2 < unpaired / 100 / 2  # the draws move both arms alike
+    m = json.loads((p_sup / "metrics.json").read_text())  # shots drawn from other labels: not paired
+    (p_sup / "metrics.json").write_text(json.dumps({**m, "fewshot_train_labels": "other"}))
+    g = write_report([mpp, sup, p_mpp, p_sup], tmp_path / "out2")["derived"]["fewshot"]["2"]
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(unpaired, 100 * outcomes.paired_sem(ib, ia)),
+                                                              abs=1e-3)
+
+
+def test_share_noise_counts_arms_scored_on_other_images():
+    """Three arms on three different test sets: the share's test part is each arm's own sampling
+    error through the delta method (it used to be left out: a probe's share read ± 0.00), and
+    matches resampling each arm's images independently within 5%."""
+    rng = np.random.default_rng(0)
+    per_image = {f: (d, rng.random(n) < p) for f, d, p, n in
+                 (("supervised", "A", 0.7, 500), ("mpp", "B", 0.5, 800), ("scratch", "C", 0.4, 600))}
+    acc = {f: v.mean() for f, (_, v) in per_image.items()}
+    g = derive(acc["supervised"], acc["mpp"], acc["scratch"], sem=dict.fromkeys(per_image, 0.0), per_image=per_image)
+    boot = {f: v[rng.integers(0, v.size, (4000, v.size))].mean(1) for f, (_, v) in per_image.items()}
+    share = (boot["mpp"] - boot["scratch"]) / (boot["supervised"] - boot["scratch"])
+    assert g["share_noise"] > 0 and g["share_noise"] == pytest.approx(share.std(), rel=0.05)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mpp import outcomes
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.config import Config
 from mpp.data import make_loader
@@ -38,36 +39,44 @@ def fewshot_lstsq(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float)
     return x.T @ torch.linalg.solve(x @ x.T + l2 * torch.eye(n, dtype=x.dtype), t)
 
 
-def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes: int, l2: float) -> float:
-    """Test accuracy of the few-shot least-squares classifier fitted on (train_x, train_y)."""
+def fewshot_correct(train_x, train_y, test_x, test_y, num_classes: int, l2: float) -> np.ndarray:
+    """Which test samples the few-shot least-squares classifier fitted on (train_x, train_y) gets right."""
     tr, te = standardize(train_x.double(), test_x.double())
     w = fewshot_lstsq(_with_bias(tr), train_y, num_classes, l2)
-    return (_with_bias(te) @ w).argmax(1).eq(test_y).double().mean().item()
+    return (_with_bias(te) @ w).argmax(1).eq(test_y).numpy()
 
 
 def fewshot_eval(train_x, train_y, test_x, test_y, *, shots=(1, 5, 10, 25), seeds: int = 3,
-                 l2: float = 1.0, num_classes: int | None = None) -> dict[str, float]:
-    """`{k}shot_mean` / `{k}shot_std` accuracy over `seeds` draws of k training samples per class.
+                 l2: float = 1.0, num_classes: int | None = None, draws: bool = False) -> dict:
+    """`{k}shot_mean` / `{k}shot_std` accuracy over `seeds` draws of k training samples per class
+    (sample std; 0 for one draw).
 
     As big_vision: seed s permutes each class's indices with numpy's default_rng(s), the k shots
     are the first k of that permutation (nested across k); a class with fewer than k samples
-    contributes all it has. Uses only its own generators.
+    contributes all it has. Uses only its own generators. With `draws`, also each draw's accuracy
+    (`{k}shot_draws`) and test outcomes (`{k}shot_outcomes`, mpp.outcomes records), and the digest
+    of the training labels the draws came from (`fewshot_train_labels`): two encoders' figures with
+    equal digests used the same shots draw by draw, so the report pairs them.
     """
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
     labels = train_y.numpy()
-    accs: dict[int, list[float]] = {int(k): [] for k in shots}
+    correct: dict[int, list[np.ndarray]] = {int(k): [] for k in shots}
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
         perms = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
-        for k in accs:
+        for k in correct:
             idx = torch.from_numpy(np.concatenate([p[:k] for p in perms]))
-            accs[k].append(fewshot_accuracy(train_x[idx], train_y[idx], test_x, test_y, num_classes, l2))
-    out = {}
-    for k, a in accs.items():
+            correct[k].append(fewshot_correct(train_x[idx], train_y[idx], test_x, test_y, num_classes, l2))
+    out: dict = {"fewshot_train_labels": outcomes.labels_digest(labels)} if draws else {}
+    for k, c in correct.items():
+        a = [float(x.mean()) for x in c]
         out[f"{k}shot_mean"] = float(np.mean(a))
-        out[f"{k}shot_std"] = float(np.std(a))
+        out[f"{k}shot_std"] = float(np.std(a, ddof=1)) if len(a) > 1 else 0.0
+        if draws:
+            out[f"{k}shot_draws"] = a
+            out[f"{k}shot_outcomes"] = [outcomes.record(x, test_y.numpy()) for x in c]
     return out
 
 

@@ -212,7 +212,7 @@ class Evaluator:
         t2 = time.time()
         pool = lin["representation"]
         fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
-                          l2=cfg.fewshot.l2, num_classes=num_classes)
+                          l2=cfg.fewshot.l2, num_classes=num_classes, draws=True)
         return {"top1": lin["top1"], "top5": lin["top5"], **fs, "pool": pool, "pool_setting": cfg.probe.pool,
                 "pool_heldout_top1": lin["heldout_top1"], "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
                 "outcomes": lin["outcomes"],
