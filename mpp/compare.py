@@ -15,8 +15,9 @@ read from the finished stages' metrics.json just before it starts.
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
-skipped, so running the comparison again resumes it. Every stage config is resolved and validated
-before the first stage starts.
+skipped, so running the comparison again resumes it, unless the settings it ran with (its
+`config.yaml`) are not the ones planned now: a changed config is an error, not a silently reused
+result. Every stage config is resolved and validated before the first stage starts.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from mpp import outcomes
-from mpp.config import CompareConfig, ConfigError, as_list, load_config, parse_overrides
+from mpp.config import CompareConfig, ConfigError, flatten, as_list, load_config, parse_overrides, to_dict
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead
 
@@ -186,6 +187,26 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             raise ConfigError(f"compare config key '{key}': {e}") from None
 
 
+def check_unchanged(stage: Stage) -> None:
+    """A finished stage must have run with the settings planned now (its run-time choices read from
+    the finished stages before it); else resuming would report a result of other settings."""
+    import yaml
+    try:
+        saved = flatten(yaml.safe_load((stage.out / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        saved = None
+    now = flatten(to_dict(load_config(stage.config, stage.args())))
+    if saved is None:
+        raise ConfigError(f"stage '{stage.name}': {stage.out} has a metrics.json but no readable config.yaml, so "
+                          f"what it ran is unknown; delete {stage.out} to run it again")
+    changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
+               if saved.get(k) != now.get(k)]
+    if changed:
+        raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} with other settings ("
+                          f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "
+                          "the stages that used it to run them with these, or set another output_dir")
+
+
 def prepare_data(cfg: CompareConfig) -> None:
     """Make the data sets the stages read, unless their manifests already exist (the synthetic
     set: with the sizes asked for); a folder that a cut-off write left without its manifest is
@@ -259,6 +280,9 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
+    for s in stages:
+        if (s.out / "metrics.json").exists():
+            check_unchanged(s)
     for i, s in enumerate(stages, 2):
         if (s.out / "metrics.json").exists():
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)

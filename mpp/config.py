@@ -251,7 +251,7 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             return tuple(value)
         if kind == "dict" and isinstance(value, dict):
-            flat = _flatten(value)
+            flat = flatten(value)
             if all(isinstance(v, list) and v and all(isinstance(x, (str, int, float, bool, list)) for x in v)
                    for v in flat.values()):
                 return flat
@@ -264,11 +264,11 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
     """{'optim': {'lr': v}} and {'optim.lr': v} -> {'optim.lr': v}."""
     out = {}
     for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -409,7 +409,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    for key, value in _flatten(to_dict(cfg)).items():  # every number, lists' included, is finite
+    for key, value in flatten(to_dict(cfg)).items():  # every number, lists' included, is finite
         for v in value if isinstance(value, list) else [value]:
             check(not isinstance(v, float) or math.isfinite(v), f"config key '{key}' must be a finite number, got {v}")
     for key, allowed in choices().items():

@@ -45,6 +45,7 @@ import numpy as np
 import yaml
 
 from mpp import outcomes
+from mpp.config import flatten
 from mpp.fileio import write_atomic
 
 FAMILIES = ("supervised", "mpp", "scratch")
@@ -199,13 +200,6 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict) -> float | 
     return round(math.hypot(seeds, test), 4)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def _mean_std(values: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (None for one value)."""
     mean = sum(values) / len(values)
@@ -216,14 +210,14 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
 
 def _varied(dev_runs: list[dict]) -> list[str]:
     """The config keys in which a cell's development-split runs differ (the swept keys)."""
-    flats = [_flat(r["config"]) for r in dev_runs]
+    flats = [flatten(r["config"]) for r in dev_runs]
     return sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
                   and len({json.dumps(f.get(k)) for f in flats}) > 1)
 
 
 def _values(run: dict, varied: list[str]) -> dict:
     """A run's values of the keys its cell's sweep varied."""
-    flat = _flat(run["config"])
+    flat = flatten(run["config"])
     return {k: flat.get(k) for k in varied}
 
 
@@ -268,7 +262,7 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     """The sweep of one cell: each dev run's values of the swept keys and its dev top-1, the values
     (plus finetune.pool and head_init) the final runs used, the chosen value's lead, and the other
     values that were retrained on all the labels (`retrained`)."""
-    final = _flat(finals[0]["config"]) if finals else {}
+    final = flatten(finals[0]["config"]) if finals else {}
     dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}

@@ -194,6 +194,11 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert r2.stdout.count("done earlier") == len(ran) and r2.stdout.count("not needed") == len(stages) - len(ran)
     assert files() == before  # nothing re-trained, re-probed or redrawn
+    # settings changed since: the finished stage they touch is an error, not a silently reused result
+    r3 = subprocess.run(cmd + ["pretrain_overrides=[steps=3]"], capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    assert r3.returncode != 0 and r3.stderr.count("\n") == 1 and "Traceback" not in r3.stderr, r3.stderr[-2000:]
+    assert "stage 'pre-train mpp' finished earlier" in r3.stderr and "steps: 2 -> 3" in r3.stderr, r3.stderr
+    assert files() == before
 
 
 def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, monkeypatch):
