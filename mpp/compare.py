@@ -280,11 +280,13 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
-    for s in stages:
-        if (s.out / "metrics.json").exists():
+    for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
+        if (s.out / "metrics.json").exists() and not s.choices:
             check_unchanged(s)
     for i, s in enumerate(stages, 2):
         if (s.out / "metrics.json").exists():
+            if s.choices:
+                check_unchanged(s)
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)
             continue
         if s.when and not s.when.holds():

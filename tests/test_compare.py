@@ -199,6 +199,11 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert r3.returncode != 0 and r3.stderr.count("\n") == 1 and "Traceback" not in r3.stderr, r3.stderr[-2000:]
     assert "stage 'pre-train mpp' finished earlier" in r3.stderr and "steps: 2 -> 3" in r3.stderr, r3.stderr
     assert files() == before
+    # a stage deleted to run it again: the finished stages whose choices read it are checked once it ran
+    (runs / "probe_mpp" / "metrics.json").unlink()
+    r4 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    assert r4.returncode == 0 and "linear probe mpp -> " in r4.stdout, r4.stderr[-2000:]
+    assert r4.stdout.count("done earlier") == len(ran) - 1
 
 
 def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, monkeypatch):
