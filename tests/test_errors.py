@@ -28,12 +28,14 @@ SMALL = ["model=vit_micro4_32", "batch_size=8", "steps=2", "data.num_workers=0",
 
 
 def _data(tmp: Path) -> Path:
-    """A labeled 3-class set (train/, val/) and one with other classes (other/)."""
+    """A labeled 3-class set (train/, val/), one with other classes (other/) and unlabeled shards
+    (unlabeled/: a manifest without classes)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from shardutil import write_shards
     write_shards(tmp / "data/train", [8, 8], classes=3)
     write_shards(tmp / "data/val", [4, 4], classes=3)
     write_shards(tmp / "data/other", [4, 4], classes=4)
+    write_shards(tmp / "data/unlabeled", [4, 4], classes=None)
     from mpp.data.writer import write_samples
     from shardutil import encode
     pixels = np.random.default_rng(0).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
@@ -143,6 +145,8 @@ CASES = [
     ("fine-tune without data.val", "finetune", TRAIN, None),
     ("data.val missing (checked before training)", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/vla"], None),
     ("data.val with other classes", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/other"], None),
+    ("unlabeled data.val (checked before training)", "finetune",
+     lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled"], None),
     ("finetune.init that does not exist", "finetune", lambda t: [*FT(t), f"finetune.init={t}/nope"], None),
     ("encoder model.json that does not match it", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
      lambda t: _encoder(t, {"name": "vit_tiny_patch16_224", "kwargs": {"img_size": 32, "patch_size": 4}})),
@@ -156,6 +160,8 @@ CASES = [
      lambda t: _encoder(t, weights=_pickle())),
     ("probe: data.val with other classes", "linear_probe",
      lambda t: [*TRAIN(t), f"data.val={t}/data/other", "probe.encoder=none"], None),
+    ("probe: unlabeled data.val (checked before the features)", "linear_probe",
+     lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled", "probe.encoder=none"], None),
     ("report of a directory without a run", "report", lambda t: [f"{t}/nope"], None),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),

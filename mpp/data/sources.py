@@ -167,8 +167,14 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
 def check_same_classes(train_spec, val_spec, val_num_samples: int = 0) -> None:
     """Labels index `classes`, so evaluating on `val_spec` means something only when its manifest
     lists the same classes in the same order as `train_spec`'s (specs without a manifest have no
-    list to compare). Raises DataError naming the first difference."""
-    train, val = resolve(train_spec, 1).classes, resolve(val_spec, val_num_samples or 1).classes
+    list to compare). A manifest without `classes` holds unlabeled shards: refused here, before
+    any training, not when the evaluation first reads them. Raises DataError naming the first
+    difference."""
+    val_set = resolve(val_spec, val_num_samples or 1)
+    if val_set.exact and not val_set.classes:
+        raise DataError(f"data.val {val_spec!r} has no 'classes' in its manifest: these shards look unlabeled, "
+                        "but the evaluation needs labels; give held-out labeled shards of data.train's label set")
+    train, val = resolve(train_spec, 1).classes, val_set.classes
     if train is None or val is None or list(train) == list(val):
         return
     diff = next((i for i, (a, b) in enumerate(zip(train, val)) if a != b), min(len(train), len(val)))
