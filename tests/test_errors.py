@@ -99,6 +99,11 @@ def FT(t):
     return [*TRAIN(t), f"data.val={t}/data/val"]
 
 
+def FS(t):
+    """TRAIN evaluating few-shot every step on the labeled train/ and val/ sets."""
+    return [*TRAIN(t), "fewshot.every=1", f"fewshot.train={t}/data/train", f"fewshot.test={t}/data/val"]
+
+
 CASES = [
     ("unknown config key", "pretrain", lambda t: [*TRAIN(t), "optim.lrr=0.1"], None),
     ("img_size not a multiple of the patch", "pretrain", lambda t: [*TRAIN(t), "img_size=30"], None),
@@ -109,6 +114,11 @@ CASES = [
     ("mpp.ratio=.nan", "pretrain", lambda t: [*TRAIN(t), "mpp.ratio=.nan"], None),
     ("optim.beta2 of 1 or more", "pretrain", lambda t: [*TRAIN(t), "optim.beta2=1"], None),
     ("optim.min_lr above optim.lr", "pretrain", lambda t: [*TRAIN(t), "optim.min_lr=0.5"], None),
+    ("unlabeled few-shot training set (checked before training)", "pretrain",
+     lambda t: [*FS(t), f"fewshot.train={t}/data/unlabeled"], None),
+    ("unlabeled few-shot test set (checked before training)", "pretrain",
+     lambda t: [*FS(t), f"fewshot.test={t}/data/unlabeled"], None),
+    ("few-shot sets with other classes", "pretrain", lambda t: [*FS(t), f"fewshot.test={t}/data/other"], None),
     ("no few-shot shots", "pretrain", lambda t: [*TRAIN(t), "fewshot.shots=[]"], None),
     ("a dotted key in a config file", "pretrain", lambda t: ["--config", f"{t}/dot.yaml", *TRAIN(t)],
      lambda t: (t / "dot.yaml").write_text("optim.lr: 0.1\n")),

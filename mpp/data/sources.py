@@ -164,22 +164,26 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     return ShardSet(urls, counts, None, exact=False)
 
 
-def check_same_classes(train_spec, val_spec, val_num_samples: int = 0) -> None:
+def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
+                       names: tuple[str, str] = ("data.train", "data.val")) -> None:
     """Labels index `classes`, so evaluating on `val_spec` means something only when its manifest
     lists the same classes in the same order as `train_spec`'s (specs without a manifest have no
-    list to compare). A manifest without `classes` holds unlabeled shards: refused here, before
-    any training, not when the evaluation first reads them. Raises DataError naming the first
-    difference."""
-    val_set = resolve(val_spec, val_num_samples or 1)
-    if val_set.exact and not val_set.classes:
-        raise DataError(f"data.val {val_spec!r} has no 'classes' in its manifest: these shards look unlabeled, "
-                        "but the evaluation needs labels; give held-out labeled shards of data.train's label set")
-    train, val = resolve(train_spec, 1).classes, val_set.classes
+    list to compare). A manifest without `classes` on either side holds unlabeled shards: refused
+    here, before any training, not when the evaluation first reads them. `names`: the config keys
+    of the two specs, for the message. Raises DataError naming the first difference."""
+    train_set, val_set = resolve(train_spec, 1), resolve(val_spec, val_num_samples or 1)
+    held_out = f"held-out labeled shards of {names[0]}'s label set"
+    for shards, spec, name, fix in ((train_set, train_spec, names[0], "labeled shards"),
+                                    (val_set, val_spec, names[1], held_out)):
+        if shards.exact and not shards.classes:
+            raise DataError(f"{name} {spec!r} has no 'classes' in its manifest: these shards look unlabeled, "
+                            f"but the evaluation needs labels; give {fix}")
+    train, val = train_set.classes, val_set.classes
     if train is None or val is None or list(train) == list(val):
         return
     diff = next((i for i, (a, b) in enumerate(zip(train, val)) if a != b), min(len(train), len(val)))
     at = lambda c: repr(c[diff]) if diff < len(c) else "nothing"  # noqa: E731
-    raise DataError(f"data.val {val_spec!r} has other classes than data.train {train_spec!r} ({len(val)} vs "
+    raise DataError(f"{names[1]} {val_spec!r} has other classes than {names[0]} {train_spec!r} ({len(val)} vs "
                     f"{len(train)}; class {diff} is {at(val)} vs {at(train)}): labels would not match; "
                     "evaluate on held-out shards of the same label set")
 

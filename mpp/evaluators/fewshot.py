@@ -14,7 +14,7 @@ from mpp import outcomes
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.config import Config
 from mpp.data import make_loader
-from mpp.data.sources import resolve
+from mpp.data.sources import check_same_classes, resolve
 from mpp.evaluators.features import (candidate_pools, encode_images, encoder_img_size, eval_batch_size, eval_mode,
                                      standardize)
 
@@ -107,11 +107,13 @@ def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -
 class Evaluator:
     """Few-shot accuracy of an encoder during pre-training (`fewshot.every` steps; the paper chose
     among MPP variants by it). The small labeled sets `fewshot.train` / `fewshot.test` are checked
-    at construction and decoded once, at the first call and the encoder's resolution, into memory
-    (uint8): the test set capped at `fewshot.max_test` images and the shot pool at
-    `max(shots) * seeds` images per class, both class-balanced seeded subsets. Each call puts
-    the encoder in eval mode (restored after), runs it without grad under autocast and solves the
-    few-shot problems with fixed seeds; the global RNGs are left exactly as they were.
+    at construction, labeled and with the same classes (else they would fail, or score labels
+    that mean nothing, only once training began), and decoded once, at the first call and the
+    encoder's resolution, into memory (uint8): the test set capped at `fewshot.max_test` images
+    and the shot pool at `max(shots) * seeds` images per class, both class-balanced seeded
+    subsets. Each call puts the encoder in eval mode (restored after), runs it without grad under
+    autocast and solves the few-shot problems with fixed seeds; the global RNGs are left exactly
+    as they were.
 
     Call it on the main process with the unwrapped encoder; returns {"{k}shot_mean", "{k}shot_std"},
     under `probe.pool=auto` for every candidate representation ({"token/{k}shot_mean", ...}: no
@@ -124,6 +126,7 @@ class Evaluator:
             raise ValueError("fewshot.every > 0 needs labeled shards in fewshot.train and fewshot.test "
                              "(e.g. the synthetic train/ and test/ manifests); or set fewshot.every=0")
         resolve(fs.train, fs.train_num_samples), resolve(fs.test, fs.test_num_samples)  # bad specs fail now
+        check_same_classes(fs.train, fs.test, fs.test_num_samples, names=("fewshot.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
 
