@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from timm.utils import accuracy
 
-from mpp import outcomes
+from mpp import outcomes, rundir
 from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
 from mpp.data.sources import check_same_classes
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
@@ -226,7 +226,8 @@ def run_linear_probe(cfg: Config) -> dict:
     """The probe of `probe.encoder` by `Evaluator`, written to OUT/config.yaml and
     then OUT/metrics.json (`kind: linear_probe`, the figures, `config`); returns the metrics.
     `probe.encoder=none` probes a randomly initialised `model` (seeded by `seed`): the from-scratch
-    baseline. Under torchrun only rank 0 works."""
+    baseline. Under torchrun only rank 0 works. OUTPUT_DIR is checked first, as training's is: an
+    unusable one stops the probe before the features are extracted and cached."""
     if int(os.environ.get("RANK", "0")) != 0:
         return {}
     encoder_path, out = cfg.probe.encoder, Path(cfg.output_dir)
@@ -236,6 +237,7 @@ def run_linear_probe(cfg: Config) -> dict:
     if str(encoder_path) != "none" and not Path(encoder_path).exists():
         raise ConfigError(f"probe.encoder={str(encoder_path)!r} does not exist; give a pre-training run directory, "
                           "its encoder.safetensors, or none (a randomly initialised model)")
+    rundir.check_output_dir(out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     evaluator = Evaluator(cfg, device)
     if str(encoder_path) == "none":
