@@ -245,6 +245,28 @@ def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path,
     assert len(fits) == 2 and len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 3
 
 
+def test_an_unreadable_cache_entry_is_computed_again(shards, tmp_path, caplog):
+    """A damaged feature or head entry (truncated: a full disk, a killed copy) is a miss named in a
+    warning: the probe head and its features are computed again, the same as before, and written
+    over the bad files, instead of every later run sharing the cache stopping at it."""
+    from safetensors.torch import load_file
+    from mpp.evaluators.linear_probe import probe_head
+    cfg = _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-1]})
+    torch.manual_seed(0)
+    enc = create_encoder("vit_micro4_32", img_size=16)
+    kw = dict(pool="avg", subset=(0.5, 0, 0.0, False), num_classes=4, device=torch.device("cpu"), precision="no")
+    first = probe_head(enc, cfg, **kw)
+    entries = sorted((tmp_path / "feature_cache").glob("*.safetensors"))
+    assert [p.name.split("-")[0] for p in entries] == ["features", "head"]
+    for p in entries:
+        os.truncate(p, 100)
+    again = probe_head(enc, cfg, **kw)
+    assert all(torch.equal(first[k], again[k]) for k in ("weight", "bias")) and again["l2"] == first["l2"]
+    assert all(load_file(str(p)) for p in entries)  # rewritten whole
+    warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(warned) == 2 and all(any(str(p) in w for w in warned) for p in entries)
+
+
 def test_probe_refit_starts_at_the_chosen_head(monkeypatch):
     """fit_linear_head's warm start is the given raw-feature head carried into the refit's
     standardised coordinates (a fit that stops at once returns it unchanged), and from

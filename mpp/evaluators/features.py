@@ -9,9 +9,12 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -21,6 +24,9 @@ from mpp.data.sources import resolve
 from mpp.fileio import atomic_path
 from mpp.models import POOLS
 from mpp.runtime import autocast
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def encoder_img_size(encoder) -> int:
@@ -97,6 +103,19 @@ def _data_fingerprint(spec, num_samples: int) -> list:
     return out
 
 
+def read_cached(path: Path, read: Callable[[Path], T]) -> T | None:
+    """`read(path)` of a cache entry, or None when there is none or it is unreadable (truncated,
+    damaged): a miss, with a warning naming the file, so the caller computes the entry again and
+    writes it over the bad one; else one damaged file would stop every later run sharing the cache."""
+    if not path.is_file():
+        return None
+    try:
+        return read(path)
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as e:
+        log.warning("warning: cache entry %s is unreadable (%s); computing it again", path, " ".join(str(e).split()))
+        return None
+
+
 def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
                       precision: str, subset: tuple | None = None) -> str:
     """Hash of everything the features depend on: architecture, weights, data (and the subset of
@@ -120,8 +139,9 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     no grad; its mode is restored after); images get the eval transform at the encoder's
     resolution. With `cache_dir` the result is stored as safetensors under a key of weights + data
     + transform + pools + precision, and a later call with the same key loads it instead of
-    running the encoder. `key`: the `feature_cache_key` of these arguments, when the caller has
-    it already (hashing a large encoder's weights takes a while).
+    running the encoder (an unreadable entry is computed and written again). `key`: the
+    `feature_cache_key` of these arguments, when the caller has it already (hashing a large
+    encoder's weights takes a while).
     """
     device = torch.device(device)
     img_size = encoder_img_size(encoder)
@@ -130,8 +150,7 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
         key = key or feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
                                        num_samples=num_samples, precision=precision, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
-        if path.is_file():
-            cached = load_file(str(path))
+        if (cached := read_cached(path, lambda f: load_file(str(f)))) is not None:
             return {p: cached[f"features.{p}"] for p in pools}, cached["labels"]
     loader = make_loader(spec, batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True,
                          data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1, subset=subset)

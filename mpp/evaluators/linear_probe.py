@@ -24,7 +24,7 @@ from mpp import outcomes, rundir
 from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
 from mpp.data.sources import check_same_classes
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
-                                     feature_cache_key, feature_stats)
+                                     feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, write_atomic
 from mpp.models import create_encoder, load_encoder
@@ -162,17 +162,20 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     split by finetune.split_seed): {weight (C, D), bias (C,), l2, heldout_top1}, the starting head
     of a fine-tune with finetune.head_init=probe. Features and the head go through the feature
     cache: a comparison's sweep points and seeds start from the same encoder and labels, and the
-    head is fitted once for all of them."""
+    head is fitted once for all of them (an unreadable cached head is fitted and written again)."""
     cache, p = feature_cache_dir(cfg), cfg.probe
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=(pool,), img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
     key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes])
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
-    if path.is_file():
-        with safe_open(str(path), "pt") as f:
+
+    def read(file: Path) -> dict:
+        with safe_open(str(file), "pt") as f:
             meta = f.metadata()
             return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), "l2": float(meta["l2"]),
                     "heldout_top1": float(meta["heldout_top1"])}
+    if (cached := read_cached(path, read)) is not None:
+        return cached
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=(pool,), num_samples=cfg.data.num_samples,
                             cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
     _, l2, scores, head = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
