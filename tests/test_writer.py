@@ -284,6 +284,47 @@ def test_refuses_non_empty_output_and_overwrite_removes_stale_shards(folder: Pat
     assert sorted(p.name for p in out.iterdir()) == ["000000.tar", "manifest.json"]
 
 
+def test_a_failed_overwrite_leaves_the_old_data_set(folder: Path, tmp_path: Path, monkeypatch):
+    """--overwrite writes the new set apart and replaces the old one only when complete: a
+    source without a readable image, an interrupt mid-write or a failed move leaves OUT's shards,
+    label index, manifest and other files as they were, and no temporary folder behind."""
+    out = tmp_path / "out"
+    write_shards(folder, out, samples_per_shard=5, progress=False)
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    empty = tmp_path / "empty"
+    (empty / "c").mkdir(parents=True)
+    (empty / "c" / "bad.jpg").write_bytes(b"junk")
+    with pytest.raises(ShardError, match="no readable images"):
+        write_shards(empty, out, overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    def fail_at(n: int, real, error: BaseException):
+        calls = []
+
+        def call(*args):
+            calls.append(args)
+            if len(calls) == n:
+                raise error
+            return real(*args)
+        return call
+
+    with monkeypatch.context() as m:  # Ctrl-C at the 7th sample
+        m.setattr(wds.TarWriter, "write", fail_at(7, wds.TarWriter.write, KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(folder, out, samples_per_shard=2, overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with monkeypatch.context() as m:  # the 9th move fails: 7 old files out, 1 of 3 new ones in
+        m.setattr(os, "rename", fail_at(9, os.rename, OSError("disk gone")))
+        with pytest.raises(OSError, match="disk gone"):
+            write_shards(folder, out, samples_per_shard=100, overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["empty", "out", "src"]  # no temporary folder left
+    write_shards(folder, out, samples_per_shard=100, overwrite=True, progress=False)
+    assert sorted(os.listdir(out)) == ["000000.tar", "labels.json", "manifest.json", "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["empty", "out", "src"]
+
+
 def test_bad_sources(tmp_path: Path):
     flat = tmp_path / "flat"
     flat.mkdir()
@@ -297,8 +338,10 @@ def test_bad_sources(tmp_path: Path):
         write_shards(tmp_path / "not.tar", tmp_path / "o3", progress=False)
     (flat / "c").mkdir()
     (flat / "c" / "bad.jpg").write_bytes(b"junk")
-    with pytest.raises(ShardError, match="no readable images"):
-        write_shards(flat, tmp_path / "o4", progress=False)
+    for out in (tmp_path / "o4", tmp_path / "o5/deeper/o6"):  # nothing made, not even the folder
+        with pytest.raises(ShardError, match="no readable images"):
+            write_shards(flat, out, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["flat", "not.tar"]
 
 
 def test_cli(folder: Path, tmp_path: Path, capsys):

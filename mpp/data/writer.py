@@ -18,6 +18,7 @@ counts whatever still fails to decode.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import importlib.metadata
@@ -27,9 +28,11 @@ import logging
 import os
 import random
 import re
+import shutil
 import tarfile
+import tempfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import webdataset as wds
 from PIL import Image
@@ -112,17 +115,56 @@ def _padded(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty `out` unless `overwrite`; then remove only old shards and manifest."""
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that is a file, or a non-empty one unless `overwrite`."""
     if out.exists() and not out.is_dir():
         raise ShardError(f"output '{out}' is a file; give a folder for the shards")
-    existing = list(out.iterdir()) if out.exists() else []
-    if existing and not overwrite:
+    if not overwrite and out.is_dir() and any(out.iterdir()):
         raise ShardError(f"output folder '{out}' is not empty; choose a new folder or overwrite it (--overwrite)")
-    for p in existing:
-        if p.name in (MANIFEST, LABELS) or SHARD_RE.match(p.name):
-            p.unlink()
+
+
+def _data_files(folder: Path) -> list[str]:
+    """The names of the data set's files in `folder`: shards, label index, then the manifest."""
+    names = [p.name for p in folder.iterdir() if p.name in (MANIFEST, LABELS) or SHARD_RE.match(p.name)]
+    return sorted(names, key=lambda name: name == MANIFEST)
+
+
+def _replace(out: Path, new: Path, old: Path) -> None:
+    """Move the data set in `new` into `out` (made if missing), its old one's files into `old`.
+    The old manifest goes first and the new one last, so `out` never holds a manifest that does
+    not describe its shards, and other files in `out` stay; a failure moves everything back."""
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    moves: list[tuple[Path, Path]] = []
+    try:
+        for src, dst in [*((out / n, old / n) for n in reversed(_data_files(out))),
+                         *((new / n, out / n) for n in _data_files(new))]:
+            os.rename(src, dst)
+            moves.append((src, dst))
+    except BaseException:
+        for src, dst in reversed(moves):
+            os.rename(dst, src)
+        if made:
+            out.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """Yield an empty folder to write a data set in; when the block ends without error, its
+    files replace those of `out` (`_replace`). It lies in `out` if that exists, else in its
+    nearest existing ancestor: on the same filesystem (a rename moves the files), where the
+    user may write, and with no folder made on the way before the end. It is removed whatever
+    happens, so a failure (no readable image, Ctrl-C, a full disk) leaves `out` as it was."""
+    base = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    work = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.", suffix=".tmp", dir=base))
+    try:
+        (work / "new").mkdir()
+        yield work / "new"
+        (work / "old").mkdir()
+        _replace(out, work / "new", work / "old")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] | None, seed: int = 0,
@@ -134,77 +176,81 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
     A shard holds at most `samples_per_shard` samples and its file at most `bytes_per_shard`
     bytes (unless one sample alone is bigger). `made` (source, options, ...) goes into the
     manifest with the seed, tool version and time. The manifest is written last (after
-    labels.json), so a folder with a manifest is complete.
+    labels.json), so a folder with a manifest is complete. The set is written in a temporary
+    folder and replaces the shards, label index and manifest in `out` only when complete
+    (`_staged`), so bad input, a failure or Ctrl-C leaves `out` as it was.
     """
     if samples_per_shard < 1 or bytes_per_shard < 1:
         raise ShardError("samples per shard and bytes per shard must be >= 1")
     out = Path(out)
-    _prepare_out(out, overwrite)
-    order = list(range(len(items)))
-    random.Random(seed).shuffle(order)
-    keys = sample_keys([name for name, _, _ in items])
+    _check_out(out, overwrite)
+    with _staged(out) as new:
+        order = list(range(len(items)))
+        random.Random(seed).shuffle(order)
+        keys = sample_keys([name for name, _, _ in items])
 
-    shards: list[dict] = []
-    labels: list[list] = []  # per shard, [key, label] of each labeled sample
-    skipped: list[str] = []
-    formats: dict[str, int] = {}
-    writer, count, payload = None, 0, 0
-    try:
-        for i in tqdm(order, desc=f"writing {out}", unit="img", disable=not progress):
-            name, read, label = items[i]
-            try:
-                data = read()
-                ext = probe_image(data, max_pixels)
-                tarfile.TarInfo(f"{keys[i]}.{ext}").tobuf(tarfile.USTAR_FORMAT)  # the name must fit a tar header
-            except (OSError, ValueError) as e:
-                skipped.append(f"{name}: {e}")
-                continue
-            sample = {"__key__": keys[i], ext: data}
-            if label is not None:
-                sample["cls"] = str(label).encode()
-            size = sum(_member_bytes(f"{keys[i]}.{k}", v) for k, v in sample.items() if k != "__key__")
-            if writer is None or count >= samples_per_shard or (
-                    count and _tar_bytes(payload + size) > bytes_per_shard):
-                if writer is not None:
-                    writer.close()
-                shards.append({"name": f"{len(shards):06d}.tar", "num_samples": 0})
-                labels.append([])
-                writer = wds.TarWriter(str(out / shards[-1]["name"]), encoder=False, mtime=_MTIME)
-                count = payload = 0
-            writer.write(sample)
-            if label is not None:
-                labels[-1].append([keys[i], label])
-            count, payload = count + 1, payload + size
-            shards[-1]["num_samples"] = count
-            formats[ext] = formats.get(ext, 0) + 1
-    finally:
-        if writer is not None:
-            writer.close()
-    for shard in shards:  # what the reader checks the shards against (sources.check_shard_sizes)
-        shard["bytes"] = (out / shard["name"]).stat().st_size
+        shards: list[dict] = []
+        labels: list[list] = []  # per shard, [key, label] of each labeled sample
+        skipped: list[str] = []
+        formats: dict[str, int] = {}
+        writer, count, payload = None, 0, 0
+        try:
+            for i in tqdm(order, desc=f"writing {out}", unit="img", disable=not progress):
+                name, read, label = items[i]
+                try:
+                    data = read()
+                    ext = probe_image(data, max_pixels)
+                    tarfile.TarInfo(f"{keys[i]}.{ext}").tobuf(tarfile.USTAR_FORMAT)  # the name must fit a tar header
+                except (OSError, ValueError) as e:
+                    skipped.append(f"{name}: {e}")
+                    continue
+                sample = {"__key__": keys[i], ext: data}
+                if label is not None:
+                    sample["cls"] = str(label).encode()
+                size = sum(_member_bytes(f"{keys[i]}.{k}", v) for k, v in sample.items() if k != "__key__")
+                if writer is None or count >= samples_per_shard or (
+                        count and _tar_bytes(payload + size) > bytes_per_shard):
+                    if writer is not None:
+                        writer.close()
+                    shards.append({"name": f"{len(shards):06d}.tar", "num_samples": 0})
+                    labels.append([])
+                    writer = wds.TarWriter(str(new / shards[-1]["name"]), encoder=False, mtime=_MTIME)
+                    count = payload = 0
+                writer.write(sample)
+                if label is not None:
+                    labels[-1].append([keys[i], label])
+                count, payload = count + 1, payload + size
+                shards[-1]["num_samples"] = count
+                formats[ext] = formats.get(ext, 0) + 1
+        finally:
+            if writer is not None:
+                writer.close()
+        for shard in shards:  # what the reader checks the shards against (sources.check_shard_sizes)
+            shard["bytes"] = (new / shard["name"]).stat().st_size
 
-    report = {"count": len(skipped), "examples": skipped[:10]}
-    if skipped:
-        log.warning("skipped %d unreadable or non-image files, e.g. %s", len(skipped), "; ".join(skipped[:3]))
-    if not shards:
-        raise ShardError(f"no readable images to write ({len(skipped)} files skipped"
-                         + (f", e.g. {skipped[0]})" if skipped else ")"))
-    index = json.dumps(labels).encode()
-    manifest = {
-        "num_samples": sum(s["num_samples"] for s in shards),
-        "shards": shards,
-        "classes": classes,
-        **({"labels": LABELS, "labels_sha256": hashlib.sha256(index).hexdigest()} if classes else {}),
-        "formats": formats,
-        "skipped": report,
-        "made": {**(made or {}), "seed": seed, "samples_per_shard": samples_per_shard,
-                 "bytes_per_shard": bytes_per_shard, "max_pixels": max_pixels,
-                 "tool": f"mpp {importlib.metadata.version('mpp')}, webdataset {importlib.metadata.version('webdataset')}",
-                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-    }
-    if classes:
-        write_atomic(out / LABELS, index)
-    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
+        report = {"count": len(skipped), "examples": skipped[:10]}
+        if skipped:
+            log.warning("skipped %d unreadable or non-image files, e.g. %s", len(skipped), "; ".join(skipped[:3]))
+        if not shards:
+            raise ShardError(f"no readable images to write ({len(skipped)} files skipped"
+                             + (f", e.g. {skipped[0]})" if skipped else ")"))
+        index = json.dumps(labels).encode()
+        manifest = {
+            "num_samples": sum(s["num_samples"] for s in shards),
+            "shards": shards,
+            "classes": classes,
+            **({"labels": LABELS, "labels_sha256": hashlib.sha256(index).hexdigest()} if classes else {}),
+            "formats": formats,
+            "skipped": report,
+            "made": {**(made or {}), "seed": seed, "samples_per_shard": samples_per_shard,
+                     "bytes_per_shard": bytes_per_shard, "max_pixels": max_pixels,
+                     "tool": f"mpp {importlib.metadata.version('mpp')}, "
+                             f"webdataset {importlib.metadata.version('webdataset')}",
+                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+        }
+        if classes:
+            write_atomic(new / LABELS, index)
+        write_atomic(new / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
 

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bytes-per-shard", type=int, default=BYTES_PER_SHARD, metavar="N",
                    help=f"at most N bytes per shard file (default {BYTES_PER_SHARD})")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order across shards (default 0)")
-    p.add_argument("--overwrite", action="store_true", help="replace the shards and manifest in a non-empty OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the shards and manifest in a non-empty OUT, once the new ones are complete")
     a = p.parse_args(argv)
     m = write_shards(a.src, a.out, unlabeled=a.unlabeled, samples_per_shard=a.samples_per_shard,
                      bytes_per_shard=a.bytes_per_shard, seed=a.seed, overwrite=a.overwrite)
