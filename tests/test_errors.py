@@ -57,6 +57,12 @@ def _made(tmp: Path, shard: bytes = b"", manifest=None, labels=None) -> None:
             (tmp / "m" / name).write_text(json.dumps(data))
 
 
+def _synthetic(tmp: Path) -> None:
+    """TMP/syn: a synthetic set of 10 training images in one shard (`--train 10 --test 0 --shards 1`)."""
+    from mpp.data.synthetic import make_synthetic
+    make_synthetic(tmp / "syn", train=10, test=0, shards=1, progress=False)
+
+
 def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None) -> Path:
     """A run directory with an exported encoder, its model.json or weights replaced when given."""
     from mpp.models import create_encoder, save_encoder
@@ -177,6 +183,8 @@ CASES = [
     ("report of a directory without a run", "report", lambda t: [f"{t}/nope"], None),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
+    ("make_synthetic over a split made with other --shards", "make_synthetic",
+     lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "2"], lambda t: _synthetic(t)),
     ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
     ("inspect an encoder that does not exist", "inspect_encoders",
      lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),

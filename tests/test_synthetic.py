@@ -75,7 +75,16 @@ def test_make_synthetic_reuses_same_settings_refuses_others(tmp_path: Path):
     stamp = shard.stat().st_mtime_ns
     make_synthetic(tmp_path, train=20, test=10, shards=2, progress=False)
     assert shard.stat().st_mtime_ns == stamp  # reused, not rewritten
-    with pytest.raises(ShardError, match="not empty"):
-        make_synthetic(tmp_path, train=30, test=10, shards=2, progress=False)
+    for other in (dict(train=30, shards=2), dict(train=20, shards=4)):  # more images, or more shards
+        with pytest.raises(ShardError, match="not empty"):
+            make_synthetic(tmp_path, **other, test=10, progress=False)
     ms = make_synthetic(tmp_path, train=30, test=10, shards=2, overwrite=True, progress=False)
     assert ms["train"]["num_samples"] == 30
+    ms = make_synthetic(tmp_path, train=30, test=10, shards=3, overwrite=True, progress=False)
+    assert len(ms["train"]["shards"]) == 3 and ms["train"]["made"]["shards"] == 3
+    manifest = tmp_path / "train" / "manifest.json"  # as an older mpp wrote it: its samples per shard are checked
+    ms["train"]["made"].pop("shards")
+    manifest.write_text(json.dumps(ms["train"]))
+    stamp = shard.stat().st_mtime_ns
+    make_synthetic(tmp_path, train=30, test=10, shards=3, progress=False)
+    assert shard.stat().st_mtime_ns == stamp  # reused

@@ -143,7 +143,8 @@ def _jpeg(index: int, seed: int, split: str, size: int) -> bytes:
 def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size: int = 32, seed: int = 0,
                    shards: int = 8, overwrite: bool = False, progress: bool = True) -> dict[str, dict]:
     """Write OUT/train and OUT/test (shards + manifest, `shards` shards per split); returns the
-    manifests by split. A split whose manifest already records the same parameters is reused."""
+    manifests by split. A split whose manifest already records the same parameters (and so the
+    same samples per shard) is reused; one made with others is refused unless `overwrite`."""
     if size < 8 or train < 0 or test < 0 or shards < 1 or train + test == 0:
         raise ValueError("synthetic data needs size >= 8, train/test >= 0 (not both 0) and shards >= 1")
     manifests = {}
@@ -151,14 +152,17 @@ def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size
         if n == 0:
             continue
         params = {"generator": "mpp.data.synthetic", "split": split, "num": n, "size": size, "jpeg_quality": JPEG_QUALITY}
+        per_shard = -(-n // shards)  # what `shards` changes; every manifest records it, older ones too
         path = Path(out) / split
         if not overwrite and (path / MANIFEST).is_file():
             old = json.loads((path / MANIFEST).read_text())
-            if all(old.get("made", {}).get(k) == v for k, v in params.items()) and old["made"].get("seed") == seed:
+            if (all(old.get("made", {}).get(k) == v for k, v in params.items()) and old["made"].get("seed") == seed
+                    and old["made"].get("samples_per_shard") == per_shard):
                 manifests[split] = old
                 continue
         items = [(f"{i:06d}.jpg", functools.partial(_jpeg, i, seed, split, size), i % len(CLASSES)) for i in range(n)]
-        manifests[split] = write_samples(items, path, classes=list(CLASSES), seed=seed, made=params,
-                                         samples_per_shard=-(-n // shards), progress=progress,
+        manifests[split] = write_samples(items, path, classes=list(CLASSES), seed=seed,
+                                         made={**params, "shards": shards}, samples_per_shard=per_shard,
+                                         progress=progress,
                                          overwrite=overwrite or not (path / MANIFEST).is_file())  # a cut-off write
     return manifests
