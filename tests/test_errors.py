@@ -57,10 +57,13 @@ def _made(tmp: Path, shard: bytes = b"", manifest=None, labels=None) -> None:
             (tmp / "m" / name).write_text(json.dumps(data))
 
 
-def _synthetic(tmp: Path) -> None:
-    """TMP/syn: a synthetic set of 10 training images in one shard (`--train 10 --test 0 --shards 1`)."""
+def _synthetic(tmp: Path, manifest: str | None = None) -> None:
+    """TMP/syn: a synthetic set of 10 training images in one shard (`--train 10 --test 0 --shards 1`),
+    its manifest's text replaced when given."""
     from mpp.data.synthetic import make_synthetic
     make_synthetic(tmp / "syn", train=10, test=0, shards=1, progress=False)
+    if manifest is not None:
+        (tmp / "syn/train/manifest.json").write_text(manifest)
 
 
 def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None) -> Path:
@@ -185,6 +188,10 @@ CASES = [
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
     ("make_synthetic over a split made with other --shards", "make_synthetic",
      lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "2"], lambda t: _synthetic(t)),
+    ("make_synthetic over a split whose manifest is malformed JSON", "make_synthetic",
+     lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "1"], lambda t: _synthetic(t, '{"made": ')),
+    ("make_synthetic over a split whose manifest is not a JSON object", "make_synthetic",
+     lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "1"], lambda t: _synthetic(t, "[1, 2]")),
     ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
     ("inspect an encoder that does not exist", "inspect_encoders",
      lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),

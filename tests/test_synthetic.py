@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -88,3 +89,19 @@ def test_make_synthetic_reuses_same_settings_refuses_others(tmp_path: Path):
     stamp = shard.stat().st_mtime_ns
     make_synthetic(tmp_path, train=30, test=10, shards=3, progress=False)
     assert shard.stat().st_mtime_ns == stamp  # reused
+
+
+@pytest.mark.parametrize("text, problem", [("[1, 2]", "is JSON but not an object"),
+                                           ('{"made": ', "is not valid JSON"),
+                                           ('{"made": [1]}', None)])  # an object, not one of ours: refused
+def test_make_synthetic_over_a_foreign_manifest_says_what_to_do(tmp_path: Path, text: str, problem: str | None):
+    """A split's manifest that is not the object this module writes is one ShardError naming the
+    file and the fix (not a traceback, not a JSON message alone); --overwrite replaces the split."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "manifest.json").write_text(text)
+    message = "not empty" if problem is None else re.escape(
+        f"manifest '{tmp_path / 'train' / 'manifest.json'}' {problem}") + r".*; delete it or overwrite the split"
+    with pytest.raises(ShardError, match=message):
+        make_synthetic(tmp_path, train=10, test=0, shards=1, progress=False)
+    ms = make_synthetic(tmp_path, train=10, test=0, shards=1, overwrite=True, progress=False)
+    assert ms["train"]["num_samples"] == 10

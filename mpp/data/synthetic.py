@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mpp.data.writer import MANIFEST, write_samples
+from mpp.data.writer import MANIFEST, ShardError, write_samples
 
 CLASSES = ["circle", "square", "triangle", "star", "cross", "ring", "stripes", "checkerboard", "dots", "blob"]
 SPLITS = {"train": 0, "test": 1}
@@ -140,6 +140,19 @@ def _jpeg(index: int, seed: int, split: str, size: int) -> bytes:
     return buf.getvalue()
 
 
+def _manifest(path: Path) -> dict:
+    """An existing split's manifest; a file that is not a JSON object is refused in one line that
+    names it and the fix, not met with a traceback further on."""
+    fix = "delete it or overwrite the split (--overwrite)"
+    try:
+        old = json.loads(path.read_text())
+    except ValueError as e:  # malformed JSON, or not UTF-8
+        raise ShardError(f"manifest '{path}' is not valid JSON ({e}); {fix}") from None
+    if not isinstance(old, dict):
+        raise ShardError(f"manifest '{path}' is JSON but not an object; {fix}")
+    return old
+
+
 def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size: int = 32, seed: int = 0,
                    shards: int = 8, overwrite: bool = False, progress: bool = True) -> dict[str, dict]:
     """Write OUT/train and OUT/test (shards + manifest, `shards` shards per split); returns the
@@ -155,9 +168,10 @@ def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size
         per_shard = -(-n // shards)  # what `shards` changes; every manifest records it, older ones too
         path = Path(out) / split
         if not overwrite and (path / MANIFEST).is_file():
-            old = json.loads((path / MANIFEST).read_text())
-            if (all(old.get("made", {}).get(k) == v for k, v in params.items()) and old["made"].get("seed") == seed
-                    and old["made"].get("samples_per_shard") == per_shard):
+            old = _manifest(path / MANIFEST)
+            made = old.get("made") if isinstance(old.get("made"), dict) else {}
+            if (all(made.get(k) == v for k, v in params.items()) and made.get("seed") == seed
+                    and made.get("samples_per_shard") == per_shard):
                 manifests[split] = old
                 continue
         items = [(f"{i:06d}.jpg", functools.partial(_jpeg, i, seed, split, size), i % len(CLASSES)) for i in range(n)]
