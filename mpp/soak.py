@@ -33,14 +33,17 @@ def _tree_rss(proc: psutil.Process) -> int:
 def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: list[str], seed: int = 0,
          window: float = 30.0) -> dict:
     """Run `mpp.tools.pretrain` in `out/run` again and again until `seconds` have passed, each run
-    killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report."""
+    killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
+    The settings are checked first (ConfigError, nothing written): a bad one would fail every run."""
+    from mpp.config import load_config
     from mpp.data.synthetic import make_synthetic
+    overrides = [f"output_dir={out / 'run'}", f"data.train={out / 'data/train/manifest.json'}", *settings]
+    load_config(None, overrides)
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "data/train/manifest.json").exists():
         make_synthetic(out / "data", train=512, test=64, shards=8, progress=False)
-    cmd = [sys.executable, "-m", "mpp.tools.pretrain", f"output_dir={out / 'run'}",
-           f"data.train={out / 'data/train/manifest.json'}", *settings]
+    cmd = [sys.executable, "-m", "mpp.tools.pretrain", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0, samples, runs = time.time(), [], []
     while time.time() - t0 < seconds:

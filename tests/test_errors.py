@@ -193,6 +193,7 @@ CASES = [
     ("make_synthetic over a split whose manifest is not a JSON object", "make_synthetic",
      lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "1"], lambda t: _synthetic(t, "[1, 2]")),
     ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
+    ("soak setting that is not a config key", "soak", lambda t: [f"{t}/soak", "--minutes", "1", "stepz=3"], None),
     ("inspect an encoder that does not exist", "inspect_encoders",
      lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),
     ("inspect on data that does not exist", "inspect_encoders",

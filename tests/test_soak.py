@@ -1,5 +1,10 @@
-"""The soak report's accounting of lost steps (the soak itself is not part of the suite)."""
+"""The soak report's accounting of lost steps and its command line (the soak itself is not part of
+the suite)."""
+import pytest
+
+import mpp.soak
 from mpp.soak import count_lost
+from mpp.tools.soak import main
 
 
 def run(resumed_at, reached):
@@ -18,3 +23,29 @@ def test_a_run_that_resumed_but_trained_nothing_loses_nothing():
     runs = [run(0, 30), run(20, 0), run(20, 25)]
     count_lost(runs, checkpointed=20)
     assert [r["lost"] for r in runs] == [10, 0, 5]
+
+
+def test_overrides_follow_the_options_and_are_checked_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """The documented `mpp-soak OUT --minutes M key=value` parses; a bad key stops it in one line
+    (exit 2) before any data or run, instead of failing every run until the time is up."""
+    seen = []
+    monkeypatch.setattr(mpp.soak, "soak", lambda out, seconds, kill_after, settings, seed: seen.append(settings)
+                        or {"failed_runs": 0, "runs": []})
+    main([str(tmp_path), "--minutes", "0", "batch_size=16"])
+    assert seen[0][-1] == "batch_size=16"
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "b"), "stepz=3", "--minutes", "0.01"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "unknown config key 'stepz'" in err, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
+    """A run that ended in an error makes the soak exit 1 with one line naming it and its log."""
+    runs = [{"errors": []}, {"errors": ["error: the disk is full"]}, {"errors": []}]
+    monkeypatch.setattr(mpp.soak, "soak", lambda *a, **k: {"failed_runs": 1, "runs": runs})
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--minutes", "0"])
+    assert e.value.code == f"error: 1 of 3 soak runs failed; the first, run1, said: error: the disk is full " \
+                          f"(see {tmp_path / 'run1.log'})"

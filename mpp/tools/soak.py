@@ -2,6 +2,8 @@
 run at random moments and resume it, then report restarts, steps lost and peak memory over time.
 
   nice mpp-soak runs/soak --minutes 60 [key=value ...]     (report: runs/soak/soak.json)
+
+The settings are checked before any run; the exit is 1 when a run failed (not killed: an error).
 """
 from __future__ import annotations
 
@@ -25,11 +27,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds before each kill -9, drawn uniformly (default 15 60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="pre-training settings (after the defaults)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides after the options too, as in the usage above
     from mpp.soak import soak, write_report
     report = soak(Path(a.out), a.minutes * 60, tuple(a.kill_after), SETTINGS + a.overrides, seed=a.seed)
     write_report(report, Path(a.out) / "soak.json")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+    failed = [i for i, r in enumerate(report["runs"]) if r["errors"]]
+    if failed:  # the soak found a fault: its exit says so, not only soak.json
+        first = failed[0]
+        raise SystemExit(f"error: {len(failed)} of {len(report['runs'])} soak runs failed; the first, run{first}, "
+                         f"said: {report['runs'][first]['errors'][0]} (see {Path(a.out) / f'run{first}.log'})")
 
 
 if __name__ == "__main__":
