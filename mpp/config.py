@@ -420,6 +420,8 @@ def validate(cfg: Config) -> None:
     from mpp.models import preset_geometry  # late import, as in choices()
     check(bool(cfg.output_dir), "config key 'output_dir' is empty; give a run directory")
     check(cfg.batch_size > 0, f"config key 'batch_size' must be > 0, got {cfg.batch_size}")
+    for key, seed in (("seed", cfg.seed), ("finetune.split_seed", cfg.finetune.split_seed)):  # numpy's range
+        check(0 <= seed < 2**32, f"config key '{key}' must be a whole number in 0..{2**32 - 1}, got {seed}")
     check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")
     check(cfg.img_size >= 0, "config key 'img_size' must be >= 0 (0: the preset's)")
     img, patch = preset_geometry(cfg.model, cfg.img_size)
