@@ -65,15 +65,22 @@ def os_message(e: OSError) -> str:
     return f"{e.strerror or e}{':' + where if where else ''}"
 
 
+RESUMABLE = "interrupted; run the same command again to resume (checkpoints are kept)"  # a training tool's Ctrl-C
+
+
 @contextlib.contextmanager
-def one_line_errors(extra: tuple[type, ...] = ()):
+def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupted"):
     """Run a tool's body (as `with one_line_errors(): ...` or as `@one_line_errors()` on its
     `main`), a rank of a launcher dying with it (`mpp.launcher`): the user-facing errors
-    (`_user_errors`, then `extra` and OSError, exit 1) end with one line `error: ...` on stderr.
-    Other exceptions (bugs) keep their traceback."""
+    (`_user_errors`, then `extra` and OSError, exit 1) end with one line `error: ...` on stderr,
+    and Ctrl-C with `error: INTERRUPTED` (exit 130, as a shell's), after the body's own cleanup
+    (a run directory's lock is released; checkpoints are written atomically). Other exceptions
+    (bugs) keep their traceback."""
     die_with_launcher()
     try:
         yield
+    except KeyboardInterrupt:
+        _fail(interrupted, 130)
     except Exception as e:
         bad_args, bad_run = _user_errors()
         if isinstance(e, bad_args):

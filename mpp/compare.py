@@ -226,8 +226,8 @@ def prepare_data(cfg: CompareConfig) -> None:
 def _tool_main(module: str, argv: list[str]) -> None:
     """In a stage's process: run a tool module as `python -m module argv...` would, and die with the
     comparison (the process is the forkserver's child, so nothing else ends it when the comparison
-    is killed: it trained on, orphaned, holding its run directory). Ctrl-C ends it quietly: the
-    comparison says what was interrupted."""
+    is killed: it trained on, orphaned, holding its run directory). Ctrl-C ends it with the tool's own
+    line (quietly before the tool's main runs); the comparison's line, naming the stage, comes last."""
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_die_with, args=(parent.sentinel,), daemon=True).start()

@@ -56,11 +56,15 @@ class NonFiniteError(RuntimeError):
 
 def train(cfg: Config) -> dict:
     """Run `cfg` (an objective of mpp.objectives.OBJECTIVES) and write its run directory; returns
-    the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile."""
+    the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile; a run
+    stopped by an error or Ctrl-C ends its progress bar's line first, so the error line comes last."""
     try:
         run = setup(cfg)
-        loop(run)
-        return finish(run)
+        try:
+            loop(run)
+            return finish(run)
+        finally:
+            run.bar.close()  # finish closed it already when it got there
     finally:
         rundir.unlock(cfg.output_dir)
 

@@ -298,6 +298,16 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
     assert (tmp_path / "f").read_text() == "old" and os.listdir(tmp_path) == ["f"]
 
 
+def test_ctrl_c_is_one_line_and_exit_130():
+    """Ctrl-C in a tool: one line (a training tool's says how to resume), exit 130 as a shell's."""
+    from mpp.cli import RESUMABLE, one_line_errors
+    for message in ("interrupted", RESUMABLE):
+        err = io.StringIO()
+        with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err), one_line_errors(interrupted=message):
+            raise KeyboardInterrupt
+        assert e.value.code == 130 and err.getvalue() == f"error: {message}\n"
+
+
 class _Usage:
     def __init__(self, free: int):
         self.free = free

@@ -151,6 +151,26 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     assert scalars(out, "fewshot/avg/1shot_mean") and scalars(out, "fewshot/token/1shot_mean")  # probe.pool=auto: both
 
 
+def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
+    """Ctrl-C (the terminal's SIGINT to the run and its data workers) mid-run: exit 130, the last
+    line says how to go on, no traceback, the lock released; the same command then resumes."""
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "tools/pretrain.py", *settings(data, out, steps=100000)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 120
+    while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "error: interrupted; run the same command again to resume (checkpoints are kept)"
+    assert not (out / ".lock").exists()
+    step = int(sorted((out / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
+    done = run_tool(["tools/pretrain.py", *settings(data, out, steps=step)])  # the newest checkpoint: finished
+    assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
+
+
 def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
     """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
     for name in ("a", "b"):

@@ -9,10 +9,10 @@ Writes OUTPUT_DIR/metrics.json with top1, top5 and the run's settings, plus what
 """
 from __future__ import annotations
 
-from mpp.cli import one_line_errors, parse_config_args
+from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
 
 
-@one_line_errors()
+@one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config_args(__doc__, argv, defaults=["objective=classify"])
     from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch

@@ -8,10 +8,10 @@ checkpoints/}; train.resume=auto (the default) continues an interrupted run.
 """
 from __future__ import annotations
 
-from mpp.cli import one_line_errors, parse_config_args
+from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
 
 
-@one_line_errors()
+@one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config_args(__doc__, argv)
     from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
