@@ -61,18 +61,30 @@ class ReportError(ValueError):
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ReportError(f"{path} is missing; is {path.parent} a finished run directory?") from None
     except json.JSONDecodeError as e:
         raise ReportError(f"{path} is not valid JSON ({e}); rerun that step") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} holds a JSON {type(data).__name__}, not the run's figures (an object); "
+                          "rerun that step")
+    return data
 
 
 def _read_config(run_dir: Path) -> dict:
+    """A run directory's config.yaml as a mapping (empty for an empty file)."""
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ReportError(f"{path} is missing; every run directory needs its resolved config.yaml")
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        with open(path) as f:  # a stream names the file in the parser's message
+            cfg = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ReportError(f"{path} is not valid YAML ({' '.join(str(e).split())}); rerun that step") from None
+    if not isinstance(cfg, dict):
+        raise ReportError(f"{path} holds a YAML {type(cfg).__name__}, not a config (a mapping); rerun that step")
+    return cfg
 
 
 def _source_family(init: str, run_dir: Path) -> str:
@@ -85,7 +97,7 @@ def _source_family(init: str, run_dir: Path) -> str:
     if not cfg_file.is_file():
         raise ReportError(f"{run_dir}: cannot tell which pre-training its encoder {init!r} comes from "
                           f"(no {cfg_file}); add \"role\": \"mpp\"|\"supervised\" to {run_dir}/metrics.json")
-    objective = (yaml.safe_load(cfg_file.read_text()) or {}).get("objective")
+    objective = _read_config(src).get("objective")
     if objective not in ("mpp", "supervised"):
         raise ReportError(f"{run_dir}: its encoder's run {src} has objective {objective!r}, not a pre-training; "
                           f"add \"role\" to {run_dir}/metrics.json")

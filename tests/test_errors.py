@@ -99,6 +99,13 @@ def _ckpt_run(tmp: Path, state: bytes) -> None:
     (ck / "rng_0.pt").write_bytes(b"")
 
 
+def _run_dir(tmp: Path, metrics: str, config: str) -> None:
+    """TMP/run: a run directory with the given metrics.json and config.yaml texts."""
+    (tmp / "run").mkdir()
+    (tmp / "run/metrics.json").write_text(metrics)
+    (tmp / "run/config.yaml").write_text(config)
+
+
 # (what, tool, arguments (a function of the scratch dir), setup). TRAIN: a valid small pre-training.
 def TRAIN(t):
     return [f"output_dir={t}/out", f"data.train={t}/data/train", *SMALL]
@@ -187,6 +194,10 @@ CASES = [
     ("probe: output_dir is a file", "linear_probe",
      lambda t: [*FT(t)[1:], "probe.encoder=none", f"output_dir={t}/afile"], lambda t: (t / "afile").write_text("x")),
     ("report of a directory without a run", "report", lambda t: [f"{t}/nope"], None),
+    ("report of a run whose metrics.json is not an object", "report", lambda t: [f"{t}/run"],
+     lambda t: _run_dir(t, "[]", "objective: mpp\n")),
+    ("report of a run with a malformed config.yaml", "report", lambda t: [f"{t}/run"],
+     lambda t: _run_dir(t, "{}", "objective: [mpp\n")),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
     ("make_synthetic over a split made with other --shards", "make_synthetic",
