@@ -24,10 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from mpp.config import ConfigError
 from mpp.fileio import atomic_path
+from mpp.models import mismatched
 
 PREFIX = "step_"
 # what a resumed run reads from state.pt, and its types (a checkpoint is untrusted input)
@@ -104,7 +106,9 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
 
 def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer) -> dict:
     """Restore a checkpoint written by `save_checkpoint` into `model` (unwrapped), optimizer,
-    grad scaler and this rank's RNGs; returns the saved plain state (step, ...)."""
+    grad scaler and this rank's RNGs; returns the saved plain state (step, ...). Weights of other
+    tensors (another model or objective) are a ConfigError naming the checkpoint and its config:
+    resume=auto would find no better one in that run, whose checkpoints are sound."""
     path = Path(path)
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     bad = [k for k, kind in STATE_KEYS.items() if not isinstance(state.get(k), kind) or isinstance(state[k], bool)]
@@ -114,7 +118,17 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "
                          "split and per-rank RNG depend on it) or start afresh with train.resume=none")
-    load_model(model, str(path / "model.safetensors"))  # copied into the parameters on their device
+    try:
+        load_model(model, str(path / "model.safetensors"))  # copied into the parameters on their device
+    except RuntimeError:  # the file read, its tensors do not fit
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            odd = mismatched(model, {k: f.get_slice(k).get_shape() for k in f.keys()})
+        if not odd:
+            raise
+        raise ConfigError(f"checkpoint '{path}' is of another model or objective than this run ({len(odd)} tensors "
+                          f"missing, extra or of another shape, e.g. {odd[0]}); resume it with the settings it was "
+                          f"trained with ({path.parent.parent / 'config.yaml'}), or start this run afresh "
+                          "(train.resume=auto) in an output_dir of its own") from None
     optimizer.load_state_dict(state.pop("optimizer"))
     scaler = state.pop("scaler")
     if accelerator.scaler is not None and scaler is not None:

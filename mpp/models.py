@@ -229,6 +229,14 @@ def _grid(img_size, patch_size: int) -> list[int]:
     return [s // patch_size for s in size]
 
 
+def mismatched(module: nn.Module, shapes: dict) -> list[str]:
+    """The tensors of `module` missing from `shapes` (name -> shape, as saved weights hold them), those
+    extra there and those of another shape: why the weights do not load into it."""
+    want = module.state_dict()
+    return sorted(set(want) ^ set(shapes)) + [k for k in want if k in shapes and
+                                              tuple(want[k].shape) != tuple(shapes[k])]
+
+
 def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto") -> MaskedEncoder:
     """An encoder from a run dir or an `encoder.safetensors` next to its `model.json` (safetensors only).
 
@@ -269,8 +277,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
                 num_prefix_tokens=encoder.vit.num_prefix_tokens)
         encoder.vit.load_state_dict(state)
     except (RuntimeError, ValueError, TypeError):
-        want = encoder.vit.state_dict()
-        odd = sorted(set(want) ^ set(state)) + [k for k in want if k in state and want[k].shape != state[k].shape]
+        odd = mismatched(encoder.vit, {k: v.shape for k, v in state.items()})
         raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
                           f"of another shape, e.g. {odd[0] if odd else '?'}); give the model.json it was exported "
                           "with") from None

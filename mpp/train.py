@@ -483,6 +483,9 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
             accelerator.print(f"resumed from {path} (step {state['step']})")
             return path, state
         skipped.append(f"{path.name} ({whys[0]})")
+    if order and cfg.train.resume != "auto":
+        raise ConfigError(f"train.resume={cfg.train.resume!r} does not load ({whys[0]}); give a good checkpoint, "
+                          "auto (the newest in output_dir) or none")
     if order:
         raise ConfigError(f"no checkpoint in '{root}' loads ({'; '.join(skipped)}); delete them to start afresh, "
                           "or give a good one as train.resume=PATH")

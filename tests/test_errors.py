@@ -90,13 +90,22 @@ def _pickle() -> bytes:
     return buf.getvalue()
 
 
-def _ckpt_run(tmp: Path, state: bytes) -> None:
-    """An output dir whose only checkpoint has a crafted state.pt."""
-    ck = tmp / "out/checkpoints/step_0000001"
+def _ckpt_run(tmp: Path, state: bytes, weights: bytes = b"", run: str = "out") -> None:
+    """TMP/RUN, a run dir whose only checkpoint has a crafted state.pt (and model.safetensors)."""
+    ck = tmp / run / "checkpoints/step_0000001"
     ck.mkdir(parents=True)
     (ck / "state.pt").write_bytes(state)
-    (ck / "model.safetensors").write_bytes(b"")
+    (ck / "model.safetensors").write_bytes(weights)
     (ck / "rng_0.pt").write_bytes(b"")
+
+
+def _foreign() -> tuple[bytes, bytes]:
+    """state.pt and model.safetensors of a sound checkpoint of some other model (one tensor)."""
+    from safetensors.torch import save
+    buf = io.BytesIO()
+    torch.save({"step": 1, "world_size": 1, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0,
+                "data_wait": 0.0, "last": {}, "optimizer": {}, "scaler": None}, buf)
+    return buf.getvalue(), save({"w": torch.zeros(2)})
 
 
 def _run_dir(tmp: Path, metrics: str, config: str) -> None:
@@ -118,6 +127,11 @@ def FT(t):
 def FS(t):
     """TRAIN evaluating few-shot every step on the labeled train/ and val/ sets."""
     return [*TRAIN(t), "fewshot.every=1", f"fewshot.train={t}/data/train", f"fewshot.test={t}/data/val"]
+
+
+def OLD(t):
+    """The checkpoint of `_ckpt_run(..., run="old")`."""
+    return t / "old/checkpoints/step_0000001"
 
 
 CASES = [
@@ -171,6 +185,11 @@ CASES = [
      lambda t: (t / "out").mkdir() or (t / "out/metrics.json").write_text("{}")),
     ("resume: the only checkpoint is a pickle payload", "pretrain", TRAIN, lambda t: _ckpt_run(t, _pickle())),
     ("train.resume=PATH that is not a checkpoint", "pretrain", lambda t: [*TRAIN(t), f"train.resume={t}/data"], None),
+    ("train.resume=PATH whose checkpoint does not load", "pretrain", lambda t: [*TRAIN(t), f"train.resume={OLD(t)}"],
+     lambda t: _ckpt_run(t, _pickle(), run="old")),
+    ("train.resume=PATH of another model's run", "pretrain", lambda t: [*TRAIN(t), f"train.resume={OLD(t)}"],
+     lambda t: _ckpt_run(t, *_foreign(), "old")),
+    ("resume in an output_dir of another model's run", "pretrain", TRAIN, lambda t: _ckpt_run(t, *_foreign())),
     ("fine-tune without data.val", "finetune", TRAIN, None),
     ("data.val missing (checked before training)", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/vla"], None),
     ("data.val with other classes", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/other"], None),

@@ -316,6 +316,21 @@ def test_bad_settings_fail_before_any_work(data, tmp_path):
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
+def test_a_checkpoint_of_another_model_is_named_and_its_run_kept(data, mpp_run, tmp_path):
+    """resume=auto in a run of another model, and train.resume=PATH of one into a new output_dir: one
+    error naming that checkpoint and its run's config (not the new output_dir, never 'delete them');
+    nothing changes in the old run, nothing is made for the new one."""
+    ckpt = sorted((mpp_run / "checkpoints").glob("step_*"))[-1]
+    before = {p: p.stat().st_mtime_ns for p in mpp_run.rglob("*") if p.is_file()}
+    for out, extra in ((mpp_run, {}), (tmp_path / "new", {"train.resume": ckpt})):
+        with pytest.raises(ConfigError) as e:
+            train(config(settings(data, out, model="vit_mini8_32", **extra)))
+        assert str(e.value).startswith(f"checkpoint '{ckpt}' is of another model or objective than this run")
+        assert f"({mpp_run / 'config.yaml'})" in str(e.value) and "delete" not in str(e.value)
+    assert {p: p.stat().st_mtime_ns for p in mpp_run.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_finished_run_resumes_to_nothing_and_keeps_its_figures(mpp_run, tmp_path):
     before = json.loads((mpp_run / "metrics.json").read_text())
     encoder = weights(mpp_run / "encoder.safetensors")
