@@ -175,7 +175,8 @@ class CompareConfig:
     probe: str = ""            # linear-probe config; probe.encoder set per run
     label_fractions: tuple = (0.1, 1.0)
     sweep: dict = field(default_factory=dict)  # fine-tune config key -> values tried on the dev split,
-                               # e.g. {optim.lr: [0.01, 0.03]}; several keys: every combination
+                               # e.g. {optim.lr: [0.01, 0.03]}; several keys: every combination; an override
+                               # sweep={...} replaces the file's grid, sweep.KEY=[...] one key's values
     dev_fraction: float = 0.1  # class-balanced share of each fine-tune's labels held out to choose the sweep value
     seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
@@ -359,8 +360,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def load_compare_config(path: str | Path, overrides: list[str] | None = None) -> CompareConfig:
     """The comparison's own config (its stage configs are validated by mpp.compare)."""
-    cfg = CompareConfig()
-    _apply(cfg, _merge(load_yaml(path), parse_overrides(overrides or [])), root=CompareConfig)
+    cfg, data = CompareConfig(), load_yaml(path)
+    if any(o.split("=", 1)[0].strip() == "sweep" for o in overrides or []):
+        data.pop("sweep", None)  # sweep=GRID is the whole grid, not keys to add to the file's (sweep={}: none)
+    _apply(cfg, _merge(data, parse_overrides(overrides or [])), root=CompareConfig)
     for key in ("mpp", "supervised", "finetune", "probe"):
         if not getattr(cfg, key):
             raise ConfigError(f"compare config key '{key}' is empty; give the path of its stage config")

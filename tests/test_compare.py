@@ -121,6 +121,17 @@ def test_bad_sweep_fails_before_any_work(tmp_path):
         validate(cfg, plan(cfg))
 
 
+def test_a_sweep_override_replaces_the_grid(tmp_path):
+    """`sweep=...` on the command line is the whole grid (it was merged into the file's: both keys
+    swept; sweep={} could not clear it); `sweep.KEY=...` sets one key's values."""
+    path = _write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lr: [0.1, 0.3]}\n")
+    assert load_compare_config(path, ["sweep={optim.weight_decay: [0, 0.1]}"]).sweep == {
+        "optim.weight_decay": [0, 0.1]}
+    assert load_compare_config(path, ["sweep={}"]).sweep == {}
+    assert load_compare_config(path, ["sweep.optim.weight_decay=[0]"]).sweep == {
+        "optim.lr": [0.1, 0.3], "optim.weight_decay": [0]}
+
+
 def test_bad_stage_key_fails_before_any_work(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", stage_extra=", mpp.ratioo=0.3")
     cfg = load_compare_config(path)
