@@ -1,5 +1,7 @@
-"""Fine-tune an encoder with a new zero-initialised linear head (objective=classify) and report
-top-1 / top-5 on data.val.
+"""Fine-tune an encoder with a new linear head (objective=classify) and report top-1 / top-5 on
+data.val. The head starts at zero (the paper's; finetune.head_init=zero, the default) or at the
+linear probe of the run's own training labels (finetune.head_init=probe, the shipped CIFAR-10 and
+synthetic configs).
 
   mpp-finetune --config configs/synthetic_finetune.yaml finetune.init=runs/mpp [key=value ...]
 
