@@ -28,6 +28,17 @@ class ArgumentParser(argparse.ArgumentParser):
         _fail(f"{self.prog}: {message} (see --help)", 2)
 
 
+def count(text: str) -> int:
+    """argparse type of a count that must be >= 1 (a bad one is a usage error, exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
 def parse_config_args(description: str, argv: list[str] | None = None, defaults: list[str] | None = None) -> Config:
     """Parse `--config FILE [key=value ...]` into a validated Config (raises ConfigError).
 

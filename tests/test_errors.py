@@ -219,6 +219,8 @@ CASES = [
      lambda t: _run_dir(t, "{}", "objective: [mpp\n")),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
+    ("make_shards with shards of 0 samples", "make_shards",
+     lambda t: [f"{t}/data/train", f"{t}/out", "--samples-per-shard", "0"], None),
     ("make_synthetic over a split made with other --shards", "make_synthetic",
      lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "2"], lambda t: _synthetic(t)),
     ("make_synthetic over a split whose manifest is malformed JSON", "make_synthetic",
@@ -231,6 +233,9 @@ CASES = [
      lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),
     ("inspect on data that does not exist", "inspect_encoders",
      lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/nope", "--out", f"{t}/figures"], None),
+    ("inspect over 0 images", "inspect_encoders",
+     lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/val", "--out", f"{t}/figures", "--images", "0"],
+     None),
 ]
 _locks: list = []
 

@@ -9,7 +9,7 @@ MPP run, and OUT/inspect.json with the numbers behind them.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, count, one_line_errors
 
 
 @one_line_errors(extra=(ValueError,))  # bad sources or data (DataError is a ValueError)
@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(random init); repeat to compare encoders on the same images and axes")
     p.add_argument("--data", required=True, help="shards to draw images from: a manifest.json or shard list")
     p.add_argument("--out", required=True, help="output folder for the PNGs and inspect.json")
-    p.add_argument("--images", type=int, default=64, help="images averaged over (default 64)")
-    p.add_argument("--grid-images", type=int, default=6, help="rows of the MPP prediction grid (default 6)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--images", type=count, default=64, help="images averaged over (default 64)")
+    p.add_argument("--grid-images", type=count, default=6, help="rows of the MPP prediction grid (default 6)")
+    p.add_argument("--batch-size", type=count, default=32)
     p.add_argument("--seed", type=int, default=0, help="seeds random init and the MPP corruption")
     a = p.parse_args(argv)
     from mpp.figures.inspection import inspect_encoders

@@ -5,7 +5,7 @@ shards OUT/000000.tar, ... plus OUT/manifest.json (see mpp.data.writer).
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, count, one_line_errors
 from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD, write_shards
 
 
@@ -16,9 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", help="output folder for the shards and manifest.json (new or empty)")
     p.add_argument("--unlabeled", action="store_true",
                    help="take every image anywhere in the tree, without labels (default: one sub-folder per class)")
-    p.add_argument("--samples-per-shard", type=int, default=SAMPLES_PER_SHARD, metavar="N",
+    p.add_argument("--samples-per-shard", type=count, default=SAMPLES_PER_SHARD, metavar="N",
                    help=f"at most N samples per shard (default {SAMPLES_PER_SHARD})")
-    p.add_argument("--bytes-per-shard", type=int, default=BYTES_PER_SHARD, metavar="N",
+    p.add_argument("--bytes-per-shard", type=count, default=BYTES_PER_SHARD, metavar="N",
                    help=f"at most N bytes per shard file (default {BYTES_PER_SHARD})")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order across shards (default 0)")
     p.add_argument("--overwrite", action="store_true",

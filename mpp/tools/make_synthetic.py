@@ -5,7 +5,7 @@ mpp.data.synthetic) as JPEG shards with manifests at OUT/train and OUT/test.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, count, one_line_errors
 from mpp.data.synthetic import make_synthetic
 
 
@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", help="output folder (gets train/ and test/)")
     p.add_argument("--train", type=int, default=5000, metavar="N", help="training images (default 5000)")
     p.add_argument("--test", type=int, default=1000, metavar="N", help="test images (default 1000)")
-    p.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    p.add_argument("--size", type=count, default=32, help="image side in pixels (default 32)")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    p.add_argument("--shards", type=int, default=8, help="shards per split (default 8)")
+    p.add_argument("--shards", type=count, default=8, help="shards per split (default 8)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing shards (by default a split made with the same settings is reused, "
                         "a different one refused)")
