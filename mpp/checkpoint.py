@@ -60,6 +60,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def checkpoint_name(step: int) -> str:
+    """The folder name of checkpoint `step`; names sort as their steps do."""
+    return f"{PREFIX}{step:07d}"
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (directories only: a `step_*` file is not one)."""
     root = Path(root)
@@ -72,8 +77,8 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
 
     `model` is the unwrapped module; `state` holds plain values (step, data position, counters)."""
     root = Path(root)
-    final = root / f"{PREFIX}{step:07d}"
-    tmp = root / f".tmp_{PREFIX}{step:07d}"
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp_{checkpoint_name(step)}"
     if accelerator.is_main_process:
         for stale in root.glob(".tmp_*"):
             shutil.rmtree(stale)

@@ -35,7 +35,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from mpp import evaluators, rundir
-from mpp.checkpoint import PREFIX, list_checkpoints, load_checkpoint, save_checkpoint
+from mpp.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, save_config, to_dict
 from mpp.data import make_loader
@@ -349,7 +349,8 @@ def _check_finite(run: Run, step: int) -> None:
     """Stop when the longest run of consecutive non-finite steps reached train.max_bad_steps."""
     limit = run.cfg.train.max_bad_steps
     if run.bad.max.item() >= limit:
-        good = list_checkpoints(run.out / "checkpoints")
+        # not a newer one a resume skipped as damaged, which stays on disk
+        good = [c for c in list_checkpoints(run.out / "checkpoints") if c.name <= checkpoint_name(step)]
         run.bar.close()
         if run.writer:
             run.writer.close()  # keep the logged scalars that show what happened
@@ -473,7 +474,7 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
         whys = [w for w in gather_object([why]) if w]
         if not whys:
             if cfg.train.resume != "auto" and (newer := [
-                    c.name for c in list_checkpoints(root) if c.name > f"{PREFIX}{state['step']:07d}"]):
+                    c.name for c in list_checkpoints(root) if c.name > checkpoint_name(state["step"])]):
                 raise ConfigError(f"train.resume={cfg.train.resume!r} (step {state['step']}) is older than "
                                   f"{', '.join(newer)} in {root}: going on here would mix two runs' checkpoints; "
                                   "resume into another output_dir, or delete those")
