@@ -393,9 +393,13 @@ def collect(runs: list[dict]) -> dict:
         return {f: None if table[f]["finetune_std"].get(fr) is None
                 else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
 
-    def draws_sem(k: str) -> dict:  # few-shot std is the sample std over `fewshot_seeds` draws
-        return {f: None if table[f]["fewshot_std"].get(k) is None or (table[f]["fewshot_seeds"] or 0) < 2
-                else table[f]["fewshot_std"][k] / math.sqrt(table[f]["fewshot_seeds"]) for f in FAMILIES}
+    def draws_sem(k: str) -> dict:  # over `fewshot_seeds` draws: from the draws where recorded, else from
+        sem = {}                      # the std that probes wrote before them (a population std)
+        for f in FAMILIES:
+            std, n, draws = table[f]["fewshot_std"].get(k), table[f]["fewshot_seeds"] or 0, table[f]["fewshot_draws"].get(k)
+            sem[f] = (None if std is None or n < 2 else std / math.sqrt(n - 1)) if draws is None else \
+                (float(np.std(draws[1], ddof=1) / math.sqrt(len(draws[1]))) if len(draws[1]) > 1 else None)
+        return sem
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES})

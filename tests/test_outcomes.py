@@ -132,8 +132,9 @@ def test_what_fine_tuning_added_gets_its_noise(tmp_path):
 
 
 def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
-    """Few-shot figures are a mean over `fewshot_seeds` draws with their sample std: a gap's
-    noise is the two means' standard errors combined; without the draw count it is unknown."""
+    """Few-shot figures of a probe that recorded no draws (written before they were) are a mean over
+    `fewshot_seeds` draws with their population std: a gap's noise is the two means' standard
+    errors combined; without the draw count it is unknown."""
     root = tmp_path / "runs"
     mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
     sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
@@ -143,8 +144,8 @@ def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
                          {"kind": "linear_probe", "top1": 0.5, "5shot_mean": mean, "5shot_std": std,
                           "fewshot_seeds": 5}))
     g = write_report(runs, tmp_path / "out")["derived"]["fewshot"]["5"]
-    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.hypot(0.02, 0.04) / 5 ** 0.5, abs=1e-3)
-    assert g["significant"]["supervised_minus_mpp"] is True  # 6 points against 2 x 2.0
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.hypot(0.02 / 2, 0.04 / 2), abs=1e-3)
+    assert g["significant"]["supervised_minus_mpp"] is True  # 6 points against 2 x 2.24
     for r in runs[2:]:
         m = json.loads((r / "metrics.json").read_text())
         (r / "metrics.json").write_text(json.dumps({**m, "fewshot_seeds": "5"}))  # not a count: unknown
