@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Callable
 
 from mpp import outcomes
-from mpp.config import CompareConfig, ConfigError, flatten, as_list, load_config, parse_overrides, to_dict
+from mpp.config import (CompareConfig, ConfigError, as_list, build_config, flatten, load_config, parse_overrides,
+                        to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead
 
@@ -189,22 +190,33 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
 
 def check_unchanged(stage: Stage) -> None:
     """A finished stage must have run with the settings planned now (its run-time choices read from
-    the finished stages before it); else resuming would report a result of other settings."""
+    the finished stages before it); else resuming would report a result of other settings. Its
+    config.yaml is read through the schema (a key added since takes its default, as it did then),
+    output_dir is the stage's folder however spelled, and two paths to the same file are equal."""
     import yaml
     try:
-        saved = flatten(yaml.safe_load((stage.out / "config.yaml").read_text()) or {})
-    except (OSError, yaml.YAMLError):
+        data = yaml.safe_load((stage.out / "config.yaml").read_text()) or {}
+        saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
+    except (OSError, yaml.YAMLError, ConfigError):
         saved = None
-    now = flatten(to_dict(load_config(stage.config, stage.args())))
     if saved is None:
-        raise ConfigError(f"stage '{stage.name}': {stage.out} has a metrics.json but no readable config.yaml, so "
-                          f"what it ran is unknown; delete {stage.out} to run it again")
+        raise ConfigError(f"stage '{stage.name}': {stage.out} has a metrics.json but no config.yaml this mpp can "
+                          f"read, so what it ran is unknown; delete {stage.out} to run it again")
+    now = flatten(to_dict(load_config(stage.config, stage.args())))
     changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k)]
+               if k != "output_dir" and not _same(saved.get(k), now.get(k))]
     if changed:
         raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} with other settings ("
                           f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "
                           "the stages that used it to run them with these, or set another output_dir")
+
+
+def _same(a, b) -> bool:
+    """Equal settings, or two spellings of one existing path (relative and absolute)."""
+    if a == b:
+        return True
+    return isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b) \
+        and os.path.samefile(a, b)
 
 
 def prepare_data(cfg: CompareConfig) -> None:
@@ -298,9 +310,10 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         print(f"[{i}/{total}] {s.name} -> {s.out}" + (f" (chosen: {' '.join(chosen)})" if chosen else ""), flush=True)
         try:
             code = run_stage(cmd, cfg.launcher)
-        except KeyboardInterrupt:
-            raise SystemExit(f"error: interrupted during stage '{s.name}'; run the same command again to resume "
-                             "(finished stages and checkpoints are kept)") from None
+        except KeyboardInterrupt:  # exit 130, as every tool's Ctrl-C (mpp.cli.one_line_errors)
+            print(f"error: interrupted during stage '{s.name}'; run the same command again to resume "
+                  "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
