@@ -349,8 +349,9 @@ def _check_finite(run: Run, step: int) -> None:
     """Stop when the longest run of consecutive non-finite steps reached train.max_bad_steps."""
     limit = run.cfg.train.max_bad_steps
     if run.bad.max.item() >= limit:
-        # not a newer one a resume skipped as damaged, which stays on disk
-        good = [c for c in list_checkpoints(run.out / "checkpoints") if c.name <= checkpoint_name(step)]
+        # one before this step, not a newer one (or this step's, not written yet) that a resume skipped
+        # as damaged, which stays on disk
+        good = [c for c in list_checkpoints(run.out / "checkpoints") if c.name < checkpoint_name(step)]
         run.bar.close()
         if run.writer:
             run.writer.close()  # keep the logged scalars that show what happened

@@ -261,8 +261,8 @@ def test_nonfinite_steps_are_skipped_then_stop_training(data, tmp_path, monkeypa
     assert scalars(tmp_path, "train/nonfinite_steps") == [0, 0, 0, 0, 2]
     # resumed past a damaged newer checkpoint (skipped, and kept on disk): the stop names the newest
     # checkpoint this run could go back to, not that one
-    (tmp_path / "checkpoints/step_0000016").mkdir()
-    (tmp_path / "checkpoints/step_0000016/state.pt").write_bytes(b"damaged")
+    (tmp_path / "checkpoints/step_0000012").mkdir()  # at the step the run stops at
+    (tmp_path / "checkpoints/step_0000012/state.pt").write_bytes(b"damaged")
     monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
     with pytest.raises(NonFiniteError, match=r"last good checkpoint: \S*step_0000008\."):
         train(cfg)
