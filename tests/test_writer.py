@@ -5,6 +5,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -323,6 +324,25 @@ def test_a_failed_overwrite_leaves_the_old_data_set(folder: Path, tmp_path: Path
     write_shards(folder, out, samples_per_shard=100, overwrite=True, progress=False)
     assert sorted(os.listdir(out)) == ["000000.tar", "labels.json", "manifest.json", "notes.txt"]
     assert sorted(os.listdir(tmp_path)) == ["empty", "out", "src"]
+
+
+def test_a_killed_writers_staging_folder_is_no_data_and_goes(folder: Path, tmp_path: Path):
+    """kill -9 mid-write leaves the staging folder (no cleanup runs): the next write to OUT removes
+    it, OUT with only it counts as empty, and a source that holds one gets no class for it."""
+    out = tmp_path / "out"
+    (out / ".mpp-staging.dead" / "new").mkdir(parents=True)
+    (out / ".mpp-staging.dead" / "new" / "000000.tar").write_bytes(b"partial")
+    write_shards(folder, out, samples_per_shard=100, progress=False)  # no --overwrite needed
+    assert sorted(os.listdir(out)) == ["000000.tar", "labels.json", "manifest.json"]
+    (folder / ".mpp-staging.dead" / "x").mkdir(parents=True)
+    shutil.copy(next(folder.rglob("*.jpg")), folder / ".mpp-staging.dead" / "x" / "a.jpg")
+    assert write_shards(folder, tmp_path / "out2", progress=False)["classes"] == sorted(
+        p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    (tmp_path / "empty_src" / "c").mkdir(parents=True)
+    (tmp_path / "empty_src" / "c" / "bad.jpg").write_bytes(b"junk")
+    with pytest.raises(ShardError, match="no readable images"):  # a new OUT that fails: no folder left
+        write_shards(tmp_path / "empty_src", tmp_path / "new" / "deeper", progress=False)
+    assert not (tmp_path / "new").exists()
 
 
 def test_bad_sources(tmp_path: Path):

@@ -115,11 +115,14 @@ def _padded(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
+STAGING = ".mpp-staging."  # the name of `_staged`'s folder starts so: no data set, nor a source's class
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     """Refuse an `out` that is a file, or a non-empty one unless `overwrite`."""
     if out.exists() and not out.is_dir():
         raise ShardError(f"output '{out}' is a file; give a folder for the shards")
-    if not overwrite and out.is_dir() and any(out.iterdir()):
+    if not overwrite and out.is_dir() and any(not p.name.startswith(STAGING) for p in out.iterdir()):
         raise ShardError(f"output folder '{out}' is not empty; choose a new folder or overwrite it (--overwrite)")
 
 
@@ -130,11 +133,9 @@ def _data_files(folder: Path) -> list[str]:
 
 
 def _replace(out: Path, new: Path, old: Path) -> None:
-    """Move the data set in `new` into `out` (made if missing), its old one's files into `old`.
-    The old manifest goes first and the new one last, so `out` never holds a manifest that does
-    not describe its shards, and other files in `out` stay; a failure moves everything back."""
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    """Move the data set in `new` into `out`, its old one's files into `old`. The old manifest goes
+    first and the new one last, so `out` never holds a manifest that does not describe its shards,
+    and other files in `out` stay; a failure moves everything back."""
     moves: list[tuple[Path, Path]] = []
     try:
         for src, dst in [*((out / n, old / n) for n in reversed(_data_files(out))),
@@ -144,25 +145,33 @@ def _replace(out: Path, new: Path, old: Path) -> None:
     except BaseException:
         for src, dst in reversed(moves):
             os.rename(dst, src)
-        if made:
-            out.rmdir()
         raise
 
 
 @contextlib.contextmanager
 def _staged(out: Path) -> Iterator[Path]:
     """Yield an empty folder to write a data set in; when the block ends without error, its
-    files replace those of `out` (`_replace`). It lies in `out` if that exists, else in its
-    nearest existing ancestor: on the same filesystem (a rename moves the files), where the
-    user may write, and with no folder made on the way before the end. It is removed whatever
-    happens, so a failure (no readable image, Ctrl-C, a full disk) leaves `out` as it was."""
-    base = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
-    work = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.", suffix=".tmp", dir=base))
+    files replace those of `out` (`_replace`). It lies in `out` (on its filesystem: a rename
+    moves the files), which is made for it and removed again, with the folders made on the way,
+    if the write fails; the staging folder is removed whatever happens, so a failure (no readable
+    image, Ctrl-C, a full disk) leaves `out` as it was, and one left by a killed writer is removed
+    by the next write to `out` and never counted as data."""
+    made = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(STAGING + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=STAGING, dir=out))
     try:
         (work / "new").mkdir()
         yield work / "new"
         (work / "old").mkdir()
         _replace(out, work / "new", work / "old")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        for folder in made:  # deepest first; one that holds something else stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -279,7 +288,8 @@ def _image_name(name: str) -> bool:
 
 
 def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
-    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(STAGING) for part in p.relative_to(root).parts))
     return names, [lambda p=root / n: p.read_bytes() for n in names]
 
 
