@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from mpp import outcomes
 from mpp.config import (CompareConfig, ConfigError, as_list, build_config, flatten, load_config, parse_overrides,
                         to_dict)
@@ -193,7 +195,6 @@ def check_unchanged(stage: Stage) -> None:
     the finished stages before it); else resuming would report a result of other settings. Its
     config.yaml is read through the schema (a key added since takes its default, as it did then),
     output_dir is the stage's folder however spelled, and two paths to the same file are equal."""
-    import yaml
     try:
         data = yaml.safe_load((stage.out / "config.yaml").read_text()) or {}
         saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None

@@ -394,12 +394,12 @@ def collect(runs: list[dict]) -> dict:
                 else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
 
     def draws_sem(k: str) -> dict:  # over `fewshot_seeds` draws: from the draws where recorded, else from
-        sem = {}                      # the std that probes wrote before them (a population std)
-        for f in FAMILIES:
-            std, n, draws = table[f]["fewshot_std"].get(k), table[f]["fewshot_seeds"] or 0, table[f]["fewshot_draws"].get(k)
-            sem[f] = (None if std is None or n < 2 else std / math.sqrt(n - 1)) if draws is None else \
-                (float(np.std(draws[1], ddof=1) / math.sqrt(len(draws[1]))) if len(draws[1]) > 1 else None)
-        return sem
+        def one(row: dict):           # the std that probes wrote before them (a population std)
+            if row["fewshot_draws"].get(k) is not None:
+                return outcomes.sem(row["fewshot_draws"][k][1])
+            std, n = row["fewshot_std"].get(k), row["fewshot_seeds"] or 0
+            return None if std is None or n < 2 else std / math.sqrt(n - 1)
+        return {f: one(table[f]) for f in FAMILIES}
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES})

@@ -160,20 +160,18 @@ def _staged(out: Path) -> Iterator[Path]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(STAGING + "*"):
         shutil.rmtree(stale, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=STAGING, dir=out))
+    work, done = Path(tempfile.mkdtemp(prefix=STAGING, dir=out)), False
     try:
         (work / "new").mkdir()
         yield work / "new"
         (work / "old").mkdir()
         _replace(out, work / "new", work / "old")
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        for folder in made:  # deepest first; one that holds something else stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
+        done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for folder in [] if done else made:  # deepest first; one that holds something else stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] | None, seed: int = 0,
