@@ -8,9 +8,10 @@ scored on it; the best is retrained on all the labels, `seeds` times, and tested
 once per seed. Where the split could not separate the best value from the next (its lead under
 twice its paired standard error: a toss-up), `runner_up` also retrains the next with the same
 seeds, so that the report can give each figure the range that choice spans. `finetune.pool` is
-each arm's linear-probe choice (`finetune_pool: probe`; the probes run first): choosing it by
-probe costs one cheap frozen-feature fit per arm, where sweeping it would double every fine-tune
-sweep. Such run-time choices are `Choice`s of a stage (whether it runs at all, its `Condition`),
+chosen by a linear probe of the sweep's own training labels (`finetune_pool: auto`, i.e.
+finetune.pool=auto in the sweep stages; the finals take the best one's): one cheap frozen-feature
+fit per arm and label fraction, where sweeping it would double every fine-tune sweep, and a
+10%-label cell never leans on a probe of all the labels. Such run-time choices are `Choice`s of a stage (whether it runs at all, its `Condition`),
 read from the finished stages' metrics.json just before it starts.
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
@@ -144,21 +145,21 @@ def plan(cfg: CompareConfig) -> list[Stage]:
         pct = f"{frac * 100:g}pct"
         for arm in ("scratch", "mpp", "supervised"):
             base = common + [f"finetune.init={pre.get(arm, 'none')}", f"finetune.label_fraction={frac}"]
-            pool = []
-            if cfg.finetune_pool == "probe" and "finetune.pool" not in cfg.sweep:
-                pool = [Choice(f"finetune.pool: the choice of linear probe {arm}", ["finetune.pool=token"],
-                               lambda out=probes[arm]: [f"finetune.pool={_metrics(out)['pool']}"])]
+            choose = ["finetune.pool=auto"] if cfg.finetune_pool == "auto" and "finetune.pool" not in cfg.sweep else []
             sweep = []
             if cfg.sweep:
                 for point in points:
                     sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}", "finetune",
-                                       cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"],
-                                       root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}", list(pool)))
+                                       cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"] + choose,
+                                       root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}"))
                 stages += sweep
             outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
                            lambda outs=outs: best_point(points, outs))] if sweep else []
-            final = base + ["finetune.dev_fraction=0"]  # all the labels, tested on data.val, whatever the configs say
+            pool = [Choice("finetune.pool: the best sweep stage's, chosen on its training labels", ["finetune.pool=token"],
+                           lambda outs=outs: [f"finetune.pool={_ranked(outs)[0][1]['pool']}"])] if choose and sweep else []
+            # all the labels, tested on data.val, whatever the configs say; without a sweep each final chooses its pool
+            final = base + (choose if not sweep else []) + ["finetune.dev_fraction=0"]
             for seed in range(cfg.seeds):
                 stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune", cfg.finetune,
                                     final + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",

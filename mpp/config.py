@@ -66,7 +66,8 @@ class SupervisedConfig:
 class FinetuneConfig:
     """Fine-tuning (objective: classify): new zero-initialised linear head on the encoder."""
     init: str = "none"         # none (from scratch) | path to encoder.safetensors or a run dir
-    pool: str = "token"        # token ([class] token) | avg (mean of patch tokens)
+    pool: str = "token"        # token ([class] token) | avg (mean of patch tokens) | auto (the better one for a
+                               # linear probe on held-out features of this run's own training labels)
     label_fraction: float = 1.0  # class-balanced, seeded subset of the labeled train shards
     dev_fraction: float = 0.0  # > 0: hold out this class-balanced share of that subset, train on the rest
                                # and evaluate on it instead of data.val (to choose a recipe, never on test)
@@ -181,7 +182,8 @@ class CompareConfig:
     seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
                                # the report gives the figures it touches their range
-    finetune_pool: str = "probe"  # probe: each arm's finetune.pool is its linear probe's choice; config: the stage config's
+    finetune_pool: str = "auto"  # auto: each arm's finetune.pool chosen by a probe of its sweep's training labels
+                               # (finetune.pool=auto); config: the stage config's
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
     pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
@@ -197,7 +199,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from mpp.optim import OPTIMIZERS, SCHEDULES
     from mpp.runtime import ATTENTION, PRECISIONS
     return {"objective": tuple(OBJECTIVES), "model": tuple(PRESETS), "mpp.target": tuple(TARGETS),
-            "finetune.pool": POOLS, "finetune.head_init": HEAD_INITS, "probe.pool": ("auto", *POOLS),
+            "finetune.pool": ("auto", *POOLS), "finetune.head_init": HEAD_INITS, "probe.pool": ("auto", *POOLS),
             "optim.name": tuple(OPTIMIZERS), "optim.schedule": tuple(SCHEDULES), "train.precision": PRECISIONS,
             "train.attn": tuple(ATTENTION), "train.compile": tuple(COMPILE),
             "train.compile_mode": tuple(COMPILE_MODES)}
@@ -377,8 +379,9 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if cfg.seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' must be >= 1 and 'dev_fraction' in (0, 1), "
                           f"got {cfg.seeds} and {cfg.dev_fraction}")
-    if cfg.finetune_pool not in ("probe", "config"):
-        raise ConfigError(f"compare config key 'finetune_pool' is {cfg.finetune_pool!r}; choose probe or config")
+    if cfg.finetune_pool not in ("auto", "config"):
+        raise ConfigError(f"compare config key 'finetune_pool' is {cfg.finetune_pool!r}; choose auto (chosen on each "
+                          "fine-tune's own training labels; it replaced probe, the all-label probe's choice) or config")
     p = cfg.prepare
     src, out = as_list(p.shards_src), as_list(p.shards_out)
     if len(src) != len(out):

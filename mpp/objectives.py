@@ -209,9 +209,14 @@ class Task(nn.Module):
 
     def begin(self, cfg, device: torch.device, precision: str) -> dict | None:
         """Work before the first step of a fresh run (not on resume), on the device, in the main
-        process only. Returns None when it changed no weight; else the figures to record in
-        metrics.json (the trainer copies the weights to every rank and records the start's score)."""
+        process only. Returns None when it changed nothing; else the figures to record in
+        metrics.json (the trainer copies the weights to every rank, hands the figures to every
+        rank's `restore` and records the start's score)."""
         return None
+
+    def restore(self, begun: dict) -> None:
+        """Take up the choices `begin` recorded among its figures (on every rank, and again when
+        the run resumes, where `begin` does not run; none)."""
 
     def export(self, out_dir: Path) -> None:
         """Files beyond the encoder that the finished run leaves in its directory (none)."""
@@ -276,7 +281,7 @@ class LabelTask(Task):
 
     def __init__(self, encoder: nn.Module, data_cfg, head: nn.Module, pool: str, label_smoothing: float):
         super().__init__(encoder, data_cfg)
-        if pool not in POOLS:
+        if pool not in (*POOLS, "auto"):  # auto: chosen by `begin` before the first step
             raise ValueError(f"pool={pool!r}; choose one of {', '.join(POOLS)}")
         self.head, self.pool, self.label_smoothing = head, pool, label_smoothing
         encoder.mask_token.requires_grad_(False)
@@ -315,7 +320,9 @@ class ClassifyTask(LabelTask):
     label fraction of data.train and evaluated at the end (top-1/5). The head starts at zero (the
     paper) or, with finetune.head_init=probe, at the encoder's linear probe on the same training
     labels (LP-FT, Kumar et al. 2022: fine-tuning then starts where the probe ends instead of
-    first distorting the features to fit a blank head)."""
+    first distorting the features to fit a blank head). finetune.pool=auto chooses the
+    representation the way the linear probe does, but on this run's own training labels only (a
+    10%-label fine-tune must not lean on a probe of all the labels)."""
     final_eval = "classify"
 
     @classmethod
@@ -324,15 +331,25 @@ class ClassifyTask(LabelTask):
         return cls(encoder, cfg.data, _linear(encoder.embed_dim, num_classes, zero=True), f.pool, f.label_smoothing)
 
     def begin(self, cfg, device: torch.device, precision: str) -> dict | None:
-        if cfg.finetune.head_init != "probe":
+        f = cfg.finetune
+        if f.head_init != "probe" and f.pool != "auto":
             return None
-        from mpp.evaluators.linear_probe import probe_head  # only an LP-FT run pays for its import
-        fit = probe_head(self.encoder, cfg, pool=self.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
+        from mpp.evaluators.linear_probe import probe_head  # only a run that probes pays for its import
+        fit = probe_head(self.encoder, cfg, pool=f.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
                          device=device, precision=precision)
-        with torch.no_grad():
-            self.head.weight.copy_(fit.pop("weight"))
-            self.head.bias.copy_(fit.pop("bias"))
-        return {f"head_probe_{k}": v for k, v in fit.items()}  # its L2 and held-out top-1
+        weight, bias, chosen = fit.pop("weight"), fit.pop("bias"), fit.pop("pool")
+        figures = {f"head_probe_{k}": v for k, v in fit.items()}  # its L2 and held-out top-1s
+        if f.pool == "auto":
+            figures["pool"] = chosen
+        if f.head_init == "probe":
+            with torch.no_grad():
+                self.head.weight.copy_(weight)
+                self.head.bias.copy_(bias)
+        return figures
+
+    def restore(self, begun: dict) -> None:
+        if self.pool == "auto":
+            self.pool = begun["pool"]
 
     @classmethod
     def encoder_for(cls, cfg) -> nn.Module:
@@ -352,7 +369,7 @@ class ClassifyTask(LabelTask):
     def settings(self, cfg) -> dict:
         f = cfg.finetune
         return dict(init=f.init, label_fraction=f.label_fraction, dev_fraction=f.dev_fraction,
-                    split_seed=f.split_seed, seed=cfg.seed, pool=f.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr,
+                    split_seed=f.split_seed, seed=cfg.seed, pool=self.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr,
                     head_init=f.head_init)
 
 

@@ -278,6 +278,8 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
+    if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
+        chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
     return {"dev": dev, "chosen": chosen, "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}
 

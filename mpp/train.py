@@ -166,6 +166,7 @@ def setup(cfg: Config) -> Run:
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0,
                  "last": {}, "skipped": {}, "begun": begun}
     state.setdefault("begun", {})  # a checkpoint from before start-up figures were kept
+    task.restore(state["begun"])
     start = state["step"]
     scheduler.step_update(start)
     main = accelerator.is_main_process
@@ -184,18 +185,19 @@ def setup(cfg: Config) -> Run:
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
     """The Task's start-up work of a fresh run, by the main process alone (every rank then starts
-    from its weights), and when it changed weights, the start scored on the final evaluation's
-    data (e.g. LP-FT's probe head): the figures metrics.json records."""
+    from its weights and its choices), and when it changed anything, the start scored on the
+    final evaluation's data (e.g. LP-FT's probe head): the figures metrics.json records."""
     begun = task.begin(cfg, accelerator.device, precision) if accelerator.is_main_process else None
-    changed = begun is not None
     if accelerator.num_processes > 1:
-        changed = broadcast_object_list([changed])[0]
-        for p in task.parameters() if changed else ():
+        begun = broadcast_object_list([begun])[0]
+        for p in task.parameters() if begun is not None else ():
             torch.distributed.broadcast(p.data, 0)
-    if changed and final is not None:
-        start = final.run(task)
-        begun = {**(begun or {}), "start_top1": start["top1"],
-                 **({"start_outcomes": start["outcomes"]} if "outcomes" in start else {})}
+    if begun is not None:
+        task.restore(begun)
+        if final is not None:
+            start = final.run(task)
+            begun = {**begun, "start_top1": start["top1"],
+                     **({"start_outcomes": start["outcomes"]} if "outcomes" in start else {})}
     return begun or {}
 
 

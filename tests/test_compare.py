@@ -48,7 +48,7 @@ def test_plan_covers_every_stage_and_wires_inits(tmp_path):
     stages = plan(cfg)
     names = [s.name for s in stages]
     assert names[:5] == ["pre-train mpp", "pre-train supervised", "linear probe mpp", "linear probe supervised",
-                         "linear probe scratch"]  # probes first: fine-tunes take their representation
+                         "linear probe scratch"]
     assert sum(n.startswith("fine-tune") for n in names) == 6  # 3 inits x 2 label fractions, no sweep, 1 seed
     assert "probe.encoder=none" in {s.name: s for s in stages}["linear probe scratch"].overrides
     longer = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data"), ["pretrain_overrides=[steps=5]"]))
@@ -59,10 +59,8 @@ def test_plan_covers_every_stage_and_wires_inits(tmp_path):
     assert f"finetune.init={tmp_path / 'runs' / 'pretrain_mpp'}" in ft.overrides
     assert "finetune.label_fraction=0.5" in ft.overrides and "seed=0" in ft.overrides
     assert ft.args(resolved=False)[-1] == f"output_dir={ft.out}"  # compare decides where each stage writes
-    probe = tmp_path / "runs" / "probe_mpp"
-    probe.mkdir(parents=True)
-    (probe / "metrics.json").write_text(json.dumps({"pool": "avg"}))
-    assert "finetune.pool=avg" in ft.args() and "finetune.pool=token" in ft.args(resolved=False)
+    # without a sweep each fine-tune chooses its representation on its own training labels
+    assert "finetune.pool=auto" in ft.overrides and not ft.choices
 
 
 def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
@@ -84,11 +82,15 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     assert all(s.overrides[-2:] == ["finetune.dev_fraction=0", f"seed={s.out.name[-1]}"] for s in finals + runner_ups)
     assert [o for o in finals[1].overrides if o.startswith("seed=")] == ["seed=1"]
     validate(cfg, list(stages.values()))  # every grid value and the finals' placeholders resolve
-    for s, top1 in zip(sweeps, (0.4, 0.6, 0.5)):
+    # the sweep chooses the representation on its own training labels; the finals take the best
+    # stage's, never the all-label probe's (a 10%-label cell must not lean on all the labels)
+    assert all("finetune.pool=auto" in s.overrides for s in sweeps)
+    assert all("finetune.pool=auto" not in s.overrides for s in finals + runner_ups)
+    for s, top1, pool in zip(sweeps, (0.4, 0.6, 0.5), ("avg", "token", "avg")):
         s.out.mkdir(parents=True)
-        (s.out / "metrics.json").write_text(json.dumps({"top1": top1, "evaluated_on": "dev"}))
+        (s.out / "metrics.json").write_text(json.dumps({"top1": top1, "evaluated_on": "dev", "pool": pool}))
     (tmp_path / "runs" / "probe_scratch").mkdir(parents=True)
-    (tmp_path / "runs" / "probe_scratch" / "metrics.json").write_text(json.dumps({"pool": "token"}))
+    (tmp_path / "runs" / "probe_scratch" / "metrics.json").write_text(json.dumps({"pool": "avg"}))
     assert finals[0].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.03"]
     assert runner_ups[1].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.1"]  # the second best, 0.5
     assert not runner_ups[0].when.holds()  # no per-image outcomes: no toss-up can be claimed
@@ -105,7 +107,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
         finals[0].args()
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
-    assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "the choice of linear probe mpp" in out
+    assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out
     assert "runs only if the best value's dev lead over it is under twice its standard error" in out
     assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
@@ -170,10 +172,10 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     ran = [s for s in stages if (s.out / "metrics.json").is_file()]
     ft = json.loads((runs / "finetune_mpp_50pct" / "seed1" / "metrics.json").read_text())
     assert 0.0 <= ft["top1"] <= 1.0 and ft["label_fraction"] == 0.5 and ft["evaluated_on"] == "val"
-    probe_pool = json.loads((runs / "probe_mpp" / "metrics.json").read_text())["pool"]
-    assert ft["pool"] == probe_pool and ft["seed"] == 1 and ft["dev_fraction"] == 0
+    assert ft["seed"] == 1 and ft["dev_fraction"] == 0
     sweep = [json.loads((runs / "finetune_mpp_50pct" / f"sweep_lr{lr}" / "metrics.json").read_text())
              for lr in (0.01, 0.1)]
+    assert ft["pool"] == sweep[0]["pool"] == sweep[1]["pool"] in ("token", "avg")  # one choice for the cell
     assert all(m["evaluated_on"] == "dev" and m["train_samples"] < ft["train_samples"] for m in sweep)
     best = 0.01 if sweep[0]["top1"] >= sweep[1]["top1"] else 0.1
     assert ft["lr"] == best and report["recipes"]["mpp"]["0.5"]["chosen"]["optim.lr"] == best

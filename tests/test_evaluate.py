@@ -20,6 +20,7 @@ from PIL import Image
 
 import mpp.evaluators.features
 import mpp.evaluators.linear_probe
+import mpp.objectives
 from mpp import outcomes
 from mpp.config import build_config
 from mpp.evaluators import create
@@ -335,6 +336,30 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     assert auto["top1"] > 0.6 and forced["pool"] == "token" and forced["top1"] < 0.5
     assert auto["5shot_mean"] > forced["5shot_mean"] + 0.2
     assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["pool"] == "avg"
+
+
+def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
+    """finetune.pool=auto chooses the representation as the probe does, but on the run's own
+    training labels: the patch mean for an encoder whose [class] output is constant, under a zero
+    head as under a probe head; the choice is recorded, and kept when the run resumes (where the
+    choice is not made again)."""
+    from mpp.train import train
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    encoder.vit.norm.register_forward_hook(lambda m, i, t: torch.cat([torch.zeros_like(t[:, :1]), t[:, 1:]], dim=1))
+    run = dict(objective="classify", steps=1, data={"eval_crop_pct": 1.0}, train={"attn": "math"},
+               optim={"name": "sgd", "warmup_steps": 1, "weight_decay": 0.0})  # one step at lr 0: nothing moves
+    tune = {"init": str(tmp_path), "pool": "auto", "label_fraction": 0.5, "dev_fraction": 0.25}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)  # the hooked encoder stands for a loaded one
+        zero = train(_cfg(shards, tmp_path / "zero", finetune=tune, **run))
+        probe = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"}, **run))
+        longer = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"},
+                            **{**run, "steps": 2, "optim": {**run["optim"], "warmup_steps": 2}}))
+    for m in (zero, probe, longer):
+        assert m["pool"] == "avg", m
+        assert m["head_probe_pool_heldout_top1"]["avg"] > 0.6 > 0.5 > m["head_probe_pool_heldout_top1"]["token"]
+    assert probe["top1"] > 0.6 and probe["evaluated_on"] == "dev"  # the probe head on the patch mean
 
 
 @pytest.mark.slow

@@ -142,11 +142,12 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
                 "objective": "classify", "seed": 0, "optim": {"lr": lr},
                 "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.1, "pool": "avg"}},
                 {"top1": dev, "evaluated_on": "dev"}))
+        pool = "auto" if fam == "scratch" else "avg"  # scratch's finals chose their own (finetune.pool=auto)
         for seed, acc in enumerate(accs):
             runs.append(_run(root, f"ft_{fam}/seed{seed}", {
                 "objective": "classify", "seed": seed, "optim": {"lr": 0.03},
-                "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": "avg"}},
-                {"top1": acc, "evaluated_on": "val"}))
+                "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": pool}},
+                {"top1": acc, "evaluated_on": "val", "pool": "token" if pool == "auto" else pool}))
     runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
                      {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1 / 30000,
                       "probe_val_top1": {"3.33333e-05": 0.46, "0.01": 0.44, "1": 0.3},  # keys as :g writes them
@@ -165,6 +166,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert g["significant"] == {"supervised_minus_mpp": False, "mpp_minus_scratch": True,
                                 "supervised_minus_scratch": True}
     assert rep["recipes"]["mpp"]["0.1"]["chosen"] == {"optim.lr": 0.03, "finetune.pool": "avg"}
+    assert rep["recipes"]["scratch"]["0.1"]["chosen"]["finetune.pool"] == "token"  # what auto chose
     assert [x["dev_top1"] for x in rep["recipes"]["mpp"]["0.1"]["dev"]] == [0.5, 0.55]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md

@@ -180,9 +180,9 @@ def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
 
 
 def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
-    """Two gloo ranks: MPP pre-training, then (same processes) a fine-tune from it, its head started
-    at the main process's linear probe, whose evaluation counts every test image once across the
-    ranks; both ranks end with the same weights."""
+    """Two gloo ranks: MPP pre-training, then (same processes) a fine-tune from it, its head and its
+    representation (finetune.pool=auto) taken from the main process's linear probe, whose
+    evaluation counts every test image once across the ranks; both ranks end with the same weights."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
         import sys
@@ -196,7 +196,8 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
         cfg = load_config(None, sys.argv[1:])
         mpp.train.train(cfg)
         ft = load_config(None, sys.argv[1:] + ["objective=classify", f"finetune.init={cfg.output_dir}",
-                                               "finetune.head_init=probe", f"output_dir={cfg.output_dir}/ft"])
+                                               "finetune.head_init=probe", "finetune.pool=auto",
+                                               f"output_dir={cfg.output_dir}/ft"])
         mpp.train.train(ft)
         for task, out in zip(tasks, (cfg.output_dir, ft.output_dir)):
             save_model(task, f"{out}/rank{dist.get_rank()}.safetensors")
@@ -214,6 +215,7 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 6
     ft = json.loads((tmp_path / "ft/metrics.json").read_text())
     assert ft["val_samples"] == 64 and ft["head_init"] == "probe" and "head_probe_l2" in ft
+    assert ft["pool"] in ("token", "avg")
     _, correct = outcomes.read(ft["outcomes"])  # both ranks' images, gathered
     assert len(correct) == 64 and correct.mean() == pytest.approx(ft["top1"])
 

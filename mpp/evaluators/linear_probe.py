@@ -157,14 +157,16 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str) -> dict:
-    """The linear probe of frozen `encoder` on its `pool` features of the labeled `subset` of
-    data.train (as `make_loader` takes it), the L2 chosen on a held-out part (probe.val_fraction,
-    split by finetune.split_seed): {weight (C, D), bias (C,), l2, heldout_top1}, the starting head
-    of a fine-tune with finetune.head_init=probe. Features and the head go through the feature
-    cache: a comparison's sweep points and seeds start from the same encoder and labels, and the
-    head is fitted once for all of them (an unreadable cached head is fitted and written again)."""
-    cache, p = feature_cache_dir(cfg), cfg.probe
-    features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=(pool,), img_size=encoder_img_size(encoder),
+    """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
+    chosen with the L2 on the held-out part) of the labeled `subset` of data.train (as
+    `make_loader` takes it), the L2 chosen on a held-out part (probe.val_fraction, split by
+    finetune.split_seed): {weight (C, D), bias (C,), pool, l2, heldout_top1, pool_heldout_top1
+    (each candidate's best)}, the starting head of a fine-tune with finetune.head_init=probe and
+    the representation of one with finetune.pool=auto. Features and the head go through the
+    feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
+    and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
+    cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
+    features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
     key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes])
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
@@ -172,20 +174,20 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     def read(file: Path) -> dict:
         with safe_open(str(file), "pt") as f:
             meta = f.metadata()
-            return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), "l2": float(meta["l2"]),
-                    "heldout_top1": float(meta["heldout_top1"])}
+            return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), **json.loads(meta["fit"])}
     if (cached := read_cached(path, read)) is not None:
         return cached
-    x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=(pool,), num_samples=cfg.data.num_samples,
+    x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
                             cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
-    _, l2, scores, head = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
-                                       l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
-    weight, bias = fit_linear_head(x[pool], y, num_classes, l2, init=head)
+    chosen, l2, scores, head = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
+                                            l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
+    weight, bias = fit_linear_head(x[chosen], y, num_classes, l2, init=head)
+    fit = {"pool": chosen, "l2": l2, "heldout_top1": scores[chosen][l2],
+           "pool_heldout_top1": {n: max(s.values()) for n, s in scores.items()}}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        save_file({"weight": weight, "bias": bias}, str(tmp),
-                  metadata={"l2": repr(l2), "heldout_top1": repr(scores[pool][l2])})
-    return {"weight": weight, "bias": bias, "l2": l2, "heldout_top1": scores[pool][l2]}
+        save_file({"weight": weight, "bias": bias}, str(tmp), metadata={"fit": json.dumps(fit)})
+    return {"weight": weight, "bias": bias, **fit}
 
 
 class Evaluator:
