@@ -176,8 +176,9 @@ class CompareConfig:
     probe: str = ""            # linear-probe config; probe.encoder set per run
     label_fractions: tuple = (0.1, 1.0)
     sweep: dict = field(default_factory=dict)  # fine-tune config key -> values tried on the dev split,
-                               # e.g. {optim.lr: [0.01, 0.03]}; several keys: every combination; an override
-                               # sweep={...} replaces the file's grid, sweep.KEY=[...] one key's values
+                               # e.g. {optim.lr: [0.01, 0.03]}; several keys: every combination; a file's
+                               # sweep replaces its base's grid, an override sweep={...} the file's, and
+                               # sweep.KEY=[...] sets one key's values
     dev_fraction: float = 0.1  # class-balanced share of each fine-tune's labels held out to choose the sweep value
     seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
@@ -188,6 +189,11 @@ class CompareConfig:
     pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+
+# compare config keys whose mapping is one value (a grid), not settings: a file's replaces its base's
+# and `KEY=...` the file's (`KEY.SUB=...` sets one entry); sections merge key by key, lists replace
+WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "dict")
 
 
 def choices() -> dict[str, tuple[str, ...]]:
@@ -315,17 +321,20 @@ def parse_overrides(overrides: list[str]) -> dict:
     return out
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def _merge(base: dict, extra: dict, whole: tuple = ()) -> dict:
+    """`extra` over `base`: mappings merge key by key, except the top-level keys in `whole`, which
+    (like lists and scalars) `extra` replaces."""
     for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
+        if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in whole:
             _merge(base[k], v)
         else:
             base[k] = v
     return base
 
 
-def load_yaml(path: str | Path, _seen: tuple = ()) -> dict:
-    """Read a YAML mapping; `base: other.yaml` (relative to the file) is merged in first."""
+def load_yaml(path: str | Path, whole: tuple = (), _seen: tuple = ()) -> dict:
+    """Read a YAML mapping; `base: other.yaml` (relative to the file) is merged in first (`whole`:
+    the keys whose mapping the file replaces, see `_merge`)."""
     path = Path(path)
     if path.resolve() in _seen:
         raise ConfigError(f"config file '{path}' includes itself through 'base:' ({' -> '.join(p.name for p in _seen)} "
@@ -343,7 +352,7 @@ def load_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     if base:
         if not isinstance(base, str):
             raise ConfigError(f"config file '{path}': 'base' must be the path of another config file")
-        data = _merge(load_yaml(path.parent / base, _seen + (path.resolve(),)), data)
+        data = _merge(load_yaml(path.parent / base, whole, _seen + (path.resolve(),)), data, whole)
     return data
 
 
@@ -362,9 +371,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def load_compare_config(path: str | Path, overrides: list[str] | None = None) -> CompareConfig:
     """The comparison's own config (its stage configs are validated by mpp.compare)."""
-    cfg, data = CompareConfig(), load_yaml(path)
-    if any(o.split("=", 1)[0].strip() == "sweep" for o in overrides or []):
-        data.pop("sweep", None)  # sweep=GRID is the whole grid, not keys to add to the file's (sweep={}: none)
+    cfg, data = CompareConfig(), load_yaml(path, WHOLE)
+    for key in {o.split("=", 1)[0].strip() for o in overrides or []} & set(WHOLE):
+        data.pop(key, None)  # sweep=GRID is the whole grid, not keys to add to the file's (sweep={}: none)
     _apply(cfg, _merge(data, parse_overrides(overrides or [])), root=CompareConfig)
     for key in ("mpp", "supervised", "finetune", "probe"):
         if not getattr(cfg, key):

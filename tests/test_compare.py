@@ -134,6 +134,20 @@ def test_a_sweep_override_replaces_the_grid(tmp_path):
         "optim.lr": [0.1, 0.3], "optim.weight_decay": [0]}
 
 
+def test_a_files_sweep_replaces_its_bases_grid(tmp_path):
+    """A compare config's `sweep` is one grid: a file that inherits another (`base:`) and sweeps
+    optim.lr sweeps only that, as `sweep=...` on the command line does (it was merged into the
+    base's: both keys swept); a file without `sweep` keeps the base's, and sections still merge."""
+    base = _write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.weight_decay: [0, 0.1]}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: compare.yaml\nsweep: {optim: {lr: [0.1, 0.3]}}\nprepare: {synthetic_test: 20}\n")
+    cfg = load_compare_config(child)
+    assert cfg.sweep == {"optim.lr": [0.1, 0.3]}
+    assert (cfg.prepare.synthetic_test, cfg.prepare.synthetic_train) == (20, 120)
+    child.write_text("base: compare.yaml\nseeds: 2\n")
+    assert load_compare_config(child).sweep == load_compare_config(base).sweep == {"optim.weight_decay": [0, 0.1]}
+
+
 def test_bad_stage_key_fails_before_any_work(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", stage_extra=", mpp.ratioo=0.3")
     cfg = load_compare_config(path)
