@@ -87,7 +87,7 @@ class Run:
     state: dict                # totals of the earlier, checkpointed segments
     periodic: list             # (name, every, evaluator) run on the encoder during training
     final: Any                 # the Task's final evaluator, or None
-    writer: Any                # TensorBoard (main process only)
+    writer: Any                # TensorBoard (main process only, from the first step: `_record`)
     bar: tqdm
     t_begin: float = field(default_factory=time.time)
     t_loop: float = field(default_factory=time.perf_counter)
@@ -105,7 +105,7 @@ class Run:
 
 def setup(cfg: Config) -> Run:
     """Check, build and resume everything the run needs; nothing in the run directory changes
-    before the lock is taken and the checkpoint to resume from has loaded."""
+    but its lock (config.yaml and TensorBoard wait for the first step, see `_record`)."""
     t_begin = time.time()
     _check_settings(cfg)
     die_with_launcher()
@@ -156,10 +156,8 @@ def setup(cfg: Config) -> Run:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
                           f"steps; give steps (or epochs) of at least {state['step']}, or train.resume=none and "
                           "another output_dir")
-    if accelerator.is_main_process:
-        if resume and (out / "config.yaml").is_file():
-            _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
-        save_config(cfg, out / "config.yaml")
+    if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
+        _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
     if not resume:
         begun = _begin(cfg, accelerator, task, final, precision)
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
@@ -178,7 +176,7 @@ def setup(cfg: Config) -> Run:
         # `batches.counted`: the skips of the batches handed out, not the look-ahead's
         batches=DevicePrefetcher(_batches(loader, start * accum), device, counters=loader.counters),
         steps=steps, start=start, state=state, periodic=periodic, final=final,
-        writer=SummaryWriter(str(out / "tensorboard"), purge_step=start) if main else None,
+        writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
         t_begin=t_begin, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
 
@@ -235,6 +233,7 @@ def loop(run: Run) -> None:
         run.win.add_step(grad_norm, finite)
         run.bad.add(finite)
         run.bar.update(1)
+        _record(run)
 
         # -- log: one gather of the window's sums every log_every steps
         if log_now:
@@ -263,6 +262,7 @@ def finish(run: Run) -> dict:
     cfg, accelerator, task, out = run.cfg, run.accelerator, run.task, run.out
     run.bar.close()
     run.loader.close()  # stops the data workers (an epoch may be unfinished)
+    _record(run)  # a run resumed at its last step did none
     totals = _totals(run)
     _check_export(task.encoder, int(run.bad.run.item()), list_checkpoints(out / "checkpoints"))
     if accelerator.is_main_process:
@@ -297,6 +297,16 @@ def finish(run: Run) -> dict:
 
 
 # ---- the loop's helpers
+
+
+def _record(run: Run) -> None:
+    """Write config.yaml and open TensorBoard (main process, once): after this segment's first
+    step, so that a run that fails before it (bad data, start-up) leaves neither. config.yaml then
+    always holds the settings the run last trained with, never those of an attempt that trained
+    nothing, which the next resume would warn against (and a fresh run's directory is removed)."""
+    if run.accelerator.is_main_process and run.writer is None:
+        save_config(run.cfg, run.out / "config.yaml")
+        run.writer = SummaryWriter(str(run.out / "tensorboard"), purge_step=run.start)
 
 
 def _sample_weights(accelerator, micro: list[dict]) -> list:

@@ -26,6 +26,7 @@ import mpp.train
 from colours import write_colours
 from mpp import outcomes
 from mpp.config import ConfigError, build_config, load_config
+from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
 from mpp.models import load_encoder
 from mpp.train import NonFiniteError, train
@@ -346,6 +347,23 @@ def test_a_finished_run_resumes_to_nothing_and_keeps_its_figures(mpp_run, tmp_pa
     after = train(load_config(mpp_run / "config.yaml"))
     assert after["loss"] == before["loss"] and after["steps"] == 24
     assert_same(weights(mpp_run / "encoder.safetensors"), encoder)
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tmp_path):
+    """A run stopped before its first step (every image corrupt: the first batch fails) writes no
+    config.yaml or TensorBoard events: a fresh one leaves no directory, and a resume keeps the
+    config.yaml of the steps its checkpoints trained, which the next resume compares against (it
+    was overwritten, and that resume warned of 'changes' from settings that never trained)."""
+    from shardutil import write_shards
+    bad, _ = write_shards(tmp_path / "bad", [8, 8], extra=lambda s, j: {"png": b"not an image"})
+    with pytest.raises(DataError, match="decoded no samples"):
+        train(config(settings(data, tmp_path / "fresh", **{"data.train": bad})))
+    assert not (tmp_path / "fresh").exists()
+    run = shutil.copytree(mpp_run, tmp_path / "run")  # finished at step 24
+    before = {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]}
+    with pytest.raises(DataError, match="decoded no samples"):
+        train(config(settings(data, run, steps=32, **{"data.train": bad, "optim.lr": 1e-3})))
+    assert {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]} == before
 
 
 def test_resumed_run_counts_skipped_samples_once(tmp_path):
