@@ -213,15 +213,32 @@ def create_encoder(preset: str, img_size: int = 0, drop_path: float = 0.0, attn:
     return MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
 
 
-def save_encoder(encoder: MaskedEncoder, out_dir: str | Path) -> Path:
-    """Write `encoder.safetensors` (timm keys) and `model.json` ({"name", "kwargs"}) to `out_dir`."""
+def save_encoder(encoder: MaskedEncoder, out_dir: str | Path, data=None) -> Path:
+    """Write `encoder.safetensors` (timm keys) and `model.json` ({"name", "kwargs"}, and with `data`,
+    the run's DataConfig, the input normalisation it trained on: "mean", "std") to `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in encoder.encoder_state_dict().items()}
     with atomic_path(out / "encoder.safetensors") as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
-    write_atomic(out / "model.json", json.dumps(encoder.model_spec(), indent=2) + "\n")
+    norm = _normalisation(data) if data is not None else {}
+    write_atomic(out / "model.json", json.dumps({**encoder.model_spec(), **norm}, indent=2) + "\n")
     return out / "encoder.safetensors"
+
+
+def _normalisation(data) -> dict:
+    """A DataConfig's input normalisation as model.json records it."""
+    return {"mean": [float(v) for v in data.mean], "std": [float(v) for v in data.std]}
+
+
+def _check_normalisation(weights: Path, norm: dict, data) -> None:
+    """Stop when `norm` (model.json's "mean" and "std"; {} from an older export) is not `data`'s."""
+    ours = _normalisation(data)
+    if norm and norm != ours:
+        def spell(n: dict) -> str:  # as overrides: data.mean=[0.5,0.5,0.5] ...
+            return " ".join(f"data.{k}=[{','.join(map(repr, n[k]))}]" for k in ("mean", "std"))
+        raise ConfigError(f"encoder {weights} was trained on inputs normalised with {spell(norm)}, but this run "
+                          f"normalises with {spell(ours)}; set {spell(norm)} (the encoder's)")
 
 
 def _grid(img_size, patch_size: int) -> list[int]:
@@ -237,11 +254,15 @@ def mismatched(module: nn.Module, shapes: dict) -> list[str]:
                                               tuple(want[k].shape) != tuple(shapes[k])]
 
 
-def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto") -> MaskedEncoder:
+def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto",
+                 data=None) -> MaskedEncoder:
     """An encoder from a run dir or an `encoder.safetensors` next to its `model.json` (safetensors only).
 
     With `img_size` different from the saved one (same patch size), the position embeddings are
-    resampled with timm's `resample_abs_pos_embed`. The mask token is freshly initialised.
+    resampled with timm's `resample_abs_pos_embed`. The mask token is freshly initialised. With
+    `data` (the DataConfig of the run that will feed it), an encoder whose model.json records
+    another input normalisation is refused before anything is built: it would see inputs it never
+    saw (a model.json of an older export, which records none, is trusted).
     """
     path = Path(path)
     weights = path / "encoder.safetensors" if path.is_dir() else path
@@ -251,12 +272,15 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     try:
         spec = json.loads(spec_file.read_text())
         name, kwargs = spec["name"], dict(spec["kwargs"])
+        norm = {k: [float(x) for x in spec[k]] for k in ("mean", "std")} if {"mean", "std"} & set(spec) else {}
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
     if not isinstance(name, str) or not timm.is_model(name):
         raise ConfigError(f"{spec_file} names {name!r}, which is not a timm model; give the model.json its "
                           "encoder was exported with")
+    if data is not None:
+        _check_normalisation(weights, norm, data)
     old_img = kwargs.get("img_size", 224)
     if img_size:
         kwargs["img_size"] = img_size

@@ -359,7 +359,7 @@ class ClassifyTask(LabelTask):
         if not Path(f.init).exists():
             raise ConfigError(f"finetune.init={f.init!r} does not exist; give a pre-training run directory, "
                               "an encoder.safetensors (with model.json beside it) or none")
-        return load_encoder(f.init, img_size=cfg.img_size, drop_path=f.drop_path, attn=cfg.train.attn)
+        return load_encoder(f.init, img_size=cfg.img_size, drop_path=f.drop_path, attn=cfg.train.attn, data=cfg.data)
 
     @classmethod
     def subset(cls, cfg) -> tuple:

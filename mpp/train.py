@@ -266,7 +266,7 @@ def finish(run: Run) -> dict:
     totals = _totals(run)
     _check_export(task.encoder, int(run.bad.run.item()), list_checkpoints(out / "checkpoints"))
     if accelerator.is_main_process:
-        save_encoder(task.encoder, out)
+        save_encoder(task.encoder, out, cfg.data)  # with the normalisation a fine-tune must use
         task.export(out)
     encoder = task.encoder
     img_size = encoder_img_size(encoder)

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from mpp.config import DataConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs/errors.md"
 SMALL = ["model=vit_micro4_32", "batch_size=8", "steps=2", "data.num_workers=0", "train.attn=math"]
@@ -66,11 +68,12 @@ def _synthetic(tmp: Path, manifest: str | None = None) -> None:
         (tmp / "syn/train/manifest.json").write_text(manifest)
 
 
-def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None) -> Path:
-    """A run directory with an exported encoder, its model.json or weights replaced when given."""
+def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None, data=None) -> Path:
+    """A run directory with an exported encoder (trained with the DataConfig `data`, when given: its
+    normalisation recorded), its model.json or weights replaced when given."""
     from mpp.models import create_encoder, save_encoder
     out = tmp / "enc"
-    save_encoder(create_encoder("vit_micro4_32", attn="math"), out)
+    save_encoder(create_encoder("vit_micro4_32", attn="math"), out, data)
     if spec is not None:
         (out / "model.json").write_text(spec if isinstance(spec, str) else json.dumps(spec))
     if weights is not None:
@@ -127,6 +130,9 @@ def FT(t):
 def FS(t):
     """TRAIN evaluating few-shot every step on the labeled train/ and val/ sets."""
     return [*TRAIN(t), "fewshot.every=1", f"fewshot.train={t}/data/train", f"fewshot.test={t}/data/val"]
+
+
+IMAGENET = DataConfig(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))  # not the runs' default normalisation
 
 
 def OLD(t):
@@ -206,6 +212,10 @@ CASES = [
      lambda t: _encoder(t, weights=(_encoder(t) / "encoder.safetensors").read_bytes()[:300])),
     ("pickled encoder.safetensors", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
      lambda t: _encoder(t, weights=_pickle())),
+    ("fine-tune of an encoder trained on inputs normalised otherwise", "finetune",
+     lambda t: [*FT(t), f"finetune.init={t}/enc"], lambda t: _encoder(t, data=IMAGENET)),
+    ("probe of an encoder trained on inputs normalised otherwise", "linear_probe",
+     lambda t: [*FT(t), f"probe.encoder={t}/enc"], lambda t: _encoder(t, data=IMAGENET)),
     ("probe: data.val with other classes", "linear_probe",
      lambda t: [*TRAIN(t), f"data.val={t}/data/other", "probe.encoder=none"], None),
     ("probe: unlabeled data.val (checked before the features)", "linear_probe",

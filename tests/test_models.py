@@ -5,6 +5,7 @@ import pytest
 import timm
 import torch
 
+from mpp.config import ConfigError, DataConfig
 from mpp.models import PRESETS, create_encoder, load_encoder, save_encoder
 from mpp.objectives import Corruption
 
@@ -90,6 +91,26 @@ def test_load_encoder_same_and_new_resolution(encoder, tmp_path):
     assert (back.vit.pos_embed - encoder.vit.pos_embed).abs().mean() < encoder.vit.pos_embed.abs().mean()
     with torch.no_grad():
         assert big(torch.randn(2, 3, 48, 48)).shape == (2, 145, 64)
+
+
+def test_an_encoder_refuses_inputs_normalised_otherwise(encoder, tmp_path):
+    """model.json records the input normalisation the encoder trained on (a fine-tune or probe that
+    normalised otherwise fed it inputs it never saw, silently); loading it for such a run stops in
+    one line naming both and the fix. A model.json without one (an older export) loads as before."""
+    imagenet = DataConfig(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    save_encoder(encoder, tmp_path / "new", imagenet)
+    spec = json.loads((tmp_path / "new/model.json").read_text())
+    assert (spec["mean"], spec["std"]) == ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    load_encoder(tmp_path / "new", data=imagenet)
+    with pytest.raises(ConfigError) as e:
+        load_encoder(tmp_path / "new", data=DataConfig())
+    theirs = "data.mean=[0.485,0.456,0.406] data.std=[0.229,0.224,0.225]"
+    assert str(e.value) == (f"encoder {tmp_path / 'new/encoder.safetensors'} was trained on inputs normalised with "
+                            f"{theirs}, but this run normalises with data.mean=[0.5,0.5,0.5] data.std=[0.5,0.5,0.5]; "
+                            f"set {theirs} (the encoder's)")
+    save_encoder(encoder, tmp_path / "old")
+    assert set(json.loads((tmp_path / "old/model.json").read_text())) == {"name", "kwargs"}
+    load_encoder(tmp_path / "old", data=imagenet)
 
 
 def test_load_encoder_errors(tmp_path):

@@ -249,7 +249,7 @@ def run_linear_probe(cfg: Config) -> dict:
         set_seed(cfg.seed)
         encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
     else:
-        encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+        encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn, data=cfg.data).to(device)
     metrics = {"kind": "linear_probe", "encoder": str(encoder_path), **evaluator.run(encoder), "config": to_dict(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")

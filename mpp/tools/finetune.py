@@ -6,7 +6,8 @@ synthetic configs).
   mpp-finetune --config configs/synthetic_finetune.yaml finetune.init=runs/mpp [key=value ...]
 
 finetune.init: none (from scratch), a pre-training run directory or an encoder.safetensors with its
-model.json; finetune.label_fraction trains on a class-balanced seeded subset of the labels.
+model.json (data.mean and data.std must be the ones it recorded); finetune.label_fraction trains on
+a class-balanced seeded subset of the labels.
 Writes OUTPUT_DIR/metrics.json with top1, top5 and the run's settings, plus what pre-training writes.
 """
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
   mpp-probe --config configs/synthetic_probe.yaml probe.encoder=runs/synthetic/mpp output_dir=runs/probe_mpp
 
-Features of data.train / data.val are cached (probe.cache_dir); OUT/metrics.json gets `top1`,
-`top5` (linear), `{k}shot_mean` / `{k}shot_std` and, for the gap report's noise, each shot draw's
-figures and every test sample's outcome; the figures are printed.
+probe.encoder: a pre-training run directory or its encoder.safetensors (data.mean and data.std must be
+the ones its model.json recorded), or none (a randomly initialised model). Features of data.train /
+data.val are cached (probe.cache_dir); OUT/metrics.json gets `top1`, `top5` (linear),
+`{k}shot_mean` / `{k}shot_std` and, for the gap report's noise, each shot draw's figures and every
+test sample's outcome; the figures are printed.
 """
 from __future__ import annotations
 
