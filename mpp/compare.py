@@ -18,7 +18,8 @@ Each stage runs as its own process (so a crash loses one stage, memory is freed 
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
 skipped, so running the comparison again resumes it, unless the settings it ran with (its
 `config.yaml`) are not the ones planned now: a changed config is an error, not a silently reused
-result. Every stage config is resolved and validated before the first stage starts.
+result (keys of speed and logging alone, mpp.config.RESULT_NEUTRAL, may differ). Every stage
+config is resolved and validated before the first stage starts.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ from typing import Callable
 import yaml
 
 from mpp import outcomes
-from mpp.config import (CompareConfig, ConfigError, as_list, build_config, flatten, load_config, parse_overrides,
-                        to_dict)
+from mpp.config import (RESULT_NEUTRAL, CompareConfig, ConfigError, as_list, build_config, flatten, load_config,
+                        parse_overrides, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead
 
@@ -195,7 +196,9 @@ def check_unchanged(stage: Stage) -> None:
     """A finished stage must have run with the settings planned now (its run-time choices read from
     the finished stages before it); else resuming would report a result of other settings. Its
     config.yaml is read through the schema (a key added since takes its default, as it did then),
-    output_dir is the stage's folder however spelled, and two paths to the same file are equal."""
+    output_dir is the stage's folder however spelled, and two paths to the same file are equal.
+    Keys of speed and logging alone (mpp.config.RESULT_NEUTRAL: data.cache_mb, train.log_every,
+    train.ckpt_every, train.keep_ckpts, train.resume, train.image_every, probe.cache_dir) may differ."""
     try:
         data = yaml.safe_load((stage.out / "config.yaml").read_text()) or {}
         saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
@@ -206,7 +209,7 @@ def check_unchanged(stage: Stage) -> None:
                           f"read, so what it ran is unknown; delete {stage.out} to run it again")
     now = flatten(to_dict(load_config(stage.config, stage.args())))
     changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
-               if k != "output_dir" and not _same(saved.get(k), now.get(k))]
+               if k != "output_dir" and k not in RESULT_NEUTRAL and not _same(saved.get(k), now.get(k))]
     if changed:
         raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} with other settings ("
                           f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "

@@ -195,6 +195,15 @@ class CompareConfig:
 # and `KEY=...` the file's (`KEY.SUB=...` sets one entry); sections merge key by key, lists replace
 WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "dict")
 
+# Keys that change how fast a run goes or what it logs, never what it computes: a finished run of
+# other values is the run of these (compare resumes it, a resumed run does not warn about them).
+# Not data.num_workers: the workers' shard split orders the batches and the test images; nor
+# train.compile (compiled code draws its own random numbers) or train.compile_mode, train.attn and
+# train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
+# train.log_every steps, recorded beside that value in the run's config.yaml.
+RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
+                  "train.image_every", "probe.cache_dir")
+
 
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each key that names an entry of a table, read off the tables

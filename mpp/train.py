@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from mpp import evaluators, rundir
 from mpp.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
-from mpp.config import Config, ConfigError, save_config, to_dict
+from mpp.config import RESULT_NEUTRAL, Config, ConfigError, save_config, to_dict
 from mpp.data import make_loader
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
@@ -508,12 +508,13 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
 
 def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:
     """Print the settings that differ from the interrupted run's config.yaml (the optimiser state,
-    e.g. weight decay and betas, comes from the checkpoint; the schedule from the new config)."""
+    e.g. weight decay and betas, comes from the checkpoint; the schedule from the new config);
+    not those of speed and logging alone (mpp.config.RESULT_NEUTRAL)."""
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             _warn_changes(a, b, f"{prefix}{k}.")
-        elif a != b and prefix + k != "train.resume":
+        elif a != b and prefix + k not in RESULT_NEUTRAL:
             print(f"warning: resuming with {prefix}{k}={b!r} (the checkpointed run had {a!r})", file=sys.stderr)
 
 

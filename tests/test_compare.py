@@ -366,3 +366,20 @@ def test_a_finished_stage_is_compared_through_the_schema_and_its_paths(tmp_path,
     (stage.out / "config.yaml").write_text(yaml.safe_dump({**saved, "steps": saved["steps"] + 1}))
     with pytest.raises(ConfigError, match=f"steps: {saved['steps'] + 1} -> {saved['steps']}"):
         check_unchanged(again)
+
+
+def test_a_finished_stage_resumes_with_other_speed_and_logging_keys(tmp_path):
+    """Workers' cache, logging, checkpointing and the feature cache's place change how a stage ran,
+    not what it computed: a comparison resumed with other values reuses it. The data workers'
+    count orders the batches and the test images: a stage of another count is refused."""
+    import yaml
+    stage = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))[0]
+    stage.out.mkdir(parents=True)
+    (stage.out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(stage.config, stage.args()))))
+    other = ["data.cache_mb=0", "train.log_every=7", "train.ckpt_every=3", "train.keep_ckpts=5", "train.resume=none",
+             "train.image_every=4", f"probe.cache_dir={tmp_path / 'features'}"]
+    check_unchanged(plan(load_compare_config(tmp_path / "compare.yaml", [f"pretrain_overrides=[{','.join(other)}]"]))[0])
+    from mpp.config import RESULT_NEUTRAL
+    assert sorted(o.split("=")[0] for o in other) == sorted(RESULT_NEUTRAL)  # every one of them, each changed
+    with pytest.raises(ConfigError, match="data.num_workers: 0 -> 4"):
+        check_unchanged(plan(load_compare_config(tmp_path / "compare.yaml", ["pretrain_overrides=[data.num_workers=4]"]))[0])

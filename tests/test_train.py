@@ -440,3 +440,11 @@ def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
     for k in encoders[0]:
         torch.testing.assert_close(encoders[1][k], encoders[0][k], rtol=1e-5, atol=1e-6)
     assert scalars(tmp_path / "two", "train/loss") == pytest.approx(scalars(tmp_path / "one", "train/loss"), rel=1e-5)
+
+
+def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(capsys):
+    """A resumed run names the settings that differ from its config.yaml, not those of speed and
+    logging alone (mpp.config.RESULT_NEUTRAL), which a run changes on resume as a matter of course."""
+    old = {"train": {"log_every": 10, "ckpt_every": 500, "resume": "auto"}, "data": {"num_workers": 2}}
+    mpp.train._warn_changes(old, {"train": {"log_every": 1, "ckpt_every": 5, "resume": "none"}, "data": {"num_workers": 4}})
+    assert capsys.readouterr().err == "warning: resuming with data.num_workers=4 (the checkpointed run had 2)\n"
