@@ -18,8 +18,10 @@ Each stage runs as its own process (so a crash loses one stage, memory is freed 
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
 skipped, so running the comparison again resumes it, unless the settings it ran with (its
 `config.yaml`) are not the ones planned now: a changed config is an error, not a silently reused
-result (keys of speed and logging alone, mpp.config.RESULT_NEUTRAL, may differ). Every stage
-config is resolved and validated before the first stage starts.
+result (keys of speed and logging alone, mpp.config.RESULT_NEUTRAL, may differ); nor is a probe
+or fine-tune reused whose encoder has been trained again since (its metrics.json records the
+sha256 of the encoder it started from). Every stage config is resolved and validated before the
+first stage starts.
 """
 from __future__ import annotations
 
@@ -216,6 +218,37 @@ def check_unchanged(stage: Stage) -> None:
                           "the stages that used it to run them with these, or set another output_dir")
 
 
+# a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256
+STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": ("finetune.init", "init_sha256")}
+
+
+def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
+    """A finished probe or fine-tune must have started from the encoder file there now, else
+    resuming would report it as the result of an encoder trained again since (its stage deleted
+    and run again). Checked when the stage is reached, after the stages before it have made their
+    encoders; `digests` keeps each file's sha256, so that it is read once per comparison. A stage
+    whose metrics.json records no digest (made by an older mpp) is reused with a warning."""
+    if stage.tool not in STARTS_FROM:
+        return
+    from mpp.models import encoder_digest, encoder_file  # here: mpp.models imports torch, planning does not
+    key, recorded = STARTS_FROM[stage.tool]
+    path = flatten(to_dict(load_config(stage.config, stage.args())))[key]
+    if path == "none":  # a random init
+        return
+    metrics = _metrics(stage.out)
+    if recorded not in metrics:
+        print(f"warning: stage '{stage.name}' ({stage.out}) records no digest of its encoder, so it cannot be verified "
+              f"to have started from {encoder_file(path)}; delete {stage.out} to run it again", file=sys.stderr)
+        return
+    file = encoder_file(path).resolve()
+    if file not in digests:
+        digests[file] = encoder_digest(file)
+    if metrics[recorded] != digests[file]:
+        raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} from another encoder than {file} "
+                          f"now (its sha256 differs): delete {stage.out}, and the other stages that started from that "
+                          "encoder, to run them again from this one")
+
+
 def _same(a, b) -> bool:
     """Equal settings, or two spellings of one existing path (relative and absolute)."""
     if a == b:
@@ -300,10 +333,12 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
         if (s.out / "metrics.json").exists() and not s.choices:
             check_unchanged(s)
+    digests: dict[Path, str] = {}
     for i, s in enumerate(stages, 2):
         if (s.out / "metrics.json").exists():
             if s.choices:
                 check_unchanged(s)
+            check_encoder(s, digests)
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)
             continue
         if s.when and not s.when.holds():

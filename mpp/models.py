@@ -13,6 +13,7 @@ CPU autocast would run it in bf16, which destabilised training (docs/benchmarks.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -254,6 +255,25 @@ def mismatched(module: nn.Module, shapes: dict) -> list[str]:
                                               tuple(want[k].shape) != tuple(shapes[k])]
 
 
+def encoder_file(path: str | Path) -> Path:
+    """The encoder.safetensors that `path` names: a run dir's, or `path` itself."""
+    path = Path(path)
+    return path / "encoder.safetensors" if path.is_dir() else path
+
+
+def encoder_digest(path: str | Path) -> str | None:
+    """sha256 of the encoder.safetensors of `path` (a run dir or the file; None for `none`, a random
+    init): a probe or fine-tune records the encoder it started from, so that a comparison can tell
+    a result of an encoder that has since been trained again."""
+    if str(path) == "none":
+        return None
+    h = hashlib.sha256()
+    with open(encoder_file(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto",
                  data=None) -> MaskedEncoder:
     """An encoder from a run dir or an `encoder.safetensors` next to its `model.json` (safetensors only).
@@ -264,8 +284,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     another input normalisation is refused before anything is built: it would see inputs it never
     saw (a model.json of an older export, which records none, is trusted).
     """
-    path = Path(path)
-    weights = path / "encoder.safetensors" if path.is_dir() else path
+    weights = encoder_file(path)
     spec_file = weights.parent / "model.json"
     if not weights.is_file() or weights.suffix != ".safetensors" or not spec_file.is_file():
         raise FileNotFoundError(f"{path}: need a run dir or an encoder.safetensors file with model.json beside it")

@@ -27,7 +27,7 @@ from torch import nn
 
 from mpp.config import ConfigError
 from mpp.data.transforms import normalize, to_float01
-from mpp.models import POOLS, create_encoder, load_encoder
+from mpp.models import POOLS, create_encoder, encoder_digest, load_encoder
 
 DOWNSAMPLED_CELLS = 4  # the `downsampled` target: a 4x4 downsized patch, one colour class per cell
 
@@ -368,9 +368,9 @@ class ClassifyTask(LabelTask):
 
     def settings(self, cfg) -> dict:
         f = cfg.finetune
-        return dict(init=f.init, label_fraction=f.label_fraction, dev_fraction=f.dev_fraction,
-                    split_seed=f.split_seed, seed=cfg.seed, pool=self.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr,
-                    head_init=f.head_init)
+        return dict(init=f.init, init_sha256=encoder_digest(f.init), label_fraction=f.label_fraction,
+                    dev_fraction=f.dev_fraction, split_seed=f.split_seed, seed=cfg.seed, pool=self.pool,
+                    optimizer=cfg.optim.name, lr=cfg.optim.lr, head_init=f.head_init)
 
 
 HEAD_INITS = ("zero", "probe")  # finetune.head_init: the paper's zero head | the linear probe's (LP-FT)

@@ -4,8 +4,10 @@ writes its metrics, the report fills every cell), and a second run that resumes 
 finished stages."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -231,6 +233,21 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     r4 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert r4.returncode == 0 and "linear probe mpp -> " in r4.stdout, r4.stderr[-2000:]
     assert r4.stdout.count("done earlier") == len(ran) - 1
+    # each probe and fine-tune records the encoder file it started from (none: a random init) ...
+    encoder = runs / "pretrain_mpp" / "encoder.safetensors"
+    digest = hashlib.sha256(encoder.read_bytes()).hexdigest()
+    assert json.loads((runs / "probe_mpp" / "metrics.json").read_text())["encoder_sha256"] == digest
+    assert ft["init_sha256"] == digest
+    assert json.loads((runs / "finetune_scratch_50pct" / "seed0" / "metrics.json").read_text())["init_sha256"] is None
+    # ... so that the stages of an encoder trained again since are not reported as the new one's
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(encoder))
+    save_file({k: v + 1 for k, v in weights.items()}, str(encoder))
+    before = files()
+    r5 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    assert r5.returncode != 0 and r5.stderr.count("\n") == 1 and "Traceback" not in r5.stderr, r5.stderr[-2000:]
+    assert f"stage 'linear probe mpp' finished earlier in {runs / 'probe_mpp'} from another encoder" in r5.stderr
+    assert files() == before
 
 
 def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, monkeypatch):
@@ -383,3 +400,35 @@ def test_a_finished_stage_resumes_with_other_speed_and_logging_keys(tmp_path):
     assert sorted(o.split("=")[0] for o in other) == sorted(RESULT_NEUTRAL)  # every one of them, each changed
     with pytest.raises(ConfigError, match="data.num_workers: 0 -> 4"):
         check_unchanged(plan(load_compare_config(tmp_path / "compare.yaml", ["pretrain_overrides=[data.num_workers=4]"]))[0])
+
+
+def test_a_finished_stage_of_an_encoder_trained_again_is_refused(tmp_path, monkeypatch, capsys):
+    """A probe or fine-tune is reused only while the encoder file it started from is the one there
+    now; each file is hashed once per comparison; a stage that recorded no digest (an older mpp)
+    is reused with a warning, and one of a random init has nothing to check."""
+    import mpp.models
+    from mpp.compare import check_encoder
+    stages = {s.name: s for s in plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))}
+    probe, ft = stages["linear probe mpp"], stages["fine-tune mpp, 50% labels, seed 0"]
+    encoder = tmp_path / "runs" / "pretrain_mpp" / "encoder.safetensors"
+    encoder.parent.mkdir(parents=True)
+    encoder.write_bytes(b"the encoder")
+    digest = hashlib.sha256(b"the encoder").hexdigest()
+    for stage, metrics in ((probe, {"encoder_sha256": digest, "pool": "token"}), (ft, {"init_sha256": digest}),
+                           (stages["linear probe scratch"], {"encoder_sha256": None})):
+        stage.out.mkdir(parents=True)
+        (stage.out / "metrics.json").write_text(json.dumps(metrics))
+    hashed = []
+    monkeypatch.setattr(mpp.models, "encoder_digest", lambda p, digest=mpp.models.encoder_digest: hashed.append(p)
+                        or digest(p))
+    digests = {}
+    for stage in (probe, ft, stages["linear probe scratch"]):
+        check_encoder(stage, digests)
+    assert hashed == [encoder]
+    encoder.write_bytes(b"the encoder, trained again")
+    with pytest.raises(ConfigError, match=rf"stage 'linear probe mpp' finished earlier in {re.escape(str(probe.out))} "
+                                          rf"from another encoder than {re.escape(str(encoder))} now.*delete"):
+        check_encoder(probe, {})
+    (ft.out / "metrics.json").write_text("{}")
+    check_encoder(ft, {})
+    assert capsys.readouterr().err.startswith(f"warning: stage '{ft.name}' ({ft.out}) records no digest")

@@ -320,6 +320,7 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     probe.pool=token shows what the old fixed choice gave."""
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    save_encoder(encoder, tmp_path)  # the file whose sha256 the probe records
 
     def constant_cls(module, inputs, tokens):
         return torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, 1:]], dim=1)

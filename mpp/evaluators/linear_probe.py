@@ -27,7 +27,7 @@ from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, write_atomic
-from mpp.models import create_encoder, load_encoder
+from mpp.models import create_encoder, encoder_digest, load_encoder
 from mpp.runtime import resolve_precision
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
@@ -250,7 +250,8 @@ def run_linear_probe(cfg: Config) -> dict:
         encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
     else:
         encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn, data=cfg.data).to(device)
-    metrics = {"kind": "linear_probe", "encoder": str(encoder_path), **evaluator.run(encoder), "config": to_dict(cfg)}
+    metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "encoder_sha256": encoder_digest(encoder_path),
+               **evaluator.run(encoder), "config": to_dict(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"

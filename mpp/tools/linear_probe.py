@@ -6,7 +6,8 @@ probe.encoder: a pre-training run directory or its encoder.safetensors (data.mea
 the ones its model.json recorded), or none (a randomly initialised model). Features of data.train /
 data.val are cached (probe.cache_dir); OUT/metrics.json gets `top1`, `top5` (linear),
 `{k}shot_mean` / `{k}shot_std` and, for the gap report's noise, each shot draw's figures and every
-test sample's outcome; the figures are printed.
+test sample's outcome, and `encoder_sha256` (of the encoder file probed, which tools/compare.py
+checks before it reuses the probe); the figures are printed.
 """
 from __future__ import annotations
 
