@@ -347,6 +347,7 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     from mpp.train import train
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    save_encoder(encoder, tmp_path)  # the file the fine-tunes record the digest of
     encoder.vit.norm.register_forward_hook(lambda m, i, t: torch.cat([torch.zeros_like(t[:, :1]), t[:, 1:]], dim=1))
     run = dict(objective="classify", steps=1, data={"eval_crop_pct": 1.0}, train={"attn": "math"},
                optim={"name": "sgd", "warmup_steps": 1, "weight_decay": 0.0})  # one step at lr 0: nothing moves
