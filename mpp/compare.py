@@ -181,12 +181,22 @@ def plan(cfg: CompareConfig) -> list[Stage]:
 
 
 def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
-    """Resolve every stage config now, so a bad key fails before hours of work."""
+    """Resolve every stage config now, so a bad key fails before hours of work, and check that each
+    probe and fine-tune normalises its inputs as its encoder's pre-training did."""
+    resolved = {}
     for s in stages:
         try:
-            load_config(s.config, s.args(resolved=False))
+            resolved[s.out] = load_config(s.config, s.args(resolved=False))
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
+    for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
+        c = resolved[s.out]
+        init = c.finetune.init if c.objective == "classify" else c.probe.encoder if s.tool == "linear_probe" else ""
+        up = resolved.get(Path(init)) if init else None
+        if up is not None and (tuple(up.data.mean), tuple(up.data.std)) != (tuple(c.data.mean), tuple(c.data.std)):
+            raise ConfigError(f"stage '{s.name}' ({s.config}) normalises its inputs with data.mean={list(c.data.mean)} "
+                              f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
+                              f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
     for key in ("overrides", "pretrain_overrides"):
         try:
             parse_overrides(as_list(getattr(cfg, key)))

@@ -125,6 +125,18 @@ def test_bad_sweep_fails_before_any_work(tmp_path):
         validate(cfg, plan(cfg))
 
 
+def test_a_stage_normalising_otherwise_than_its_encoder_fails_before_any_work(tmp_path):
+    """A probe or fine-tune whose data.mean/std differ from its encoder's pre-training would stop
+    only when it starts, after the pre-training's hours: validation names it first."""
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d"))
+    validate(cfg, plan(cfg))
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d"),
+                              ["pretrain_overrides=['data.mean=[0.4,0.4,0.4]']"])
+    with pytest.raises(ConfigError, match=r"stage 'linear probe mpp'.*data.mean=\[0.5, 0.5, 0.5\].*pre-trained "
+                                          r"with data.mean=\[0.4, 0.4, 0.4\]"):
+        validate(cfg, plan(cfg))
+
+
 def test_a_sweep_override_replaces_the_grid(tmp_path):
     """`sweep=...` on the command line is the whole grid (it was merged into the file's: both keys
     swept; sweep={} could not clear it); `sweep.KEY=...` sets one key's values."""
