@@ -11,8 +11,9 @@ seeds, so that the report can give each figure the range that choice spans. `fin
 chosen by a linear probe of the sweep's own training labels (`finetune_pool: auto`, i.e.
 finetune.pool=auto in the sweep stages; the finals take the best one's): one cheap frozen-feature
 fit per arm and label fraction, where sweeping it would double every fine-tune sweep, and a
-10%-label cell never leans on a probe of all the labels. Such run-time choices are `Choice`s of a stage (whether it runs at all, its `Condition`),
-read from the finished stages' metrics.json just before it starts.
+10%-label cell never leans on a probe of all the labels. Such run-time choices are `Choice`s of a
+stage (whether it runs at all, its `Condition`), read from the finished stages' metrics.json just
+before it starts.
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
