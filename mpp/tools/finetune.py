@@ -7,7 +7,9 @@ synthetic configs).
 
 finetune.init: none (from scratch), a pre-training run directory or an encoder.safetensors with its
 model.json (data.mean and data.std must be the ones it recorded); finetune.label_fraction trains on
-a class-balanced seeded subset of the labels.
+a class-balanced seeded subset of the labels; finetune.pool: token ([class] token, the default), avg
+(mean of the patch tokens) or auto (the one a linear probe of the run's own training labels reads
+better, recorded as `pool`).
 Writes OUTPUT_DIR/metrics.json with top1, top5 and the run's settings, plus what pre-training writes.
 """
 from __future__ import annotations
