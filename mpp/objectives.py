@@ -185,10 +185,11 @@ class Task(nn.Module):
 
     A Task class also says what its run needs, so the trainer asks it instead of testing the
     objective's name: `labeled` (whether forward needs labels), `encoder_for(cfg)` (the encoder it
-    starts from), `subset(cfg)` (the training samples it reads), `begin(cfg, device, precision)`
-    (work before the first step of a fresh run), `final_eval` (the evaluator of mpp.evaluators run
-    on it at the end), `export(out)` and `settings(cfg)` (what it adds to the run directory and to
-    metrics.json)."""
+    starts from), `origin(cfg)` (what it starts from beyond its settings, checked on resume),
+    `subset(cfg)` (the training samples it reads), `begin(cfg, device, precision)` and `restore`
+    (work and choices before the first step of a fresh run), `final_eval` (the evaluator of
+    mpp.evaluators run on it at the end), `export(out)` and `settings(cfg)` (what it adds to the
+    run directory and to metrics.json)."""
     labeled = False
     final_eval: str | None = None
 
@@ -223,6 +224,11 @@ class Task(nn.Module):
 
     def settings(self, cfg) -> dict:
         """Settings recorded in metrics.json beside the figures (none)."""
+        return {}
+
+    def origin(self, cfg) -> dict:
+        """What the run starts from beyond its settings (none): recorded at the fresh start, and a
+        resume from other inputs is refused (its checkpoints continue a run of the old ones)."""
         return {}
 
     def inputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,9 +374,12 @@ class ClassifyTask(LabelTask):
 
     def settings(self, cfg) -> dict:
         f = cfg.finetune
-        return dict(init=f.init, init_sha256=encoder_digest(f.init), label_fraction=f.label_fraction,
-                    dev_fraction=f.dev_fraction, split_seed=f.split_seed, seed=cfg.seed, pool=self.pool,
-                    optimizer=cfg.optim.name, lr=cfg.optim.lr, head_init=f.head_init)
+        return dict(init=f.init, label_fraction=f.label_fraction, dev_fraction=f.dev_fraction,
+                    split_seed=f.split_seed, seed=cfg.seed, pool=self.pool, optimizer=cfg.optim.name, lr=cfg.optim.lr,
+                    head_init=f.head_init)
+
+    def origin(self, cfg) -> dict:
+        return {"init_sha256": encoder_digest(cfg.finetune.init)}  # the encoder file's, null from scratch
 
 
 HEAD_INITS = ("zero", "probe")  # finetune.head_init: the paper's zero head | the linear probe's (LP-FT)

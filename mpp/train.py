@@ -156,14 +156,20 @@ def setup(cfg: Config) -> Run:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
                           f"steps; give steps (or epochs) of at least {state['step']}, or train.resume=none and "
                           "another output_dir")
+    origin = task.origin(cfg)
+    if resume and (changed := [f"{k}: {v!r} then, {origin.get(k)!r} now" for k, v in state.get("origin", {}).items()
+                               if origin.get(k) != v]):
+        raise ConfigError(f"the checkpoints in {out} continue a run that started from other inputs ({'; '.join(changed)}): "
+                          "give it back what it started from, or start again in another output_dir")
     if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
         _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
     if not resume:
         begun = _begin(cfg, accelerator, task, final, precision)
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0,
-                 "last": {}, "skipped": {}, "begun": begun}
+                 "last": {}, "skipped": {}, "begun": begun, "origin": origin}
     state.setdefault("begun", {})  # a checkpoint from before start-up figures were kept
+    state.setdefault("origin", origin)  # ... or before the inputs it started from were (unverifiable)
     task.restore(state["begun"])
     start = state["step"]
     scheduler.step_update(start)
@@ -288,6 +294,7 @@ def finish(run: Run) -> dict:
         results.update(run.final.run(task))
     results.update(task.settings(cfg))
     results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes
+    results.update(run.state["origin"])  # what the run started from, checked at every resume
     results["wall_time_s"] = run.state["elapsed"] + time.time() - run.t_begin  # all segments, evaluation included
     if accelerator.is_main_process:
         write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
@@ -354,6 +361,7 @@ def _checkpoint(run: Run, done: int) -> None:
     save_checkpoint(run.accelerator, run.out / "checkpoints", done, run.task, run.optimizer, run.scheduler,
                     keep=run.cfg.train.keep_ckpts,
                     state={"epoch": epoch, "batch": batch_pos, "skipped": _skipped(run), "begun": run.state["begun"],
+                           "origin": run.state["origin"],
                            "bad_run": int(run.bad.run.item()), **_totals(run)})
 
 

@@ -4,6 +4,7 @@ few-shot hook on, which must not disturb training), two torchrun ranks stay iden
 steps never reach the weights, fine-tuning loads its init, and bad settings fail before any work."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -365,6 +366,23 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tm
     with pytest.raises(DataError, match="decoded no samples"):
         train(config(settings(data, run, steps=32, **{"data.train": bad, "optim.lr": 1e-3})))
     assert {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]} == before
+
+
+def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run, tmp_path):
+    """A fine-tune records the sha256 of its encoder file at its fresh start and keeps it across
+    resumes: an interrupted fine-tune whose encoder has since been trained again is refused (its
+    checkpoints continue a fine-tune of the old one; metrics.json would have named the new)."""
+    encoder = shutil.copytree(mpp_run, tmp_path / "encoder")
+    digest = hashlib.sha256((encoder / "encoder.safetensors").read_bytes()).hexdigest()
+    items = settings(data, tmp_path / "ft", steps=8, objective="classify", **{
+        "finetune.init": encoder, "data.val": data / "test/manifest.json", "train.ckpt_every": 4})
+    first = train(config(items))
+    assert first["init_sha256"] == digest
+    again = train(config(items + ["steps=12"]))  # the same encoder: resumes at step 8
+    assert again["init_sha256"] == digest and again["steps"] == 12
+    train(config(settings(data, encoder, steps=28)))  # the encoder trained further, in place
+    with pytest.raises(ConfigError, match=f"started from other inputs \\(init_sha256: '{digest}' then"):
+        train(config(items + ["steps=16"]))
 
 
 def test_resumed_run_counts_skipped_samples_once(tmp_path):
