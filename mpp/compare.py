@@ -160,14 +160,16 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
                            lambda outs=outs: best_point(points, outs))] if sweep else []
-            pool = [Choice("finetune.pool: the best sweep stage's, chosen on its training labels", ["finetune.pool=token"],
-                           lambda outs=outs: [f"finetune.pool={_ranked(outs)[0][1]['pool']}"])] if choose and sweep else []
+            # the representation that the best (the second-best) sweep stage chose on its training labels
+            pools = [Choice(f"finetune.pool: the {nth} sweep stage's, chosen on its training labels",
+                            ["finetune.pool=token"], lambda outs=outs, r=r: [f"finetune.pool={_ranked(outs)[r][1]['pool']}"])
+                     for r, nth in enumerate(("best", "second-best"))] if choose and sweep else []
             # all the labels, tested on data.val, whatever the configs say; without a sweep each final chooses its pool
             final = base + (choose if not sweep else []) + ["finetune.dev_fraction=0"]
             for seed in range(cfg.seeds):
                 stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune", cfg.finetune,
                                     final + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
-                                    pool + best))
+                                    pools[:1] + best))
             if cfg.runner_up and len(sweep) > 1:
                 second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
                                 points[1], lambda outs=outs: best_point(points, outs, rank=1))
@@ -177,8 +179,12 @@ def plan(cfg: CompareConfig) -> list[Stage]:
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}", "finetune",
                                         cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
-                                        pool + [second], when))
+                                        pools[1:] + [second], when))
     return stages
+
+
+# a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256
+STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": ("finetune.init", "init_sha256")}
 
 
 def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
@@ -192,8 +198,7 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
-        init = c.finetune.init if c.objective == "classify" else c.probe.encoder if s.tool == "linear_probe" else ""
-        up = resolved.get(Path(init)) if init else None
+        up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None
         if up is not None and (tuple(up.data.mean), tuple(up.data.std)) != (tuple(c.data.mean), tuple(c.data.std)):
             raise ConfigError(f"stage '{s.name}' ({s.config}) normalises its inputs with data.mean={list(c.data.mean)} "
                               f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
@@ -229,10 +234,6 @@ def check_unchanged(stage: Stage) -> None:
                           "the stages that used it to run them with these, or set another output_dir")
 
 
-# a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256
-STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": ("finetune.init", "init_sha256")}
-
-
 def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
     """A finished probe or fine-tune must have started from the encoder file there now, else
     resuming would report it as the result of an encoder trained again since (its stage deleted
@@ -252,6 +253,9 @@ def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
               f"to have started from {encoder_file(path)}; delete {stage.out} to run it again", file=sys.stderr)
         return
     file = encoder_file(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} from {file}, which is gone: delete "
+                          f"the stage that made it ({Path(path)}) and the stages that started from it, to run them again")
     if file not in digests:
         digests[file] = encoder_digest(file)
     if metrics[recorded] != digests[file]:

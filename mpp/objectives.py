@@ -208,11 +208,11 @@ class Task(nn.Module):
         """The loader's `subset` of data.train (None: all of it)."""
         return None
 
-    def begin(self, cfg, device: torch.device, precision: str) -> dict | None:
+    def begin(self, cfg, device: torch.device, precision: str) -> tuple[dict, bool] | None:
         """Work before the first step of a fresh run (not on resume), on the device, in the main
-        process only. Returns None when it changed nothing; else the figures to record in
-        metrics.json (the trainer copies the weights to every rank, hands the figures to every
-        rank's `restore` and records the start's score)."""
+        process only. Returns None when it did nothing; else the figures to record in metrics.json
+        (handed to every rank's `restore`, which takes up the choices among them) and whether it
+        changed weights (then the trainer copies them to every rank and records the start's score)."""
         return None
 
     def restore(self, begun: dict) -> None:
@@ -288,7 +288,7 @@ class LabelTask(Task):
     def __init__(self, encoder: nn.Module, data_cfg, head: nn.Module, pool: str, label_smoothing: float):
         super().__init__(encoder, data_cfg)
         if pool not in (*POOLS, "auto"):  # auto: chosen by `begin` before the first step
-            raise ValueError(f"pool={pool!r}; choose one of {', '.join(POOLS)}")
+            raise ValueError(f"pool={pool!r}; choose one of {', '.join(POOLS)} or auto")
         self.head, self.pool, self.label_smoothing = head, pool, label_smoothing
         encoder.mask_token.requires_grad_(False)
 
@@ -336,25 +336,28 @@ class ClassifyTask(LabelTask):
         f = cfg.finetune
         return cls(encoder, cfg.data, _linear(encoder.embed_dim, num_classes, zero=True), f.pool, f.label_smoothing)
 
-    def begin(self, cfg, device: torch.device, precision: str) -> dict | None:
+    def begin(self, cfg, device: torch.device, precision: str) -> tuple[dict, bool] | None:
         f = cfg.finetune
         if f.head_init != "probe" and f.pool != "auto":
             return None
         from mpp.evaluators.linear_probe import probe_head  # only a run that probes pays for its import
         fit = probe_head(self.encoder, cfg, pool=f.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
                          device=device, precision=precision)
-        weight, bias, chosen = fit.pop("weight"), fit.pop("bias"), fit.pop("pool")
-        figures = {f"head_probe_{k}": v for k, v in fit.items()}  # its L2 and held-out top-1s
-        if f.pool == "auto":
-            figures["pool"] = chosen
+        weight, bias, chosen, pools = fit.pop("weight"), fit.pop("bias"), fit.pop("pool"), fit.pop("pool_heldout_top1")
+        figures = {"pool": chosen, "pool_heldout_top1": pools} if f.pool == "auto" else {}
         if f.head_init == "probe":
             with torch.no_grad():
                 self.head.weight.copy_(weight)
                 self.head.bias.copy_(bias)
-        return figures
+            figures.update({f"head_probe_{k}": v for k, v in fit.items()})  # its L2 and held-out top-1
+        return figures, f.head_init == "probe"
 
     def restore(self, begun: dict) -> None:
         if self.pool == "auto":
+            if "pool" not in begun:
+                raise ConfigError("finetune.pool=auto, but the checkpoint to resume was trained through the pool its "
+                                  "run's config.yaml names (finetune.pool); resume with that, or start afresh in "
+                                  "another output_dir")
             self.pool = begun["pool"]
 
     @classmethod

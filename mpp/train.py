@@ -189,20 +189,22 @@ def setup(cfg: Config) -> Run:
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
     """The Task's start-up work of a fresh run, by the main process alone (every rank then starts
-    from its weights and its choices), and when it changed anything, the start scored on the
-    final evaluation's data (e.g. LP-FT's probe head): the figures metrics.json records."""
-    begun = task.begin(cfg, accelerator.device, precision) if accelerator.is_main_process else None
+    from its weights and its choices), and when it changed weights, the start scored on the final
+    evaluation's data (e.g. LP-FT's probe head): the figures metrics.json records."""
+    began = task.begin(cfg, accelerator.device, precision) if accelerator.is_main_process else None
     if accelerator.num_processes > 1:
-        begun = broadcast_object_list([begun])[0]
-        for p in task.parameters() if begun is not None else ():
-            torch.distributed.broadcast(p.data, 0)
-    if begun is not None:
-        task.restore(begun)
-        if final is not None:
-            start = final.run(task)
-            begun = {**begun, "start_top1": start["top1"],
-                     **({"start_outcomes": start["outcomes"]} if "outcomes" in start else {})}
-    return begun or {}
+        began = broadcast_object_list([began])[0]
+    if began is None:
+        return {}
+    begun, changed = began
+    for p in task.parameters() if changed and accelerator.num_processes > 1 else ():
+        torch.distributed.broadcast(p.data, 0)
+    task.restore(begun)
+    if changed and final is not None:
+        start = final.run(task)
+        begun = {**begun, "start_top1": start["top1"],
+                 **({"start_outcomes": start["outcomes"]} if "outcomes" in start else {})}
+    return begun
 
 
 def loop(run: Run) -> None:

@@ -94,7 +94,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     (tmp_path / "runs" / "probe_scratch").mkdir(parents=True)
     (tmp_path / "runs" / "probe_scratch" / "metrics.json").write_text(json.dumps({"pool": "avg"}))
     assert finals[0].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.03"]
-    assert runner_ups[1].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.1"]  # the second best, 0.5
+    assert runner_ups[1].args()[-3:-1] == ["finetune.pool=avg", "optim.lr=0.1"]  # the second best, 0.5, its pool
     assert not runner_ups[0].when.holds()  # no per-image outcomes: no toss-up can be claimed
     labels, idx = np.arange(200) % 10, np.arange(200)
     for s, hits in zip(sweeps, (idx < 80, idx < 120, idx >= 100)):  # 0.03 leads 0.1 by 10 points on 200 images
@@ -109,7 +109,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
         finals[0].args()
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
-    assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out
+    assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out and "the second-best sweep stage's" in out
     assert "runs only if the best value's dev lead over it is under twice its standard error" in out
     assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
@@ -444,3 +444,7 @@ def test_a_finished_stage_of_an_encoder_trained_again_is_refused(tmp_path, monke
     (ft.out / "metrics.json").write_text("{}")
     check_encoder(ft, {})
     assert capsys.readouterr().err.startswith(f"warning: stage '{ft.name}' ({ft.out}) records no digest")
+    encoder.unlink()  # the pre-training's file gone, its stage still done: a one-line error with the remedy
+    with pytest.raises(ConfigError, match=rf"stage 'linear probe mpp' .* from {re.escape(str(encoder))}, which is "
+                                          rf"gone: delete the stage that made it \({re.escape(str(encoder.parent))}\)"):
+        check_encoder(probe, {})

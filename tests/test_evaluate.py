@@ -22,7 +22,7 @@ import mpp.evaluators.features
 import mpp.evaluators.linear_probe
 import mpp.objectives
 from mpp import outcomes
-from mpp.config import build_config
+from mpp.config import ConfigError, build_config
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features
 from mpp.evaluators.fewshot import BIAS_CONSTANT, fewshot_eval, fewshot_lstsq
@@ -360,8 +360,16 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
                             **{**run, "steps": 2, "optim": {**run["optim"], "warmup_steps": 2}}))
     for m in (zero, probe, longer):
         assert m["pool"] == "avg", m
-        assert m["head_probe_pool_heldout_top1"]["avg"] > 0.6 > 0.5 > m["head_probe_pool_heldout_top1"]["token"]
+        assert m["pool_heldout_top1"]["avg"] > 0.6 > 0.5 > m["pool_heldout_top1"]["token"]
     assert probe["top1"] > 0.6 and probe["evaluated_on"] == "dev"  # the probe head on the patch mean
+    assert probe["start_top1"] == probe["top1"] and "head_probe_l2" in probe
+    assert "start_top1" not in zero and "head_probe_l2" not in zero  # a zero head: no start worth scoring
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ConfigError, match="finetune.pool=auto, but the checkpoint"):
+        mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)
+        fixed = {**tune, "pool": "token"}  # a run through a fixed pool, then resumed with auto
+        train(_cfg(shards, tmp_path / "fixed", finetune=fixed, **{**run, "train": {**run["train"], "ckpt_every": 1}}))
+        (tmp_path / "fixed" / "metrics.json").unlink()
+        train(_cfg(shards, tmp_path / "fixed", finetune=tune, **{**run, "steps": 2}))
 
 
 @pytest.mark.slow
