@@ -343,8 +343,9 @@ class ClassifyTask(LabelTask):
         from mpp.evaluators.linear_probe import probe_head  # only a run that probes pays for its import
         fit = probe_head(self.encoder, cfg, pool=f.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
                          device=device, precision=precision)
-        weight, bias, chosen, pools = fit.pop("weight"), fit.pop("bias"), fit.pop("pool"), fit.pop("pool_heldout_top1")
-        figures = {"pool": chosen, "pool_heldout_top1": pools} if f.pool == "auto" else {}
+        weight, bias, chosen = fit.pop("weight"), fit.pop("bias"), fit.pop("pool")
+        choice = {"pool": chosen, "pool_heldout_top1": fit.pop("pool_heldout_top1"), "pool_heldout": fit.pop("heldout")}
+        figures = choice if f.pool == "auto" else {}
         if f.head_init == "probe":
             with torch.no_grad():
                 self.head.weight.copy_(weight)

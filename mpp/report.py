@@ -272,15 +272,21 @@ def _retrained(group: list[dict], varied: list[str]) -> dict:
 
 def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrained: list[dict]) -> dict:
     """The sweep of one cell: each dev run's values of the swept keys and its dev top-1, the values
-    (plus finetune.pool and head_init) the final runs used, the chosen value's lead, and the other
-    values that were retrained on all the labels (`retrained`)."""
+    (plus finetune.pool and head_init) the final runs used, how finetune.pool=auto chose the pool
+    (`pool_choice`: each candidate's held-out top-1 and the held-out count), the chosen value's
+    lead, and the other values that were retrained on all the labels (`retrained`)."""
     final = flatten(finals[0]["config"]) if finals else {}
     dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
-    return {"dev": dev, "chosen": chosen, "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
+    # how finetune.pool=auto chose it: each candidate's held-out top-1 on part of the training labels
+    made = next(({"top1": m["pool_heldout_top1"], "n": m.get("pool_heldout")} for m in
+                 (r["metrics"] for r in [*dev_runs, *finals]) if "pool_heldout_top1" in m
+                 and m.get("pool") == chosen.get("finetune.pool")), None)
+    return {"dev": dev, "chosen": chosen, "pool_choice": made,
+            "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}
 
 
@@ -610,7 +616,11 @@ def render_markdown(rep: dict) -> str:
             devs = ", ".join(f"{_short(x['values'])}: {_pct(x['dev_top1'])}" for x in r["dev"])
             again = ", ".join(f"{_short(x['values'])}: {_seeds_cell(x['top1'], x['std'], x['n'])}"
                               for x in r["retrained"]) or "—"
-            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])} | {devs} | "
+            pool = r.get("pool_choice")
+            how = (f" (pool by a probe of its training labels, held-out top-1 "
+                   f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())} on {pool['n']} images)"
+                   if pool else "")
+            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
     other = {d for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}

@@ -147,7 +147,8 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
             runs.append(_run(root, f"ft_{fam}/seed{seed}", {
                 "objective": "classify", "seed": seed, "optim": {"lr": 0.03},
                 "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": pool}},
-                {"top1": acc, "evaluated_on": "val", "pool": "token" if pool == "auto" else pool}))
+                {"top1": acc, "evaluated_on": "val", **({"pool": "token", "pool_heldout_top1": {"token": 0.5, "avg": 0.4},
+                                                         "pool_heldout": 40} if pool == "auto" else {"pool": pool})}))
     runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
                      {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1 / 30000,
                       "probe_val_top1": {"3.33333e-05": 0.46, "0.01": 0.44, "1": 0.3},  # keys as :g writes them
@@ -166,11 +167,13 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert g["significant"] == {"supervised_minus_mpp": False, "mpp_minus_scratch": True,
                                 "supervised_minus_scratch": True}
     assert rep["recipes"]["mpp"]["0.1"]["chosen"] == {"optim.lr": 0.03, "finetune.pool": "avg"}
-    assert rep["recipes"]["scratch"]["0.1"]["chosen"]["finetune.pool"] == "token"  # what auto chose
+    assert rep["recipes"]["scratch"]["0.1"]["chosen"]["finetune.pool"] == "token"  # what auto chose, and how
+    assert rep["recipes"]["mpp"]["0.1"]["pool_choice"] is None
     assert [x["dev_top1"] for x in rep["recipes"]["mpp"]["0.1"]["dev"]] == [0.5, 0.55]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
+    assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 40.0 on 40 images)" in md
     assert "†" not in md  # dev runs without outcomes: no lead's noise known, so no toss-up claimed
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
     assert "supervised pre-training 0.01; MPP pre-training 3.33333e-05." in md

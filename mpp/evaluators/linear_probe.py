@@ -91,12 +91,13 @@ def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: floa
 
 class ProbeChoice(NamedTuple):
     """What `choose_probe` found: the representation and L2 strength with the best held-out top-1,
-    every pair's score ({representation: {L2: top-1}}), and that pair's fitted head (weight (C, D),
-    bias (C,) on raw features), the warm start of the refit on all the features."""
+    every pair's score ({representation: {L2: top-1}}) on `heldout` samples, and that pair's fitted
+    head (weight (C, D), bias (C,) on raw features), the warm start of the refit on all the features."""
     pool: str
     l2: float
     scores: dict
     head: tuple[torch.Tensor, torch.Tensor]
+    heldout: int
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
@@ -124,7 +125,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
-    return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]))
+    return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]), n_val)
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -142,7 +143,7 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
-    rep, best, scores, head = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
+    rep, best, scores, head, _ = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
                                            l2_grid=l2_grid, seed=seed)
     weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
@@ -158,9 +159,9 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
-    chosen with the L2 on the held-out part) of the labeled `subset` of data.train (as
-    `make_loader` takes it), the L2 chosen on a held-out part (probe.val_fraction, split by
-    finetune.split_seed): {weight (C, D), bias (C,), pool, l2, heldout_top1, pool_heldout_top1
+    chosen with the L2) of the labeled `subset` of data.train (as `make_loader` takes it), the L2
+    chosen on a held-out part (probe.val_fraction, split by finetune.split_seed): {weight (C, D),
+    bias (C,), pool, l2, heldout_top1, heldout (the held-out part's size), pool_heldout_top1
     (each candidate's best)}, the starting head of a fine-tune with finetune.head_init=probe and
     the representation of one with finetune.pool=auto. Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
@@ -179,10 +180,10 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
         return cached
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
                             cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
-    chosen, l2, scores, head = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
-                                            l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
+    chosen, l2, scores, head, heldout = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
+                                                     l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
     weight, bias = fit_linear_head(x[chosen], y, num_classes, l2, init=head)
-    fit = {"pool": chosen, "l2": l2, "heldout_top1": scores[chosen][l2],
+    fit = {"pool": chosen, "l2": l2, "heldout_top1": scores[chosen][l2], "heldout": heldout,
            "pool_heldout_top1": {n: max(s.values()) for n, s in scores.items()}}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
