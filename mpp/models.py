@@ -274,6 +274,19 @@ def encoder_digest(path: str | Path) -> str | None:
     return h.hexdigest()
 
 
+def read_model_json(spec_file: Path) -> tuple[str, dict, dict]:
+    """The timm name, kwargs and recorded input normalisation ({"mean", "std"}; {} from an older
+    export) of a model.json; a malformed one is a one-line ConfigError."""
+    try:
+        spec = json.loads(spec_file.read_text())
+        name, kwargs = spec["name"], dict(spec["kwargs"])
+        norm = {k: [float(x) for x in spec[k]] for k in ("mean", "std")} if {"mean", "std"} & set(spec) else {}
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    return name, kwargs, norm
+
+
 def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, attn: str = "auto",
                  data=None) -> MaskedEncoder:
     """An encoder from a run dir or an `encoder.safetensors` next to its `model.json` (safetensors only).
@@ -288,13 +301,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     spec_file = weights.parent / "model.json"
     if not weights.is_file() or weights.suffix != ".safetensors" or not spec_file.is_file():
         raise FileNotFoundError(f"{path}: need a run dir or an encoder.safetensors file with model.json beside it")
-    try:
-        spec = json.loads(spec_file.read_text())
-        name, kwargs = spec["name"], dict(spec["kwargs"])
-        norm = {k: [float(x) for x in spec[k]] for k in ("mean", "std")} if {"mean", "std"} & set(spec) else {}
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
-                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    name, kwargs, norm = read_model_json(spec_file)
     if not isinstance(name, str) or not timm.is_model(name):
         raise ConfigError(f"{spec_file} names {name!r}, which is not a timm model; give the model.json its "
                           "encoder was exported with")

@@ -194,6 +194,20 @@ def test_compare_figures_add_a_random_init(data, tmp_path):
     assert (tmp_path / "figures/filters.png").exists()
 
 
+def test_an_exported_encoder_alone_is_inspected_with_the_normalisation_it_recorded(tmp_path):
+    """Without a run's config.yaml beside it, the figures feed an encoder the inputs its model.json
+    says it trained on (they fell back to the default normalisation); an older export without one
+    still gets the default."""
+    from mpp.config import DataConfig
+    from mpp.figures.inspection import load_inspected
+    imagenet = DataConfig(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    save_encoder(create_encoder("vit_micro4_32"), tmp_path / "export", data=imagenet)
+    seen = load_inspected(f"x={tmp_path / 'export' / 'encoder.safetensors'}").data
+    assert (tuple(seen.mean), tuple(seen.std)) == (imagenet.mean, imagenet.std)
+    save_encoder(create_encoder("vit_micro4_32"), tmp_path / "old")
+    assert load_inspected(str(tmp_path / "old")).data == DataConfig()
+
+
 def test_image_every_is_checked_before_any_work():
     from mpp.config import ConfigError
     with pytest.raises(ConfigError, match="train.image_every"):

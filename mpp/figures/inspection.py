@@ -25,7 +25,7 @@ from mpp.figures.attention import attention_distance_sums, patch_distances, reco
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
 from mpp.figures.predictions import load_mpp_task, predict, prediction_grid
-from mpp.models import MaskedEncoder, create_encoder, load_encoder
+from mpp.models import MaskedEncoder, create_encoder, load_encoder, read_model_json
 from mpp.objectives import MPPTask
 
 
@@ -48,7 +48,11 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     if not path.exists():
         raise FileNotFoundError(f"--encoder {source}: no such file or directory; give a run dir, an "
                                 "encoder.safetensors with model.json beside it, or none:PRESET")
-    data = load_config(run / "config.yaml").data if (run / "config.yaml").is_file() else DataConfig()
+    if (run / "config.yaml").is_file():
+        data = load_config(run / "config.yaml").data
+    else:  # an exported encoder alone: the normalisation its model.json records, if it does
+        norm = read_model_json(run / "model.json")[2] if (run / "model.json").is_file() else {}
+        data = DataConfig(**{k: tuple(v) for k, v in norm.items()})
     task = load_mpp_task(run, attn="math") if path == run / "encoder.safetensors" or path.is_dir() else None
     encoder = task.encoder if task is not None else load_encoder(path, attn="math")
     return Inspected(name or run.name, encoder, data, task)
