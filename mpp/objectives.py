@@ -344,7 +344,7 @@ class ClassifyTask(LabelTask):
         fit = probe_head(self.encoder, cfg, pool=f.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
                          device=device, precision=precision)
         weight, bias, chosen = fit.pop("weight"), fit.pop("bias"), fit.pop("pool")
-        choice = {"pool": chosen, "pool_heldout_top1": fit.pop("pool_heldout_top1"), "pool_heldout": fit.pop("heldout")}
+        choice = {"pool": chosen, **{k: fit.pop(k) for k in ("pool_heldout_top1", "pool_heldout_outcomes")}}
         figures = choice if f.pool == "auto" else {}
         if f.head_init == "probe":
             with torch.no_grad():

@@ -273,21 +273,31 @@ def _retrained(group: list[dict], varied: list[str]) -> dict:
 def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrained: list[dict]) -> dict:
     """The sweep of one cell: each dev run's values of the swept keys and its dev top-1, the values
     (plus finetune.pool and head_init) the final runs used, how finetune.pool=auto chose the pool
-    (`pool_choice`: each candidate's held-out top-1 and the held-out count), the chosen value's
-    lead, and the other values that were retrained on all the labels (`retrained`)."""
+    (`pool_choice`), the chosen value's lead, and the other values that were retrained on all the
+    labels (`retrained`)."""
     final = flatten(finals[0]["config"]) if finals else {}
     dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
-    # how finetune.pool=auto chose it: each candidate's held-out top-1 on part of the training labels
-    made = next(({"top1": m["pool_heldout_top1"], "n": m.get("pool_heldout")} for m in
-                 (r["metrics"] for r in [*dev_runs, *finals]) if "pool_heldout_top1" in m
-                 and m.get("pool") == chosen.get("finetune.pool")), None)
-    return {"dev": dev, "chosen": chosen, "pool_choice": made,
+    made = next((m for m in (r["metrics"] for r in [*dev_runs, *finals])
+                 if "pool_heldout_top1" in m and m.get("pool") == chosen.get("finetune.pool")), None)
+    return {"dev": dev, "chosen": chosen, "pool_choice": _pool_choice(made) if made else None,
             "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}
+
+
+def _pool_choice(m: dict) -> dict:
+    """How finetune.pool=auto chose (a fine-tune's metrics.json): each candidate's held-out top-1 on
+    part of its training labels, how many images that part held, and the chosen one's lead over
+    the next (`choice_lead`, paired over those images)."""
+    top1, records = m["pool_heldout_top1"], m.get("pool_heldout_outcomes") or {}
+    pool = m["pool"]
+    other = max((k for k in top1 if k != pool), key=top1.get, default=None)
+    lead = None if other is None else choice_lead(top1[pool], top1[other], outcomes.read(records.get(pool)),
+                                                  outcomes.read(records.get(other)))
+    return {"top1": top1, "n": (records.get(pool) or {}).get("n"), "lead": lead}
 
 
 def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
@@ -618,8 +628,8 @@ def render_markdown(rep: dict) -> str:
                               for x in r["retrained"]) or "—"
             pool = r.get("pool_choice")
             how = (f" (pool by a probe of its training labels, held-out top-1 "
-                   f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())} on {pool['n']} images)"
-                   if pool else "")
+                   f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())} on {pool['n']} images: "
+                   f"lead {_lead_cell(pool['lead'])})" if pool else "")
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]

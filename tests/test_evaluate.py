@@ -361,7 +361,9 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     for m in (zero, probe, longer):
         assert m["pool"] == "avg", m
         assert m["pool_heldout_top1"]["avg"] > 0.6 > 0.5 > m["pool_heldout_top1"]["token"]
-        assert m["pool_heldout"] == round(0.1 * m["train_samples"])  # probe.val_fraction of its own training part
+        for pool, record in m["pool_heldout_outcomes"].items():  # probe.val_fraction of its own training part
+            assert record["n"] == round(0.1 * m["train_samples"])
+            assert outcomes.read(record)[1].mean() == pytest.approx(m["pool_heldout_top1"][pool])
     assert probe["top1"] > 0.6 and probe["evaluated_on"] == "dev"  # the probe head on the patch mean
     assert probe["start_top1"] == probe["top1"] and "head_probe_l2" in probe
     assert "start_top1" not in zero and "head_probe_l2" not in zero  # a zero head: no start worth scoring

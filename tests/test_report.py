@@ -136,6 +136,9 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     runs = [mpp, sup]
     tops = {"supervised": (0.60, 0.62, 0.64), "mpp": (0.59, 0.62, 0.65), "scratch": (0.40, 0.41, 0.42)}
     inits = {"supervised": str(sup), "mpp": str(mpp), "scratch": "none"}
+    held, idx = np.arange(40) % 10, np.arange(40)  # pool=auto's held-out images: token right on 2 more
+    chose = {"pool": "token", "pool_heldout_top1": {"token": 0.5, "avg": 0.45},
+             "pool_heldout_outcomes": {"token": outcomes.record(idx < 20, held), "avg": outcomes.record(idx < 18, held)}}
     for fam, accs in tops.items():
         for lr, dev in ((0.01, 0.5), (0.03, 0.55)):
             runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
@@ -147,8 +150,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
             runs.append(_run(root, f"ft_{fam}/seed{seed}", {
                 "objective": "classify", "seed": seed, "optim": {"lr": 0.03},
                 "finetune": {"init": inits[fam], "label_fraction": 0.1, "dev_fraction": 0.0, "pool": pool}},
-                {"top1": acc, "evaluated_on": "val", **({"pool": "token", "pool_heldout_top1": {"token": 0.5, "avg": 0.4},
-                                                         "pool_heldout": 40} if pool == "auto" else {"pool": pool})}))
+                {"top1": acc, "evaluated_on": "val", **(chose if pool == "auto" else {"pool": pool})}))
     runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
                      {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1 / 30000,
                       "probe_val_top1": {"3.33333e-05": 0.46, "0.01": 0.44, "1": 0.3},  # keys as :g writes them
@@ -173,7 +175,9 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
-    assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 40.0 on 40 images)" in md
+    noise = 100 * outcomes.paired_sem(idx < 20, idx < 18)  # 5 points' lead, under twice its noise
+    assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 45.0 on 40 images: " \
+           f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise
     assert "†" not in md  # dev runs without outcomes: no lead's noise known, so no toss-up claimed
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
     assert "supervised pre-training 0.01; MPP pre-training 3.33333e-05." in md

@@ -91,13 +91,15 @@ def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: floa
 
 class ProbeChoice(NamedTuple):
     """What `choose_probe` found: the representation and L2 strength with the best held-out top-1,
-    every pair's score ({representation: {L2: top-1}}) on `heldout` samples, and that pair's fitted
-    head (weight (C, D), bias (C,) on raw features), the warm start of the refit on all the features."""
+    every pair's score ({representation: {L2: top-1}}), that pair's fitted head (weight (C, D),
+    bias (C,) on raw features), the warm start of the refit on all the features, and each
+    representation's held-out outcomes at its best L2 ({representation: mpp.outcomes record}),
+    from which a report can tell how sure the choice of representation was."""
     pool: str
     l2: float
     scores: dict
     head: tuple[torch.Tensor, torch.Tensor]
-    heldout: int
+    heldout: dict
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
@@ -113,19 +115,24 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     fit_idx, val_idx = perm[n_val:], perm[:n_val]
     scores: dict[str, dict[float, float]] = {}
     fits: dict[tuple[str, float], torch.Tensor] = {}
-    stats = {}
+    stats, heldout = {}, {}
     for name, x in train_x.items():
         fx, vx = x[fit_idx].float(), x[val_idx].float()
         stats[name] = mean, std = feature_stats(fx)
         fx, vx = (fx - mean) / std, (vx - mean) / std
-        scores[name], w = {}, None
+        scores[name], w, heldout[name] = {}, None, (-1.0, 0.0, None)
         for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
             w = fits[name, l2] = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
-            scores[name][l2] = _topk(vx @ w[:-1] + w[-1], train_y[val_idx], 1)
+            logits = vx @ w[:-1] + w[-1]
+            scores[name][l2] = _topk(logits, train_y[val_idx], 1)
+            hits = logits.topk(1, dim=1).indices[:, 0].eq(train_y[val_idx])  # the images _topk counted
+            heldout[name] = max(heldout[name], (scores[name][l2], l2, hits), key=lambda t: t[:2])
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
-    return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]), n_val)
+    labels = train_y[val_idx].numpy()
+    return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
+                       {n: outcomes.record(h.numpy(), labels) for n, (_, _, h) in heldout.items()})
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -161,8 +168,8 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
     chosen with the L2) of the labeled `subset` of data.train (as `make_loader` takes it), the L2
     chosen on a held-out part (probe.val_fraction, split by finetune.split_seed): {weight (C, D),
-    bias (C,), pool, l2, heldout_top1, heldout (the held-out part's size), pool_heldout_top1
-    (each candidate's best)}, the starting head of a fine-tune with finetune.head_init=probe and
+    bias (C,), pool, l2, heldout_top1, pool_heldout_top1 and pool_heldout_outcomes (each
+    candidate's best and its per-image outcomes)}, the starting head of a fine-tune with finetune.head_init=probe and
     the representation of one with finetune.pool=auto. Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
@@ -183,7 +190,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     chosen, l2, scores, head, heldout = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
                                                      l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
     weight, bias = fit_linear_head(x[chosen], y, num_classes, l2, init=head)
-    fit = {"pool": chosen, "l2": l2, "heldout_top1": scores[chosen][l2], "heldout": heldout,
+    fit = {"pool": chosen, "l2": l2, "heldout_top1": scores[chosen][l2], "pool_heldout_outcomes": heldout,
            "pool_heldout_top1": {n: max(s.values()) for n, s in scores.items()}}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
