@@ -348,7 +348,8 @@ def collect(runs: list[dict]) -> dict:
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
                  "finetune_added_noise": {},
-                 "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "fewshot": {},
+                 "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "probe_pool_choice": None,
+                 "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
     images: dict = {}  # (family, fraction | "probe") -> (labels digest, per-image top-1 on the test images)
     seen: dict = {}
@@ -377,6 +378,7 @@ def collect(runs: list[dict]) -> dict:
             images[r["family"], "probe"] = outcomes.read(m.get("outcomes"))
             row["fewshot_seeds"] = m.get("fewshot_seeds") if isinstance(m.get("fewshot_seeds"), int) else None
             row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
+            row["probe_pool_choice"] = _pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else None
             row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
             for k, v in m.items():
                 if k.endswith("shot_mean"):
@@ -588,10 +590,12 @@ def render_markdown(rep: dict) -> str:
                      "runner-up value, retrained on all the labels with the same seeds (test top-1 in the recipe "
                      "table), in every combination." if ranged else "")]
     held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
+            + (f" (lead {_lead_cell(c['lead'])} on {c['n']} images)" if (c := t[f].get("probe_pool_choice"))
+               and c["n"] and c["lead"] else "")
             for f in FAMILIES if t[f].get("probe_heldout_top1")]
     if held:
-        lines += ["", "Linear probe, held-out top-1 of each representation on training features (the best is used): "
-                  + "; ".join(held) + "."]
+        lines += ["", "Linear probe, held-out top-1 of each representation on training features (the best is used; "
+                  "its lead ± its standard error, paired over the held-out images): " + "; ".join(held) + "."]
     l2s = [(FAMILY_NAMES[f], t[f]["probe_l2"], t[f]["probe_l2_grid"]) for f in FAMILIES if t[f].get("probe_l2") is not None]
     if l2s:
         edge = [name for name, l2, grid in l2s if len(grid) > 1  # the grid's keys carry 6 digits (:g)

@@ -334,6 +334,8 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     assert auto["pool"] == "avg" and auto["pool_setting"] == "auto"
     assert set(auto["pool_heldout_top1"]) == {"token", "avg"}
     assert auto["pool_heldout_top1"]["avg"] > 0.6 and auto["pool_heldout_top1"]["token"] < 0.5  # chance 0.25
+    assert {p: outcomes.read(r)[1].mean() for p, r in auto["pool_heldout_outcomes"].items()} == \
+        pytest.approx(auto["pool_heldout_top1"])  # the held-out images behind each score, for the report's lead
     assert auto["top1"] > 0.6 and forced["pool"] == "token" and forced["top1"] < 0.5
     assert auto["5shot_mean"] > forced["5shot_mean"] + 0.2
     assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["pool"] == "avg"

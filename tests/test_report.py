@@ -154,7 +154,9 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     runs.append(_run(root, "probe_mpp", {"objective": "mpp", "probe": {"encoder": str(mpp)}},
                      {"kind": "linear_probe", "top1": 0.45, "pool": "avg", "probe_l2": 1 / 30000,
                       "probe_val_top1": {"3.33333e-05": 0.46, "0.01": 0.44, "1": 0.3},  # keys as :g writes them
-                      "pool_heldout_top1": {"token": 0.37, "avg": 0.46}}))
+                      "pool_heldout_top1": {"token": 0.37, "avg": 0.46},
+                      "pool_heldout_outcomes": {"token": outcomes.record(np.arange(100) < 37, np.arange(100) % 10),
+                                                "avg": outcomes.record(np.arange(100) < 46, np.arange(100) % 10)}}))
     runs.append(_run(root, "probe_sup", {"objective": "mpp", "probe": {"encoder": str(sup)}},
                      {"kind": "linear_probe", "top1": 0.6, "pool": "token", "probe_l2": 0.01,
                       "probe_val_top1": {"0.0001": 0.58, "0.01": 0.6, "1": 0.5}}))
@@ -175,6 +177,8 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
+    probe_noise = 100 * outcomes.paired_sem(np.arange(100) < 46, np.arange(100) < 37)
+    assert f"MPP pre-training: token 37.0, avg 46.0 (lead +9.0 ± {probe_noise:.1f} on 100 images)" in md
     noise = 100 * outcomes.paired_sem(idx < 20, idx < 18)  # 5 points' lead, under twice its noise
     assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 45.0 on 40 images: " \
            f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise

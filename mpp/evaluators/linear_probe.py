@@ -142,15 +142,15 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     on test (features standardised with training statistics).
 
     `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
-    With a dict the result also holds `representation` (the chosen one) and `heldout_top1` (each
-    candidate's best held-out top-1). `outcomes`: which test samples it got right (mpp.outcomes).
+    With a dict the result also holds `representation` (the chosen one), `heldout_top1` (each
+    candidate's best held-out top-1) and `heldout_outcomes` (its held-out images' outcomes). `outcomes`: which test samples it got right (mpp.outcomes).
     """
     several = isinstance(train_x, dict)
     trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
-    rep, best, scores, head, _ = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
+    rep, best, scores, head, heldout = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
                                            l2_grid=l2_grid, seed=seed)
     weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
@@ -160,6 +160,7 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     if several:
         out["representation"] = rep
         out["heldout_top1"] = {n: max(scores[n].values()) for n in trains}
+        out["heldout_outcomes"] = heldout
     return out
 
 
@@ -227,7 +228,8 @@ class Evaluator:
         fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
                           l2=cfg.fewshot.l2, num_classes=num_classes, draws=True)
         return {"top1": lin["top1"], "top5": lin["top5"], **fs, "pool": pool, "pool_setting": cfg.probe.pool,
-                "pool_heldout_top1": lin["heldout_top1"], "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
+                "pool_heldout_top1": lin["heldout_top1"], "pool_heldout_outcomes": lin["heldout_outcomes"],
+                "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
                 "outcomes": lin["outcomes"],
                 "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
                 "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x[pool].shape[1],
