@@ -288,6 +288,15 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
             "retrained": retrained}
 
 
+def _draws_sem(row: dict, k: str) -> float | None:
+    """The standard error of a family's `k`-shot mean over its shot draws: from the draws where the
+    probe recorded them, else from the std that probes wrote before them (a population std)."""
+    if row["fewshot_draws"].get(k) is not None:
+        return outcomes.sem(row["fewshot_draws"][k][1])
+    std, n = row["fewshot_std"].get(k), row["fewshot_seeds"] or 0
+    return None if std is None or n < 2 else std / math.sqrt(n - 1)
+
+
 def _pool_choice(m: dict) -> dict:
     """How finetune.pool=auto chose (a fine-tune's metrics.json): each candidate's held-out top-1 on
     part of its training labels, how many images that part held, and the chosen one's lead over
@@ -413,13 +422,8 @@ def collect(runs: list[dict]) -> dict:
         return {f: None if table[f]["finetune_std"].get(fr) is None
                 else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
 
-    def draws_sem(k: str) -> dict:  # over `fewshot_seeds` draws: from the draws where recorded, else from
-        def one(row: dict):           # the std that probes wrote before them (a population std)
-            if row["fewshot_draws"].get(k) is not None:
-                return outcomes.sem(row["fewshot_draws"][k][1])
-            std, n = row["fewshot_std"].get(k), row["fewshot_seeds"] or 0
-            return None if std is None or n < 2 else std / math.sqrt(n - 1)
-        return {f: one(table[f]) for f in FAMILIES}
+    def draws_sem(k: str) -> dict:
+        return {f: _draws_sem(table[f], k) for f in FAMILIES}
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES})

@@ -157,10 +157,8 @@ def setup(cfg: Config) -> Run:
                           f"steps; give steps (or epochs) of at least {state['step']}, or train.resume=none and "
                           "another output_dir")
     origin = task.origin(cfg)
-    if resume and (changed := [f"{k}: {v!r} then, {origin.get(k)!r} now" for k, v in state.get("origin", {}).items()
-                               if origin.get(k) != v]):
-        raise ConfigError(f"the checkpoints in {out} continue a run that started from other inputs ({'; '.join(changed)}): "
-                          "give it back what it started from, or start again in another output_dir")
+    if resume:
+        _check_origin(out, state.get("origin", {}), origin)
     if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
         _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
     if not resume:
@@ -514,6 +512,16 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
         raise ConfigError(f"no checkpoint in '{root}' loads ({'; '.join(skipped)}); delete them to start afresh, "
                           "or give a good one as train.resume=PATH")
     return None, {}
+
+
+def _check_origin(out: Path, then: dict, now: dict) -> None:
+    """A resumed run must start from what its fresh start recorded (`Task.origin`); else its
+    checkpoints would continue a run of other inputs under this one's name."""
+    changed = [f"{k}: {v!r} then, {now.get(k)!r} now" for k, v in then.items() if now.get(k) != v]
+    if changed:
+        raise ConfigError(f"the checkpoints in {out} continue a run that started from other inputs "
+                          f"({'; '.join(changed)}): give it back what it started from, or start again in another "
+                          "output_dir")
 
 
 def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:

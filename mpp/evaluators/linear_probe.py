@@ -115,24 +115,24 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     fit_idx, val_idx = perm[n_val:], perm[:n_val]
     scores: dict[str, dict[float, float]] = {}
     fits: dict[tuple[str, float], torch.Tensor] = {}
-    stats, heldout = {}, {}
+    stats, hits = {}, {}
     for name, x in train_x.items():
         fx, vx = x[fit_idx].float(), x[val_idx].float()
         stats[name] = mean, std = feature_stats(fx)
         fx, vx = (fx - mean) / std, (vx - mean) / std
-        scores[name], w, heldout[name] = {}, None, (-1.0, 0.0, None)
+        scores[name], w = {}, None
         for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
             w = fits[name, l2] = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
             logits = vx @ w[:-1] + w[-1]
             scores[name][l2] = _topk(logits, train_y[val_idx], 1)
-            hits = logits.topk(1, dim=1).indices[:, 0].eq(train_y[val_idx])  # the images _topk counted
-            heldout[name] = max(heldout[name], (scores[name][l2], l2, hits), key=lambda t: t[:2])
+            hits[name, l2] = logits.topk(1, dim=1).indices[:, 0].eq(train_y[val_idx])  # the images _topk counted
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
+    own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
     labels = train_y[val_idx].numpy()
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
-                       {n: outcomes.record(h.numpy(), labels) for n, (_, _, h) in heldout.items()})
+                       {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order})
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -143,15 +143,16 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 
     `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
     With a dict the result also holds `representation` (the chosen one), `heldout_top1` (each
-    candidate's best held-out top-1) and `heldout_outcomes` (its held-out images' outcomes). `outcomes`: which test samples it got right (mpp.outcomes).
+    candidate's best held-out top-1) and `heldout_outcomes` (its held-out images' outcomes).
+    `outcomes`: which test samples it got right (mpp.outcomes).
     """
     several = isinstance(train_x, dict)
     trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
-    rep, best, scores, head, heldout = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction,
-                                           l2_grid=l2_grid, seed=seed)
+    rep, best, scores, head, heldout = choose_probe(trains, train_y, num_classes=num_classes,
+                                                    val_fraction=val_fraction, l2_grid=l2_grid, seed=seed)
     weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
     out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
@@ -170,8 +171,8 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     chosen with the L2) of the labeled `subset` of data.train (as `make_loader` takes it), the L2
     chosen on a held-out part (probe.val_fraction, split by finetune.split_seed): {weight (C, D),
     bias (C,), pool, l2, heldout_top1, pool_heldout_top1 and pool_heldout_outcomes (each
-    candidate's best and its per-image outcomes)}, the starting head of a fine-tune with finetune.head_init=probe and
-    the representation of one with finetune.pool=auto. Features and the head go through the
+    candidate's best and its per-image outcomes)}, the starting head of a fine-tune with
+    finetune.head_init=probe and the representation of one with finetune.pool=auto. Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
