@@ -314,6 +314,11 @@ def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
     assert tr_x.dtype == torch.uint8 and abs(len(te_x) - 40) <= 4 and len(tr_x) <= 5 * 2 * 4 + 4
 
 
+def _constant_cls(module, inputs, tokens):
+    """A forward hook on the final norm that makes the [class] token's output carry nothing."""
+    return torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, 1:]], dim=1)
+
+
 def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
     """An encoder whose [class] output is constant (as MPP leaves the path it never trains, at the
     extreme) is probed, and few-shot evaluated, through the mean of its patch tokens; forcing
@@ -321,10 +326,7 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
     save_encoder(encoder, tmp_path)  # the file whose sha256 the probe records
-
-    def constant_cls(module, inputs, tokens):
-        return torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, 1:]], dim=1)
-    encoder.vit.norm.register_forward_hook(constant_cls)
+    encoder.vit.norm.register_forward_hook(_constant_cls)
     monkey_load = lambda *a, **k: encoder  # noqa: E731 -- the hooked encoder stands for a loaded one
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mpp.evaluators.linear_probe, "load_encoder", monkey_load)
@@ -350,7 +352,7 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
     save_encoder(encoder, tmp_path)  # the file the fine-tunes record the digest of
-    encoder.vit.norm.register_forward_hook(lambda m, i, t: torch.cat([torch.zeros_like(t[:, :1]), t[:, 1:]], dim=1))
+    encoder.vit.norm.register_forward_hook(_constant_cls)
     run = dict(objective="classify", steps=1, data={"eval_crop_pct": 1.0}, train={"attn": "math"},
                optim={"name": "sgd", "warmup_steps": 1, "weight_decay": 0.0})  # one step at lr 0: nothing moves
     tune = {"init": str(tmp_path), "pool": "auto", "label_fraction": 0.5, "dev_fraction": 0.25}
@@ -358,8 +360,12 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
         mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)  # the hooked encoder stands for a loaded one
         zero = train(_cfg(shards, tmp_path / "zero", finetune=tune, **run))
         probe = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"}, **run))
+        chosen_again = []
+        mp.setattr(mpp.evaluators.linear_probe, "probe_head",
+                   lambda *a, real=mpp.evaluators.linear_probe.probe_head, **k: chosen_again.append(1) or real(*a, **k))
         longer = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"},
                             **{**run, "steps": 2, "optim": {**run["optim"], "warmup_steps": 2}}))
+    assert not chosen_again  # the resume took the checkpoint's choice
     for m in (zero, probe, longer):
         assert m["pool"] == "avg", m
         assert m["pool_heldout_top1"]["avg"] > 0.6 > 0.5 > m["pool_heldout_top1"]["token"]

@@ -182,6 +182,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     noise = 100 * outcomes.paired_sem(idx < 20, idx < 18)  # 5 points' lead, under twice its noise
     assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 45.0 on 40 images: " \
            f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise
+    assert rep["recipes"]["scratch"]["0.1"]["pool_choice"]["lead"]["clear"] is False  # the report's own verdict
     assert "†" not in md  # dev runs without outcomes: no lead's noise known, so no toss-up claimed
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
     assert "supervised pre-training 0.01; MPP pre-training 3.33333e-05." in md
