@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/benchmarks.md, in device calls that each end inside the lent machine's
-# 10-minute limit, results under $OUT (or ./gpu_out). A session now has 15 device-minutes in all,
-# start-up included: one or two parts per session, in the order of priority below. The machine has
-# torch, timm and accelerate but not webdataset or simplejpeg: fetch their wheels here once
+# 10-minute limit, results under $OUT (or ./gpu_out). A session has 15 device-minutes in all,
+# start-up included: `session` runs the most wanted parts in one call under 9 minutes. The machine
+# has torch, timm and accelerate but not webdataset or simplejpeg: fetch their wheels here once
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh step ti4 s16    on the GPU: the step table (train_step.py --device cuda)
-#   bash benchmarks/gpu_session.sh step b16
-#   bash benchmarks/gpu_session.sh trainer         Ti/4 and B/16 pre-training and a 10%-label fine-tune
-#                                                  through the real loader (images/s, data wait), the
-#                                                  README main job's time
-#   bash benchmarks/gpu_session.sh tests           the suite on the GPU machine (its CUDA tests included)
+#   bash benchmarks/gpu_session.sh session         on the GPU: step ti4, step s16 b16 (no CUDA
+#                                                  graphs, no loader check), trainer, cuda-tests; each
+#                                                  part under its own time limit
+#   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step and precision tests on CUDA
+#   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
+#                                                  the step table (train_step.py --device cuda)
+#   bash benchmarks/gpu_session.sh trainer         Ti/4 pre-training (batch 1024) and a 10%-label
+#                                                  fine-tune through the real loader: images/s and
+#                                                  data wait per log window
+#   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
+#   bash benchmarks/gpu_session.sh mainjob         the README main job's time
+#   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-what=${1:?"say what: wheels | step MODEL... | trainer | tests"}
+export OUT=${OUT:-gpu_out}
+parts="wheels | session | cuda-tests | step MODEL... | trainer | trainer-b16 | mainjob | tests"
+what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|step|trainer|tests) ;;
-    *) echo "unknown part '$what': wheels | step MODEL... | trainer | tests" >&2; exit 2 ;;
+    wheels|session|cuda-tests|step|trainer|trainer-b16|mainjob|tests) ;;
+    *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
 
@@ -33,39 +40,67 @@ if [ "$what" = wheels ]; then
 fi
 
 mkdir -p "$OUT"
-# on the device: the carried wheels into the interpreter itself (not a --target folder on PYTHONPATH:
-# the tests' subprocesses set PYTHONPATH to the checkout and would lose them), then this project
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
+if ! python3 -c "import webdataset, simplejpeg, mpp" 2>/dev/null; then
+    # the carried wheels into the interpreter itself (not a --target folder on PYTHONPATH: the
+    # tests' subprocesses set PYTHONPATH to the checkout and would lose them), then this project
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+    python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
+fi
 
-perf() {  # a finished run's throughput and data wait, from its metrics.json
-    python3 -c "import json, sys; m = json.load(open(sys.argv[1] + '/metrics.json')); print(sys.argv[2] + ':', \
-round(m['images_per_s']), 'images/s, data wait', round(100 * m['data_wait_frac'], 1), '%')" "$1" "$2" \
-        | tee -a "$OUT/trainer.txt"
+windows() {  # a finished run's images/s and data wait per log window (TensorBoard), and in all
+    python3 - "$1" "$2" <<'PY' | tee -a "$OUT/trainer.txt"
+import json, statistics, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+run, what = sys.argv[1:]
+ea = EventAccumulator(run + "/tensorboard", size_guidance={"scalars": 0})
+ea.Reload()
+ips = [e.value for e in ea.Scalars("perf/images_per_s")]
+wait = [e.value for e in ea.Scalars("perf/data_wait_frac")]
+m = json.load(open(run + "/metrics.json"))
+print(f"{what}: windows after the first (compile): median {statistics.median(ips[1:]):.0f} images/s, "
+      f"data wait median {100 * statistics.median(wait[1:]):.1f}%, max {100 * max(wait[1:]):.1f}%; "
+      f"whole run {m['images_per_s']:.0f} images/s, wait {100 * m['data_wait_frac']:.1f}%, {m['wall_time_s']:.0f} s")
+print("  per window images/s:", " ".join(f"{x:.0f}" for x in ips))
+print("  per window wait %:  ", " ".join(f"{100 * x:.1f}" for x in wait))
+PY
+}
+
+pretrain() {  # MODEL BATCH DATA STEPS: MPP pre-training through the real loader, 14 workers
+    python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
+        data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
+        train.log_every=20 train.ckpt_every=100000 output_dir=/tmp/runs/pre_$1 2>&1 | tr '\r' '\n' | tail -2
+    windows /tmp/runs/pre_$1 "pre-training $1 batch $2, $4 steps"
 }
 
 case "$what" in
-step)  # each model: eager, compiled and CUDA-graph steps against the plain timm loop, MFU, memory
-    name=$(IFS=_; echo "$*")
-    python3 benchmarks/train_step.py --device cuda --precision bf16 --only "$@" --loader-model "$1" --workers 12 \
-        --json "$OUT/step_$name.json" 2>&1 | tee "$OUT/step_$name.log" ;;
-trainer)  # the trainer with the real loader; synthetic shards (CIFAR-10's exceed what travels)
-    python3 -m mpp.tools.make_synthetic /tmp/syn32 --train 50000 --test 1000 --shards 64 >/dev/null
-    python3 -m mpp.tools.make_synthetic /tmp/syn256 --train 4000 --test 100 --size 256 --shards 16 >/dev/null
-    for spec in "vit_ti4_32 512 syn32 300" "vit_b16 256 syn256 150"; do
+session)  # one lent session's worth, most wanted first, each part under its own limit
+    for spec in "150 step ti4" "200 step s16 b16 --methods mpp mpp+compile timm+loop timm+compile --no-loader" \
+                "110 trainer" "80 cuda-tests"; do
         set -- $spec
-        python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
-            data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
-            train.log_every=50 output_dir=/tmp/runs/pre_$1 2>&1 | tail -2
-        perf /tmp/runs/pre_$1 "pre-training $1 batch $2"
-    done
+        timeout "$1" bash "$0" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
+    done ;;
+cuda-tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_compiled.py tests/test_precision.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
+step)  # eager, compiled and CUDA-graph steps against the plain timm loop, MFU, memory
+    models=(); while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do models+=("$1"); shift; done
+    name=$(IFS=_; echo "${models[*]}")
+    python3 benchmarks/train_step.py --device cuda --precision bf16 --only "${models[@]}" --loader-model "${models[0]}" \
+        --workers 12 --json "$OUT/step_$name.json" "$@" 2>&1 | tee "$OUT/step_$name.log" ;;
+trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an epoch every ~20 steps
+    python3 -m mpp.tools.make_synthetic /tmp/syn32 --train 20000 --test 1000 --shards 32 >/dev/null 2>&1
+    pretrain vit_ti4_32 1024 syn32 240
     python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32 \
         data.train=/tmp/syn32/train/manifest.json data.val=/tmp/syn32/test/manifest.json data.num_workers=12 \
-        finetune.label_fraction=0.1 batch_size=512 steps=300 output_dir=/tmp/runs/ft10 2>&1 | tail -2
-    perf /tmp/runs/ft10 "fine-tune vit_ti4_32, 10% of 50,000 labels, batch 512"
+        finetune.label_fraction=0.1 batch_size=256 steps=160 train.log_every=16 train.ckpt_every=100000 \
+        output_dir=/tmp/runs/ft10 2>&1 | tr '\r' '\n' | tail -2
+    windows /tmp/runs/ft10 "fine-tune vit_ti4_32, 10% of 20,000 labels (an epoch every ~8 steps), batch 256" ;;
+trainer-b16)
+    python3 -m mpp.tools.make_synthetic /tmp/syn256 --train 4000 --test 100 --size 256 --shards 16 >/dev/null 2>&1
+    pretrain vit_b16 256 syn256 150 ;;
+mainjob)
     start=$(date +%s)
     python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1
     echo "main job (configs/compare_synthetic.yaml): $(( $(date +%s) - start )) s" | tee -a "$OUT/trainer.txt"
