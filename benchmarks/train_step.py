@@ -348,8 +348,8 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
         step(memory)
     times: dict[str, list[float]] = {"memory": [], "loader": []}
     waits = []
-    with contextlib.closing(loader):  # stops its workers at the end
-        batches = DevicePrefetcher(loader.epoch(0), device)
+    # the prefetch thread stops before the loader's workers (exits run in reverse)
+    with contextlib.closing(loader), contextlib.closing(DevicePrefetcher(loader.epoch(0), device)) as batches:
         start = time.perf_counter()
         first = next(batches)
         cold = time.perf_counter() - start

@@ -1,50 +1,103 @@
-"""Input overlapped with compute: batches reach the device one step ahead of their use.
+"""Input overlapped with compute: batches are fetched by a thread and reach the device ahead of use.
 
-`DevicePrefetcher` takes the next host batch as soon as the current one is handed out. On CUDA it
-copies it into pinned memory (which frees the loader's shared-memory slot at once) and sends it,
-still uint8 (a quarter of float32's bytes; normalisation runs on the device, in the Task), with a
-non-blocking copy on a side stream, so the transfer overlaps the step the host has just queued.
-The consumer's stream waits on that copy only when it uses the batch (an event, not a host
-sync). Elsewhere batches pass through unchanged: the same look-ahead, no copies. `counted` is the
-loader's `counters` as they stood when the batch last handed out was read, before the look-ahead:
-skip counts that a checkpoint records must not include a batch the resumed run will read again.
+`DevicePrefetcher` reads the host batches on a background thread, `depth` batches ahead of the
+step, so the main thread (which on a GPU spends its time queueing the step's kernels) never does
+the loader's host work: receiving worker batches, re-chunking them, pinning. On CUDA the thread
+copies each batch into pinned memory (which frees the loader's shared-memory slot at once) and
+sends it, still uint8 (a quarter of float32's bytes; normalisation runs on the device, in the
+Task), with a non-blocking copy on a side stream; the consumer's stream waits on that batch's copy
+only when it uses the batch (an event, not a host sync). Elsewhere batches pass through
+unchanged: the same look-ahead, no copies. The order of the batches is the source's. `counted` is
+the loader's `counters` as they stood when the batch last handed out was read, before the
+look-ahead: skip counts that a checkpoint records must not include a batch the resumed run will
+read again. An error of the source is raised by the `next` that would have returned its batch.
 """
 from __future__ import annotations
 
+import queue
+import threading
+import warnings
 from typing import Callable, Iterator
 
 import torch
 
+_END = object()  # the source is exhausted
+
 
 class DevicePrefetcher:
-    """Iterate `batches` (dicts of host tensors) as dicts of tensors on `device`, one batch ahead."""
+    """Iterate `batches` (dicts of host tensors) as dicts of tensors on `device`, `depth` batches
+    ahead, read by a background thread that starts with the first `next`; `close()` stops it."""
 
     def __init__(self, batches: Iterator[dict], device: torch.device | str,
-                 counters: Callable[[], dict] = dict):
+                 counters: Callable[[], dict] = dict, depth: int = 2):
         self.batches, self.device, self.counters = batches, torch.device(device), counters
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.ahead: dict | None = None
+        self.ready: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.done = False
         self.counted: dict = counters()
 
-    def _stage(self) -> dict | None:
-        batch = next(self.batches, None)
-        if batch is None or self.stream is None:
-            return batch
+    def _stage(self, batch: dict) -> tuple[dict, torch.cuda.Event | None]:
+        if self.stream is None:
+            return batch, None
         with torch.cuda.stream(self.stream):
-            return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
+            return batch, self.stream.record_event()
+
+    def _fill(self) -> None:
+        """The thread: read, stage and queue batches until the source ends, fails or `close()`."""
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        try:
+            while (batch := next(self.batches, _END)) is not _END:
+                item = (*self._stage(batch), self.counters())
+                del batch  # a host batch not held while the next is read frees its loader slot
+                if not self._put(item):
+                    return
+            self._put((_END, None, None))
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put((e, None, None))
+
+    def _put(self, item: tuple) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def __iter__(self) -> DevicePrefetcher:
         return self
 
     def __next__(self) -> dict:
-        batch = self._stage() if self.ahead is None else self.ahead
-        if batch is None:
+        if self.done:
             raise StopIteration
-        if self.stream is not None:  # the step's stream waits for the copy; its memory is the step's
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._fill, name="mpp-prefetch", daemon=True)
+            self.thread.start()
+        batch, copied, counted = self.ready.get()
+        if batch is _END or isinstance(batch, BaseException):
+            self.done = True
+            if batch is _END:
+                raise StopIteration
+            raise batch
+        if copied is not None:  # the step's stream waits for the copy; its memory is the step's
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.stream)
+            current.wait_event(copied)
             for v in batch.values():
                 v.record_stream(current)
-        self.counted = self.counters()
-        self.ahead = self._stage()
+        self.counted = counted
         return batch
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread (it finishes the batch it is reading), so the source can be closed."""
+        self.stop.set()
+        self.done = True
+        if self.thread is not None:
+            self.thread.join(timeout)  # a thread waiting to queue a batch sees the flag within 0.1 s
+            if self.thread.is_alive():
+                warnings.warn(f"the batch prefetch thread did not stop within {timeout:.0f} s (a data "
+                              "worker that does not answer?); closing the loader under it")
+        self.thread = None

@@ -64,7 +64,8 @@ def train(cfg: Config) -> dict:
             loop(run)
             return finish(run)
         finally:
-            run.bar.close()  # finish closed it already when it got there
+            run.bar.close()  # finish closed it (and the prefetch thread) already when it got there
+            run.batches.close()
     finally:
         rundir.unlock(cfg.output_dir)
 
@@ -267,6 +268,7 @@ def finish(run: Run) -> dict:
     the Task's final evaluation and write metrics.json (last: a finished run has one)."""
     cfg, accelerator, task, out = run.cfg, run.accelerator, run.task, run.out
     run.bar.close()
+    run.batches.close()  # its thread reads the loader: stopped first
     run.loader.close()  # stops the data workers (an epoch may be unfinished)
     _record(run)  # a run resumed at its last step did none
     totals = _totals(run)

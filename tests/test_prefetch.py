@@ -1,23 +1,78 @@
-"""mpp.prefetch: batches come out in order and unchanged, the next one taken as one is handed out."""
+"""mpp.prefetch: a background thread reads batches ahead, in order and unchanged; source errors
+reach the consumer; `close()` stops the thread."""
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 
 from mpp.prefetch import DevicePrefetcher
 
 
-def test_prefetcher_reads_one_batch_ahead_and_keeps_order():
-    pulled = []
+def _source(n: int, pulled: list, fail_at: int = -1):
+    for i in range(n):
+        if i == fail_at:
+            raise ValueError(f"bad shard at batch {i}")
+        pulled.append(i)
+        yield {"image": torch.full((2, 3, 4, 4), i, dtype=torch.uint8), "label": torch.tensor([i, i])}
 
-    def source():
-        for i in range(3):
-            pulled.append(i)
-            yield {"image": torch.full((2, 3, 4, 4), i, dtype=torch.uint8), "label": torch.tensor([i, i])}
 
-    batches = DevicePrefetcher(source(), "cpu")
+def _settle(pulled: list, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(pulled) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # and no further
+
+
+def test_prefetcher_reads_depth_batches_ahead_on_a_thread_and_keeps_order():
+    pulled: list[int] = []
+    batches = DevicePrefetcher(_source(6, pulled), "cpu", depth=2)
+    time.sleep(0.1)
     assert pulled == []  # nothing read before the first batch is asked for
     first = next(batches)
-    assert pulled == [0, 1] and first["image"].dtype == torch.uint8 and int(first["image"].max()) == 0
+    assert first["image"].dtype == torch.uint8 and int(first["image"].max()) == 0
+    _settle(pulled, 4)
+    # handed out 1, 2 queued, 1 read and waiting for room: the read-ahead is bounded
+    assert pulled == [0, 1, 2, 3]
     rest = list(batches)
-    assert [int(b["label"][0]) for b in rest] == [1, 2] and pulled == [0, 1, 2]
+    assert [int(b["label"][0]) for b in rest] == [1, 2, 3, 4, 5] and pulled == list(range(6))
     assert next(batches, None) is None  # exhausted stays exhausted
+    batches.close()
+
+
+def test_counted_is_the_counters_when_the_handed_out_batch_was_read():
+    pulled: list[int] = []
+    batches = DevicePrefetcher(_source(4, pulled), "cpu", counters=lambda: {"read": len(pulled)})
+    assert batches.counted == {"read": 0}
+    for i in range(4):
+        next(batches)
+        _settle(pulled, min(4, i + 4))
+        assert batches.counted == {"read": i + 1}  # not the read-ahead's
+    batches.close()
+
+
+def test_a_source_error_is_raised_where_its_batch_was_due_and_ends_the_stream():
+    pulled: list[int] = []
+    batches = DevicePrefetcher(_source(5, pulled, fail_at=2), "cpu")
+    assert [int(next(batches)["label"][0]) for _ in range(2)] == [0, 1]
+    with pytest.raises(ValueError, match="bad shard at batch 2"):
+        next(batches)
+    assert next(batches, None) is None
+    batches.close()
+
+
+def test_close_stops_a_thread_waiting_to_queue_and_reads_no_more():
+    pulled: list[int] = []
+    batches = DevicePrefetcher(_source(100, pulled), "cpu", depth=1)
+    next(batches)
+    _settle(pulled, 3)
+    thread = batches.thread
+    t = time.monotonic()
+    batches.close()
+    assert not thread.is_alive() and time.monotonic() - t < 5
+    read = len(pulled)
+    time.sleep(0.2)
+    assert len(pulled) == read < 100 and next(batches, None) is None
+    assert not any(t.name == "mpp-prefetch" for t in threading.enumerate())
