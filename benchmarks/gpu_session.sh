@@ -6,15 +6,16 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: step ti4, step s16 b16 (no CUDA
-#                                                  graphs, no loader check), trainer, cuda-tests; each
-#                                                  part under its own time limit
+#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, step ti4, mainjob, each under
+#                                                  its own time limit (the parts not measured yet;
+#                                                  the first session's were step s16 b16 and
+#                                                  cuda-tests, docs/benchmarks.md)
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step and precision tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
-#   bash benchmarks/gpu_session.sh trainer         Ti/4 pre-training (batch 1024) and a 10%-label
-#                                                  fine-tune through the real loader: images/s and
-#                                                  data wait per log window
+#   bash benchmarks/gpu_session.sh trainer         the loader alone, Ti/4 pre-training (batch 1024)
+#                                                  and a 10%-label fine-tune through the real loader:
+#                                                  images/s and data wait per log window
 #   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
@@ -77,8 +78,7 @@ pretrain() {  # MODEL BATCH DATA STEPS: MPP pre-training through the real loader
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "150 step ti4" "200 step s16 b16 --methods mpp mpp+compile timm+loop timm+compile --no-loader" \
-                "110 trainer" "80 cuda-tests"; do
+    for spec in "170 trainer" "200 step ti4" "180 mainjob"; do
         set -- $spec
         timeout "$1" bash "$0" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -91,6 +91,25 @@ step)  # eager, compiled and CUDA-graph steps against the plain timm loop, MFU, 
         --workers 12 --json "$OUT/step_$name.json" "$@" 2>&1 | tee "$OUT/step_$name.log" ;;
 trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an epoch every ~20 steps
     python3 -m mpp.tools.make_synthetic /tmp/syn32 --train 20000 --test 1000 --shards 32 >/dev/null 2>&1
+    python3 - <<'PY' | tee -a "$OUT/trainer.txt"  # what the workers supply with no step to feed
+import time, torch
+from mpp.config import build_config
+from mpp.data import make_loader
+from mpp.prefetch import DevicePrefetcher
+cfg = build_config({"model": "vit_ti4_32", "data": {"num_workers": 14}})
+loader = make_loader("/tmp/syn32/train/manifest.json", batch_size=1024, img_size=32, train=True, labeled=False,
+                     data_cfg=cfg.data)
+batches = DevicePrefetcher((b for e in range(4) for b in loader.epoch(e)), "cuda")
+n, start = 0, None
+for i, b in enumerate(batches):
+    if i == loader.batches_per_epoch:  # epoch 0 (worker start-up, first pass over the shards) left out
+        torch.cuda.synchronize(); n, start = 0, time.perf_counter()
+    n += len(b["image"])
+torch.cuda.synchronize()
+print(f"loader alone (batch 1024, 14 workers, through the prefetcher to the GPU, epochs 1-3): "
+      f"{n / (time.perf_counter() - start):.0f} images/s")
+batches.close(); loader.close()
+PY
     pretrain vit_ti4_32 1024 syn32 240
     python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32 \
         data.train=/tmp/syn32/train/manifest.json data.val=/tmp/syn32/test/manifest.json data.num_workers=12 \
