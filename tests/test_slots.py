@@ -14,6 +14,8 @@ import torch
 from mpp.config import DataConfig
 from mpp.data import make_loader
 from mpp.data.slots import FILLING, FREE, HELD, BatchSlots
+from mpp.data.stream import SLOTS_PER_WORKER
+from mpp.prefetch import DevicePrefetcher
 from shardutil import write_shards
 
 
@@ -40,13 +42,14 @@ def test_slot_is_free_only_when_every_view_is_garbage():
 
 
 def test_held_batches_are_never_overwritten_and_slots_come_back(tmp_path):
-    manifest, _ = write_shards(tmp_path, [24] * 4)
+    n = 2 * SLOTS_PER_WORKER  # 2 workers
+    manifest, _ = write_shards(tmp_path, [2 * n] * 4)
     cfg = DataConfig(num_workers=2, eval_crop_pct=1.0)
     loader = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True, data_cfg=cfg)
     slots = loader.stream.slots
-    assert slots is not None and len(slots.state) == 8 < loader.batches_per_epoch
-    held = list(loader.epoch(0))  # 24 batches held, more than the 8 slots: the rest travel as usual
-    assert states(slots).count(HELD) == 8
+    assert slots is not None and len(slots.state) == n < loader.batches_per_epoch
+    held = list(loader.epoch(0))  # more batches held than there are slots: the rest travel as usual
+    assert states(slots).count(HELD) == n
     loader.stream.slots = None  # the same epoch without slots: the same batches
     plain = list(loader.epoch(0))
     assert all(torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
@@ -63,8 +66,27 @@ def test_held_batches_are_never_overwritten_and_slots_come_back(tmp_path):
     while FILLING not in states(slots) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert FILLING in states(slots)
-    again = list(loader.epoch(2))  # reclaimed as the workers start this epoch: all 8 in use again
-    assert states(slots).count(HELD) == 8 and len(again) == loader.batches_per_epoch
+    again = list(loader.epoch(2))  # reclaimed as the workers start this epoch: all in use again
+    assert states(slots).count(HELD) == n and len(again) == loader.batches_per_epoch
+
+
+def test_the_trainers_look_ahead_fits_in_one_workers_slots(tmp_path):
+    """Off CUDA the trainer's prefetcher hands the slot batches on as they are and holds several
+    (the step's, the queued ones, the one being staged): with one worker every batch must still
+    come in a slot, not through a fresh shared-memory segment."""
+    manifest, _ = write_shards(tmp_path, [48] * 2)
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                         data_cfg=DataConfig(num_workers=1, eval_crop_pct=1.0))
+    mem = loader.stream.slots.mem
+    base = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
+    batches = DevicePrefetcher((b for e in range(2) for b in loader.epoch(e)), "cpu")
+    outside = 0
+    for i, batch in enumerate(batches):
+        time.sleep(0.02)  # a step: the thread and the workers read ahead as far as they may
+        outside += not base <= batch["image"].data_ptr() < base + len(mem)
+    batches.close()
+    loader.close()
+    assert i + 1 == 2 * loader.batches_per_epoch and outside == 0
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")

@@ -70,8 +70,10 @@ log = logging.getLogger(__name__)
 # from a server imports torch again and sends every batch through a fresh shared-memory segment
 WORKER_START = "fork" if sys.platform == "linux" else None
 
-# batch slots per worker: DataLoader's 2 prefetched batches, 1 being filled, 1 held by the consumer
-SLOTS_PER_WORKER = 4
+# batch slots per worker: DataLoader's 2 prefetched batches, 1 being filled, and up to 4 held by the
+# consumer (the trainer's prefetcher off CUDA: the step's batch, 2 queued, 1 being staged; on CUDA
+# it keeps pinned copies and frees the slots at once). Slots take memory only once written to.
+SLOTS_PER_WORKER = 7
 
 
 def batch_plan(n: int, k: int, batch_size: int) -> list[int]:
