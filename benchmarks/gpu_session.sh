@@ -6,10 +6,10 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, step ti4, mainjob, each under
-#                                                  its own time limit (the parts not measured yet;
-#                                                  the first session's were step s16 b16 and
-#                                                  cuda-tests, docs/benchmarks.md)
+#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, step ti4 (eager and compiled,
+#                                                  with the loader check), mainjob, each under its
+#                                                  own time limit: what the first session (step
+#                                                  tables, cuda-tests; docs/benchmarks.md) left
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step and precision tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -72,13 +72,13 @@ PY
 pretrain() {  # MODEL BATCH DATA STEPS: MPP pre-training through the real loader, 14 workers
     python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
         data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
-        train.log_every=20 train.ckpt_every=100000 output_dir=/tmp/runs/pre_$1 2>&1 | tr '\r' '\n' | tail -2
+        train.log_every=20 train.ckpt_every=100000 train.compile=always output_dir=/tmp/runs/pre_$1 2>&1 | tr '\r' '\n' | tail -2
     windows /tmp/runs/pre_$1 "pre-training $1 batch $2, $4 steps"
 }
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "170 trainer" "200 step ti4" "180 mainjob"; do
+    for spec in "200 trainer" "130 step ti4 --methods mpp mpp+compile" "200 mainjob"; do
         set -- $spec
         timeout "$1" bash "$0" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -113,7 +113,7 @@ PY
     pretrain vit_ti4_32 1024 syn32 240
     python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32 \
         data.train=/tmp/syn32/train/manifest.json data.val=/tmp/syn32/test/manifest.json data.num_workers=12 \
-        finetune.label_fraction=0.1 batch_size=256 steps=160 train.log_every=16 train.ckpt_every=100000 \
+        finetune.label_fraction=0.1 batch_size=256 steps=160 train.log_every=16 train.ckpt_every=100000 train.compile=always \
         output_dir=/tmp/runs/ft10 2>&1 | tr '\r' '\n' | tail -2
     windows /tmp/runs/ft10 "fine-tune vit_ti4_32, 10% of 20,000 labels (an epoch every ~8 steps), batch 256" ;;
 trainer-b16)

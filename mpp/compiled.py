@@ -3,9 +3,12 @@
 One graph per task, no graph breaks (the attention "auto" rule is applied for the model's device
 before the first trace and not re-applied while tracing, see mpp.models), and the batch dimension
 is dynamic, so an epoch's smaller tail batches and a resumed run reuse the compiled graph instead
-of recompiling (only a batch of one specialises). "auto" compiles on CUDA, where the fused kernels
-and fewer launches pay for the compile time; on CPU the compile takes minutes for a gain that
-short runs never recover, so it is off unless asked for.
+of recompiling (only a batch of one specialises). "auto" compiles CUDA runs of at least
+AUTO_MIN_STEPS steps (the whole run's, so a resumed run decides as the run did): there the fused
+kernels and fewer launches pay for the compile time. A shorter run (the fine-tunes and probes of
+a comparison's many stages) would spend longer compiling than stepping eagerly, and on CPU the
+compile takes minutes for a gain that short runs never recover: both run eagerly unless asked
+(figures in docs/benchmarks.md).
 `train.compile_mode` is torch.compile's mode; "reduce-overhead" also replays the step as CUDA graphs
 (one launch instead of hundreds: for small models, where launch overhead dominates).
 """
@@ -18,19 +21,21 @@ import torch
 from mpp.models import MaskedEncoder
 
 
-# train.compile -> whether the step is compiled on a device type
-COMPILE = {"auto": lambda device_type: device_type == "cuda",
-           "always": lambda device_type: True,
-           "never": lambda device_type: False}
+AUTO_MIN_STEPS = 4000  # "auto": the steps a CUDA run must have to win its compile time back
+
+# train.compile -> whether the step is compiled on a device type for a run of so many steps
+COMPILE = {"auto": lambda device_type, steps: device_type == "cuda" and steps >= AUTO_MIN_STEPS,
+           "always": lambda device_type, steps: True,
+           "never": lambda device_type, steps: False}
 
 
 # train.compile_mode -> whether torch.compile's mode records CUDA graphs (on CUDA only; elsewhere ignored)
 COMPILE_MODES = {"default": False, "reduce-overhead": True, "max-autotune": True, "max-autotune-no-cudagraphs": False}
 
 
-def use_compile(setting: str, device: torch.device) -> bool:
-    """Whether `train.compile` (a mode of COMPILE) compiles on `device`."""
-    return COMPILE[setting](device.type)
+def use_compile(setting: str, device: torch.device, steps: int) -> bool:
+    """Whether `train.compile` (a mode of COMPILE) compiles a run of `steps` steps on `device`."""
+    return COMPILE[setting](device.type, steps)
 
 
 def compile_task(model: torch.nn.Module, mode: str = "default") -> Callable:

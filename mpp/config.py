@@ -105,7 +105,7 @@ class TrainConfig:
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
-    compile: str = "auto"      # torch.compile the step: auto (with CUDA) | always | never (mpp.compiled)
+    compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of 4,000+ steps) | always | never (mpp.compiled)
     compile_mode: str = "default"  # torch.compile's mode; reduce-overhead adds CUDA graphs (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
 

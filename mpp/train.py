@@ -176,7 +176,7 @@ def setup(cfg: Config) -> Run:
     zero = torch.zeros((), device=device)
     return Run(
         cfg=cfg, accelerator=accelerator, precision=precision, task=task, model=model,
-        forward=compile_task(model, cfg.train.compile_mode) if use_compile(cfg.train.compile, device) else model,
+        forward=compile_task(model, cfg.train.compile_mode) if use_compile(cfg.train.compile, device, steps) else model,
         optimizer=optimizer, scheduler=scheduler, loader=loader,
         # `batches.counted`: the skips of the batches handed out, not the look-ahead's
         batches=DevicePrefetcher(_batches(loader, start * accum), device, counters=loader.counters),

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mpp.compiled import compile_task, use_compile
+from mpp.compiled import AUTO_MIN_STEPS, compile_task, use_compile
 from mpp.config import Config
 from mpp.models import create_encoder
 from mpp.objectives import build_task
@@ -14,8 +14,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_use_compile():
-    assert use_compile("auto", torch.device("cuda")) and not use_compile("auto", torch.device("cpu"))
-    assert use_compile("always", torch.device("cpu")) and not use_compile("never", torch.device("cuda"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_compile("auto", cuda, AUTO_MIN_STEPS) and not use_compile("auto", cpu, 10**6)
+    assert not use_compile("auto", cuda, AUTO_MIN_STEPS - 1)  # too short to win the compile back
+    assert use_compile("always", cpu, 1) and not use_compile("never", cuda, 10**6)
 
 
 @pytest.fixture

@@ -237,6 +237,21 @@ def test_train_compile_settings_choose_the_step(data, tmp_path, monkeypatch):
     assert modes == ["reduce-overhead"]
 
 
+def test_compile_auto_weighs_the_whole_runs_steps_also_when_resumed(data, tmp_path, monkeypatch):
+    """`auto` compiles only runs long enough to win the compile back (mpp.compiled): the trainer
+    asks with the run's whole step count, so a resumed run decides as it did when it started."""
+    asked, use_compile = [], mpp.train.use_compile
+
+    def recorded(setting, device, steps):
+        asked.append((setting, steps))
+        return use_compile(setting, device, steps)
+    monkeypatch.setattr(mpp.train, "use_compile", recorded)
+    out = tmp_path / "run"
+    train(config(settings(data, out, steps=4, **{"train.ckpt_every": 2})))
+    train(config(settings(data, out, steps=6, **{"train.ckpt_every": 2, "train.resume": "auto"})))
+    assert asked == [("auto", 4), ("auto", 6)]
+
+
 def nan_after(calls: int):
     """build_task patched so that every forward from call `calls` on returns a NaN loss."""
     build = mpp.train.build_task
