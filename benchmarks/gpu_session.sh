@@ -96,19 +96,25 @@ import time, torch
 from mpp.config import build_config
 from mpp.data import make_loader
 from mpp.prefetch import DevicePrefetcher
-cfg = build_config({"model": "vit_ti4_32", "data": {"num_workers": 14}})
-loader = make_loader("/tmp/syn32/train/manifest.json", batch_size=1024, img_size=32, train=True, labeled=False,
-                     data_cfg=cfg.data)
-batches = DevicePrefetcher((b for e in range(4) for b in loader.epoch(e)), "cuda")
-n, start = 0, None
-for i, b in enumerate(batches):
-    if i == loader.batches_per_epoch:  # epoch 0 (worker start-up, first pass over the shards) left out
-        torch.cuda.synchronize(); n, start = 0, time.perf_counter()
-    n += len(b["image"])
-torch.cuda.synchronize()
-print(f"loader alone (batch 1024, 14 workers, through the prefetcher to the GPU, epochs 1-3): "
-      f"{n / (time.perf_counter() - start):.0f} images/s")
-batches.close(); loader.close()
+for name, batch, workers, subset, epochs in (("pre-training", 1024, 14, None, 4), ("10%-label fine-tune", 256, 12, (0.1, 0), 24)):
+    for to in ("host", "cuda"):
+        cfg = build_config({"model": "vit_ti4_32", "data": {"num_workers": workers}})
+        loader = make_loader("/tmp/syn32/train/manifest.json", batch_size=batch, img_size=32, train=True,
+                             labeled=subset is not None, data_cfg=cfg.data, subset=subset)
+        source = (b for e in range(epochs) for b in loader.epoch(e))
+        batches = DevicePrefetcher(source, "cuda") if to == "cuda" else source
+        n, start = 0, None
+        for i, b in enumerate(batches):
+            if i == loader.batches_per_epoch:  # epoch 0 (worker start-up, first pass over the shards) left out
+                torch.cuda.synchronize(); n, start = 0, time.perf_counter()
+            n += len(b["image"])
+        torch.cuda.synchronize()
+        print(f"loader alone, {name} (batch {batch}, {workers} workers, epochs 1-{epochs - 1}), "
+              f"{'through the prefetcher to the GPU' if to == 'cuda' else 'host batches'}: "
+              f"{n / (time.perf_counter() - start):.0f} images/s")
+        if to == "cuda":
+            batches.close()
+        loader.close()
 PY
     pretrain vit_ti4_32 1024 syn32 240
     python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32 \
