@@ -24,13 +24,21 @@ import torch
 _END = object()  # the source is exhausted
 
 
+def indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index (`cuda` means the current one): the thread must set it, as
+    the current device is per thread and `torch.cuda.set_device` takes no device without one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DevicePrefetcher:
     """Iterate `batches` (dicts of host tensors) as dicts of tensors on `device`, `depth` batches
     ahead, read by a background thread that starts with the first `next`; `close()` stops it."""
 
     def __init__(self, batches: Iterator[dict], device: torch.device | str,
                  counters: Callable[[], dict] = dict, depth: int = 2):
-        self.batches, self.device, self.counters = batches, torch.device(device), counters
+        self.batches, self.device, self.counters = batches, indexed(torch.device(device)), counters
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()

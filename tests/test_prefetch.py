@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from mpp.prefetch import DevicePrefetcher
+from mpp.prefetch import DevicePrefetcher, indexed
 
 
 def _source(n: int, pulled: list, fail_at: int = -1):
@@ -76,3 +76,22 @@ def test_close_stops_a_thread_waiting_to_queue_and_reads_no_more():
     time.sleep(0.2)
     assert len(pulled) == read < 100 and next(batches, None) is None
     assert not any(t.name == "mpp-prefetch" for t in threading.enumerate())
+
+
+def test_a_cuda_device_without_an_index_is_the_current_one(monkeypatch):
+    """The thread sets the device it copies to, and `torch.cuda.set_device` refuses a bare 'cuda'
+    (Accelerate's device on a single GPU)."""
+    from torch.cuda._utils import _get_device_index
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert _get_device_index(indexed(torch.device("cuda"))) == 3
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1) and indexed(torch.device("cpu")).type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_reach_the_gpu_in_order_and_unchanged():
+    pulled: list[int] = []
+    batches = DevicePrefetcher(_source(5, pulled), "cuda")
+    got = [(b["image"].device.type, int(b["image"].float().mean()), b["label"].tolist()) for b in batches]
+    assert got == [("cuda", i, [i, i]) for i in range(5)]
+    batches.close()
