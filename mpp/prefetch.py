@@ -55,9 +55,9 @@ class DevicePrefetcher:
 
     def _fill(self) -> None:
         """The thread: read, stage and queue batches until the source ends, fails or `close()`."""
-        if self.stream is not None:
-            torch.cuda.set_device(self.device)  # the current device is per thread
-        try:
+        try:  # everything: a thread that ended without queueing its end would leave `next` waiting forever
+            if self.stream is not None:
+                torch.cuda.set_device(self.device)  # the current device is per thread
             while (batch := next(self.batches, _END)) is not _END:
                 item = (*self._stage(batch), self.counters())
                 del batch  # a host batch not held while the next is read frees its loader slot

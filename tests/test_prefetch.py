@@ -95,3 +95,27 @@ def test_batches_reach_the_gpu_in_order_and_unchanged():
     got = [(b["image"].device.type, int(b["image"].float().mean()), b["label"].tolist()) for b in batches]
     assert got == [("cuda", i, [i, i]) for i in range(5)]
     batches.close()
+
+
+def test_an_error_setting_the_threads_device_reaches_the_consumer(monkeypatch):
+    """`torch.cuda.set_device` in the thread can fail (a bad ordinal, a lost device): the consumer
+    must get the error, not wait forever for a batch that never comes."""
+    batches = DevicePrefetcher(_source(3, []), "cpu")
+    batches.stream = object()  # as on CUDA, where the thread sets its device first
+
+    def lost(device):
+        raise RuntimeError("CUDA error: invalid device ordinal")
+    monkeypatch.setattr(torch.cuda, "set_device", lost)
+    got: list = []
+
+    def consume():
+        try:
+            got.append(next(batches))
+        except RuntimeError as e:
+            got.append(e)
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(5)
+    assert not consumer.is_alive(), "next() still waits for a thread that has died"
+    assert isinstance(got[0], RuntimeError) and "invalid device ordinal" in str(got[0])
+    batches.close()
