@@ -99,13 +99,18 @@ class DevicePrefetcher:
         self.counted = counted
         return batch
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Stop the thread (it finishes the batch it is reading), so the source can be closed."""
+    def close(self, timeout: float = 60.0) -> bool:
+        """Stop the thread (it finishes the batch it is reading), so the source can be closed;
+        False when it did not stop in time: it is still inside the source, which must then be
+        left alone (closing a generator another thread runs raises)."""
         self.stop.set()
         self.done = True
+        stopped = True
         if self.thread is not None:
             self.thread.join(timeout)  # a thread waiting to queue a batch sees the flag within 0.1 s
-            if self.thread.is_alive():
-                warnings.warn(f"the batch prefetch thread did not stop within {timeout:.0f} s (a data "
-                              "worker that does not answer?); closing the loader under it")
+            stopped = not self.thread.is_alive()
+            if not stopped:
+                warnings.warn(f"the batch prefetch thread did not stop within {timeout:g} s (a data "
+                              "worker that does not answer?); leaving the loader open under it")
         self.thread = None
+        return stopped

@@ -268,8 +268,8 @@ def finish(run: Run) -> dict:
     the Task's final evaluation and write metrics.json (last: a finished run has one)."""
     cfg, accelerator, task, out = run.cfg, run.accelerator, run.task, run.out
     run.bar.close()
-    run.batches.close()  # its thread reads the loader: stopped first
-    run.loader.close()  # stops the data workers (an epoch may be unfinished)
+    if run.batches.close():  # its thread reads the loader: stopped first (else it warned; the loader stays open)
+        run.loader.close()  # stops the data workers (an epoch may be unfinished)
     _record(run)  # a run resumed at its last step did none
     totals = _totals(run)
     _check_export(task.encoder, int(run.bad.run.item()), list_checkpoints(out / "checkpoints"))

@@ -481,3 +481,31 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(capsys)
     old = {"train": {"log_every": 10, "ckpt_every": 500, "resume": "auto"}, "data": {"num_workers": 2}}
     mpp.train._warn_changes(old, {"train": {"log_every": 1, "ckpt_every": 5, "resume": "none"}, "data": {"num_workers": 4}})
     assert capsys.readouterr().err == "warning: resuming with data.num_workers=4 (the checkpointed run had 2)\n"
+
+
+def test_a_run_ends_when_the_prefetch_thread_is_stuck_in_the_loader(data, tmp_path, monkeypatch):
+    """The thread reads past the run's last batch; when that read hangs (a stuck shard read or
+    worker), `finish` must not close the loader under it ('generator already executing') but
+    warn and still export the run."""
+    import threading
+
+    import mpp.data.stream
+    import mpp.prefetch
+    gate, calls, decode = threading.Event(), [], mpp.data.stream.decode_batch
+
+    def decode_hanging_after_the_runs_batches(*args, **kwargs):
+        if threading.current_thread().name == "mpp-prefetch":
+            calls.append(1)
+            if len(calls) > 2:  # the look-ahead beyond the run's 2 batches
+                gate.wait(60)
+        return decode(*args, **kwargs)
+    close = mpp.prefetch.DevicePrefetcher.close
+    monkeypatch.setattr(mpp.data.stream, "decode_batch", decode_hanging_after_the_runs_batches)
+    monkeypatch.setattr(mpp.prefetch.DevicePrefetcher, "close", lambda self, timeout=1.0: close(self, timeout))
+    out = tmp_path / "run"
+    try:
+        with pytest.warns(UserWarning, match="prefetch thread did not stop"):
+            results = train(config(settings(data, out, steps=2, **{"data.num_workers": 0})))
+    finally:
+        gate.set()
+    assert results["steps"] == 2 and (out / "metrics.json").is_file()
