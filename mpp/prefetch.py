@@ -113,4 +113,9 @@ class DevicePrefetcher:
                 warnings.warn(f"the batch prefetch thread did not stop within {timeout:g} s (a data "
                               "worker that does not answer?); leaving the loader open under it")
         self.thread = None
+        while True:  # the batches read ahead and never handed out: device memory, loader slots
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                break
         return stopped

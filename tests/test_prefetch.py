@@ -119,3 +119,26 @@ def test_an_error_setting_the_threads_device_reaches_the_consumer(monkeypatch):
     assert not consumer.is_alive(), "next() still waits for a thread that has died"
     assert isinstance(got[0], RuntimeError) and "invalid device ordinal" in str(got[0])
     batches.close()
+
+
+def test_close_lets_go_of_the_batches_read_ahead():
+    """Batches queued but never handed out are freed at close(): on CUDA device memory the run's
+    final evaluation would otherwise share with them, off CUDA the loader's shared-memory slots."""
+    import gc
+    import weakref
+    made: list = []
+
+    def make(i: int) -> dict:
+        t = torch.full((2,), i)
+        made.append(weakref.ref(t))
+        return {"image": t}
+
+    def source():
+        for i in range(10):
+            yield make(i)
+    batches = DevicePrefetcher(source(), "cpu", depth=2)
+    kept = next(batches)
+    _settle(made, 4)
+    batches.close()
+    gc.collect()
+    assert [r() is not None for r in made] == [True, False, False, False] and kept["image"][0] == 0
