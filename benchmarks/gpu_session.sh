@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
 set -euo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
 parts="wheels | session | cuda-tests | step MODEL... | trainer | trainer-b16 | mainjob | tests"
@@ -80,7 +81,7 @@ case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
     for spec in "200 trainer" "130 step ti4 --methods mpp mpp+compile" "200 mainjob"; do
         set -- $spec
-        timeout "$1" bash "$0" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
+        timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
 cuda-tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_compiled.py tests/test_precision.py tests/test_prefetch.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
