@@ -94,12 +94,13 @@ trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an
     python3 -m mpp.tools.make_synthetic /tmp/syn32 --train 20000 --test 1000 --shards 32 >/dev/null 2>&1
     python3 - <<'PY' | tee -a "$OUT/trainer.txt"  # what the workers supply with no step to feed
 import time, torch
-from mpp.config import build_config
+from mpp.config import load_config
 from mpp.data import make_loader
 from mpp.prefetch import DevicePrefetcher
-for name, batch, workers, subset, epochs in (("pre-training", 1024, 14, None, 4), ("10%-label fine-tune", 256, 12, (0.1, 0), 24)):
-    for to in ("host", "cuda"):
-        cfg = build_config({"model": "vit_ti4_32", "data": {"num_workers": workers}})
+for name, yaml, batch, workers, subset, epochs in (("pre-training", "mpp", 1024, 14, None, 4),
+                                                   ("10%-label fine-tune", "finetune", 256, 12, (0.1, 0), 24)):
+    for to in ("host", "cuda"):  # the data settings of the runs below
+        cfg = load_config(f"configs/synthetic_{yaml}.yaml", ["model=vit_ti4_32", f"data.num_workers={workers}"])
         loader = make_loader("/tmp/syn32/train/manifest.json", batch_size=batch, img_size=32, train=True,
                              labeled=subset is not None, data_cfg=cfg.data, subset=subset)
         source = (b for e in range(epochs) for b in loader.epoch(e))

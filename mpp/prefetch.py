@@ -60,9 +60,10 @@ class DevicePrefetcher:
                 torch.cuda.set_device(self.device)  # the current device is per thread
             while (batch := next(self.batches, _END)) is not _END:
                 item = (*self._stage(batch), self.counters())
-                del batch  # a host batch not held while the next is read frees its loader slot
+                del batch  # host batches not held while the next is read: their loader slots free
                 if not self._put(item):
                     return
+                del item
             self._put((_END, None, None))
         except BaseException as e:  # handed to the consumer, which raises it
             self._put((e, None, None))

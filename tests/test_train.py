@@ -239,7 +239,8 @@ def test_train_compile_settings_choose_the_step(data, tmp_path, monkeypatch):
 
 def test_compile_auto_weighs_the_whole_runs_steps_also_when_resumed(data, tmp_path, monkeypatch):
     """`auto` compiles only runs long enough to win the compile back (mpp.compiled): the trainer
-    asks with the run's whole step count, so a resumed run decides as it did when it started."""
+    asks with the run's whole step count, not the steps left (2 here), so a run resumed with its
+    own steps decides as it did when it started."""
     asked, use_compile = [], mpp.train.use_compile
 
     def recorded(setting, device, steps):
