@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -32,19 +33,16 @@ def indexed(device: torch.device) -> torch.device:
     return device
 
 
-class DevicePrefetcher:
-    """Iterate `batches` (dicts of host tensors) as dicts of tensors on `device`, `depth` batches
-    ahead, read by a background thread that starts with the first `next`; `close()` stops it."""
+class _Reader:
+    """The thread's side: read, stage and queue batches until the source ends, fails or is
+    stopped. It holds no reference to its DevicePrefetcher, so a prefetcher dropped unclosed is
+    collected, and its finalizer stops the thread."""
 
-    def __init__(self, batches: Iterator[dict], device: torch.device | str,
-                 counters: Callable[[], dict] = dict, depth: int = 2):
-        self.batches, self.device, self.counters = batches, indexed(torch.device(device)), counters
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+    def __init__(self, batches: Iterator[dict], device: torch.device, counters: Callable[[], dict], depth: int):
+        self.batches, self.device, self.counters = batches, device, counters
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.done = False
-        self.counted: dict = counters()
 
     def _stage(self, batch: dict) -> tuple[dict, torch.cuda.Event | None]:
         if self.stream is None:
@@ -53,8 +51,7 @@ class DevicePrefetcher:
             batch = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
             return batch, self.stream.record_event()
 
-    def _fill(self) -> None:
-        """The thread: read, stage and queue batches until the source ends, fails or `close()`."""
+    def run(self) -> None:
         try:  # everything: a thread that ended without queueing its end would leave `next` waiting forever
             if self.stream is not None:
                 torch.cuda.set_device(self.device)  # the current device is per thread
@@ -77,6 +74,22 @@ class DevicePrefetcher:
                 pass
         return False
 
+
+class DevicePrefetcher:
+    """Iterate `batches` (dicts of host tensors) as dicts of tensors on `device`, `depth` batches
+    ahead, read by a background thread that starts with the first `next`; `close()` stops it (so
+    does dropping the prefetcher)."""
+
+    def __init__(self, batches: Iterator[dict], device: torch.device | str,
+                 counters: Callable[[], dict] = dict, depth: int = 2):
+        self.device = indexed(torch.device(device))
+        self.reader = _Reader(batches, self.device, counters, depth)
+        self.ready, self.stop = self.reader.ready, self.reader.stop
+        weakref.finalize(self, self.stop.set)
+        self.thread: threading.Thread | None = None
+        self.done = False
+        self.counted: dict = counters()
+
     def __iter__(self) -> DevicePrefetcher:
         return self
 
@@ -84,7 +97,7 @@ class DevicePrefetcher:
         if self.done:
             raise StopIteration
         if self.thread is None:
-            self.thread = threading.Thread(target=self._fill, name="mpp-prefetch", daemon=True)
+            self.thread = threading.Thread(target=self.reader.run, name="mpp-prefetch", daemon=True)
             self.thread.start()
         batch, copied, counted = self.ready.get()
         if batch is _END or isinstance(batch, BaseException):

@@ -101,7 +101,7 @@ def test_an_error_setting_the_threads_device_reaches_the_consumer(monkeypatch):
     """`torch.cuda.set_device` in the thread can fail (a bad ordinal, a lost device): the consumer
     must get the error, not wait forever for a batch that never comes."""
     batches = DevicePrefetcher(_source(3, []), "cpu")
-    batches.stream = object()  # as on CUDA, where the thread sets its device first
+    batches.reader.stream = object()  # as on CUDA, where the thread sets its device first
 
     def lost(device):
         raise RuntimeError("CUDA error: invalid device ordinal")
@@ -142,3 +142,30 @@ def test_close_lets_go_of_the_batches_read_ahead():
     batches.close()
     gc.collect()
     assert [r() is not None for r in made] == [True, False, False, False] and kept["image"][0] == 0
+
+
+def test_a_prefetcher_dropped_unclosed_stops_its_thread_and_frees_its_source():
+    """The thread holds the source, not the prefetcher: dropping the prefetcher stops the thread,
+    which lets go of the source (a loader's epoch and, through it, its workers)."""
+    import gc
+    import weakref
+    pulled: list[int] = []
+
+    class Source:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            pulled.append(len(pulled))
+            return {"image": torch.zeros(2, 3, 4, 4, dtype=torch.uint8)}
+    source = Source()
+    gone = weakref.ref(source)
+    batches = DevicePrefetcher(source, "cpu")
+    del source
+    next(batches)
+    _settle(pulled, 4)
+    thread = batches.thread
+    del batches
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive() and gone() is None
