@@ -99,3 +99,21 @@ def test_data_loading_refuses_counts_that_time_no_batch(capsys):
     with pytest.raises(SystemExit) as stop:
         b.main(["--only", "generated", "--gen-samples", "8", "--batch-size", "8"])
     assert stop.value.code == 2 and "must exceed --batch-size (8)" in capsys.readouterr().err
+
+
+def test_finetune_mixup_mixes_only_in_training_and_its_loss_is_the_mixed_one():
+    from mpp.config import Config
+    from mpp.objectives import build_task
+    mixup = load("finetune_mixup")
+    torch.manual_seed(0)
+    task = build_task(Config(objective="classify"), create_encoder("vit_micro4_32", attn="math"), 10)
+    torch.nn.init.normal_(task.head.weight)  # the zero head would give every input the same loss
+    images, labels = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (8,))
+    plain = task(images, labels)[0]
+    task.eval()
+    assert torch.equal(mixup.mixed_forward(1.0)(task, images, labels)[0], plain)  # evaluation: unchanged
+    task.train()
+    # alpha -> 0: the weight is 0 or 1, one whole image each, and a batch's mean loss ignores its order
+    assert torch.allclose(mixup.mixed_forward(1e-4)(task, images, labels)[0], plain, atol=1e-3)
+    mixed = mixup.mixed_forward(1.0)(task, images, labels)[0]
+    assert not torch.allclose(mixed, plain, atol=1e-3)
