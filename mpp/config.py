@@ -36,6 +36,7 @@ class DataConfig:
     epoch_samples: int = 0     # samples per epoch (all ranks) in resampled mode
     crop_scale: tuple = (0.08, 1.0)  # inception crop area range (paper: 0.08-1)
     hflip: float = 0.5
+    randaugment: tuple = (0, 9)      # training images: RandAugment's (ops, magnitude) after crop and flip; 0 ops: off
     eval_crop_pct: float = 0.875     # evaluation: resize to img_size / crop_pct, centre crop
     mean: tuple = (0.5, 0.5, 0.5)    # ViT normalisation to [-1, 1]
     std: tuple = (0.5, 0.5, 0.5)
@@ -470,6 +471,10 @@ def validate(cfg: Config) -> None:
           f"config key 'data.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {list(d.crop_scale)}")
     check(0.0 < d.eval_crop_pct <= 1.0, "config key 'data.eval_crop_pct' must be in (0, 1]")
     check(0.0 <= d.hflip <= 1.0, "config key 'data.hflip' must be a probability in [0, 1]")
+    check(len(d.randaugment) == 2 and all(isinstance(v, int) for v in d.randaugment)
+          and d.randaugment[0] >= 0 and 0 <= d.randaugment[1] <= 30,
+          f"config key 'data.randaugment' must be [ops, magnitude] with ops >= 0 (0: off) and magnitude in "
+          f"0..30, got {list(d.randaugment)}")
     check(len(d.mean) == 3 and len(d.std) == 3 and all(s > 0 for s in d.std),
           "config keys data.mean and data.std must be 3 numbers each, std > 0")
     check(not d.resampled or d.epoch_samples > 0,

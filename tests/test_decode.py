@@ -152,3 +152,38 @@ def test_odd_decoder_errors_and_16_bit_images():
                              labeled=False, num_classes=None, max_pixels=CAP, skips=skips)
     assert len(images) == 2 and not skips
     assert images[1].float().mean().item() == pytest.approx(128.0, abs=1.0)
+
+
+def test_randaugment_follows_the_crop_rng_and_is_off_at_zero_ops():
+    """`data.randaugment`: each image's ops come from a seed drawn from the crops' rng (the same
+    rng state, the same pixels: a resumed run augments as the run did); at 0 ops the transform
+    and its draws are the plain one's, so runs without it are unchanged."""
+    data = [jpeg(40, 40, seed=s) for s in range(6)]
+
+    def run(transform, seed=0):
+        rng = random.Random(seed)
+        return transform.batch([open_image(d, CAP) for d in data], rng), rng.random()
+    plain, after_plain = run(TrainTransform(32, (0.5, 1.0)))
+    off, after_off = run(TrainTransform(32, (0.5, 1.0), randaugment=(0, 9)))
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True)) and after_plain == after_off
+    augment = TrainTransform(32, (0.5, 1.0), randaugment=(2, 9))
+    torch.manual_seed(123)
+    first, _ = run(augment)
+    torch.manual_seed(456)  # the global torch RNG plays no part
+    again, _ = run(augment)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert all(a.shape == (3, 32, 32) and a.dtype == torch.uint8 for a in first)
+    assert sum(not torch.equal(a, b) for a, b in zip(first, plain)) >= 4  # 2 ops rarely leave an image alone
+    assert any(not torch.equal(a, b) for a, b in zip(first, run(augment, seed=1)[0]))
+
+
+def test_randaugment_setting_reaches_the_training_transform_and_is_checked():
+    from mpp.config import ConfigError, DataConfig, build_config
+    from mpp.data.transforms import build_transform
+    assert build_transform(32, True, DataConfig(randaugment=(1, 5))).augment.num_ops == 1
+    assert build_transform(32, True, DataConfig()).augment is None  # off by default
+    assert isinstance(build_transform(32, False, DataConfig(randaugment=(1, 5))), EvalTransform)  # training only
+    assert build_config({"data": {"randaugment": [2, 9]}}).data.randaugment == (2, 9)
+    for bad in ([1], [-1, 9], [1, 31], [1.5, 9]):
+        with pytest.raises(ConfigError, match="data.randaugment"):
+            build_config({"data": {"randaugment": bad}})

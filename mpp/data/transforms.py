@@ -172,14 +172,33 @@ class _Transform:
 
 class TrainTransform(_Transform):
     """Random resized ("inception") crop to img_size with area scale `scale`, then a horizontal
-    flip with probability `hflip` (the paper's pre-training augmentation)."""
+    flip with probability `hflip` (the paper's pre-training augmentation); with `randaugment`
+    (ops, magnitude), ops > 0, torchvision's RandAugment after them, driven by `rng` like the crops
+    (each image's ops drawn from a seed it gives), so a resumed run augments as the run did."""
 
-    def __init__(self, img_size: int, scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5):
+    def __init__(self, img_size: int, scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5,
+                 randaugment: Sequence[int] = (0, 9)):
         self.size, self.scale, self.hflip = img_size, tuple(scale), hflip
+        self.augment = None
+        if randaugment[0] > 0:
+            from torchvision.transforms import v2
+            self.augment = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
 
     def params(self, img, rng):
         box = crop_box(rng, img.width, img.height, self.scale)
         return box, rng.random() < self.hflip
+
+    def batch(self, images, rng=None):
+        out = super().batch(images, rng)
+        if self.augment is None:
+            return out
+        seeds = [rng.getrandbits(63) for _ in out]  # drawn for every image, decoded or not
+        with torch.random.fork_rng(devices=[]):
+            for i, seed in enumerate(seeds):
+                if out[i] is not None:
+                    torch.manual_seed(seed)
+                    out[i] = self.augment(out[i])
+        return out
 
 
 class EvalTransform(_Transform):
@@ -199,5 +218,5 @@ class EvalTransform(_Transform):
 def build_transform(img_size: int, train: bool, data_cfg) -> TrainTransform | EvalTransform:
     """The transform for a loader: train augmentation or the evaluation crop (from DataConfig)."""
     if train:
-        return TrainTransform(img_size, data_cfg.crop_scale, data_cfg.hflip)
+        return TrainTransform(img_size, data_cfg.crop_scale, data_cfg.hflip, data_cfg.randaugment)
     return EvalTransform(img_size, data_cfg.eval_crop_pct)
