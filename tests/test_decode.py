@@ -187,3 +187,26 @@ def test_randaugment_setting_reaches_the_training_transform_and_is_checked():
     for bad in ([1], [-1, 9], [1, 31], [1.5, 9]):
         with pytest.raises(ConfigError, match="data.randaugment"):
             build_config({"data": {"randaugment": bad}})
+
+
+def test_randaugment_leaves_the_global_torch_rng_to_other_threads():
+    """With data.num_workers=0 the transform runs on the trainer's prefetch thread while the step
+    draws the corruption and drop path from torch's global generator: RandAugment must not reseed
+    (or fork and restore) it, or the step's draws change from run to run."""
+    import threading
+    data = [jpeg(40, 40, seed=s) for s in range(8)]
+    augment = TrainTransform(32, (0.5, 1.0), randaugment=(2, 9))
+
+    def load():
+        rng = random.Random(0)
+        for _ in range(20):
+            augment.batch([open_image(d, CAP) for d in data], rng)
+    loader = threading.Thread(target=load)
+    torch.manual_seed(0)
+    drawn = []
+    loader.start()
+    while loader.is_alive():
+        drawn.append(torch.rand(1).item())
+    loader.join()
+    torch.manual_seed(0)
+    assert len(drawn) > 10 and drawn == [torch.rand(1).item() for _ in drawn]

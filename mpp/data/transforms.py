@@ -193,12 +193,31 @@ class TrainTransform(_Transform):
         if self.augment is None:
             return out
         seeds = [rng.getrandbits(63) for _ in out]  # drawn for every image, decoded or not
-        with torch.random.fork_rng(devices=[]):
-            for i, seed in enumerate(seeds):
-                if out[i] is not None:
-                    torch.manual_seed(seed)
-                    out[i] = self.augment(out[i])
+        for i, seed in enumerate(seeds):
+            if out[i] is not None:
+                out[i] = self._randaugment(out[i], random.Random(seed))
         return out
+
+    def _randaugment(self, image: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        """torchvision's RandAugment.forward (its op table and ops) with its two draws, the op and
+        the magnitude's sign, taken from `rng`: not from torch's global generators, which this
+        process's other threads draw from (with data.num_workers=0 the transform runs on the
+        trainer's prefetch thread while the step draws the corruption and drop path), and which
+        torch.manual_seed would reseed on CUDA too, where fork_rng(devices=[]) restores only the CPU's."""
+        a = self.augment
+        ops = list(a._AUGMENTATION_SPACE.items())
+        height, width = image.shape[-2:]
+        for _ in range(a.num_ops):
+            name, (magnitudes_fn, signed) = ops[rng.randrange(len(ops))]
+            magnitudes = magnitudes_fn(a.num_magnitude_bins, height, width)
+            magnitude = 0.0
+            if magnitudes is not None and magnitudes.ndim > 0:
+                magnitude = float(magnitudes[a.magnitude])
+                if signed and rng.random() < 0.5:
+                    magnitude = -magnitude
+            image = a._apply_image_or_video_transform(image, name, magnitude, interpolation=a.interpolation,
+                                                      fill=a._fill)
+        return image
 
 
 class EvalTransform(_Transform):
