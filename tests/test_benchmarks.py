@@ -115,5 +115,15 @@ def test_finetune_mixup_mixes_only_in_training_and_its_loss_is_the_mixed_one():
     task.train()
     # alpha -> 0: the weight is 0 or 1, one whole image each, and a batch's mean loss ignores its order
     assert torch.allclose(mixup.mixed_forward(1e-4)(task, images, labels)[0], plain, atol=1e-3)
+    torch.manual_seed(1)
     mixed = mixup.mixed_forward(1.0)(task, images, labels)[0]
     assert not torch.allclose(mixed, plain, atol=1e-3)
+    # the same draws (weight, then permutation) by hand: both the inputs and the loss mixed, each
+    # with its own weight, the second term against the permuted labels
+    torch.manual_seed(1)
+    lam, perm = float(torch.distributions.Beta(1.0, 1.0).sample()), torch.randperm(8)
+    x = task.inputs(images)[1]
+    logits = task.head(task.encoder.pool(task.encoder(lam * x + (1 - lam) * x[perm]), task.pool).float())
+    ce = torch.nn.functional.cross_entropy
+    assert 0.05 < lam < 0.95 and not torch.equal(labels, labels[perm])
+    assert torch.allclose(mixed, lam * ce(logits, labels) + (1 - lam) * ce(logits, labels[perm]))
