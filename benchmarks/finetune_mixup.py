@@ -33,7 +33,8 @@ def mixed_forward(alpha: float):
         pooled = self.encoder.pool(self.encoder(lam * x + (1 - lam) * x[perm]), self.pool)
         with torch.autocast(images.device.type, enabled=False):
             logits = self.head(pooled.float())
-        loss = lam * F.cross_entropy(logits, labels) + (1 - lam) * F.cross_entropy(logits, labels[perm])
+        ce = lambda y: F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)  # noqa: E731
+        loss = lam * ce(labels) + (1 - lam) * ce(labels[perm])
         return loss, {"loss": loss.detach(), "acc": (logits.argmax(-1) == labels).float().mean().detach()}
     return forward
 
