@@ -34,3 +34,15 @@ def test_timm_vit_keeps_the_steps_the_masked_encoder_calls():
     # mpp.models.MaskedEncoder.forward runs timm's forward_features steps itself
     for name in ("_pos_embed", "pool"):
         assert callable(getattr(VisionTransformer, name, None)), f"timm's VisionTransformer has no {name}"
+
+
+def test_torchvision_randaugment_exposes_its_op_table_and_op():
+    # mpp.data.transforms.TrainTransform._randaugment draws RandAugment's choices itself (not from
+    # torch's global generator) and applies torchvision's own ops through these
+    from torchvision.transforms import v2
+    a = v2.RandAugment(num_ops=1, magnitude=5)
+    missing = [n for n in ("_AUGMENTATION_SPACE", "_apply_image_or_video_transform", "_fill", "num_magnitude_bins",
+                           "interpolation") if not hasattr(a, n)]
+    assert not missing, f"torchvision's RandAugment no longer has {missing}; data.randaugment needs another way"
+    magnitudes, signed = a._AUGMENTATION_SPACE["Rotate"]
+    assert isinstance(signed, bool) and magnitudes(a.num_magnitude_bins, 32, 32).shape == (a.num_magnitude_bins,)
