@@ -84,8 +84,7 @@ class DevicePrefetcher:
                  counters: Callable[[], dict] = dict, depth: int = 2):
         self.device = indexed(torch.device(device))
         self.reader = _Reader(batches, self.device, counters, depth)
-        self.ready, self.stop = self.reader.ready, self.reader.stop
-        weakref.finalize(self, self.stop.set)
+        weakref.finalize(self, self.reader.stop.set)
         self.thread: threading.Thread | None = None
         self.done = False
         self.counted: dict = counters()
@@ -99,7 +98,7 @@ class DevicePrefetcher:
         if self.thread is None:
             self.thread = threading.Thread(target=self.reader.run, name="mpp-prefetch", daemon=True)
             self.thread.start()
-        batch, copied, counted = self.ready.get()
+        batch, copied, counted = self.reader.ready.get()
         if batch is _END or isinstance(batch, BaseException):
             self.done = True
             if batch is _END:
@@ -117,7 +116,7 @@ class DevicePrefetcher:
         """Stop the thread (it finishes the batch it is reading), so the source can be closed;
         False when it did not stop in time: it is still inside the source, which must then be
         left alone (closing a generator another thread runs raises)."""
-        self.stop.set()
+        self.reader.stop.set()
         self.done = True
         stopped = True
         if self.thread is not None:
@@ -129,7 +128,7 @@ class DevicePrefetcher:
         self.thread = None
         while True:  # the batches read ahead and never handed out: device memory, loader slots
             try:
-                self.ready.get_nowait()
+                self.reader.ready.get_nowait()
             except queue.Empty:
                 break
         return stopped

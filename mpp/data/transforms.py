@@ -179,10 +179,14 @@ class TrainTransform(_Transform):
     def __init__(self, img_size: int, scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5,
                  randaugment: Sequence[int] = (0, 9)):
         self.size, self.scale, self.hflip = img_size, tuple(scale), hflip
-        self.augment = None
+        self.augment, self.ops = None, []
         if randaugment[0] > 0:
             from torchvision.transforms import v2
-            self.augment = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
+            self.augment = a = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
+            for name, (magnitudes, signed) in a._AUGMENTATION_SPACE.items():  # every output is size x size
+                m = magnitudes(a.num_magnitude_bins, img_size, img_size)
+                scaled = m is not None and m.ndim > 0
+                self.ops.append((name, float(m[a.magnitude]) if scaled else 0.0, signed and scaled))
 
     def params(self, img, rng):
         box = crop_box(rng, img.width, img.height, self.scale)
@@ -190,31 +194,23 @@ class TrainTransform(_Transform):
 
     def batch(self, images, rng=None):
         out = super().batch(images, rng)
-        if self.augment is None:
-            return out
-        seeds = [rng.getrandbits(63) for _ in out]  # drawn for every image, decoded or not
-        for i, seed in enumerate(seeds):
-            if out[i] is not None:
-                out[i] = self._randaugment(out[i], random.Random(seed))
+        for i, image in enumerate(out if self.augment is not None else ()):
+            seed = rng.getrandbits(63)  # drawn for every image, decoded or not
+            if image is not None:
+                out[i] = self._randaugment(image, random.Random(seed))
         return out
 
     def _randaugment(self, image: torch.Tensor, rng: random.Random) -> torch.Tensor:
-        """torchvision's RandAugment.forward (its op table and ops) with its two draws, the op and
-        the magnitude's sign, taken from `rng`: not from torch's global generators, which this
-        process's other threads draw from (with data.num_workers=0 the transform runs on the
-        trainer's prefetch thread while the step draws the corruption and drop path), and which
+        """torchvision's RandAugment.forward (its op table, magnitudes and ops) with its two draws,
+        the op and the magnitude's sign, taken from `rng`: not from torch's global generators,
+        which this process's other threads draw from (with data.num_workers=0 the transform runs on
+        the trainer's prefetch thread while the step draws the corruption and drop path), and which
         torch.manual_seed would reseed on CUDA too, where fork_rng(devices=[]) restores only the CPU's."""
         a = self.augment
-        ops = list(a._AUGMENTATION_SPACE.items())
-        height, width = image.shape[-2:]
         for _ in range(a.num_ops):
-            name, (magnitudes_fn, signed) = ops[rng.randrange(len(ops))]
-            magnitudes = magnitudes_fn(a.num_magnitude_bins, height, width)
-            magnitude = 0.0
-            if magnitudes is not None and magnitudes.ndim > 0:
-                magnitude = float(magnitudes[a.magnitude])
-                if signed and rng.random() < 0.5:
-                    magnitude = -magnitude
+            name, magnitude, signed = self.ops[rng.randrange(len(self.ops))]
+            if signed and rng.random() < 0.5:
+                magnitude = -magnitude
             image = a._apply_image_or_video_transform(image, name, magnitude, interpolation=a.interpolation,
                                                       fill=a._fill)
         return image
