@@ -6,16 +6,19 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, step ti4 (eager and compiled,
-#                                                  with the loader check), mainjob, each under its
-#                                                  own time limit: what the first session (step
-#                                                  tables, cuda-tests; docs/benchmarks.md) left
+#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, finetune, mainjob, each under
+#                                                  its own time limit: what the first session (step
+#                                                  tables, cuda-tests; docs/benchmarks.md) left; the
+#                                                  runs' profiles (train.profile) in $OUT/profiles.tgz
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision and prefetch tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
-#   bash benchmarks/gpu_session.sh trainer         the loader alone, Ti/4 pre-training (batch 1024)
-#                                                  and a 10%-label fine-tune through the real loader:
-#                                                  images/s and data wait per log window
+#   bash benchmarks/gpu_session.sh trainer         the loader alone, then Ti/4 pre-training (batch 1024)
+#                                                  through the real loader, compiled and with CUDA
+#                                                  graphs: images/s and data wait per log window, and
+#                                                  where 10 steady steps' time went (train.profile)
+#   bash benchmarks/gpu_session.sh finetune        a 10%-label fine-tune of that encoder, compiled and
+#                                                  eager (what train.compile=auto runs at its length)
 #   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
@@ -23,11 +26,11 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | trainer-b16 | mainjob | tests"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | trainer-b16 | mainjob | tests"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|session|cuda-tests|step|trainer|trainer-b16|mainjob|tests) ;;
+    wheels|session|cuda-tests|step|trainer|finetune|trainer-b16|mainjob|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -70,16 +73,36 @@ print("  per window wait %:  ", " ".join(f"{100 * x:.1f}" for x in wait))
 PY
 }
 
-pretrain() {  # MODEL BATCH DATA STEPS: MPP pre-training through the real loader, 14 workers
+profiled() {  # RUN: the run's train.profile line into trainer.txt, its files into $OUT/profiles.tgz
+    head -1 "$1/profile/rank0.txt" | tee -a "$OUT/trainer.txt"
+    mkdir -p /tmp/profiles && cp -r "$1/profile" "/tmp/profiles/$(basename "$1")"
+    tar czf "$OUT/profiles.tgz" -C /tmp profiles
+}
+
+pretrain() {  # MODEL BATCH DATA STEPS MODE [SETTING...]: MPP pre-training through the real loader, 14 workers,
+              # compiled in torch.compile's MODE, 10 steps before the end profiled
+    local run=/tmp/runs/pre_$1_$5
     python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
         data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
-        train.log_every=20 train.ckpt_every=100000 train.compile=always output_dir=/tmp/runs/pre_$1 2>&1 | tr '\r' '\n' | tail -2
-    windows /tmp/runs/pre_$1 "pre-training $1 batch $2, $4 steps"
+        train.log_every=20 train.ckpt_every=100000 train.compile=always train.compile_mode=$5 \
+        "train.profile=[$(($4 - 20)),10]" output_dir=$run "${@:6}" 2>&1 | tr '\r' '\n' | grep -v "it/s" | tail -3
+    windows $run "pre-training $1 batch $2, $4 steps, compile mode $5"
+    profiled $run
+}
+
+finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer part's encoder, 12 workers, profiled
+    local run=/tmp/runs/ft10_$1
+    python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32_default \
+        data.train=/tmp/syn32/train/manifest.json data.val=/tmp/syn32/test/manifest.json data.num_workers=12 \
+        finetune.label_fraction=0.1 batch_size=256 steps=160 train.log_every=16 train.ckpt_every=100000 \
+        train.compile=$1 "train.profile=[140,10]" output_dir=$run "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s" | tail -3
+    windows $run "fine-tune vit_ti4_32, 10% of 20,000 labels (an epoch every ~8 steps), batch 256, compile $1"
+    profiled $run
 }
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "200 trainer" "130 step ti4 --methods mpp mpp+compile" "200 mainjob"; do
+    for spec in "250 trainer" "130 finetune" "190 mainjob"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -118,15 +141,14 @@ for name, yaml, batch, workers, subset, epochs in (("pre-training", "mpp", 1024,
             batches.close()
         loader.close()
 PY
-    pretrain vit_ti4_32 1024 syn32 240
-    python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32 \
-        data.train=/tmp/syn32/train/manifest.json data.val=/tmp/syn32/test/manifest.json data.num_workers=12 \
-        finetune.label_fraction=0.1 batch_size=256 steps=160 train.log_every=16 train.ckpt_every=100000 train.compile=always \
-        output_dir=/tmp/runs/ft10 2>&1 | tr '\r' '\n' | tail -2
-    windows /tmp/runs/ft10 "fine-tune vit_ti4_32, 10% of 20,000 labels (an epoch every ~8 steps), batch 256" ;;
+    pretrain vit_ti4_32 1024 syn32 240 default
+    pretrain vit_ti4_32 1024 syn32 240 reduce-overhead ;;
+finetune)  # after trainer (its encoder and data)
+    finetune always
+    finetune never ;;
 trainer-b16)
     python3 -m mpp.tools.make_synthetic /tmp/syn256 --train 4000 --test 100 --size 256 --shards 16 >/dev/null 2>&1
-    pretrain vit_b16 256 syn256 150 ;;
+    pretrain vit_b16 256 syn256 150 default ;;
 mainjob)
     start=$(date +%s)
     python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1

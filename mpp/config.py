@@ -109,6 +109,8 @@ class TrainConfig:
     compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of 4,000+ steps) | always | never (mpp.compiled)
     compile_mode: str = "default"  # torch.compile's mode; reduce-overhead adds CUDA graphs (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
+    profile: tuple = (0, 0)    # [first, count]: torch.profiler over steps first+1..first+count into
+                               # OUTPUT_DIR/profile (mpp.profiling); count 0: off
 
 
 @dataclass
@@ -203,7 +205,7 @@ WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "di
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
 # train.log_every steps, recorded beside that value in the run's config.yaml.
 RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
-                  "train.image_every", "probe.cache_dir")
+                  "train.image_every", "train.profile", "probe.cache_dir")
 
 
 def choices() -> dict[str, tuple[str, ...]]:
@@ -494,6 +496,11 @@ def validate(cfg: Config) -> None:
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1,
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps must be >= 1, train.ckpt_every >= 0")
     check(t.image_every >= 0, f"config key 'train.image_every' must be >= 0 (0: off), got {t.image_every}")
+    check(len(t.profile) == 2 and all(isinstance(v, int) and v >= 0 for v in t.profile)
+          and (t.profile[1] == 0 or t.profile[0] >= 1),
+          f"config key 'train.profile' must be [first, count], whole numbers: steps first+1..first+count are "
+          f"profiled, count 0 turns it off, and first >= 1 (the step before warms the profiler up), "
+          f"got {list(t.profile)}")
     check(not t.image_every or cfg.objective == "mpp",
           f"train.image_every logs MPP predictions; set it to 0 for objective={cfg.objective}")
     f = cfg.finetune

@@ -47,6 +47,7 @@ from mpp.models import save_encoder
 from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler
 from mpp.prefetch import DevicePrefetcher
+from mpp.profiling import StepProfiler, phase
 from mpp.runtime import resolve_precision
 
 
@@ -212,55 +213,62 @@ def loop(run: Run) -> None:
     accum, main = cfg.train.grad_accum, accelerator.is_main_process
     shown = None  # the images of the MPP prediction grid (train.image_every)
     model.train()
-    for step in range(run.start, run.steps):
-        # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
-        micro = []
-        for _ in range(accum):
-            t0 = time.perf_counter()
-            micro.append(next(run.batches))
-            run.wait_win += time.perf_counter() - t0
-        weights = _sample_weights(accelerator, micro)
-        for i, batch in enumerate(micro):
-            images = batch["image"]
-            with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
-                loss, metrics = run.forward(images, batch.get("label"))
-                accelerator.backward(loss * weights[i] / accum)
-            run.win.add_micro(loss, metrics, weights[i])
+    with StepProfiler(cfg.train.profile, run.start, accelerator.device, run.out / "profile",
+                      accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler:
+        for step in range(run.start, run.steps):
+            # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
+            micro = []
+            for _ in range(accum):
+                t0 = time.perf_counter()
+                with phase("mpp/data"):
+                    micro.append(next(run.batches))
+                run.wait_win += time.perf_counter() - t0
+            weights = _sample_weights(accelerator, micro)
+            for i, batch in enumerate(micro):
+                images = batch["image"]
+                with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
+                    with phase("mpp/forward"):
+                        loss, metrics = run.forward(images, batch.get("label"))
+                    with phase("mpp/backward"):
+                        accelerator.backward(loss * weights[i] / accum)
+                run.win.add_micro(loss, metrics, weights[i])
 
-        # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
-        finite = torch.isfinite(grad_norm)
-        run.optimizer.optimizer.found_inf = (~finite).float()  # fused kernels skip the update when set
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        done = step + 1
-        log_now = done % cfg.train.log_every == 0 or done == run.steps
-        lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
-        run.scheduler.step_update(done)
-        run.win.add_step(grad_norm, finite)
-        run.bad.add(finite)
-        run.bar.update(1)
-        _record(run)
+            # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
+            with phase("mpp/optimizer"):
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
+                finite = torch.isfinite(grad_norm)
+                run.optimizer.optimizer.found_inf = (~finite).float()  # fused kernels skip the update when set
+                run.optimizer.step()
+                run.optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            log_now = done % cfg.train.log_every == 0 or done == run.steps
+            lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
+            run.scheduler.step_update(done)
+            run.win.add_step(grad_norm, finite)
+            run.bad.add(finite)
+            run.bar.update(1)
+            _record(run)
 
-        # -- log: one gather of the window's sums every log_every steps
-        if log_now:
-            _log(run, done, lr)
+            # -- log: one gather of the window's sums every log_every steps
+            if log_now:
+                _log(run, done, lr)
 
-        # -- MPP prediction grid of a fixed set of images (the first logged batch's) to TensorBoard
-        if main and cfg.train.image_every and done % cfg.train.image_every == 0:
-            from mpp.figures.predictions import log_predictions
-            shown = images[:8].clone() if shown is None else shown
-            log_predictions(run.writer, run.task, shown, done)
+            # -- MPP prediction grid of a fixed set of images (the first logged batch's) to TensorBoard
+            if main and cfg.train.image_every and done % cfg.train.image_every == 0:
+                from mpp.figures.predictions import log_predictions
+                shown = images[:8].clone() if shown is None else shown
+                log_predictions(run.writer, run.task, shown, done)
 
-        # -- checkpoint (also at the end, so a finished run resumes to nothing)
-        if (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == run.steps:
-            _checkpoint(run, done)
+            # -- checkpoint (also at the end, so a finished run resumes to nothing)
+            if (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == run.steps:
+                _checkpoint(run, done)
 
-        # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
-        for name, every, evaluator in run.periodic:
-            if main and done % every == 0:
-                for k, v in evaluator.run(run.task.encoder).items():
-                    run.writer.add_scalar(f"{name}/{k}", v, done)
+            # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
+            for name, every, evaluator in run.periodic:
+                if main and done % every == 0:
+                    for k, v in evaluator.run(run.task.encoder).items():
+                        run.writer.add_scalar(f"{name}/{k}", v, done)
+            profiler.step()
 
 
 def finish(run: Run) -> dict:

@@ -118,6 +118,14 @@ def test_exported_encoder_loads_into_plain_timm(mpp_run):
                 {k.removeprefix("encoder.vit."): v for k, v in task.items() if k.startswith("encoder.vit.")})
 
 
+def test_a_profiled_run_says_where_its_steps_went_and_trains_the_same(data, mpp_run, tmp_path):
+    train(config(settings(data, tmp_path, **{"train.profile": "[9,3]"})))
+    figures = json.loads((tmp_path / "profile/rank0.json").read_text())
+    assert figures["steps"] == [10, 12] and figures["forward_ms"] > 0 and figures["data_ms"] >= 0
+    assert (tmp_path / "profile/rank0.trace.json.gz").stat().st_size > 0
+    assert_same(weights(tmp_path / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+
+
 def test_supervised_run_learns(colours, tmp_path):
     train(config(settings(colours, tmp_path, objective="supervised", steps=16, **{
         "train.grad_accum": 2, "optim.lr": 3e-3})))

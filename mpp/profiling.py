@@ -1,0 +1,89 @@
+"""Where a training step's time goes: `train.profile=[first, count]` records the steps first+1 ..
+first+count (the progress bar's count) with `torch.profiler`, host and device.
+
+The loop marks its phases (`PHASES`: waiting for the batch, forward, backward, clipping with the
+optimiser step) with `phase`, torch's `record_function`, which costs next to nothing while no
+profiler records. The profiler records the loop's thread (torch's CPU profiler is per thread) and
+every device kernel and copy, the prefetcher's included. After the last recorded step every
+rank writes, under `OUTPUT_DIR/profile/`, `rank{r}.json` (per phase the host's milliseconds per
+step, the step's, and the device's busy milliseconds per step), `rank{r}.txt` (the same in words,
+then torch's operator table) and `rank{r}.trace.json.gz`, a Chrome / Perfetto trace of the steps.
+So a trainer that leaves the GPU idle says why: a data wait, the host queueing kernels, or gaps.
+The step before the window warms the profiler up (its first recorded step would be slow); a
+resumed run records what is left of the window.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, record_function
+
+from mpp.fileio import write_atomic
+
+PHASES = ("mpp/data", "mpp/forward", "mpp/backward", "mpp/optimizer")
+
+
+def phase(name: str) -> record_function:
+    """A named range of the loop (one of PHASES) in the profile."""
+    return record_function(name)
+
+
+class StepProfiler:
+    """Context manager around the loop; `step()` after every step. Records nothing (and costs
+    nothing) when the window is empty or already behind a resumed run."""
+
+    def __init__(self, window: Sequence[int], start: int, device: torch.device, out_dir: Path, rank: int,
+                 report: Callable[[str], None] = print):
+        first, count = window
+        self.begin = max(first, start + 1)  # the loop index of the first recorded step
+        self.steps = first + count - self.begin
+        self.device, self.out_dir, self.rank, self.report = device, Path(out_dir), rank, report
+        self.prof = None
+        if count and self.steps > 0:
+            cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+            if not cuda:  # Kineto's start-up messages (a failed GPU probe on a CUDA build without a GPU) mean nothing here
+                os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            self.prof = torch.profiler.profile(
+                activities=[ProfilerActivity.CPU, *cuda], on_trace_ready=self._write,
+                acc_events=True,  # one cycle either way; torch 2.11 warns without it
+                schedule=torch.profiler.schedule(skip_first=self.begin - start - 1, wait=0, warmup=1,
+                                                 active=self.steps, repeat=1))
+
+    def __enter__(self) -> StepProfiler:
+        if self.prof is not None:
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def _write(self, prof: torch.profiler.profile) -> None:
+        events = prof.key_averages()
+        per_step = lambda us: us / self.steps / 1e3  # noqa: E731  (microseconds in all -> ms a step)
+        figures = {
+            "steps": [self.begin + 1, self.begin + self.steps], "device": str(self.device),
+            "step_ms": per_step(sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep"))),
+            "device_busy_ms": per_step(sum(e.self_device_time_total for e in events)),
+            **{name.split("/")[1] + "_ms": per_step(sum(e.cpu_time_total for e in events if e.key == name))
+               for name in PHASES}}
+        f = figures
+        line = (f"profiled steps {f['steps'][0]}-{f['steps'][1]} on {f['device']}, rank {self.rank}: a step took "
+                f"{f['step_ms']:.2f} ms on the host: " + ", ".join(
+                    f"{name.split('/')[1]} {f[name.split('/')[1] + '_ms']:.2f}" for name in PHASES)
+                + (f"; the device was busy {f['device_busy_ms']:.2f} ms a step (kernels and copies summed)"
+                   if self.device.type == "cuda" else ""))
+        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.out_dir / f"rank{self.rank}.json", json.dumps(figures, indent=1))
+        write_atomic(self.out_dir / f"rank{self.rank}.txt", line + "\n\n" + events.table(sort_by=sort, row_limit=40))
+        prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))
+        self.report(line + f" ({self.out_dir})")

@@ -1,0 +1,57 @@
+"""`train.profile`: the window of steps it records (also after a resume), the figures and files
+it writes, and its settings checked before any work."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpp.config import ConfigError, load_config
+from mpp.profiling import PHASES, StepProfiler, phase
+
+
+def loop(out: Path, window, start: int, end: int) -> None:
+    """A stand-in training loop with the trainer's phases, on the CPU."""
+    w = torch.randn(64, 64, requires_grad=True)
+    with StepProfiler(window, start, torch.device("cpu"), out, rank=0, report=lambda line: None) as profiler:
+        for _ in range(start, end):
+            with phase("mpp/data"):
+                x = torch.randn(32, 64)
+            with phase("mpp/forward"):
+                loss = (x @ w).square().mean()
+            with phase("mpp/backward"):
+                loss.backward()
+            with phase("mpp/optimizer"):
+                w.data.add_(w.grad, alpha=-0.1)
+                w.grad = None
+            profiler.step()
+
+
+def traced(out: Path, name: str) -> int:
+    with gzip.open(out / "rank0.trace.json.gz", "rt") as f:
+        return sum(e.get("name") == name for e in json.load(f)["traceEvents"])
+
+
+def test_the_window_records_its_steps_and_what_is_left_of_it_after_a_resume(tmp_path):
+    loop(tmp_path / "fresh", (4, 3), start=0, end=10)  # the loop's indices 4..6: steps 5..7 in the bar's count
+    figures = json.loads((tmp_path / "fresh" / "rank0.json").read_text())
+    assert figures["steps"] == [5, 7] and traced(tmp_path / "fresh", "mpp/forward") == 3
+    for name in PHASES:
+        assert figures[name.split("/")[1] + "_ms"] > 0, name
+    assert figures["step_ms"] >= sum(figures[n.split("/")[1] + "_ms"] for n in PHASES) * 0.99
+    assert "mpp/backward" in (tmp_path / "fresh" / "rank0.txt").read_text()
+    loop(tmp_path / "resumed", (4, 3), start=4, end=10)  # resumed at the window: it warms up there, records the rest
+    assert json.loads((tmp_path / "resumed" / "rank0.json").read_text())["steps"] == [6, 7]
+    assert traced(tmp_path / "resumed", "mpp/forward") == 2
+    loop(tmp_path / "behind", (4, 3), start=6, end=10)  # resumed at its last step: nothing left after the warm-up
+    loop(tmp_path / "off", (4, 0), start=0, end=10)
+    assert not (tmp_path / "behind").exists() and not (tmp_path / "off").exists()
+
+
+@pytest.mark.parametrize("window", ["[0,3]", "[2]", "[-1,2]", "[1.5,2]"])
+def test_a_bad_window_is_refused_before_any_work(window):
+    with pytest.raises(ConfigError, match="train.profile"):
+        load_config(None, ["output_dir=x", f"train.profile={window}"])
