@@ -10,7 +10,7 @@
 #                                                  its own time limit: what the first session (step
 #                                                  tables, cuda-tests; docs/benchmarks.md) left; the
 #                                                  runs' profiles (train.profile) in $OUT/profiles.tgz
-#   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision and prefetch tests on CUDA
+#   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
 #   bash benchmarks/gpu_session.sh trainer         the loader alone, then Ti/4 pre-training (batch 1024)
@@ -107,7 +107,7 @@ session)  # one lent session's worth, most wanted first, each part under its own
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
 cuda-tests)
-    python3 -m pytest -q -p no:cacheprovider tests/test_compiled.py tests/test_precision.py tests/test_prefetch.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
+    python3 -m pytest -q -p no:cacheprovider tests/test_compiled.py tests/test_precision.py tests/test_prefetch.py tests/test_profiling.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
 step)  # eager, compiled and CUDA-graph steps against the plain timm loop, MFU, memory
     models=(); while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do models+=("$1"); shift; done
     name=$(IFS=_; echo "${models[*]}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, record_function
 
 from mpp.fileio import write_atomic
@@ -72,7 +73,9 @@ class StepProfiler:
         figures = {
             "steps": [self.begin + 1, self.begin + self.steps], "device": str(self.device),
             "step_ms": per_step(sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep"))),
-            "device_busy_ms": per_step(sum(e.self_device_time_total for e in events)),
+            "device_busy_ms": per_step(sum(e.self_device_time_total for e in events  # kernels and copies
+                                           if e.device_type != DeviceType.CPU
+                                           and not getattr(e, "is_user_annotation", False))),
             **{name.split("/")[1] + "_ms": per_step(sum(e.cpu_time_total for e in events if e.key == name))
                for name in PHASES}}
         f = figures

@@ -13,13 +13,13 @@ from mpp.config import ConfigError, load_config
 from mpp.profiling import PHASES, StepProfiler, phase
 
 
-def loop(out: Path, window, start: int, end: int) -> None:
-    """A stand-in training loop with the trainer's phases, on the CPU."""
-    w = torch.randn(64, 64, requires_grad=True)
-    with StepProfiler(window, start, torch.device("cpu"), out, rank=0, report=lambda line: None) as profiler:
+def loop(out: Path, window, start: int, end: int, device: str = "cpu") -> None:
+    """A stand-in training loop with the trainer's phases."""
+    w = torch.randn(64, 64, device=device, requires_grad=True)
+    with StepProfiler(window, start, torch.device(device), out, rank=0, report=lambda line: None) as profiler:
         for _ in range(start, end):
             with phase("mpp/data"):
-                x = torch.randn(32, 64)
+                x = torch.randn(32, 64).to(device, non_blocking=True)
             with phase("mpp/forward"):
                 loss = (x @ w).square().mean()
             with phase("mpp/backward"):
@@ -55,3 +55,16 @@ def test_the_window_records_its_steps_and_what_is_left_of_it_after_a_resume(tmp_
 def test_a_bad_window_is_refused_before_any_work(window):
     with pytest.raises(ConfigError, match="train.profile"):
         load_config(None, ["output_dir=x", f"train.profile={window}"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_device_time_is_the_kernels_and_copies_once(tmp_path):
+    loop(tmp_path, (2, 4), start=0, end=8, device="cuda")
+    figures = json.loads((tmp_path / "rank0.json").read_text())
+    table = (tmp_path / "rank0.txt").read_text()
+    # torch's table gives the same sum as its total ("Self CUDA time total: ..."), in its own units
+    total = next(line for line in table.splitlines() if line.startswith("Self CUDA time total"))
+    value, unit = total.split(":")[1].strip()[:-2], total.strip()[-2:]
+    scale = {"us": 1e-3, "ms": 1.0}[unit]
+    assert figures["device_busy_ms"] * 4 == pytest.approx(float(value) * scale, rel=0.01)
+    assert 0 < figures["device_busy_ms"]
