@@ -10,7 +10,8 @@ step, the step's, and the device's busy milliseconds per step), `rank{r}.txt` (t
 then torch's operator table) and `rank{r}.trace.json.gz`, a Chrome / Perfetto trace of the steps.
 So a trainer that leaves the GPU idle says why: a data wait, the host queueing kernels, or gaps.
 The step before the window warms the profiler up (its first recorded step would be slow); a
-resumed run records what is left of the window.
+resumed run records what is left of the window, a run that ends inside it the steps it ran, and
+a loop that raises inside it only stops the profiler (no half-recorded figures).
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ class StepProfiler:
     """Context manager around the loop; `step()` after every step. Records nothing (and costs
     nothing) when the window is empty or already behind a resumed run."""
 
-    def __init__(self, window: Sequence[int], start: int, device: torch.device, out_dir: Path, rank: int,
+    def __init__(self, window: Sequence[int], start: int, end: int, device: torch.device, out_dir: Path, rank: int,
                  report: Callable[[str], None] = print):
         first, count = window
         self.begin = max(first, start + 1)  # the loop index of the first recorded step
-        self.steps = first + count - self.begin
+        self.steps = min(first + count, end) - self.begin  # a run that ends inside the window: what it ran
+        self.failed = False
         self.device, self.out_dir, self.rank, self.report = device, Path(out_dir), rank, report
         self.prof = None
         if count and self.steps > 0:
@@ -61,6 +63,7 @@ class StepProfiler:
 
     def __exit__(self, *exc) -> None:
         if self.prof is not None:
+            self.failed = exc[0] is not None  # stop the profiler, but report no half-recorded window
             self.prof.__exit__(*exc)
 
     def step(self) -> None:
@@ -68,6 +71,8 @@ class StepProfiler:
             self.prof.step()
 
     def _write(self, prof: torch.profiler.profile) -> None:
+        if self.failed:
+            return
         events = prof.key_averages()
         per_step = lambda us: us / self.steps / 1e3  # noqa: E731  (microseconds in all -> ms a step)
         figures = {

@@ -213,7 +213,7 @@ def loop(run: Run) -> None:
     accum, main = cfg.train.grad_accum, accelerator.is_main_process
     shown = None  # the images of the MPP prediction grid (train.image_every)
     model.train()
-    with StepProfiler(cfg.train.profile, run.start, accelerator.device, run.out / "profile",
+    with StepProfiler(cfg.train.profile, run.start, run.steps, accelerator.device, run.out / "profile",
                       accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only

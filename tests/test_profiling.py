@@ -13,11 +13,13 @@ from mpp.config import ConfigError, load_config
 from mpp.profiling import PHASES, StepProfiler, phase
 
 
-def loop(out: Path, window, start: int, end: int, device: str = "cpu") -> None:
-    """A stand-in training loop with the trainer's phases."""
+def loop(out: Path, window, start: int, end: int, device: str = "cpu", fail_at: int = -1) -> None:
+    """A stand-in training loop with the trainer's phases; it raises at loop index `fail_at`."""
     w = torch.randn(64, 64, device=device, requires_grad=True)
-    with StepProfiler(window, start, torch.device(device), out, rank=0, report=lambda line: None) as profiler:
-        for _ in range(start, end):
+    with StepProfiler(window, start, end, torch.device(device), out, rank=0, report=lambda line: None) as profiler:
+        for step in range(start, end):
+            if step == fail_at:
+                raise FloatingPointError("a failing step")
             with phase("mpp/data"):
                 x = torch.randn(32, 64).to(device, non_blocking=True)
             with phase("mpp/forward"):
@@ -49,6 +51,19 @@ def test_the_window_records_its_steps_and_what_is_left_of_it_after_a_resume(tmp_
     loop(tmp_path / "behind", (4, 3), start=6, end=10)  # resumed at its last step: nothing left after the warm-up
     loop(tmp_path / "off", (4, 0), start=0, end=10)
     assert not (tmp_path / "behind").exists() and not (tmp_path / "off").exists()
+
+
+def test_a_run_that_ends_inside_the_window_reports_the_steps_it_ran(tmp_path):
+    loop(tmp_path, (4, 3), start=0, end=6)
+    assert json.loads((tmp_path / "rank0.json").read_text())["steps"] == [5, 6]
+    assert traced(tmp_path, "mpp/forward") == 2
+
+
+def test_a_step_that_raises_inside_the_window_leaves_no_profile_and_its_own_error(tmp_path):
+    with pytest.raises(FloatingPointError, match="a failing step"):
+        loop(tmp_path, (4, 3), start=0, end=10, fail_at=5)
+    assert not tmp_path.joinpath("rank0.json").exists()
+    assert not torch.autograd.profiler._is_profiler_enabled  # stopped, not left recording
 
 
 @pytest.mark.parametrize("window", ["[0,3]", "[2]", "[-1,2]", "[1.5,2]"])
