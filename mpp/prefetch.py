@@ -22,6 +22,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from mpp.profiling import phase
+
 _END = object()  # the source is exhausted
 
 
@@ -55,8 +57,13 @@ class _Reader:
         try:  # everything: a thread that ended without queueing its end would leave `next` waiting forever
             if self.stream is not None:
                 torch.cuda.set_device(self.device)  # the current device is per thread
-            while (batch := next(self.batches, _END)) is not _END:
-                item = (*self._stage(batch), self.counters())
+            while True:
+                with phase("mpp/loader"):  # in a profile (mpp.profiling): the wait for the data workers
+                    batch = next(self.batches, _END)
+                if batch is _END:
+                    break
+                with phase("mpp/stage"):
+                    item = (*self._stage(batch), self.counters())
                 del batch  # host batches not held while the next is read: their loader slots free
                 if not self._put(item):
                     return

@@ -3,8 +3,9 @@ first+count (the progress bar's count) with `torch.profiler`, host and device.
 
 The loop marks its phases (`PHASES`: waiting for the batch, forward, backward, clipping with the
 optimiser step) with `phase`, torch's `record_function`, which costs next to nothing while no
-profiler records. The profiler records the loop's thread (torch's CPU profiler is per thread) and
-every device kernel and copy, the prefetcher's included. After the last recorded step every
+profiler records, and the prefetch thread its own (`THREAD_PHASES`: reading a batch from the
+loader, pinning and copying it): the profiler records every thread and every device kernel and
+copy. After the last recorded step every
 rank writes, under `OUTPUT_DIR/profile/`, `rank{r}.json` (per phase the host's milliseconds per
 step, the step's, and the device's busy milliseconds per step), `rank{r}.txt` (the same in words,
 then torch's operator table) and `rank{r}.trace.json.gz`, a Chrome / Perfetto trace of the steps.
@@ -22,15 +23,16 @@ from typing import Callable, Sequence
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, record_function
 
 from mpp.fileio import write_atomic
 
-PHASES = ("mpp/data", "mpp/forward", "mpp/backward", "mpp/optimizer")
+PHASES = ("mpp/data", "mpp/forward", "mpp/backward", "mpp/optimizer")  # the loop's thread
+THREAD_PHASES = ("mpp/loader", "mpp/stage")  # the prefetch thread (mpp.prefetch), a batch ahead
 
 
 def phase(name: str) -> record_function:
-    """A named range of the loop (one of PHASES) in the profile."""
+    """A named range (one of PHASES or THREAD_PHASES) in the profile."""
     return record_function(name)
 
 
@@ -53,6 +55,7 @@ class StepProfiler:
             self.prof = torch.profiler.profile(
                 activities=[ProfilerActivity.CPU, *cuda], on_trace_ready=self._write,
                 acc_events=True,  # one cycle either way; torch 2.11 warns without it
+                experimental_config=_ExperimentalConfig(profile_all_threads=True),  # the prefetch thread's too
                 schedule=torch.profiler.schedule(skip_first=self.begin - start - 1, wait=0, warmup=1,
                                                  active=self.steps, repeat=1))
 
@@ -82,11 +85,11 @@ class StepProfiler:
                                            if e.device_type != DeviceType.CPU
                                            and not getattr(e, "is_user_annotation", False))),
             **{name.split("/")[1] + "_ms": per_step(sum(e.cpu_time_total for e in events if e.key == name))
-               for name in PHASES}}
+               for name in PHASES + THREAD_PHASES}}
         f = figures
+        ms = lambda names: ", ".join(f"{n.split('/')[1]} {f[n.split('/')[1] + '_ms']:.2f}" for n in names)  # noqa: E731
         line = (f"profiled steps {f['steps'][0]}-{f['steps'][1]} on {f['device']}, rank {self.rank}: a step took "
-                f"{f['step_ms']:.2f} ms on the host: " + ", ".join(
-                    f"{name.split('/')[1]} {f[name.split('/')[1] + '_ms']:.2f}" for name in PHASES)
+                f"{f['step_ms']:.2f} ms on the host: {ms(PHASES)}; the prefetch thread, per step: {ms(THREAD_PHASES)}"
                 + (f"; the device was busy {f['device_busy_ms']:.2f} ms a step (kernels and copies summed)"
                    if self.device.type == "cuda" else ""))
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"

@@ -122,6 +122,7 @@ def test_a_profiled_run_says_where_its_steps_went_and_trains_the_same(data, mpp_
     train(config(settings(data, tmp_path, **{"train.profile": "[9,3]"})))
     figures = json.loads((tmp_path / "profile/rank0.json").read_text())
     assert figures["steps"] == [10, 12] and figures["forward_ms"] > 0 and figures["data_ms"] >= 0
+    assert figures["loader_ms"] > 0  # the prefetch thread's reads, recorded from its own thread
     assert (tmp_path / "profile/rank0.trace.json.gz").stat().st_size > 0
     assert_same(weights(tmp_path / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
 
