@@ -46,3 +46,20 @@ def test_torchvision_randaugment_exposes_its_op_table_and_op():
     assert not missing, f"torchvision's RandAugment no longer has {missing}; data.randaugment needs another way"
     magnitudes, signed = a._AUGMENTATION_SPACE["Rotate"]
     assert isinstance(signed, bool) and magnitudes(a.num_magnitude_bins, 32, 32).shape == (a.num_magnitude_bins,)
+
+
+def test_torch_profiler_records_other_threads_when_asked():
+    # mpp.profiling: the prefetch thread's phases are recorded through profile_all_threads
+    import threading
+    from torch.profiler import _ExperimentalConfig, profile, record_function
+
+    def other():
+        with record_function("other/thread"):
+            torch.ones(2) + 1
+
+    with profile(experimental_config=_ExperimentalConfig(profile_all_threads=True), acc_events=True) as p:
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert "other/thread" in {e.key for e in p.key_averages()}, \
+        "torch's profiler no longer records other threads with _ExperimentalConfig(profile_all_threads=True)"
