@@ -352,7 +352,8 @@ def load_yaml(path: str | Path, whole: tuple = (), _seen: tuple = ()) -> dict:
         raise ConfigError(f"config file '{path}' includes itself through 'base:' ({' -> '.join(p.name for p in _seen)} "
                           f"-> {path.name}); remove the cycle")
     if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist; see configs/ for the shipped ones")
+        where = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        raise ConfigError(f"config file '{path}' does not exist{where}; see configs/ for the shipped ones")
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}

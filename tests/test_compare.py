@@ -182,6 +182,15 @@ def test_compare_config_errors_are_one_line(tmp_path):
         load_compare_config(tmp_path / "c.yaml", ["steps=3"])
 
 
+def test_a_stage_config_missing_from_the_current_directory_names_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the shipped compare configs name their stages from the project root
+    with pytest.raises(ConfigError, match=f"'configs/x.yaml' does not exist \\(relative to the current "
+                                          f"directory, {tmp_path}\\)"):
+        load_config("configs/x.yaml")
+    with pytest.raises(ConfigError, match="'/nowhere/x.yaml' does not exist; see configs/"):  # absolute: no hint
+        load_config("/nowhere/x.yaml")
+
+
 @pytest.mark.slow
 def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",  # 17-23 stages: seconds each
