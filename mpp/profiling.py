@@ -5,10 +5,10 @@ The loop marks its phases (`PHASES`: waiting for the batch, forward, backward, c
 optimiser step) with `phase`, torch's `record_function`, which costs next to nothing while no
 profiler records, and the prefetch thread its own (`THREAD_PHASES`: reading a batch from the
 loader, pinning and copying it): the profiler records every thread and every device kernel and
-copy. After the last recorded step every
-rank writes, under `OUTPUT_DIR/profile/`, `rank{r}.json` (per phase the host's milliseconds per
-step, the step's, and the device's busy milliseconds per step), `rank{r}.txt` (the same in words,
-then torch's operator table) and `rank{r}.trace.json.gz`, a Chrome / Perfetto trace of the steps.
+copy. After the last recorded step every rank writes, under `OUTPUT_DIR/profile/`,
+`rank{r}.json` (per phase the host's milliseconds per step, the step's, and the device's busy
+milliseconds per step), `rank{r}.txt` (the same in words, then torch's operator table) and
+`rank{r}.trace.json.gz`, a Chrome / Perfetto trace of the steps.
 So a trainer that leaves the GPU idle says why: a data wait, the host queueing kernels, or gaps.
 The step before the window warms the profiler up (its first recorded step would be slow); a
 resumed run records what is left of the window, a run that ends inside it the steps it ran, and
