@@ -54,6 +54,9 @@ if ! python3 -c "import webdataset, simplejpeg, mpp" 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
+    # the CPUs the data workers really get: affinity and a cgroup quota can be fewer than nproc says
+    { lscpu | grep -m1 "Model name"; echo "nproc $(nproc), affinity $(python3 -c 'import os; print(len(os.sched_getaffinity(0)))'),"\
+        "cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"; } | tee -a "$OUT/device.txt"
 fi
 
 windows() {  # a finished run's images/s and data wait per log window (TensorBoard), and in all
@@ -121,9 +124,11 @@ import time, torch
 from mpp.config import load_config
 from mpp.data import make_loader
 from mpp.prefetch import DevicePrefetcher
-for name, yaml, batch, workers, subset, epochs in (("pre-training", "mpp", 1024, 14, None, 4),
-                                                   ("10%-label fine-tune", "finetune", 256, 12, (0.1, 0), 24)):
-    for to in ("host", "cuda"):  # the data settings of the runs below
+for name, yaml, batch, workers, subset, epochs, ways in (
+        ("pre-training", "mpp", 1024, 1, None, 3, ("host",)),  # one worker: what a core of this machine does
+        ("pre-training", "mpp", 1024, 14, None, 4, ("host", "cuda")),
+        ("10%-label fine-tune", "finetune", 256, 12, (0.1, 0), 24, ("host", "cuda"))):
+    for to in ways:  # the data settings of the runs below
         cfg = load_config(f"configs/synthetic_{yaml}.yaml", ["model=vit_ti4_32", f"data.num_workers={workers}"])
         loader = make_loader("/tmp/syn32/train/manifest.json", batch_size=batch, img_size=32, train=True,
                              labeled=subset is not None, data_cfg=cfg.data, subset=subset)
