@@ -7,19 +7,22 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, finetune, mainjob, each under
-#                                                  its own time limit: what the first session (step
-#                                                  tables, cuda-tests; docs/benchmarks.md) left; the
-#                                                  runs' profiles (train.profile) in $OUT/profiles.tgz
+#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, finetune, graphs, mainjob, each
+#                                                  under its own time limit: what the first session
+#                                                  (step tables, cuda-tests; docs/benchmarks.md) left;
+#                                                  the runs' profiles (train.profile) in $OUT/profiles.tgz
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
-#   bash benchmarks/gpu_session.sh trainer         the loader alone, then Ti/4 pre-training (batch 1024)
-#                                                  through the real loader, compiled and with CUDA
-#                                                  graphs: images/s and data wait per log window, and
-#                                                  where 10 steady steps' time went (train.profile)
-#   bash benchmarks/gpu_session.sh finetune        a 10%-label fine-tune of that encoder, compiled and
-#                                                  eager (what train.compile=auto runs at its length)
+#   bash benchmarks/gpu_session.sh trainer         the loader alone, then Ti/4 pre-training (batch 1024,
+#                                                  compiled) through the real loader: images/s and data
+#                                                  wait per log window, and where 10 steady steps' time
+#                                                  went (train.profile)
+#   bash benchmarks/gpu_session.sh finetune        after trainer: a 10%-label fine-tune of its encoder,
+#                                                  compiled and eager (what train.compile=auto runs at
+#                                                  its length)
+#   bash benchmarks/gpu_session.sh graphs          after trainer: its pre-training with CUDA graphs
+#                                                  (train.compile_mode=reduce-overhead)
 #   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
@@ -27,11 +30,11 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | trainer-b16 | mainjob | tests"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | mainjob | tests"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|session|cuda-tests|step|trainer|finetune|trainer-b16|mainjob|tests) ;;
+    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|mainjob|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -55,8 +58,8 @@ if ! python3 -c "import webdataset, simplejpeg, mpp" 2>/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
     # the CPUs the data workers really get: affinity and a cgroup quota can be fewer than nproc says
-    { lscpu | grep -m1 "Model name"; echo "nproc $(nproc), affinity $(python3 -c 'import os; print(len(os.sched_getaffinity(0)))'),"\
-        "cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"; } | tee -a "$OUT/device.txt"
+    { grep -m1 "model name" /proc/cpuinfo || true; echo "nproc $(nproc), affinity $(python3 -c 'import os; print(len(os.sched_getaffinity(0)))'),"\
+        "cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"; } | tee -a "$OUT/device.txt" || true
 fi
 
 windows() {  # a finished run's images/s and data wait per log window (TensorBoard), and in all
@@ -78,8 +81,9 @@ PY
 }
 
 profiled() {  # RUN: the run's train.profile line into trainer.txt, its files into $OUT/profiles.tgz
+    [ -d "$1/profile" ] || { echo "no profile in $1" | tee -a "$OUT/trainer.txt"; return 0; }
     head -1 "$1/profile/rank0.txt" | tee -a "$OUT/trainer.txt" || true
-    mkdir -p /tmp/profiles && cp -r "$1/profile" "/tmp/profiles/$(basename "$1")"
+    rm -rf "/tmp/profiles/$(basename "$1")" && mkdir -p /tmp/profiles && cp -r "$1/profile" "/tmp/profiles/$(basename "$1")"
     tar czf "$OUT/profiles.tgz" -C /tmp profiles
 }
 
@@ -89,7 +93,7 @@ pretrain() {  # MODEL BATCH DATA STEPS MODE [SETTING...]: MPP pre-training throu
     python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
         data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
         train.log_every=20 train.ckpt_every=100000 train.compile=always train.compile_mode=$5 \
-        "train.profile=[$(($4 - 19)),10]" output_dir=$run "${@:6}" 2>&1 | tr '\r' '\n' | { grep -v "it/s" || true; } | tail -3
+        "train.profile=[$(($4 - ($4 - 1) % 20)),10]" output_dir=$run "${@:6}" 2>&1 | tr '\r' '\n' | { grep -v "it/s" || true; } | tail -3
     windows $run "pre-training $1 batch $2, $4 steps, compile mode $5"
     profiled $run
 }
@@ -106,7 +110,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "250 trainer" "130 finetune" "180 mainjob"; do
+    for spec in "200 trainer" "130 finetune" "100 graphs" "130 mainjob"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -147,7 +151,8 @@ for name, yaml, batch, workers, subset, epochs, ways in (
             batches.close()
         loader.close()
 PY
-    pretrain vit_ti4_32 1024 syn32 240 default
+    pretrain vit_ti4_32 1024 syn32 240 default ;;
+graphs)  # after trainer (its data): the same pre-training replayed as CUDA graphs
     pretrain vit_ti4_32 1024 syn32 240 reduce-overhead ;;
 finetune)  # after trainer (its encoder and data)
     finetune always

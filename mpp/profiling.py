@@ -11,8 +11,9 @@ milliseconds per step), `rank{r}.txt` (the same in words, then torch's operator 
 `rank{r}.trace.json.gz`, a Chrome / Perfetto trace of the steps.
 So a trainer that leaves the GPU idle says why: a data wait, the host queueing kernels, or gaps.
 The step before the window warms the profiler up (its first recorded step would be slow); a
-resumed run records what is left of the window, a run that ends inside it the steps it ran, and
-a loop that raises inside it only stops the profiler (no half-recorded figures).
+resumed run records what is left of the window after that warm-up step, a run that ends inside it
+the steps it ran, and a loop that raises inside it only stops the profiler (no half-recorded
+figures).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, _ExperimentalConfig, record_function
+from torch.profiler import ProfilerActivity, record_function
 
 from mpp.fileio import write_atomic
 
@@ -34,6 +35,16 @@ THREAD_PHASES = ("mpp/loader", "mpp/stage")  # the prefetch thread (mpp.prefetch
 def phase(name: str) -> record_function:
     """A named range (one of PHASES or THREAD_PHASES) in the profile."""
     return record_function(name)
+
+
+def _all_threads():
+    """The profiler setting that records every thread (the prefetch thread's phases too); None on
+    a torch without it (tests/test_pinned.py pins it for the supported ones): the loop's alone."""
+    try:
+        from torch.profiler import _ExperimentalConfig
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
 
 
 class StepProfiler:
@@ -55,7 +66,7 @@ class StepProfiler:
             self.prof = torch.profiler.profile(
                 activities=[ProfilerActivity.CPU, *cuda], on_trace_ready=self._write,
                 acc_events=True,  # one cycle either way; torch 2.11 warns without it
-                experimental_config=_ExperimentalConfig(profile_all_threads=True),  # the prefetch thread's too
+                experimental_config=_all_threads(),
                 schedule=torch.profiler.schedule(skip_first=self.begin - start - 1, wait=0, warmup=1,
                                                  active=self.steps, repeat=1))
 
