@@ -436,10 +436,13 @@ def collect(runs: list[dict]) -> dict:
                               draws={f: table[f]["fewshot_draws"].get(k) for f in FAMILIES}) for k in shots},
     }
     for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
-        leads = {f: (recipes[f].get(fr) or {}).get("lead") or {} for f in FAMILIES}
-        g["recipe_toss_ups"] = [f for f in FAMILIES if leads[f].get("clear") is False]
+        cell = {f: recipes[f].get(fr) or {} for f in FAMILIES}
+        lr = [f for f in FAMILIES if (cell[f].get("lead") or {}).get("clear") is False]
+        g["pool_toss_ups"] = [f for f in FAMILIES  # the representation: no runner-up is retrained for it
+                              if ((cell[f].get("pool_choice") or {}).get("lead") or {}).get("clear") is False]
+        g["recipe_toss_ups"] = [f for f in FAMILIES if f in lr or f in g["pool_toss_ups"]]
         g["range"] = _ranges({f: [table[f]["finetune"].get(fr)] + [x["top1"] for x in retrained.get((f, fr), [])
-                                                                   if f in g["recipe_toss_ups"]] for f in FAMILIES})
+                                                                   if f in lr] for f in FAMILIES})
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
@@ -571,7 +574,7 @@ def render_markdown(rep: dict) -> str:
               f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
-    notes, marked, ranged = [], False, False
+    notes, marked, ranged, pooled = [], False, False, False
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
             "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}")
@@ -584,6 +587,7 @@ def render_markdown(rep: dict) -> str:
         cells.append(share + (" †" if toss else "") + _range_cell(ranges.get("recovered_share"), "{:.2f}"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         marked, ranged = marked or bool(toss), ranged or bool(ranges)
+        pooled = pooled or bool(g.get("pool_toss_ups"))
     if notes:
         lines += [""] + notes
     if marked:
@@ -592,7 +596,10 @@ def render_markdown(rep: dict) -> str:
                   "may have given another figure."
                   + (" In brackets, the range that choice spans: the figure recomputed with each such arm's "
                      "runner-up value, retrained on all the labels with the same seeds (test top-1 in the recipe "
-                     "table), in every combination." if ranged else "")]
+                     "table), in every combination." if ranged else "")
+                  + (" A toss-up of the representation (finetune.pool, chosen by a probe of the cell's own "
+                     "training labels) is marked too; its other choice is not retrained, so no range spans it."
+                     if pooled else "")]
     held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
             + (f" (lead {_lead_cell(c['lead'])} on {c['n']} images)" if (c := t[f].get("probe_pool_choice"))
                and c["n"] and c["lead"] else "")

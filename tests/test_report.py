@@ -183,7 +183,13 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 45.0 on 40 images: " \
            f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise
     assert rep["recipes"]["scratch"]["0.1"]["pool_choice"]["lead"]["clear"] is False  # the report's own verdict
-    assert "†" not in md  # dev runs without outcomes: no lead's noise known, so no toss-up claimed
+    # dev runs without outcomes: no learning-rate toss-up claimed (no lead's noise known); scratch's
+    # representation, a toss-up, marks its figures, with no range (its other choice was not retrained)
+    g = rep["derived"]["finetune"]["0.1"]
+    assert g["recipe_toss_ups"] == g["pool_toss_ups"] == ["scratch"] and not g["range"]
+    row = next(line for line in md.splitlines() if line.startswith("| fine-tune @ 10% labels"))
+    assert [c.strip().endswith("†") for c in row.strip("| ").split(" | ")[1:]] == [False, True, True, True]
+    assert "A toss-up of the representation" in md and "In brackets" not in md
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
     assert "supervised pre-training 0.01; MPP pre-training 3.33333e-05." in md
     assert "edge of its grid for MPP pre-training:" in md
