@@ -7,7 +7,9 @@ grid is trained on the labels minus a class-balanced development split (`dev_fra
 scored on it; the best is retrained on all the labels, `seeds` times, and tested on `data.val`
 once per seed. Where the split could not separate the best value from the next (its lead under
 twice its paired standard error: a toss-up), `runner_up` also retrains the next with the same
-seeds, so that the report can give each figure the range that choice spans. `finetune.pool` is
+seeds, so that the report can give each figure the range that choice spans (and likewise the
+best value through the other representation where the best stage's choice of it was a toss-up
+on its held-out training labels). `finetune.pool` is
 chosen by a linear probe of the sweep's own training labels (`finetune_pool: auto`, i.e.
 finetune.pool=auto in the sweep stages; the finals take the best one's): one cheap frozen-feature
 fit per arm and label fraction, where sweeping it would double every fine-tune sweep, and a
@@ -49,7 +51,7 @@ from mpp import outcomes
 from mpp.config import (RESULT_NEUTRAL, CompareConfig, ConfigError, as_list, build_config, flatten, load_config,
                         parse_overrides, to_dict)
 from mpp.launcher import follow_parent
-from mpp.report import choice_lead
+from mpp.report import choice_lead, pool_choice
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -133,6 +135,16 @@ def toss_up(outs: list[Path]) -> bool:
                        outcomes.read(b.get("outcomes")))["clear"] is False
 
 
+def _pool_lead(outs: list[Path]) -> tuple[str, dict] | None:
+    """The representation the best sweep stage did not choose, and the chosen one's lead over it
+    on the stage's held-out training labels (`pool_choice`); None if it chose none (no auto)."""
+    m = _ranked(outs)[0][1]
+    if not m.get("pool_heldout_top1") or not m.get("pool"):
+        return None
+    choice = pool_choice(m)
+    return max((k for k in choice["top1"] if k != m["pool"]), key=choice["top1"].get), choice["lead"] or {}
+
+
 def plan(cfg: CompareConfig) -> list[Stage]:
     """The stages in run order, each with its resolved overrides and run-time choices."""
     root = Path(cfg.output_dir)
@@ -180,6 +192,16 @@ def plan(cfg: CompareConfig) -> list[Stage]:
                                         cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
                                         pools[1:] + [second], when))
+            if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
+                other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
+                               lambda outs=outs: [f"finetune.pool={_pool_lead(outs)[0]}"])
+                when = Condition("the best sweep stage's representation led the other by under twice its standard "
+                                 "error on its held-out training labels (a toss-up)",
+                                 lambda outs=outs: (_pool_lead(outs) or ("", {}))[1].get("clear") is False)
+                for seed in range(cfg.seeds):
+                    stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}",
+                                        "finetune", cfg.finetune, final + [f"seed={seed}"],
+                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best, when))
     return stages
 
 

@@ -233,12 +233,21 @@ def _values(run: dict, varied: list[str]) -> dict:
     return {k: flat.get(k) for k in varied}
 
 
+def _pool(run: dict) -> str | None:
+    """The representation a fine-tune used: its finetune.pool, or for a development-split run set
+    to auto the one it chose (a comparison's finals set the best sweep stage's choice explicitly)."""
+    pool = flatten(run["config"]).get("finetune.pool")
+    return run["metrics"].get("pool", pool) if pool == "auto" and run["evaluated_on"] == "dev" else pool
+
+
 def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -> tuple[list[dict], list[list[dict]]]:
-    """A cell's final runs grouped by their values of the swept keys: the group whose values scored
-    best on the development split is the cell (the protocol retrains the best), the others are
-    alternatives (the comparison's runner-up stages). One run per seed in each group."""
+    """A cell's final runs grouped by their values of the swept keys and their representation: the
+    group whose values and representation scored best on the development split is the cell (the
+    protocol retrains the best), the others are alternatives (the comparison's runner-up stages:
+    the next value, or the best value through the other representation, which ranks right after
+    the value's own). One run per seed in each group."""
     def key(r):
-        return json.dumps(list(_values(r, varied).values()))
+        return json.dumps([*_values(r, varied).values(), _pool(r)])
 
     groups: dict = {}
     for r in finals:
@@ -254,19 +263,30 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
     for r in dev_runs:
         k, mine = key(r), (-_accuracy(r["metrics"], "top1", r["dir"]), Path(r["dir"]).name)
         rank[k] = min(rank.get(k, mine), mine)
-    stray = next((g for g in groups if g not in rank), None)
+    by_values: dict = {}  # the values alone: their finals through another representation come next
+    for k, mine in rank.items():
+        by_values[json.dumps(json.loads(k)[:-1])] = min(by_values.get(json.dumps(json.loads(k)[:-1]), mine), mine)
+
+    def place(g: str):
+        values = json.dumps(json.loads(g)[:-1])
+        return (rank[g], 0) if g in rank else (by_values[values], 1) if values in by_values else None
+    stray = next((g for g in groups if place(g) is None), None)
     if stray is not None:
         raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "
                           f"and it used values no development-split run tried, so the report cannot tell which runs "
                           f"are the cell; pass the finals of one value, or the sweep stages of each")
-    order = sorted(groups, key=rank.__getitem__)
+    order = sorted(groups, key=place)
     return groups[order[0]], [groups[g] for g in order[1:]]
 
 
-def _retrained(group: list[dict], varied: list[str]) -> dict:
-    """Another value's final runs: its values, test top-1 mean and std over its seeds, their dirs."""
+def _retrained(group: list[dict], varied: list[str], cell: list[dict]) -> dict:
+    """Another value's final runs (`kind` value), or the cell's value through the other
+    representation (`kind` pool): its values, test top-1 mean and std over its seeds, their dirs."""
     mean, std = _mean_std([_accuracy(r["metrics"], "top1", r["dir"]) for r in group])
-    return {"values": _values(group[0], varied), "top1": mean, "std": std, "n": len(group),
+    values, kind = _values(group[0], varied), "value"
+    if values == _values(cell[0], varied) and _pool(group[0]) != _pool(cell[0]):
+        values, kind = {**values, "finetune.pool": _pool(group[0])}, "pool"
+    return {"values": values, "kind": kind, "top1": mean, "std": std, "n": len(group),
             "dirs": [r["dir"] for r in group]}
 
 
@@ -283,7 +303,7 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
     made = next((m for m in (r["metrics"] for r in [*dev_runs, *finals])
                  if "pool_heldout_top1" in m and m.get("pool") == chosen.get("finetune.pool")), None)
-    return {"dev": dev, "chosen": chosen, "pool_choice": _pool_choice(made) if made else None,
+    return {"dev": dev, "chosen": chosen, "pool_choice": pool_choice(made) if made else None,
             "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}
 
@@ -297,7 +317,7 @@ def _draws_sem(row: dict, k: str) -> float | None:
     return None if std is None or n < 2 else std / math.sqrt(n - 1)
 
 
-def _pool_choice(m: dict) -> dict:
+def pool_choice(m: dict) -> dict:
     """How finetune.pool=auto chose (a fine-tune's metrics.json): each candidate's held-out top-1 on
     part of its training labels, how many images that part held, and the chosen one's lead over
     the next (`choice_lead`, paired over those images)."""
@@ -387,7 +407,7 @@ def collect(runs: list[dict]) -> dict:
             images[r["family"], "probe"] = outcomes.read(m.get("outcomes"))
             row["fewshot_seeds"] = m.get("fewshot_seeds") if isinstance(m.get("fewshot_seeds"), int) else None
             row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
-            row["probe_pool_choice"] = _pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else None
+            row["probe_pool_choice"] = pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else None
             row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
             for k, v in m.items():
                 if k.endswith("shot_mean"):
@@ -403,7 +423,7 @@ def collect(runs: list[dict]) -> dict:
         swept = varied.get((f, key), [])
         finals, others = _split_finals(finals, dev.get((f, key), []), swept)
         cells[f, key] = finals
-        retrained[f, key] = [_retrained(g, swept) for g in others]
+        retrained[f, key] = [_retrained(g, swept, finals) for g in others]
         ends = [_accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
         mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
@@ -438,11 +458,12 @@ def collect(runs: list[dict]) -> dict:
     for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
         cell = {f: recipes[f].get(fr) or {} for f in FAMILIES}
         lr = [f for f in FAMILIES if (cell[f].get("lead") or {}).get("clear") is False]
-        g["pool_toss_ups"] = [f for f in FAMILIES  # the representation: no runner-up is retrained for it
+        g["pool_toss_ups"] = [f for f in FAMILIES  # the representation, chosen by a probe of the cell's labels
                               if ((cell[f].get("pool_choice") or {}).get("lead") or {}).get("clear") is False]
         g["recipe_toss_ups"] = [f for f in FAMILIES if f in lr or f in g["pool_toss_ups"]]
+        toss = {"value": lr, "pool": g["pool_toss_ups"]}
         g["range"] = _ranges({f: [table[f]["finetune"].get(fr)] + [x["top1"] for x in retrained.get((f, fr), [])
-                                                                   if f in lr] for f in FAMILIES})
+                                                                   if f in toss[x["kind"]]] for f in FAMILIES})
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
@@ -598,8 +619,8 @@ def render_markdown(rep: dict) -> str:
                      "runner-up value, retrained on all the labels with the same seeds (test top-1 in the recipe "
                      "table), in every combination." if ranged else "")
                   + (" A toss-up of the representation (finetune.pool, chosen by a probe of the cell's own "
-                     "training labels) is marked too; its other choice is not retrained, so no range spans it."
-                     if pooled else "")]
+                     "training labels) is marked too; where the comparison retrained the chosen value through the "
+                     "other representation as well (same seeds), the range spans that too." if pooled else "")]
     held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
             + (f" (lead {_lead_cell(c['lead'])} on {c['n']} images)" if (c := t[f].get("probe_pool_choice"))
                and c["n"] and c["lead"] else "")

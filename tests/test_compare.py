@@ -76,12 +76,16 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     sweeps = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, sweep")]
     finals = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, seed")]
     runner_ups = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, runner-up")]
-    assert len(stages) == 5 + 3 * (3 + 2 + 2) and len(sweeps) == 3 and len(finals) == len(runner_ups) == 2
+    others = [s for n, s in stages.items() if n.startswith("fine-tune scratch, 10% labels, other representation")]
+    assert len(stages) == 5 + 3 * (3 + 2 + 2 + 2) and len(sweeps) == 3
+    assert len(finals) == len(runner_ups) == len(others) == 2
+    assert {s.out.name for s in others} == {"other_pool_seed0", "other_pool_seed1"}
     assert {s.out.name for s in runner_ups} == {"runner_up_seed0", "runner_up_seed1"}
     assert [s.out.name for s in sweeps] == ["sweep_lr0.01", "sweep_lr0.03", "sweep_lr0.1"]
     assert all("finetune.dev_fraction=0.2" in s.overrides for s in sweeps)
     # finals and runner-ups train on all the labels and test on data.val, even where a config sets a split
-    assert all(s.overrides[-2:] == ["finetune.dev_fraction=0", f"seed={s.out.name[-1]}"] for s in finals + runner_ups)
+    assert all(s.overrides[-2:] == ["finetune.dev_fraction=0", f"seed={s.out.name[-1]}"]
+               for s in finals + runner_ups + others)
     assert [o for o in finals[1].overrides if o.startswith("seed=")] == ["seed=1"]
     validate(cfg, list(stages.values()))  # every grid value and the finals' placeholders resolve
     # the sweep chooses the representation on its own training labels; the finals take the best
@@ -96,6 +100,17 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     assert finals[0].args()[-3:-1] == ["finetune.pool=token", "optim.lr=0.03"]
     assert runner_ups[1].args()[-3:-1] == ["finetune.pool=avg", "optim.lr=0.1"]  # the second best, 0.5, its pool
     assert not runner_ups[0].when.holds()  # no per-image outcomes: no toss-up can be claimed
+    assert not others[0].when.holds()  # nor for the representation, whose choice recorded no scores
+    # the best stage (lr 0.03) chose the [class] token over the patch mean by 10 points on 100 held-out
+    # images, the two disagreeing on 90 of them: a toss-up, so the finals are retrained with the patch mean
+    held, h = np.arange(100) % 10, np.arange(100)
+    best = {"top1": 0.6, "evaluated_on": "dev", "pool": "token", "pool_heldout_top1": {"token": 0.6, "avg": 0.5},
+            "pool_heldout_outcomes": {"token": outcomes.record(h < 60, held), "avg": outcomes.record(h >= 50, held)}}
+    (sweeps[1].out / "metrics.json").write_text(json.dumps(best))
+    assert others[0].when.holds() and others[1].args()[-3:-1] == ["finetune.pool=avg", "optim.lr=0.03"]
+    best["pool_heldout_outcomes"]["avg"] = outcomes.record(h < 50, held)  # disagreeing on 10: a clear lead
+    (sweeps[1].out / "metrics.json").write_text(json.dumps(best))
+    assert not others[0].when.holds()
     labels, idx = np.arange(200) % 10, np.arange(200)
     for s, hits in zip(sweeps, (idx < 80, idx < 120, idx >= 100)):  # 0.03 leads 0.1 by 10 points on 200 images
         s.out.joinpath("metrics.json").write_text(json.dumps({"top1": hits.mean(), "evaluated_on": "dev",
@@ -217,10 +232,14 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     best = 0.01 if sweep[0]["top1"] >= sweep[1]["top1"] else 0.1
     assert ft["lr"] == best and report["recipes"]["mpp"]["0.5"]["chosen"]["optim.lr"] == best
     for arm in ("scratch", "mpp", "supervised"):  # a toss-up's runner-up is listed, and is no table cell
-        chosen = report["recipes"][arm]["0.5"]["chosen"]["optim.lr"]
-        tossed = arm in report["derived"]["finetune"]["0.5"]["recipe_toss_ups"]
-        again = report["recipes"][arm]["0.5"]["retrained"]
+        recipe = report["recipes"][arm]["0.5"]
+        chosen, pool = recipe["chosen"]["optim.lr"], recipe["chosen"]["finetune.pool"]
+        tossed = (recipe["lead"] or {}).get("clear") is False
+        again = [x for x in recipe["retrained"] if x["kind"] == "value"]
         assert [x["values"]["optim.lr"] for x in again] == ([0.1 if chosen == 0.01 else 0.01] if tossed else [])
+        other = [x["values"]["finetune.pool"] for x in recipe["retrained"] if x["kind"] == "pool"]  # the same for
+        assert other == ([{"token": "avg", "avg": "token"}[pool]]  # the representation
+                         if arm in report["derived"]["finetune"]["0.5"]["pool_toss_ups"] else [])
         assert report["table"][arm]["finetune_n"]["0.5"] == 2
     # the derived figures are computed from the fine-tunes' own metrics: means over the seeds
     tops = {init: sum(json.loads((runs / f"finetune_{init}_50pct" / f"seed{s}" / "metrics.json").read_text())["top1"]

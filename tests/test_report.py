@@ -196,7 +196,8 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "optim": {"lr": 0.03},
-                                                          "finetune": {"init": str(mpp), "label_fraction": 0.1}},
+                                                          "finetune": {"init": str(mpp), "label_fraction": 0.1,
+                                                                       "pool": "avg"}},
                                   {"top1": 0.6})], tmp_path / "out2")
     with pytest.raises(ReportError, match="no development-split run tried"):  # finals of a value never swept
         write_report(runs + [_run(root, "ft_mpp/stray", {"objective": "classify", "seed": 1, "optim": {"lr": 0.3},
@@ -284,7 +285,7 @@ def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
     assert [t[f]["finetune"]["0.1"] for f in ("supervised", "mpp", "scratch")] == pytest.approx([0.71, 0.51, 0.31])
     assert rep["recipes"]["supervised"]["0.1"]["chosen"]["optim.lr"] == 0.03
     assert rep["recipes"]["supervised"]["0.1"]["retrained"] == [
-        {"values": {"optim.lr": 0.01}, "top1": pytest.approx(0.61), "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2,
+        {"values": {"optim.lr": 0.01}, "kind": "value", "top1": pytest.approx(0.61), "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2,
          "dirs": [str(root / f"ft_supervised/lr0.01_seed{s}") for s in (0, 1)]}]
     assert g["recipe_toss_ups"] == ["supervised"]  # MPP's lead is clear: its runner-up moves no figure
     assert g["range"] == {"supervised_minus_mpp": pytest.approx([10.0, 20.0]),
@@ -320,3 +321,45 @@ def test_what_fine_tuning_added_to_its_start(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| supervised pre-training | 10% | 51.0 | 55.0 | +4.0 ± 0.0 |" in md  # both seeds gained 4.0
     assert "| from scratch | 10%" not in md.split("What fine-tuning added")[1]
+
+
+def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path):
+    """The comparison's other-representation stages: the chosen value's finals through the pool
+    the best sweep stage did not choose, beside the chosen pool's. The chosen pool's runs stay the
+    cell (whatever order the runs come in); where that choice was a toss-up on the cell's held-out
+    training labels (MPP here), each figure of the arm gets its range over both representations."""
+    root = tmp_path / "runs"
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 10})
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 10})
+    held, h = np.arange(100) % 10, np.arange(100)
+    toss = {"pool": "avg", "pool_heldout_top1": {"avg": 0.6, "token": 0.5},  # disagree on 90 of 100: a toss-up
+            "pool_heldout_outcomes": {"avg": outcomes.record(h < 60, held), "token": outcomes.record(h >= 50, held)}}
+    finals = {"supervised": {"token": (0.70, 0.72)}, "mpp": {"token": (0.40, 0.42), "avg": (0.50, 0.52)},
+              "scratch": {"avg": (0.30, 0.32)}}
+    chosen = {"supervised": "token", "mpp": "avg", "scratch": "avg"}
+    runs = [mpp, sup]
+    for fam, init in (("mpp", mpp), ("supervised", sup), ("scratch", "none")):
+        for lr, top1 in ((0.01, 0.5), (0.03, 0.55)):
+            runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
+                "objective": "classify", "seed": 0, "optim": {"lr": lr},
+                "finetune": {"init": str(init), "label_fraction": 0.1, "dev_fraction": 0.1, "pool": "auto"}},
+                {"top1": top1, "evaluated_on": "dev",
+                 **(toss if fam == "mpp" else {"pool": chosen[fam]})}))
+        for pool, tops in sorted(finals[fam].items(), key=lambda kv: kv[0] == chosen[fam]):  # the other pool first
+            for seed, top1 in enumerate(tops):
+                runs.append(_run(root, f"ft_{fam}/{pool}_seed{seed}", {
+                    "objective": "classify", "seed": seed, "optim": {"lr": 0.03},
+                    "finetune": {"init": str(init), "label_fraction": 0.1, "pool": pool}},
+                    {"top1": top1, "evaluated_on": "val", "pool": pool}))
+    rep = write_report(runs, tmp_path / "out")
+    t, g = rep["table"], rep["derived"]["finetune"]["0.1"]
+    assert [t[f]["finetune"]["0.1"] for f in ("supervised", "mpp", "scratch")] == pytest.approx([0.71, 0.51, 0.31])
+    assert rep["recipes"]["mpp"]["0.1"]["retrained"] == [
+        {"values": {"optim.lr": 0.03, "finetune.pool": "token"}, "kind": "pool", "top1": pytest.approx(0.41),
+         "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2, "dirs": [str(root / f"ft_mpp/token_seed{s}") for s in (0, 1)]}]
+    assert g["pool_toss_ups"] == g["recipe_toss_ups"] == ["mpp"]
+    assert g["range"] == {"supervised_minus_mpp": pytest.approx([20.0, 30.0]),
+                          "mpp_minus_scratch": pytest.approx([10.0, 20.0]),
+                          "recovered_share": pytest.approx([0.25, 0.5], abs=1e-4)}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| lr 0.03, pool token: 41.0 ± 1.4 (n=2) |" in md and "the range spans that too" in md
