@@ -669,9 +669,10 @@ def render_markdown(rep: dict) -> str:
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
-    other = {d for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}
+    other = {d: {"pool": "representation"}.get(x.get("kind"), "value")
+             for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}
     lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']}"
-                                       + (", another value retrained" if r["dir"] in other else "") + ")"
+                                       + (f", another {other[r['dir']]} retrained" if r["dir"] in other else "") + ")"
                                        for r in finals), ""]
     return "\n".join(lines)
 

@@ -363,3 +363,4 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
                           "recovered_share": pytest.approx([0.25, 0.5], abs=1e-4)}
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| lr 0.03, pool token: 41.0 ± 1.4 (n=2) |" in md and "the range spans that too" in md
+    assert f"`{root / 'ft_mpp/token_seed1'}` (mpp finetune, another representation retrained)" in md
