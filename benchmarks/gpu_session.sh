@@ -123,34 +123,12 @@ step)  # eager, compiled and CUDA-graph steps against the plain timm loop, MFU, 
         --workers 12 --json "$OUT/step_$name.json" "$@" 2>&1 | tee "$OUT/step_$name.log" ;;
 trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an epoch every ~20 steps
     python3 -m mpp.tools.make_synthetic /tmp/syn32 --train 20000 --test 1000 --shards 32 >/dev/null 2>&1
-    python3 - <<'PY' | tee -a "$OUT/trainer.txt"  # what the workers supply with no step to feed
-import time, torch
-from mpp.config import load_config
-from mpp.data import make_loader
-from mpp.prefetch import DevicePrefetcher
-for name, yaml, batch, workers, subset, epochs, ways in (
-        ("pre-training", "mpp", 1024, 1, None, 3, ("host",)),  # one worker: what a core of this machine does
-        ("pre-training", "mpp", 1024, 14, None, 4, ("host", "cuda")),
-        ("10%-label fine-tune", "finetune", 256, 12, (0.1, 0), 24, ("host", "cuda"))):
-    for to in ways:  # the data settings of the runs below
-        cfg = load_config(f"configs/synthetic_{yaml}.yaml", ["model=vit_ti4_32", f"data.num_workers={workers}"])
-        loader = make_loader("/tmp/syn32/train/manifest.json", batch_size=batch, img_size=32, train=True,
-                             labeled=subset is not None, data_cfg=cfg.data, subset=subset)
-        source = (b for e in range(epochs) for b in loader.epoch(e))
-        batches = DevicePrefetcher(source, "cuda") if to == "cuda" else source
-        n, start = 0, None
-        for i, b in enumerate(batches):
-            if i == loader.batches_per_epoch:  # epoch 0 (worker start-up, first pass over the shards) left out
-                torch.cuda.synchronize(); n, start = 0, time.perf_counter()
-            n += len(b["image"])
-        torch.cuda.synchronize()
-        print(f"loader alone, {name} (batch {batch}, {workers} workers, epochs 1-{epochs - 1}), "
-              f"{'through the prefetcher to the GPU' if to == 'cuda' else 'host batches'}: "
-              f"{n / (time.perf_counter() - start):.0f} images/s")
-        if to == "cuda":
-            batches.close()
-        loader.close()
-PY
+    rate() { python3 benchmarks/loader_rate.py --data /tmp/syn32/train/manifest.json "$@" | tee -a "$OUT/trainer.txt"; }
+    rate --batch-size 1024 --workers 1  # one worker: what a core of this machine does
+    for device in cpu cuda; do  # with no step to feed, the data settings of the runs below
+        rate --batch-size 1024 --workers 14 --epochs 4 --device $device
+        rate --batch-size 256 --workers 12 --fraction 0.1 --epochs 24 --device $device
+    done
     pretrain vit_ti4_32 1024 syn32 240 default ;;
 graphs)  # after trainer (its data): the same pre-training replayed as CUDA graphs
     pretrain vit_ti4_32 1024 syn32 240 reduce-overhead ;;

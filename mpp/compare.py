@@ -135,14 +135,11 @@ def toss_up(outs: list[Path]) -> bool:
                        outcomes.read(b.get("outcomes")))["clear"] is False
 
 
-def _pool_lead(outs: list[Path]) -> tuple[str, dict] | None:
-    """The representation the best sweep stage did not choose, and the chosen one's lead over it
-    on the stage's held-out training labels (`pool_choice`); None if it chose none (no auto)."""
+def _pool_choice(outs: list[Path]) -> dict:
+    """How the best sweep stage chose its representation (report's `pool_choice`: the other
+    candidate, the chosen one's lead over it); {} if it chose none (finetune.pool not auto)."""
     m = _ranked(outs)[0][1]
-    if not m.get("pool_heldout_top1") or not m.get("pool"):
-        return None
-    choice = pool_choice(m)
-    return max((k for k in choice["top1"] if k != m["pool"]), key=choice["top1"].get), choice["lead"] or {}
+    return pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else {}
 
 
 def plan(cfg: CompareConfig) -> list[Stage]:
@@ -194,10 +191,10 @@ def plan(cfg: CompareConfig) -> list[Stage]:
                                         pools[1:] + [second], when))
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
-                               lambda outs=outs: [f"finetune.pool={_pool_lead(outs)[0]}"])
+                               lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
                 when = Condition("the best sweep stage's representation led the other by under twice its standard "
                                  "error on its held-out training labels (a toss-up)",
-                                 lambda outs=outs: (_pool_lead(outs) or ("", {}))[1].get("clear") is False)
+                                 lambda outs=outs: (_pool_choice(outs).get("lead") or {}).get("clear") is False)
                 for seed in range(cfg.seeds):
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],

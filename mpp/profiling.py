@@ -89,20 +89,20 @@ class StepProfiler:
             return
         events = prof.key_averages()
         per_step = lambda us: us / self.steps / 1e3  # noqa: E731  (microseconds in all -> ms a step)
+        spent = {name.removeprefix("mpp/"): per_step(sum(e.cpu_time_total for e in events if e.key == name))
+                 for name in PHASES + THREAD_PHASES}  # data, forward, ..., loader, stage
         figures = {
             "steps": [self.begin + 1, self.begin + self.steps], "device": str(self.device),
             "step_ms": per_step(sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep"))),
             "device_busy_ms": per_step(sum(e.self_device_time_total for e in events  # kernels and copies
                                            if e.device_type != DeviceType.CPU
                                            and not getattr(e, "is_user_annotation", False))),
-            **{name.split("/")[1] + "_ms": per_step(sum(e.cpu_time_total for e in events if e.key == name))
-               for name in PHASES + THREAD_PHASES}}
-        f = figures
-        ms = lambda names: ", ".join(f"{n.split('/')[1]} {f[n.split('/')[1] + '_ms']:.2f}" for n in names)  # noqa: E731
-        line = (f"profiled steps {f['steps'][0]}-{f['steps'][1]} on {f['device']}, rank {self.rank}: a step took "
-                f"{f['step_ms']:.2f} ms on the host: {ms(PHASES)}; the prefetch thread, per step: {ms(THREAD_PHASES)}"
-                + (f"; the device was busy {f['device_busy_ms']:.2f} ms a step (kernels and copies summed)"
-                   if self.device.type == "cuda" else ""))
+            **{f"{k}_ms": v for k, v in spent.items()}}
+        listed = lambda names: ", ".join(f"{k} {spent[k]:.2f}" for k in (n.removeprefix("mpp/") for n in names))  # noqa: E731
+        line = (f"profiled steps {self.begin + 1}-{self.begin + self.steps} on {self.device}, rank {self.rank}: a step "
+                f"took {figures['step_ms']:.2f} ms on the host: {listed(PHASES)}; the prefetch thread, per step: "
+                f"{listed(THREAD_PHASES)}" + (f"; the device was busy {figures['device_busy_ms']:.2f} ms a step "
+                                              "(kernels and copies summed)" if self.device.type == "cuda" else ""))
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.out_dir / f"rank{self.rank}.json", json.dumps(figures, indent=1))

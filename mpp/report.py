@@ -246,8 +246,8 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
     protocol retrains the best), the others are alternatives (the comparison's runner-up stages:
     the next value, or the best value through the other representation, which ranks right after
     the value's own). One run per seed in each group."""
-    def key(r):
-        return json.dumps([*_values(r, varied).values(), _pool(r)])
+    def key(r):  # (the swept values, the representation)
+        return json.dumps(list(_values(r, varied).values())), _pool(r)
 
     groups: dict = {}
     for r in finals:
@@ -264,12 +264,11 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
         k, mine = key(r), (-_accuracy(r["metrics"], "top1", r["dir"]), Path(r["dir"]).name)
         rank[k] = min(rank.get(k, mine), mine)
     by_values: dict = {}  # the values alone: their finals through another representation come next
-    for k, mine in rank.items():
-        by_values[json.dumps(json.loads(k)[:-1])] = min(by_values.get(json.dumps(json.loads(k)[:-1]), mine), mine)
+    for (values, _), mine in rank.items():
+        by_values[values] = min(by_values.get(values, mine), mine)
 
-    def place(g: str):
-        values = json.dumps(json.loads(g)[:-1])
-        return (rank[g], 0) if g in rank else (by_values[values], 1) if values in by_values else None
+    def place(g: tuple):
+        return (rank[g], 0) if g in rank else (by_values[g[0]], 1) if g[0] in by_values else None
     stray = next((g for g in groups if place(g) is None), None)
     if stray is not None:
         raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "
@@ -319,14 +318,14 @@ def _draws_sem(row: dict, k: str) -> float | None:
 
 def pool_choice(m: dict) -> dict:
     """How finetune.pool=auto chose (a fine-tune's metrics.json): each candidate's held-out top-1 on
-    part of its training labels, how many images that part held, and the chosen one's lead over
-    the next (`choice_lead`, paired over those images)."""
+    part of its training labels, how many images that part held, the next best candidate (`other`)
+    and the chosen one's lead over it (`choice_lead`, paired over those images)."""
     top1, records = m["pool_heldout_top1"], m.get("pool_heldout_outcomes") or {}
     pool = m["pool"]
     other = max((k for k in top1 if k != pool), key=top1.get, default=None)
     lead = None if other is None else choice_lead(top1[pool], top1[other], outcomes.read(records.get(pool)),
                                                   outcomes.read(records.get(other)))
-    return {"top1": top1, "n": (records.get(pool) or {}).get("n"), "lead": lead}
+    return {"top1": top1, "n": (records.get(pool) or {}).get("n"), "other": other, "lead": lead}
 
 
 def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
@@ -669,7 +668,7 @@ def render_markdown(rep: dict) -> str:
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
-    other = {d: {"pool": "representation"}.get(x.get("kind"), "value")
+    other = {d: "representation" if x["kind"] == "pool" else "value"
              for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}
     lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']}"
                                        + (f", another {other[r['dir']]} retrained" if r["dir"] in other else "") + ")"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mpp.config import DataConfig, build_config
+from mpp.data import make_loader
 from mpp.data.synthetic import make_synthetic
 from mpp.evaluators.features import extract_features
 from mpp.models import create_encoder
@@ -130,3 +131,17 @@ def test_finetune_mixup_mixes_only_in_training_and_its_loss_is_the_mixed_one():
     ce = lambda y_: torch.nn.functional.cross_entropy(logits, y_, label_smoothing=0.1)  # noqa: E731
     assert 0.05 < lam < 0.95 and not torch.equal(labels, labels[perm])
     assert torch.allclose(mixed, lam * ce(labels) + (1 - lam) * ce(labels[perm]))
+
+
+def test_loader_rate_times_the_epochs_after_the_first(tmp_path, capsys):
+    b = load("loader_rate")
+    make_synthetic(tmp_path, train=96, test=0, shards=2, progress=False)
+    manifest = str(tmp_path / "train" / "manifest.json")
+    r = b.run(manifest, batch_size=16, workers=1, epochs=3)
+    assert r["images"] == 2 * 96 and r["images_per_s"] > 0 and r["cpu_ms_per_batch"] > 0
+    subset = make_loader(manifest, batch_size=16, img_size=32, train=True, labeled=True, data_cfg=DataConfig(),
+                         subset=(0.5, 0)).num_samples  # half of each class, rounded per class
+    assert b.run(manifest, batch_size=16, workers=1, epochs=2, fraction=0.5)["images"] == subset < 96
+    with pytest.raises(SystemExit) as stop:
+        b.main(["--data", str(tmp_path / "nope.json")])
+    assert stop.value.code == 2 and "not found" in capsys.readouterr().err
