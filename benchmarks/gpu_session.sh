@@ -7,10 +7,10 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: trainer, finetune, graphs, mainjob, each
-#                                                  under its own time limit: what the first session
-#                                                  (step tables, cuda-tests; docs/benchmarks.md) left;
-#                                                  the runs' profiles (train.profile) in $OUT/profiles.tgz
+#   bash benchmarks/gpu_session.sh session         on the GPU: mainjob, trainer-b16, each under its own
+#                                                  time limit: what the first two sessions (step tables,
+#                                                  trainer, finetune, graphs, cuda-tests; docs/benchmarks.md)
+#                                                  left; then, in a second call, `tests`
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -110,7 +110,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "200 trainer" "130 finetune" "100 graphs" "130 mainjob"; do
+    for spec in "330 mainjob" "200 trainer-b16"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -142,7 +142,17 @@ mainjob)
     start=$(date +%s)
     python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1
     echo "main job (configs/compare_synthetic.yaml): $(( $(date +%s) - start )) s" | tee -a "$OUT/trainer.txt"
-    cp runs/compare_synthetic/report.md "$OUT/mainjob_report.md" ;;
+    cp runs/compare_synthetic/report.md "$OUT/mainjob_report.md"
+    python3 - "$OUT/mainjob.log" <<'PY' | tee -a "$OUT/trainer.txt"
+import re, sys
+split = re.compile(r"finished in ([\d.]+) s \(set-up ([\d.]+), training loop ([\d.]+), final evaluation ([\d.]+), "
+                   r"process start and exit ([\d.]+) s\)")
+rows = [tuple(map(float, m.groups())) for m in split.finditer(open(sys.argv[1]).read())]
+total = [sum(c) for c in zip(*rows)] or [0] * 5
+print(f"{len(rows)} trained stages, {total[0]:.0f} s: set-up {total[1]:.0f}, training loops {total[2]:.0f}, "
+      f"final evaluations {total[3]:.0f}, process start and exit {total[4]:.0f} s")
+PY
+    ;;
 tests)
     python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" ;;
 esac

@@ -348,6 +348,17 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     return proc.exitcode
 
 
+def time_split(out: Path, took: float) -> str:
+    """A trained stage's `took` seconds split as its metrics.json times them: set-up, training
+    loop, final evaluation, and the rest, the stage process's start and exit (what a stage pays
+    for being a process of its own)."""
+    m = json.loads((out / "metrics.json").read_text())
+    if "loop_s" not in m or m["wall_time_s"] > took:  # a probe; or a stage resumed from an earlier attempt
+        return f"{took:.1f} s"
+    return (f"{took:.1f} s (set-up {m['setup_s']:.1f}, training loop {m['loop_s']:.1f}, final evaluation "
+            f"{m['final_eval_s']:.1f}, process start and exit {took - m['wall_time_s']:.1f} s)")
+
+
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     """Run (or resume) the comparison; returns the report path."""
     stages = plan(cfg)
@@ -391,7 +402,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
-        print(f"[{i}/{total}] {s.name}: finished in {time.time() - t0:.0f} s", flush=True)
+        print(f"[{i}/{total}] {s.name}: finished in {time_split(s.out, time.time() - t0)}", flush=True)
     from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
     print(f"[{total}/{total}] figures and report", flush=True)

@@ -92,6 +92,7 @@ class Run:
     writer: Any                # TensorBoard (main process only, from the first step: `_record`)
     bar: tqdm
     t_begin: float = field(default_factory=time.time)
+    setup_s: float = 0.0       # this segment's `setup`: device, model, data, the Task's start-up work
     t_loop: float = field(default_factory=time.perf_counter)
     t_win: float = field(default_factory=time.perf_counter)
     wait_win: float = 0.0      # seconds waiting for data in this log window / before it
@@ -184,7 +185,7 @@ def setup(cfg: Config) -> Run:
         steps=steps, start=start, state=state, periodic=periodic, final=final,
         writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
-        t_begin=t_begin, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
+        t_begin=t_begin, setup_s=time.time() - t_begin, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
 
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
@@ -300,8 +301,12 @@ def finish(run: Run) -> dict:
         "images_per_s": run.steps * cfg.batch_size / totals["train_time"],
         "data_wait_frac": totals["data_wait"] / totals["train_time"],
     }
+    t_final = time.perf_counter()
     if run.final is not None:
         results.update(run.final.run(task))
+    # where the run's time went (compare's stage line shows it beside the stage's own wall time):
+    # this segment's set-up, the loop over all segments, the final evaluation
+    results.update(setup_s=run.setup_s, loop_s=totals["train_time"], final_eval_s=time.perf_counter() - t_final)
     results.update(task.settings(cfg))
     results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes
     results.update(run.state["origin"])  # what the run started from, checked at every resume

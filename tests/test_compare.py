@@ -214,6 +214,11 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = tmp_path / "runs"
+    # each trained stage's time split as its metrics.json times it (a probe's: its wall time alone)
+    line = re.search(r"fine-tune mpp, 50% labels, seed 1: finished in ([\d.]+) s \(set-up ([\d.]+), training "
+                     r"loop ([\d.]+), final evaluation ([\d.]+), process start and exit ([\d.]+) s\)", r.stdout)
+    assert line and sum(map(float, line.groups()[1:])) <= float(line[1]) + 0.2, r.stdout[-3000:]
+    assert re.search(r"linear probe mpp: finished in [\d.]+ s\n", r.stdout), r.stdout[-3000:]
     report = json.loads((runs / "report.json").read_text())
     md = (runs / "report.md").read_text()
     assert "MPP" in md and "share" in md and (runs / "report.png").stat().st_size > 0
