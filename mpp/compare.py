@@ -349,14 +349,18 @@ def run_stage(cmd: list[str], launcher: str) -> int:
 
 
 def time_split(out: Path, took: float) -> str:
-    """A trained stage's `took` seconds split as its metrics.json times them: set-up, training
-    loop, final evaluation, and the rest, the stage process's start and exit (what a stage pays
-    for being a process of its own)."""
-    m = json.loads((out / "metrics.json").read_text())
-    if "loop_s" not in m or m["wall_time_s"] > took:  # a probe; or a stage resumed from an earlier attempt
+    """A trained stage's `took` seconds split as its process timed them in metrics.json: set-up,
+    training loop, final evaluation, the rest of training (the export), and outside it the
+    process's start and exit (what a stage pays for being a process of its own). A stage without
+    those figures (a probe) gets its time alone."""
+    try:
+        m = json.loads((out / "metrics.json").read_text())
+        parts = [m["setup_s"], m["loop_s"], m["final_eval_s"]]
+        export, outside = m["segment_s"] - sum(parts), took - m["segment_s"]
+    except (OSError, ValueError, KeyError, TypeError):
         return f"{took:.1f} s"
-    return (f"{took:.1f} s (set-up {m['setup_s']:.1f}, training loop {m['loop_s']:.1f}, final evaluation "
-            f"{m['final_eval_s']:.1f}, process start and exit {took - m['wall_time_s']:.1f} s)")
+    return (f"{took:.1f} s (set-up {parts[0]:.1f}, training loop {parts[1]:.1f}, final evaluation {parts[2]:.1f}, "
+            f"export {export:.1f}, process start and exit {outside:.1f} s)")
 
 
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:

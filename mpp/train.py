@@ -301,12 +301,13 @@ def finish(run: Run) -> dict:
         "images_per_s": run.steps * cfg.batch_size / totals["train_time"],
         "data_wait_frac": totals["data_wait"] / totals["train_time"],
     }
-    t_final = time.perf_counter()
+    loop_s, t_final = time.perf_counter() - run.t_loop, time.perf_counter()
     if run.final is not None:
         results.update(run.final.run(task))
-    # where the run's time went (compare's stage line shows it beside the stage's own wall time):
-    # this segment's set-up, the loop over all segments, the final evaluation
-    results.update(setup_s=run.setup_s, loop_s=totals["train_time"], final_eval_s=time.perf_counter() - t_final)
+    # where this process's time went (compare's stage line sets it beside the stage's own wall time):
+    # set-up, the loop (compile and the loader's shutdown included), the final evaluation, all of train()
+    results.update(setup_s=run.setup_s, loop_s=loop_s, final_eval_s=time.perf_counter() - t_final,
+                   segment_s=time.time() - run.t_begin)
     results.update(task.settings(cfg))
     results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes
     results.update(run.state["origin"])  # what the run started from, checked at every resume

@@ -98,9 +98,9 @@ def test_mpp_run_learns_and_writes_its_run_dir(mpp_run):
     metrics = json.loads((mpp_run / "metrics.json").read_text())
     assert metrics["steps"] == 24 and metrics["nonfinite_steps"] == 0 and metrics["loss"] == pytest.approx(losses[-1])
     assert metrics["images_per_s"] > 0 and 0 <= metrics["data_wait_frac"] < 1
-    parts = [metrics[k] for k in ("setup_s", "loop_s", "final_eval_s")]  # where the run's time went
-    assert parts[0] > 0 and parts[1] > 0 and parts[2] >= 0 and sum(parts) <= metrics["wall_time_s"]
-    assert metrics["images_per_s"] == pytest.approx(24 * metrics["batch_size"] / metrics["loop_s"])
+    parts = [metrics[k] for k in ("setup_s", "loop_s", "final_eval_s")]  # where the process's time went
+    assert parts[0] > 0 and parts[1] > 0 and parts[2] >= 0
+    assert sum(parts) <= metrics["segment_s"] <= metrics["wall_time_s"]
     assert build_config(yaml.safe_load((mpp_run / "config.yaml").read_text())).steps == 24
     # atomic, rotated checkpoints: the last two (keep_ckpts=2), no temporary leftovers
     assert sorted(p.name for p in (mpp_run / "checkpoints").iterdir()) == ["step_0000016", "step_0000024"]
@@ -163,6 +163,8 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+    metrics = json.loads((out / "metrics.json").read_text())  # the time split is the resuming process's own
+    assert metrics["setup_s"] + metrics["loop_s"] <= metrics["segment_s"] < metrics["wall_time_s"]
     assert scalars(out, "fewshot/avg/1shot_mean") and scalars(out, "fewshot/token/1shot_mean")  # probe.pool=auto: both
 
 
