@@ -25,16 +25,18 @@
 #                                                  (train.compile_mode=reduce-overhead)
 #   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
+#   bash benchmarks/gpu_session.sh probe-threads   after mainjob (its feature cache): the probe's L-BFGS fits
+#                                                  with torch's default threads there and with 2
 #   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | mainjob | tests"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | mainjob | probe-threads | tests"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|mainjob|tests) ;;
+    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -155,6 +157,11 @@ print(f"{len(rows)} trained stages, {total[0]:.0f} s: set-up {total[1]:.0f}, tra
       f"final evaluations {total[3]:.0f}, exports {total[4]:.0f}, process start and exit {total[5]:.0f} s")
 PY
     ;;
+probe-threads)  # the main job's fine-tune stages fitted their probe heads 2-3x slower there than on 2 cores
+    files=$(ls runs/compare_synthetic/feature_cache/features-*.safetensors | head -2)
+    for threads in "-u OMP_NUM_THREADS" "OMP_NUM_THREADS=2"; do  # torch's default (one per core), then 2
+        env $threads python3 benchmarks/probe_fit.py --features $files 2>&1 | tee -a "$OUT/probe_threads.txt"
+    done ;;
 tests)
     python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" ;;
 esac

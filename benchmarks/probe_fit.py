@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
         y, c = d["labels"].long(), int(d["labels"].max()) + 1
         t = time.perf_counter()
-        rep, l2, scores, head = choose_probe(x, y, num_classes=c)
+        choice = choose_probe(x, y, num_classes=c)
+        rep, l2, scores, head = choice.pool, choice.l2, choice.scores, choice.head
         print(f"{path}: {len(y)} samples, {len(x)} representations: choose_probe "
               f"{time.perf_counter() - t:.1f} s -> {rep}, L2 {l2:g}, held-out {100 * scores[rep][l2]:.1f}")
         xr = x[rep].float()
