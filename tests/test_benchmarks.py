@@ -160,3 +160,15 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
     assert "N=4500: sample-major" in out and "400 samples, 2 representations" in out, out
     assert "-> token," in out and "% of predictions agree" in out, out  # the stronger signal is chosen
 
+
+
+def test_gpu_session_script_parses_and_names_its_parts():
+    """The GPU script runs only in a lent session's few minutes: a syntax error or a misnamed part
+    must show here first."""
+    import subprocess
+    script = str(ROOT / "benchmarks" / "gpu_session.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    r = subprocess.run(["bash", script, "nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown part 'nope'" in r.stderr and "probe-threads" in r.stderr, r.stderr
+    r = subprocess.run(["bash", script, "step"], capture_output=True, text=True)
+    assert r.returncode == 2 and "step needs models" in r.stderr, r.stderr
