@@ -348,19 +348,26 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     return proc.exitcode
 
 
-def time_split(out: Path, took: float) -> str:
-    """A trained stage's `took` seconds split as its process timed them in metrics.json: set-up,
-    training loop, final evaluation, the rest of training (the export), and outside it the
-    process's start and exit (what a stage pays for being a process of its own). A stage without
-    those figures (a probe) gets its time alone."""
+SPLIT = ("set-up", "training loop", "final evaluation", "export", "process start and exit")
+
+
+def time_split(out: Path, took: float) -> list[float] | None:
+    """A trained stage's `took` seconds split (SPLIT) as its process timed them in metrics.json:
+    set-up, training loop, final evaluation, the rest of training (the export), and outside it the
+    process's start and exit (what a stage pays for being a process of its own). None for a stage
+    without those figures (a probe)."""
     try:
         m = json.loads((out / "metrics.json").read_text())
         parts = [m["setup_s"], m["loop_s"], m["final_eval_s"]]
-        export, outside = m["segment_s"] - sum(parts), took - m["segment_s"]
+        return [*parts, m["segment_s"] - sum(parts), took - m["segment_s"]]
     except (OSError, ValueError, KeyError, TypeError):
-        return f"{took:.1f} s"
-    return (f"{took:.1f} s (set-up {parts[0]:.1f}, training loop {parts[1]:.1f}, final evaluation {parts[2]:.1f}, "
-            f"export {export:.1f}, process start and exit {outside:.1f} s)")
+        return None
+
+
+def _seconds(took: float, split: list[float] | None) -> str:
+    """'3.5 s (set-up 1.4, training loop 1.9, ... s)', or '3.5 s' without a split."""
+    parts = "" if split is None else " (" + ", ".join(f"{n} {v:.1f}" for n, v in zip(SPLIT, split)) + " s)"
+    return f"{took:.1f} s{parts}"
 
 
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
@@ -383,6 +390,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if (s.out / "metrics.json").exists() and not s.choices:
             check_unchanged(s)
     digests: dict[Path, str] = {}
+    spent: list[tuple[float, list[float]]] = []  # (took, split) of the stages trained now
     for i, s in enumerate(stages, 2):
         if (s.out / "metrics.json").exists():
             if s.choices:
@@ -406,9 +414,16 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
-        print(f"[{i}/{total}] {s.name}: finished in {time_split(s.out, time.time() - t0)}", flush=True)
+        took = time.time() - t0
+        split = time_split(s.out, took)
+        if split is not None:
+            spent.append((took, split))
+        print(f"[{i}/{total}] {s.name}: finished in {_seconds(took, split)}", flush=True)
     from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
+    if spent:  # where this run's training time went, summed over its trained stages
+        print(f"the {len(spent)} stages trained now took " + _seconds(sum(t for t, _ in spent),
+                                                                    [sum(p) for p in zip(*(v for _, v in spent))]))
     print(f"[{total}/{total}] figures and report", flush=True)
     write_compare_figures([s.out for s in stages if s.tool == "pretrain"], None, Path(cfg.output_dir) / "figures")
     ran = [s.out for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed

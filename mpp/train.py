@@ -301,7 +301,8 @@ def finish(run: Run) -> dict:
         "images_per_s": run.steps * cfg.batch_size / totals["train_time"],
         "data_wait_frac": totals["data_wait"] / totals["train_time"],
     }
-    loop_s, t_final = time.perf_counter() - run.t_loop, time.perf_counter()
+    t_final = time.perf_counter()
+    loop_s = t_final - run.t_loop
     if run.final is not None:
         results.update(run.final.run(task))
     # where this process's time went (compare's stage line sets it beside the stage's own wall time):

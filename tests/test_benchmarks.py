@@ -3,6 +3,7 @@ package, so nothing else imports them), and their tables carry every method they
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -161,11 +162,9 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
     assert "-> token," in out and "% of predictions agree" in out, out  # the stronger signal is chosen
 
 
-
 def test_gpu_session_script_parses_and_names_its_parts():
     """The GPU script runs only in a lent session's few minutes: a syntax error or a misnamed part
     must show here first."""
-    import subprocess
     script = str(ROOT / "benchmarks" / "gpu_session.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     r = subprocess.run(["bash", script, "nope"], capture_output=True, text=True)

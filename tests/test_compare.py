@@ -222,6 +222,9 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert abs(sum(parts) - took) <= 0.3 and min(parts) >= 0, line[0]
     assert json.loads((runs / "finetune_mpp_50pct/seed1/metrics.json").read_text())["final_eval_s"] > 0  # scored test
     assert re.search(r"linear probe mpp: finished in [\d.]+ s\n", r.stdout), r.stdout[-3000:]
+    tooks = [float(t) for t in re.findall(r"finished in ([\d.]+) s \(set-up", r.stdout)]  # and their sum
+    summed = re.search(r"the (\d+) stages trained now took ([\d.]+) s \(set-up ([\d.]+), training loop", r.stdout)
+    assert summed and int(summed[1]) == len(tooks) > 0 and abs(float(summed[2]) - sum(tooks)) <= 0.05 * len(tooks)
     report = json.loads((runs / "report.json").read_text())
     md = (runs / "report.md").read_text()
     assert "MPP" in md and "share" in md and (runs / "report.png").stat().st_size > 0
