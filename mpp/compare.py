@@ -6,10 +6,10 @@ Fine-tuning follows the paper's protocol, identically for every arm: each value 
 grid is trained on the labels minus a class-balanced development split (`dev_fraction`) and
 scored on it; the best is retrained on all the labels, `seeds` times, and tested on `data.val`
 once per seed. Where the split could not separate the best value from the next (its lead under
-twice its paired standard error: a toss-up), `runner_up` also retrains the next with the same
-seeds, so that the report can give each figure the range that choice spans (and likewise the
-best value through the other representation where the best stage's choice of it was a toss-up
-on its held-out training labels). `finetune.pool` is
+t times its paired standard error, Student's t at the images' degrees of freedom: a toss-up),
+`runner_up` also retrains the next with the same seeds, so that the report can give each figure
+the range that choice spans (and likewise the best value through the other representation where
+the best stage's choice of it was a toss-up on its held-out training labels). `finetune.pool` is
 chosen by a linear probe of the sweep's own training labels (`finetune_pool: auto`, i.e.
 finetune.pool=auto in the sweep stages; the finals take the best one's): one cheap frozen-feature
 fit per arm and label fraction, where sweeping it would double every fine-tune sweep, and a
@@ -182,7 +182,7 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             if cfg.runner_up and len(sweep) > 1:
                 second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
                                 points[1], lambda outs=outs: best_point(points, outs, rank=1))
-                when = Condition("the best value's dev lead over it is under twice its standard error (a toss-up)",
+                when = Condition("the best value's dev lead over it is under t times its standard error (a toss-up)",
                                  lambda outs=outs: toss_up(outs))
                 for seed in range(cfg.seeds):
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}", "finetune",
@@ -192,7 +192,7 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
                                lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
-                when = Condition("the best sweep stage's representation led the other by under twice its standard "
+                when = Condition("the best sweep stage's representation led the other by under t times its standard "
                                  "error on its held-out training labels (a toss-up)",
                                  lambda outs=outs: (_pool_choice(outs).get("lead") or {}).get("clear") is False)
                 for seed in range(cfg.seeds):

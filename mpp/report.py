@@ -17,7 +17,7 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
 - a fine-tune evaluated on a development split (`"evaluated_on": "dev"`, a sweep stage of
   mpp.compare) is no table cell: it shows in the recipe section, with the config keys in which the
   sweep stages of its cell differ, the value the final runs used and that value's lead over the
-  next on the development images, ± its paired standard error (a toss-up when under twice it);
+  next on the development images, ± its paired standard error (a toss-up when under t times it, as for a gap);
   the gaps table marks (†) each fine-tune figure that involves an arm with a toss-up.
 - a cell's final runs that used another swept value than the best on its development split (the
   comparison's runner-up stages) are no cell either: the recipe section lists their test top-1,
@@ -29,9 +29,11 @@ noise is the standard error of the difference, from two sources combined: the se
 sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws, paired draw by draw where both arms drew
 the same shots; a probe's fit has none) and the test images' sampling (mpp.outcomes: the
 per-image difference of the two arms, paired over the same images, each arm averaged over its
-seeds or draws; unpaired where the two scored other images). A gap under twice its
-noise is marked not significant; one whose seed noise is unknown (single fine-tunes) or, for a
-probe, whose runs recorded no outcomes, has unknown noise.
+seeds or draws; unpaired where the two scored other images). A gap under t times its noise is
+marked not significant, t being Student's two-sided 95% quantile at the Welch-Satterthwaite
+degrees of freedom of those parts (`outcomes.critical`): 1.96 where thousands of test images
+dominate the noise, up to 12.7 where one pair of seeds does. One whose seed noise is unknown
+(single fine-tunes) or, for a probe, whose runs recorded no outcomes, has unknown noise.
 Accuracies in `metrics.json` are fractions in [0, 1]; the report shows percent.
 """
 from __future__ import annotations
@@ -136,33 +138,37 @@ def describe_run(run_dir: str | Path) -> dict:
 
 
 def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
-           per_image: dict | None = None, draws: dict | None = None) -> dict:
+           per_image: dict | None = None, draws: dict | None = None, dof: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
-    gets its noise in points (`noise`) and whether the gap is at least twice it (`significant`,
-    None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
+    gets its noise in points (`noise`), the multiple of it a significant gap reaches (`t`, from the
+    degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent) and
+    whether the gap reaches it (`significant`, None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
     adds the test images' sampling error (`noise_test`): paired where two families scored the
     same images in the same order, else as two independent samples. `draws` (family -> (digest of
     what was drawn, each draw's figure)) makes the seed part paired where two families' digests
     and draw counts match: the few-shot draws, which use the same shots in every arm."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
-    sem, per_image, draws = sem or {}, per_image or {}, draws or {}
-    out["noise"], out["noise_test"], out["significant"] = {}, {}, {}
+    sem, per_image, draws, dof = sem or {}, per_image or {}, draws or {}, dof or {}
+    out["noise"], out["noise_test"], out["t"], out["significant"] = {}, {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
         test = None
         if out[gap] is not None and per_image.get(a) and per_image.get(b):
             same = per_image[a][0] == per_image[b][0]
             test = 100.0 * (outcomes.paired_sem if same else outcomes.unpaired_sem)(per_image[a][1], per_image[b][1])
-        noise = None
+        noise = t = None
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             paired = _paired_draws(draws, a, b)
-            seeds = math.hypot(sem[a], sem[b]) if paired is None else outcomes.paired_sem(*paired)
-            noise = round(math.hypot(100.0 * seeds, test or 0.0), 4)
+            seeds = ([(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)] if paired is None
+                     else [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)])
+            noise, df = outcomes.combine(*seeds, (test or 0.0, len(per_image[a][1]) - 1 if test else math.inf))
+            noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
-        out["significant"][gap] = None if noise is None else _significant(out[gap], noise)
+        out["t"][gap] = t
+        out["significant"][gap] = None if noise is None else _significant(out[gap], noise, t)
     out["recovered_share"] = out["share_noise"] = None
     gain = out["supervised_minus_scratch"]
     if gain is None or out["mpp_minus_scratch"] is None:
@@ -191,7 +197,7 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict) -> float | 
     from each arm's own standard error: the seeds' part, and the test images' part where all three
     arms recorded their per-image results. None when an arm's seed noise is unknown."""
     if any(sem.get(f) is None for f in acc):
-        return None
+        return None  # (no t: the share carries its ± and no verdict)
     u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
     gain, share = u - s, (m - s) / (u - s)
     paired = _paired_draws(draws, "supervised", "mpp", "scratch")
@@ -307,13 +313,15 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
             "retrained": retrained}
 
 
-def _draws_sem(row: dict, k: str) -> float | None:
-    """The standard error of a family's `k`-shot mean over its shot draws: from the draws where the
-    probe recorded them, else from the std that probes wrote before them (a population std)."""
+def _draws_sem(row: dict, k: str) -> tuple[float | None, int]:
+    """The standard error of a family's `k`-shot mean over its shot draws and its degrees of
+    freedom: from the draws where the probe recorded them, else from the std that probes wrote
+    before them (a population std)."""
     if row["fewshot_draws"].get(k) is not None:
-        return outcomes.sem(row["fewshot_draws"][k][1])
+        draws = row["fewshot_draws"][k][1]
+        return outcomes.sem(draws), len(draws) - 1
     std, n = row["fewshot_std"].get(k), row["fewshot_seeds"] or 0
-    return None if std is None or n < 2 else std / math.sqrt(n - 1)
+    return (None if std is None or n < 2 else std / math.sqrt(n - 1)), n - 1
 
 
 def pool_choice(m: dict) -> dict:
@@ -342,14 +350,15 @@ def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
 def choice_lead(top1: float, other_top1: float, images, other_images) -> dict:
     """One value's development top-1 minus another's, in points, with the standard error of that
     difference from the development images' sampling (paired: both scored on the same split;
-    `images`: each run's mpp.outcomes) and whether the lead is at least twice it (`clear`; False:
-    the split could not tell the two apart, so the choice is noise that the seeds do not show;
-    None: a run recorded no outcomes)."""
+    `images`: each run's mpp.outcomes) and whether the lead reaches t times it (`clear`, t: Student's
+    at one less degree of freedom than the images; False: the split could not tell the two apart,
+    so the choice is noise that the seeds do not show; None: a run recorded no outcomes)."""
     points = round(100.0 * (top1 - other_top1), 4)
     if not (images and other_images and images[0] == other_images[0]):
-        return {"points": points, "noise": None, "clear": None}
+        return {"points": points, "noise": None, "t": None, "clear": None}
     noise = round(100.0 * outcomes.paired_sem(images[1], other_images[1]), 4)
-    return {"points": points, "noise": noise, "clear": _significant(points, noise) and points > 0}
+    t = round(outcomes.critical(len(images[1]) - 1), 4)
+    return {"points": points, "noise": noise, "t": t, "clear": _significant(points, noise, t) and points > 0}
 
 
 def _ranges(candidates: dict) -> dict:
@@ -375,7 +384,7 @@ def collect(runs: list[dict]) -> dict:
     seeds), linear top-1 with its representation, few-shot; the recipes chosen on development
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
-                 "finetune_added_noise": {},
+                 "finetune_added_noise": {}, "finetune_added_t": {},
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "probe_pool_choice": None,
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
@@ -430,8 +439,9 @@ def collect(runs: list[dict]) -> dict:
         if all("start_top1" in r["metrics"] for r in finals):  # LP-FT runs: where each started, on the same images
             starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals]
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
-            table[f]["finetune_added_noise"][key] = _added_noise(ends, starts, images[f, key], _seed_mean_images(
+            added = _added_noise(ends, starts, images[f, key], _seed_mean_images(
                 [outcomes.read(r["metrics"].get("start_outcomes")) for r in finals]))
+            table[f]["finetune_added_noise"][key], table[f]["finetune_added_t"][key] = added or (None, None)
     recipes = {f: {key: _recipes(runs_, varied[g, key], cells.get((f, key), []), retrained.get((f, key), []))
                    for (g, key), runs_ in dev.items() if g == f} for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
@@ -441,16 +451,20 @@ def collect(runs: list[dict]) -> dict:
         return {f: None if table[f]["finetune_std"].get(fr) is None
                 else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
 
-    def draws_sem(k: str) -> dict:
-        return {f: _draws_sem(table[f], k) for f in FAMILIES}
+    def seeds_dof(fr: str) -> dict:
+        return {f: table[f]["finetune_n"][fr] - 1 for f in FAMILIES if fr in table[f]["finetune_n"]}
+
+    def draws_noise(k: str) -> dict:  # derive's sem and dof of the k-shot figures
+        got = {f: _draws_sem(table[f], k) for f in FAMILIES}
+        return {"sem": {f: se for f, (se, _) in got.items()}, "dof": {f: df for f, (_, df) in got.items()}}
     derived = {
-        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr),
+        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr), dof=seeds_dof(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES})
                      for fr in fractions},
         "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
                               sem={f: 0.0 if images.get((f, "probe")) else None for f in FAMILIES},
                               per_image={f: images.get((f, "probe")) for f in FAMILIES}),
-        "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), sem=draws_sem(k),
+        "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), **draws_noise(k),
                               per_image={f: images.get((f, f"{k}shot")) for f in FAMILIES},
                               draws={f: table[f]["fewshot_draws"].get(k) for f in FAMILIES}) for k in shots},
     }
@@ -466,17 +480,19 @@ def collect(runs: list[dict]) -> dict:
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
-def _added_noise(ends: list, starts: list, end_images, start_images) -> float | None:
+def _added_noise(ends: list, starts: list, end_images, start_images) -> tuple[float, float] | None:
     """Standard error in points of what a cell's fine-tunes added to their start, mean(end) -
-    mean(start): the spread of the per-seed gains and, where start and end were scored image by
-    image on the same images, the test images' paired sampling. None for a single seed."""
+    mean(start), and the t its significance needs (as `derive`'s): the spread of the per-seed
+    gains and, where start and end were scored image by image on the same images, the test
+    images' paired sampling. None for a single seed."""
     sd = _mean_std([e - s for e, s in zip(ends, starts)])[1]
     if sd is None:
         return None
-    test = 0.0
+    test = (0.0, math.inf)
     if end_images and start_images and end_images[0] == start_images[0]:
-        test = outcomes.paired_sem(end_images[1], start_images[1])
-    return round(100.0 * math.hypot(sd / math.sqrt(len(ends)), test), 4)
+        test = (100.0 * outcomes.paired_sem(end_images[1], start_images[1]), len(end_images[1]) - 1)
+    noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1), test)
+    return round(noise, 4), round(outcomes.critical(df), 4)
 
 
 def _seed_mean_images(per_seed: list) -> tuple[str, np.ndarray] | None:
@@ -511,9 +527,9 @@ def _pp(v) -> str:
     return "—" if v is None else f"{v:+.1f}"
 
 
-def _significant(gap: float, noise: float) -> bool:
-    """A gap (points) of at least twice its standard error; 0 ± 0 (the same predictions) is none."""
-    return abs(gap) >= max(2 * noise, 1e-9)
+def _significant(gap: float, noise: float, t: float) -> bool:
+    """A gap (points) of at least t times its standard error; 0 ± 0 (the same predictions) is none."""
+    return abs(gap) >= max(t * noise, 1e-9)
 
 
 def _pm(v: float | None, noise: float | None) -> str:
@@ -521,14 +537,14 @@ def _pm(v: float | None, noise: float | None) -> str:
     return _pp(v) if v is None or noise is None else f"{v:+.1f} ± {noise:.1f}"
 
 
-def _with_noise(v: float | None, noise: float | None) -> str:
-    """'+9.3 ± 1.2', with 'not significant' when under twice its noise; '+9.3' when it is unknown."""
-    flag = v is not None and noise is not None and not _significant(v, noise)
+def _with_noise(v: float | None, noise: float | None, t: float | None) -> str:
+    """'+9.3 ± 1.2', with 'not significant' when under t times its noise; '+9.3' when it is unknown."""
+    flag = v is not None and noise is not None and not _significant(v, noise, t)
     return _pm(v, noise) + (" not significant" if flag else "")
 
 
 def _gap(g: dict, name: str) -> str:
-    return _with_noise(g[name], g["noise"].get(name))
+    return _with_noise(g[name], g["noise"].get(name), g["t"].get(name))
 
 
 def _range_cell(r: list | None, fmt: str) -> str:
@@ -583,7 +599,9 @@ def render_markdown(rep: dict) -> str:
               "arms drew the same shots; a linear probe's fit has none) "
               "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
               "draws, compared on the same images). A gap "
-              "under twice its standard error is marked not significant; a gap without ± has unknown noise "
+              "under t times its standard error is marked not significant, t being Student's two-sided 95% quantile at the "
+              "Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images dominate the noise, "
+              "4.30 where two seeds per arm do, 12.7 at worst); a gap without ± has unknown noise "
               "(single fine-tunes, or runs that recorded no per-image results); arms scored on other test "
               "images count them as two independent samples. "
               "Share = (MPP - scratch) / (supervised - scratch), "
@@ -645,7 +663,7 @@ def render_markdown(rep: dict) -> str:
                   "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
         for f, fr in starts:
             start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
-            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr])
+            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr], t[f]["finetune_added_t"][fr])
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
@@ -653,7 +671,8 @@ def render_markdown(rep: dict) -> str:
                   "Each value trained on the labels minus a class-balanced development split and scored on it "
                   "(top-1 %); the best was retrained on all the labels for the table above. Its lead over the "
                   "next value ± the standard error of that difference on the development images: a lead "
-                  "under twice it is a toss-up, a choice the split could not make, whose noise the seeds "
+                  "under t times it (Student's, at the development images' degrees of freedom: about 2) is a toss-up, "
+                  "a choice the split could not make, whose noise the seeds "
                   "do not show.", "",
                   "| fine-tune | labels | chosen | development top-1 per value | lead of the chosen "
                   "| other values retrained (test top-1) |", "|---|---|---|---|---|---|"]

@@ -125,7 +125,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
     assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out and "the second-best sweep stage's" in out
-    assert "runs only if the best value's dev lead over it is under twice its standard error" in out
+    assert "runs only if the best value's dev lead over it is under t times its standard error" in out
     assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
 

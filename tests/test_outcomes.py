@@ -54,6 +54,44 @@ def test_derive_adds_test_noise_only_for_the_same_images():
     assert same_runs["significant"]["mpp_minus_scratch"] is False  # 0 ± 0 is no gap
 
 
+def test_critical_is_students_t_and_combine_weighs_parts_by_their_degrees_of_freedom():
+    table = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042, 1e9: 1.960}  # two-sided 95%
+    for dof, t in table.items():
+        assert outcomes.critical(dof) == pytest.approx(t, abs=1e-3)
+    # Welch's degrees are fractional: |Z| / sqrt(chi2_1.5 / 1.5) by Monte Carlo (2e7 draws) puts 95% at 6.017
+    assert outcomes.critical(1.5) == pytest.approx(6.017, abs=5e-3)
+    # two seeds' spreads of one degree each: Welch-Satterthwaite gives 2; a precise part adds weight
+    assert outcomes.combine((1.0, 1), (1.0, 1)) == pytest.approx((2 ** 0.5, 2.0))
+    se, dof = outcomes.combine((1.0, 1), (1.0, 9999))
+    assert se == pytest.approx(2 ** 0.5) and 3.9 < dof < 4.0
+    assert outcomes.combine((0.0, 1), (0.5, 999)) == pytest.approx((0.5, 999))  # a zero part weighs nothing
+    assert outcomes.combine((0.0, 1), (0.0, 5)) == (0.0, float("inf"))
+
+
+def test_a_gap_resting_on_two_seeds_needs_students_t_not_twice_its_noise(tmp_path):
+    """MPP 50/52, scratch 47/49 over two seeds each, no per-image results: a 3-point gap ± 1.41,
+    over twice its noise but under Student's 4.30 at its 2 degrees of freedom: not significant.
+    The same spreads over six seeds each (10 degrees) make it significant."""
+    root = tmp_path / "runs"
+    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
+    runs = [mpp]
+    for n_seeds, name in ((2, "two"), (6, "six")):
+        for fam, init, tops in (("mpp", str(mpp), (0.50, 0.52)), ("scratch", "none", (0.47, 0.49))):
+            for seed in range(n_seeds):
+                runs.append(_run(root, f"{name}/{fam}/seed{seed}", {
+                    "objective": "classify", "seed": seed, "finetune": {"init": init, "label_fraction": 0.1}},
+                    {"top1": tops[seed % 2]}))
+    two = write_report(runs[:5], tmp_path / "out")["derived"]["finetune"]["0.1"]
+    assert two["mpp_minus_scratch"] == pytest.approx(3.0) and two["noise"]["mpp_minus_scratch"] == pytest.approx(
+        2 ** 0.5, abs=1e-3)
+    assert two["t"]["mpp_minus_scratch"] == pytest.approx(4.303, abs=1e-3)
+    assert two["significant"]["mpp_minus_scratch"] is False
+    assert "| +3.0 ± 1.4 not significant |" in (tmp_path / "out" / "report.md").read_text()
+    six = write_report([mpp, *runs[5:]], tmp_path / "out6")["derived"]["finetune"]["0.1"]
+    assert six["t"]["mpp_minus_scratch"] == pytest.approx(2.228, abs=1e-2)  # 2 x 5 degrees, equal spreads: 10
+    assert six["significant"]["mpp_minus_scratch"] is True
+
+
 def _probe(root, name, encoder, correct, labels):
     return _run(root, name, {"objective": "mpp", "probe": {"encoder": str(encoder)}},
                 {"kind": "linear_probe", "top1": float(np.mean(correct)), "pool": "avg",

@@ -232,11 +232,13 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
     lead = {f: rep["recipes"][f]["0.1"]["lead"] for f in ("mpp", "supervised", "scratch")}
     clear_se = 100 * outcomes.paired_sem(dev_hits["mpp"][0.03], dev_hits["mpp"][0.01])
     tossup_se = 100 * outcomes.paired_sem(dev_hits["supervised"][0.03], dev_hits["supervised"][0.01])
-    assert lead["mpp"] == {"points": pytest.approx(5.0), "noise": pytest.approx(clear_se, abs=1e-3), "clear": True}
+    t = pytest.approx(outcomes.critical(399), abs=1e-3)  # Student's t at 400 development images - 1
+    assert lead["mpp"] == {"points": pytest.approx(5.0), "noise": pytest.approx(clear_se, abs=1e-3), "t": t,
+                           "clear": True}
     assert lead["supervised"] == {"points": pytest.approx(5.0), "noise": pytest.approx(tossup_se, abs=1e-3),
-                                  "clear": False}
-    assert 2 * clear_se < 5.0 < 2 * tossup_se
-    assert lead["scratch"] == {"points": pytest.approx(5.0), "noise": None, "clear": None}
+                                  "t": t, "clear": False}
+    assert 2 * clear_se < 5.0 < 1.96 * tossup_se
+    assert lead["scratch"] == {"points": pytest.approx(5.0), "noise": None, "t": None, "clear": None}
     md = (tmp_path / "out" / "report.md").read_text()
     assert f"+5.0 ± {clear_se:.1f} |" in md and f"+5.0 ± {tossup_se:.1f} toss-up |" in md
     assert "| from scratch | 10% | lr 0.03 | lr 0.01: 50.0, lr 0.03: 55.0 | +5.0 |" in md
@@ -251,7 +253,7 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
                  {"top1": 0.6, "evaluated_on": "val"})
     runs = [r for r in runs if r != root / "ft_mpp/seed0"] + [other]
     assert write_report(runs, tmp_path / "out2")["recipes"]["mpp"]["0.1"]["lead"] == {
-        "points": pytest.approx(-5.0), "noise": pytest.approx(clear_se, abs=1e-3), "clear": False}
+        "points": pytest.approx(-5.0), "noise": pytest.approx(clear_se, abs=1e-3), "t": t, "clear": False}
 
 
 def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
