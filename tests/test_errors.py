@@ -260,7 +260,7 @@ def _hold_lock(path: Path) -> None:
     _locks.append(holder)
 
 
-def run_tool(tool: str, argv: list[str]) -> tuple[int, str]:
+def tool_in_process(tool: str, argv: list[str]) -> tuple[int, str]:
     """Run tools/TOOL.py in this process; (exit code, stderr)."""
     err, old = io.StringIO(), sys.argv
     sys.argv = [f"tools/{tool}.py", *argv]
@@ -292,7 +292,7 @@ def run_case(tmp: Path, case) -> tuple[int, str, set[str]]:
         setup(tmp)
     before = snapshot(tmp)
     try:
-        code, err = run_tool(tool, args(tmp))
+        code, err = tool_in_process(tool, args(tmp))
     finally:
         while _locks:
             holder = _locks.pop()
@@ -366,7 +366,7 @@ def test_a_real_full_disk_stops_a_run_with_one_line(data_root, tmp_path):
     if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=400k tmpfs {mnt} 2>/dev/null"):
         pytest.skip("cannot mount a small tmpfs here (test_a_full_disk_says_so covers the translation)")
     try:
-        code, err = run_tool("pretrain", [f"output_dir={mnt}/out", f"data.train={data_root}/train", *SMALL,
+        code, err = tool_in_process("pretrain", [f"output_dir={mnt}/out", f"data.train={data_root}/train", *SMALL,
                                           "train.ckpt_every=1"])
     finally:
         os.system(f"umount {mnt}")

@@ -34,7 +34,7 @@ def data(tmp_path_factory) -> Path:
     return out / "test" / "manifest.json"
 
 
-def mpp_run(out: Path, seed: int = 0) -> MPPTask:
+def saved_mpp_run(out: Path, seed: int = 0) -> MPPTask:
     """A run dir as an MPP pre-training leaves it (config, encoder, head), without training."""
     torch.manual_seed(seed)
     cfg = load_config(ROOT / "configs/synthetic_mpp.yaml", ["model=vit_micro4_32", f"output_dir={out}"])
@@ -115,7 +115,7 @@ def test_class_colors_are_inside_their_class():
 
 
 def test_mpp_head_round_trip_and_prediction_grid(tmp_path):
-    task = mpp_run(tmp_path / "run")
+    task = saved_mpp_run(tmp_path / "run")
     assert (tmp_path / "run" / HEAD_FILE).is_file()
     loaded = load_mpp_task(tmp_path / "run")
     images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
@@ -133,7 +133,7 @@ def test_mpp_head_round_trip_and_prediction_grid(tmp_path):
 
 
 def test_tool_side_by_side(data, tmp_path):
-    mpp_run(tmp_path / "mpp")
+    saved_mpp_run(tmp_path / "mpp")
     out = tmp_path / "figures"
     r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", str(tmp_path / "mpp"),
                         "--encoder", "rand=none:vit_micro4_32", "--data", str(data), "--out", str(out),
@@ -172,7 +172,7 @@ def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path):
 
 def test_compare_figures_add_a_random_init(data, tmp_path):
     from mpp.figures.inspection import write_compare_figures
-    mpp_run(tmp_path / "pretrain_mpp")
+    saved_mpp_run(tmp_path / "pretrain_mpp")
     sup = tmp_path / "pretrain_supervised"
     sup.mkdir()
     save_config(load_config(ROOT / "configs/synthetic_supervised.yaml", ["model=vit_micro4_32"]), sup / "config.yaml")
@@ -218,7 +218,7 @@ def test_image_every_is_checked_before_any_work():
 
 def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):
     from safetensors.torch import save_model
-    task = mpp_run(tmp_path)
+    task = saved_mpp_run(tmp_path)
     (tmp_path / HEAD_FILE).unlink()
     (tmp_path / "checkpoints/step_0000002").mkdir(parents=True)
     save_model(task, str(tmp_path / "checkpoints/step_0000002/model.safetensors"))
