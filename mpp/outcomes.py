@@ -78,22 +78,24 @@ def combine(*parts: tuple[float, float]) -> tuple[float, float]:
 
 def critical(dof: float, level: float = 0.95) -> float:
     """Two-sided quantile of Student's t at `level` for `dof` degrees of freedom (a Welch
-    combination's are fractional): 12.71 for one, 2.78 for four, 1.96 for many. The density is
-    integrated by Simpson's rule and the quantile found by bisection (no scipy dependency)."""
-    if not math.isfinite(dof) or dof > 1e5:
+    combination's are fractional; under 1 counts as 1): 12.71 for one, 2.78 for four, 1.96 for
+    many. With t = sqrt(dof) tan(a), the density in a is proportional to cos(a)^(dof - 1), smooth
+    and bounded on [0, pi/2) however heavy the tail: Simpson's rule integrates it and bisection
+    finds the quantile (no scipy dependency)."""
+    if math.isnan(dof) or not 0 < level < 1:
+        raise ValueError(f"critical: dof={dof}, level={level}; need a number of degrees and 0 < level < 1")
+    if dof > 1e5:
         return NormalDist().inv_cdf(0.5 + level / 2)
     v = max(dof, 1.0)
-    scale = math.exp(math.lgamma((v + 1) / 2) - math.lgamma(v / 2)) / math.sqrt(v * math.pi)
+    norm = math.exp(math.lgamma((v + 1) / 2) - math.lgamma(v / 2)) / math.sqrt(math.pi)
 
-    def mass(t: float) -> float:  # P(0 <= T <= t)
-        x = np.linspace(0.0, t, 2001)
-        y = scale * (1 + x * x / v) ** (-(v + 1) / 2)
+    def mass(a: float) -> float:  # P(0 <= T <= sqrt(v) tan(a))
+        x = np.linspace(0.0, a, 2001)
+        y = norm * np.cos(x) ** (v - 1)
         return float((x[1] - x[0]) / 3 * (y[0] + y[-1] + 4 * y[1:-1:2].sum() + 2 * y[2:-1:2].sum()))
 
-    lo, hi = 0.0, 2.0
-    while mass(hi) < level / 2:
-        lo, hi = hi, 2 * hi
-    for _ in range(50):
+    lo, hi = 0.0, math.pi / 2
+    for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mass(mid) < level / 2 else (lo, mid)
-    return (lo + hi) / 2
+    return math.sqrt(v) * math.tan((lo + hi) / 2)

@@ -538,8 +538,9 @@ def _pm(v: float | None, noise: float | None) -> str:
 
 
 def _with_noise(v: float | None, noise: float | None, t: float | None) -> str:
-    """'+9.3 ± 1.2', with 'not significant' when under t times its noise; '+9.3' when it is unknown."""
-    flag = v is not None and noise is not None and not _significant(v, noise, t)
+    """'+9.3 ± 1.2', with 'not significant' when under t times its noise; '+9.3' when it is unknown
+    (no verdict without t)."""
+    flag = v is not None and noise is not None and t is not None and not _significant(v, noise, t)
     return _pm(v, noise) + (" not significant" if flag else "")
 
 
@@ -601,7 +602,8 @@ def render_markdown(rep: dict) -> str:
               "draws, compared on the same images). A gap "
               "under t times its standard error is marked not significant, t being Student's two-sided 95% quantile at the "
               "Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images dominate the noise, "
-              "4.30 where two seeds per arm do, 12.7 at worst); a gap without ± has unknown noise "
+              "4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread dominates); a gap "
+              "without ± has unknown noise "
               "(single fine-tunes, or runs that recorded no per-image results); arms scored on other test "
               "images count them as two independent samples. "
               "Share = (MPP - scratch) / (supervised - scratch), "

@@ -237,7 +237,7 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
                            "clear": True}
     assert lead["supervised"] == {"points": pytest.approx(5.0), "noise": pytest.approx(tossup_se, abs=1e-3),
                                   "t": t, "clear": False}
-    assert 2 * clear_se < 5.0 < 1.96 * tossup_se
+    assert 2 * clear_se < 5.0 < outcomes.critical(399) * tossup_se
     assert lead["scratch"] == {"points": pytest.approx(5.0), "noise": None, "t": None, "clear": None}
     md = (tmp_path / "out" / "report.md").read_text()
     assert f"+5.0 ± {clear_se:.1f} |" in md and f"+5.0 ± {tossup_se:.1f} toss-up |" in md
