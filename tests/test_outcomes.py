@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpp import outcomes
-from mpp.report import derive, write_report
+from mpp.report import _ranges, derive, write_report
 from test_report import _run
 
 
@@ -304,3 +304,75 @@ def test_share_noise_counts_arms_scored_on_other_images():
     boot = {f: v[rng.integers(0, v.size, (4000, v.size))].mean(1) for f, (_, v) in per_image.items()}
     share = (boot["mpp"] - boot["scratch"]) / (boot["supervised"] - boot["scratch"])
     assert g["share_noise"] > 0 and g["share_noise"] == pytest.approx(share.std(), rel=0.05)
+
+
+ARMS = ("supervised", "mpp", "scratch")
+
+
+def test_single_seed_fine_tunes_get_no_noise_even_with_per_image_results():
+    """Seed noise unknown (one fine-tune per arm): the test images alone would understate the
+    gap's noise, so the report gives neither a ± nor a verdict."""
+    rng = np.random.default_rng(0)
+    a, b = rng.random(1000) < 0.6, rng.random(1000) < 0.5
+    g = derive(0.6, 0.5, None, sem=dict.fromkeys(ARMS), per_image={"supervised": ("d", a), "mpp": ("d", b)})
+    assert g["noise"]["supervised_minus_mpp"] is None and g["significant"]["supervised_minus_mpp"] is None
+
+
+def test_share_noise_adds_the_seeds_and_the_test_images_in_quadrature():
+    rng = np.random.default_rng(1)
+    v = {f: rng.random(2000) < p for f, p in zip(ARMS, (0.62, 0.45, 0.38))}
+    acc, images = [x.mean() for x in v.values()], {f: ("d", x) for f, x in v.items()}
+    sem = {"supervised": 0.01, "mpp": 0.015, "scratch": 0.012}
+    both = derive(*acc, sem=sem, per_image=images)["share_noise"]
+    seeds, test = derive(*acc, sem=sem)["share_noise"], derive(*acc, sem=dict.fromkeys(ARMS, 0.0), per_image=images)
+    assert both == pytest.approx(np.hypot(seeds, test["share_noise"]), abs=2e-4)
+
+
+def test_share_noise_pairs_the_same_shot_draws():
+    """Eight draws of shots that move every arm alike: the share's seed part is the delta method
+    over the per-draw influences, far below the arms' draw spreads taken as independent."""
+    rng = np.random.default_rng(2)
+    common = rng.normal(0, 0.03, 8)
+    d = {f: mu + common + rng.normal(0, 0.002, 8) for f, mu in zip(ARMS, (0.6, 0.45, 0.35))}
+    u, m, s = (d[f].mean() for f in ARMS)
+    g = derive(u, m, s, sem={f: outcomes.sem(d[f]) for f in ARMS}, draws={f: ("x", list(d[f])) for f in ARMS})
+    share = (m - s) / (u - s)
+    influence = (d["mpp"] - d["scratch"]) - share * (d["supervised"] - d["scratch"])
+    assert g["share_noise"] == pytest.approx(np.std(influence, ddof=1) / np.sqrt(8) / (u - s), abs=2e-4)
+    assert g["share_noise"] < 0.3 * derive(u, m, s, sem={f: outcomes.sem(d[f]) for f in ARMS})["share_noise"]
+
+
+def test_share_noise_of_arms_scored_on_other_images_weighs_each_arm():
+    """Three arms on 200, 800 and 5,000 other images: each arm's sampling error enters with the
+    share's derivative in its accuracy (1 / gain, share / gain, (share - 1) / gain)."""
+    rng = np.random.default_rng(3)
+    per = {"supervised": ("A", rng.random(200) < 0.7), "mpp": ("B", rng.random(800) < 0.5),
+           "scratch": ("C", rng.random(5000) < 0.4)}
+    u, m, s = (per[f][1].mean() for f in ARMS)
+    g = derive(u, m, s, sem=dict.fromkeys(ARMS, 0.0), per_image=per)
+    r, gain, se = (m - s) / (u - s), u - s, {f: outcomes.sem(per[f][1]) for f in ARMS}
+    assert g["share_noise"] == pytest.approx(np.linalg.norm([se["mpp"] / gain, r * se["supervised"] / gain,
+                                                             (r - 1) * se["scratch"] / gain]), abs=2e-4)
+
+
+def test_draws_of_other_counts_are_not_paired():
+    """Two probes with the same shots' digest but 5 and 4 draws (one cut short): unpaired, the two
+    means' standard errors combined, with 4 and 3 degrees of freedom."""
+    rng = np.random.default_rng(4)
+    a, b = list(rng.normal(0.5, 0.01, 4)), list(rng.normal(0.6, 0.01, 5))
+    g = derive(np.mean(b), np.mean(a), None, sem={"supervised": outcomes.sem(b), "mpp": outcomes.sem(a)},
+               dof={"supervised": 4, "mpp": 3}, draws={"supervised": ("x", b), "mpp": ("x", a)})
+    se_a, se_b = 100 * outcomes.sem(a), 100 * outcomes.sem(b)
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(se_a, se_b), abs=1e-3)
+    assert g["t"]["supervised_minus_mpp"] == pytest.approx(
+        outcomes.critical(outcomes.combine((se_b, 4), (se_a, 3))[1]), abs=1e-3)
+    assert outcomes.sem(np.array([0.0, 1.0])) == pytest.approx(0.5)  # two values already have a standard error
+
+
+def test_a_share_range_skips_combinations_without_a_supervised_gain():
+    """A runner-up that puts supervised level with scratch leaves the share undefined in that
+    combination, so the share gets no range (rather than a division by zero); where every
+    combination has a gain the range spans them."""
+    assert "recovered_share" not in _ranges({"supervised": [0.5, 0.6], "mpp": [0.45], "scratch": [0.5]})
+    assert _ranges({"supervised": [0.6, 0.7], "mpp": [0.55], "scratch": [0.5]})["recovered_share"] == pytest.approx(
+        [0.25, 0.5])

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.report import ReportError, derive, write_report
+from mpp.report import ReportError, choice_lead, derive, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -366,3 +366,64 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| lr 0.03, pool token: 41.0 ± 1.4 (n=2) |" in md and "the range spans that too" in md
     assert f"`{root / 'ft_mpp/token_seed1'}` (mpp finetune, another representation retrained)" in md
+
+
+def _lr_sweep(root: Path, dev_hits: dict, *, dev_pool: str | None = None, final_pool: str | None = None,
+              final_metrics: dict | None = None) -> list[Path]:
+    """A supervised encoder, one development-split run per learning rate (`dev_hits`: lr -> which
+    of 400 development images it got right) and one final run at lr 0.03, 10% labels."""
+    labels = np.arange(400) % 10
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
+    runs = [sup]
+    for lr, hits in dev_hits.items():
+        ft = {"init": str(sup), "label_fraction": 0.1, "dev_fraction": 0.1, **({"pool": dev_pool} if dev_pool else {})}
+        runs.append(_run(root, f"sweep_lr{lr}", {"objective": "classify", "seed": 0, "optim": {"lr": lr}, "finetune": ft},
+                         {"top1": float(hits.mean()), "evaluated_on": "dev", "outcomes": outcomes.record(hits, labels)}))
+    ft = {"init": str(sup), "label_fraction": 0.1, **({"pool": final_pool} if final_pool else {})}
+    runs.append(_run(root, "seed0", {"objective": "classify", "seed": 0, "optim": {"lr": 0.03}, "finetune": ft},
+                     {"top1": 0.6, "evaluated_on": "val", **(final_metrics or {})}))
+    return runs
+
+
+def test_the_recipe_lead_is_over_the_runner_up_of_three_values(tmp_path):
+    """With three swept values the chosen one's lead is over the next best (55 vs 54, the two
+    disagreeing on most images: a toss-up), not over the worst (55 vs 50, nested: a clear lead),
+    which would hide the toss-up."""
+    idx = np.arange(400)
+    hits = {0.01: idx < 200, 0.03: idx < 220, 0.1: idx >= 184}
+    lead = write_report(_lr_sweep(tmp_path / "runs", hits), tmp_path / "out")["recipes"]["supervised"]["0.1"]["lead"]
+    assert lead["points"] == pytest.approx(1.0) and lead["clear"] is False
+    assert lead["noise"] == pytest.approx(100 * outcomes.paired_sem(idx < 220, idx >= 184), abs=1e-3)
+    assert choice_lead(0.55, 0.5, ("d", idx < 220), ("d", idx < 200))["clear"] is True  # over the worst: clear
+
+
+def test_the_recipe_lead_holds_when_the_finals_name_their_representation(tmp_path):
+    """The comparison's finals set finetune.pool; the lead of the swept value must still be found
+    (the representation is no swept key): here a toss-up, which marks the cell's figures."""
+    idx = np.arange(400)
+    runs = _lr_sweep(tmp_path / "runs", {0.01: idx >= 200, 0.03: idx < 220}, dev_pool="avg", final_pool="avg")
+    rep = write_report(runs, tmp_path / "out")
+    lead = rep["recipes"]["supervised"]["0.1"]["lead"]
+    assert lead is not None and lead["points"] == pytest.approx(5.0) and lead["clear"] is False
+    assert rep["derived"]["finetune"]["0.1"]["recipe_toss_ups"] == ["supervised"]
+
+
+def test_a_representation_choice_without_held_out_outcomes_is_no_toss_up(tmp_path):
+    """finetune.pool=auto finals that recorded held-out scores but no per-image outcomes: the
+    lead's noise is unknown, so the report claims no toss-up and marks nothing."""
+    idx = np.arange(400)
+    runs = _lr_sweep(tmp_path / "runs", {0.01: idx >= 200, 0.03: idx < 260}, dev_pool="avg", final_pool="auto",
+                     final_metrics={"pool": "avg", "pool_heldout_top1": {"avg": 0.6, "token": 0.5}})
+    rep = write_report(runs, tmp_path / "out")
+    assert rep["recipes"]["supervised"]["0.1"]["pool_choice"]["lead"] == {"points": pytest.approx(10.0),
+                                                                          "noise": None, "t": None, "clear": None}
+    assert rep["derived"]["finetune"]["0.1"]["pool_toss_ups"] == [] == rep["derived"]["finetune"]["0.1"][
+        "recipe_toss_ups"]
+
+
+def test_a_lead_pairs_only_runs_scored_on_the_same_split():
+    """Two development runs scored on other images (other label digests) have no paired noise:
+    no verdict, rather than a paired standard error of unrelated vectors."""
+    idx = np.arange(400)
+    assert choice_lead(0.55, 0.5, ("d1", idx < 220), ("d2", idx < 200)) == {
+        "points": pytest.approx(5.0), "noise": None, "t": None, "clear": None}
