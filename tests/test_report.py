@@ -427,3 +427,68 @@ def test_a_lead_pairs_only_runs_scored_on_the_same_split():
     idx = np.arange(400)
     assert choice_lead(0.55, 0.5, ("d1", idx < 220), ("d2", idx < 200)) == {
         "points": pytest.approx(5.0), "noise": None, "t": None, "clear": None}
+
+
+def _cell(root: Path, dev: list[tuple], finals: list[tuple]) -> list[Path]:
+    """A supervised encoder and one 10%-label cell: `dev` (name, lr, seed, pool, metrics) runs on
+    the development split, `finals` (name, lr, seed, pool, metrics) scored on test."""
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
+    runs = [sup]
+    for where, group in (("dev", dev), ("val", finals)):
+        for name, lr, seed, pool, metrics in group:
+            ft = {"init": str(sup), "label_fraction": 0.1, **({"dev_fraction": 0.1} if where == "dev" else {}),
+                  **({"pool": pool} if pool else {})}
+            runs.append(_run(root, name, {"objective": "classify", "seed": seed, "optim": {"lr": lr}, "finetune": ft},
+                             {"evaluated_on": where, **metrics}))
+    return runs
+
+
+def test_the_cell_is_the_value_whose_best_development_run_won(tmp_path):
+    """Two development runs of lr 0.03 (seeds 0 and 1: 56 and 40) against lr 0.01 (55): the seed
+    is no swept key, a value ranks by its best run, so lr 0.03's finals are the cell and lr
+    0.01's a retrained alternative."""
+    runs = _cell(tmp_path / "runs",
+                 dev=[("d03s0", 0.03, 0, None, {"top1": 0.56}), ("d03s1", 0.03, 1, None, {"top1": 0.40}),
+                      ("d01", 0.01, 0, None, {"top1": 0.55})],
+                 finals=[("f03", 0.03, 0, None, {"top1": 0.7}), ("f01", 0.01, 0, None, {"top1": 0.6})])
+    rep = write_report(runs, tmp_path / "out")
+    assert rep["table"]["supervised"]["finetune"]["0.1"] == pytest.approx(0.7)
+    recipe = rep["recipes"]["supervised"]["0.1"]
+    assert recipe["chosen"]["optim.lr"] == 0.03 and [x["dev_top1"] for x in recipe["dev"]] == [0.56, 0.40, 0.55]
+    assert [(x["values"], x["kind"]) for x in recipe["retrained"]] == [({"optim.lr": 0.01}, "value")]
+
+
+def test_finals_that_chose_their_representation_stay_one_cell(tmp_path):
+    """finetune.pool=auto finals whose seeds chose differently (token, avg, token) are one cell of
+    three seeds, not three cells split by what each chose."""
+    chose = [{"top1": t, "pool": p, "pool_heldout_top1": {"token": 0.5, "avg": 0.5}}
+             for t, p in ((0.60, "token"), (0.62, "avg"), (0.64, "token"))]
+    runs = _cell(tmp_path / "runs", dev=[("d03", 0.03, 0, None, {"top1": 0.56}), ("d01", 0.01, 0, None, {"top1": 0.5})],
+                 finals=[(f"f{s}", 0.03, s, "auto", chose[s]) for s in range(3)])
+    rep = write_report(runs, tmp_path / "out")
+    assert rep["table"]["supervised"]["finetune_n"]["0.1"] == 3
+    assert rep["table"]["supervised"]["finetune"]["0.1"] == pytest.approx(0.62)
+    assert rep["recipes"]["supervised"]["0.1"]["retrained"] == []
+
+
+def test_a_runner_up_value_and_the_other_representation_are_each_an_alternative(tmp_path):
+    """The cell (lr 0.03 through the patch mean) beside two alternatives: lr 0.01 through the
+    [class] token (another value, whatever its representation) and lr 0.03 through the [class]
+    token (the other representation). Each is listed with its own kind, the other representation
+    first (it ranks with its value's best development run, 56, ahead of lr 0.01's 50); the
+    representation's choice, made by the winning development run, is reported from that run, not
+    from the lr 0.01 run listed before it."""
+    labels, idx = np.arange(400) % 10, np.arange(400)
+    held = {p: outcomes.record(idx < k, labels) for p, k in (("avg", 240), ("token", 200))}
+    won = {"top1": 0.56, "pool": "avg", "pool_heldout_top1": {"avg": 0.60, "token": 0.50}, "pool_heldout_outcomes": held}
+    lost = {"top1": 0.50, "pool": "token", "pool_heldout_top1": {"avg": 0.40, "token": 0.45},
+            "pool_heldout_outcomes": {"avg": outcomes.record(idx < 160, labels),
+                                      "token": outcomes.record(idx < 180, labels)}}
+    runs = _cell(tmp_path / "runs", dev=[("d01", 0.01, 0, "auto", lost), ("d03", 0.03, 0, "auto", won)],
+                 finals=[("cell", 0.03, 0, "avg", {"top1": 0.70}), ("other_pool", 0.03, 0, "token", {"top1": 0.66}),
+                         ("runner_up", 0.01, 0, "token", {"top1": 0.60})])
+    rep = write_report(runs, tmp_path / "out")
+    recipe = rep["recipes"]["supervised"]["0.1"]
+    assert rep["table"]["supervised"]["finetune"]["0.1"] == pytest.approx(0.70)
+    assert [(x["kind"], x["top1"]) for x in recipe["retrained"]] == [("pool", 0.66), ("value", 0.60)]
+    assert recipe["pool_choice"]["top1"] == {"avg": 0.60, "token": 0.50} and recipe["pool_choice"]["lead"]["clear"]
