@@ -201,6 +201,11 @@ def test_what_fine_tuning_added_gets_its_noise(tmp_path):
     test = 100 * outcomes.paired_sem(np.mean([np.arange(n) < e for e in (172, 188)], 0), start)
     assert t["0.5"] == pytest.approx(outcomes.critical(outcomes.combine((spread, 1), (test, n - 1))[1]), abs=1e-3)
     assert 2 * noise["0.5"] < 5.0 < t["0.5"] * noise["0.5"]
+    for r in runs[1:]:  # starts scored on other images (another labels digest): the seeds' part alone
+        m = json.loads((r / "metrics.json").read_text())
+        (r / "metrics.json").write_text(json.dumps({**m, "start_outcomes": outcomes.record(start, labels[::-1])}))
+    alone = write_report(runs, tmp_path / "other")["table"]["supervised"]["finetune_added_noise"]
+    assert alone["0.1"] == pytest.approx(100 * np.std(gains, ddof=1) / 2 ** 0.5, abs=1e-3)
     assert f"| supervised pre-training | 50% | 40.0 | 45.0 | +5.0 ± {noise['0.5']:.1f} not significant |" in md
 
 

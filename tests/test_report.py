@@ -193,6 +193,12 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     # an L2 chosen at the grid's edge is flagged (MPP: the weakest), one inside it is not
     assert "supervised pre-training 0.01; MPP pre-training 3.33333e-05." in md
     assert "edge of its grid for MPP pre-training:" in md
+    probe_sup = next(r for r in runs if r.name == "probe_sup")
+    m = json.loads((probe_sup / "metrics.json").read_text())
+    (probe_sup / "metrics.json").write_text(json.dumps({**m, "probe_l2": 1.0}))  # the strongest edge: flagged too
+    write_report(runs, tmp_path / "edge")
+    assert "edge of its grid for supervised pre-training, MPP pre-training:" in (tmp_path / "edge" / "report.md").read_text()
+    (probe_sup / "metrics.json").write_text(json.dumps(m))
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "optim": {"lr": 0.03},
