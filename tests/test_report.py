@@ -96,6 +96,11 @@ def test_role_override_and_clear_errors(tmp_path):
     pct = _run(tmp_path, "pct", {"objective": "classify"}, {"top1": 79.9})
     with pytest.raises(ReportError, match=r"in \[0, 1\]"):
         write_report([pct], tmp_path / "out")
+    zero = _run(tmp_path, "zero", {"objective": "classify"}, {"top1": 0.0})  # a diverged run still reports
+    assert write_report([zero], tmp_path / "out")["table"]["scratch"]["finetune"] == {"1": 0.0}
+    pre = _run(tmp_path, "pre", {"objective": "mpp"}, {"steps": 1, "role": "scratch"})
+    with pytest.raises(ReportError, match="pre-training run cannot have role 'scratch'"):
+        write_report([pre], tmp_path / "out")
 
 
 def test_relative_init_paths_resolve_from_elsewhere(tmp_path, monkeypatch):
@@ -106,6 +111,10 @@ def test_relative_init_paths_resolve_from_elsewhere(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     rep = write_report([tmp_path / "exp/pre", tmp_path / "exp/ft"], tmp_path / "out")
     assert rep["table"]["supervised"]["finetune"] == {"1": 0.5}
+    # the same relative path under the current directory comes first (where the runs were launched)
+    _run(tmp_path / "here", "exp/pre", {"objective": "mpp"}, {"steps": 5})
+    monkeypatch.chdir(tmp_path / "here")
+    assert write_report([tmp_path / "exp/ft"], tmp_path / "out2")["table"]["mpp"]["finetune"] == {"1": 0.5}
 
 
 def test_tool_prints_table_and_fails_in_one_line(tmp_path):
