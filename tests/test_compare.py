@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from mpp import outcomes
-from mpp.compare import best_point, check_unchanged, plan, run, validate
+from mpp.compare import best_point, check_unchanged, plan, run, time_split, validate
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,3 +489,102 @@ def test_a_finished_stage_of_an_encoder_trained_again_is_refused(tmp_path, monke
     with pytest.raises(ConfigError, match=rf"stage 'linear probe mpp' .* from {re.escape(str(encoder))}, which is "
                                           rf"gone: delete the stage that made it \({re.escape(str(encoder.parent))}\)"):
         check_encoder(probe, {})
+
+
+SWEEP = "sweep: {optim.lr: [0.01, 0.1]}\nseeds: 1\ndev_fraction: 0.2\n"
+
+
+def _cfg(tmp_path, compare_extra: str = "", overrides=()):
+    return load_compare_config(_write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",
+                                              compare_extra=compare_extra), list(overrides))
+
+
+def test_runner_up_false_plans_no_retrains_of_other_choices(tmp_path):
+    names = [s.name for s in plan(_cfg(tmp_path, SWEEP + "runner_up: false\n"))]
+    assert not [n for n in names if "runner-up" in n or "other representation" in n]
+    assert sum("runner-up" in s.name for s in plan(_cfg(tmp_path, SWEEP))) == 3  # on by default: one per arm
+
+
+def test_finetune_pool_config_leaves_every_fine_tune_its_configs_pool(tmp_path):
+    stages = [s for s in plan(_cfg(tmp_path, SWEEP + "finetune_pool: config\n")) if s.tool == "finetune"]
+    assert stages and not [s.name for s in stages if any(o.startswith("finetune.pool=") for o in s.args(False))]
+    assert not [s for s in stages if "other representation" in s.name]
+
+
+def test_a_swept_pool_is_not_replaced_by_auto(tmp_path):
+    cfg = _cfg(tmp_path, "sweep: {finetune.pool: [token, avg]}\nseeds: 1\ndev_fraction: 0.2\n")
+    sweeps = [s for s in plan(cfg) if s.tool == "finetune" and ", sweep " in s.name]
+    assert len(sweeps) == 6
+    for s in sweeps:
+        assert load_config(s.config, s.args(False)).finetune.pool == s.out.name.rsplit("pool", 1)[1]
+
+
+def test_the_time_split_of_a_stage_adds_up_to_its_time(tmp_path):
+    (tmp_path / "metrics.json").write_text(json.dumps({"setup_s": 1.0, "loop_s": 5.0, "final_eval_s": 2.0,
+                                                       "segment_s": 9.0}))
+    assert time_split(tmp_path, 10.0) == [1.0, 5.0, 2.0, 1.0, 1.0]  # set-up, loop, final, export, process
+
+
+def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
+    """No data, figures, report or stage processes: a 'stage' writes its config.yaml and a
+    metrics.json (1 s set-up, 2 s loop, 0.5 s final evaluation, 0.5 s export); a sweep stage of
+    (arm, lr) scores `sweep_hits[arm][lr]` on 200 development images. Returns the stages run."""
+    import mpp.compare
+    import mpp.figures.inspection
+    import mpp.report
+    ran = []
+
+    def run_stage(cmd, launcher):
+        out = Path(cmd[-1].split("=", 1)[1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(cmd[4], cmd[5:]))))
+        m = {"setup_s": 1.0, "loop_s": 2.0, "final_eval_s": 0.5, "segment_s": 4.0, "top1": 0.5, "evaluated_on": "val"}
+        if out.name.startswith("sweep_lr"):
+            hits = sweep_hits[out.parent.name.split("_")[1]][out.name[len("sweep_lr"):]]
+            m.update(top1=float(hits.mean()), evaluated_on="dev", pool="token",
+                     outcomes=outcomes.record(hits, np.arange(200) % 10))
+        (out / "metrics.json").write_text(json.dumps(m))
+        ran.append(out)
+        return 0
+
+    monkeypatch.setattr(mpp.compare, "run_stage", run_stage)
+    monkeypatch.setattr(mpp.compare, "prepare_data", lambda cfg: None)
+    monkeypatch.setattr(mpp.figures.inspection, "write_compare_figures", lambda *a, **k: None)
+    monkeypatch.setattr(mpp.report, "write_report", lambda *a, **k: None)
+    return ran
+
+
+def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_choice(tmp_path, monkeypatch, capsys):
+    """With every stage's process faked: a runner-up runs for the one arm whose sweep was a toss-up;
+    the summed time split adds the trained stages' parts; a resume runs nothing and keeps the
+    runner-ups not needed; a sweep stage changed since, which makes another value the best, is
+    refused at the final that trained the old best; a changed pre-training before anything runs."""
+    idx = np.arange(200)
+    toss = {"0.01": idx < 120, "0.1": idx >= 100}   # 60 vs 50, disagreeing on 180 images: a toss-up
+    clear = {"0.01": idx < 120, "0.1": idx < 100}   # 60 vs 50, disagreeing on 20: a clear lead
+    ran = _fake_stages(monkeypatch, {"scratch": toss, "mpp": clear, "supervised": clear})
+    cfg = _cfg(tmp_path, SWEEP + "finetune_pool: config\n")
+    run(cfg)
+    out = capsys.readouterr().out
+    names = {s.out: s.name for s in plan(cfg)}
+    trained = sorted(names[o] for o in ran)
+    assert [n for n in trained if "runner-up" in n] == ["fine-tune scratch, 50% labels, runner-up, seed 0"]
+    assert out.count("not needed") == 2 and len(trained) == len(names) - 2
+    n = len(trained)
+    assert re.search(rf"the {n} stages trained now took [\d.]+ s \(set-up {n:.1f}, training loop {2 * n:.1f}, "
+                     rf"final evaluation {0.5 * n:.1f}, export {0.5 * n:.1f}, ", out), out
+    ran.clear()
+    run(cfg)
+    out = capsys.readouterr().out
+    assert not ran and out.count("done earlier") == len(names) - 2 and out.count("not needed") == 2
+    sweep = tmp_path / "runs/finetune_mpp_50pct/sweep_lr0.1/metrics.json"
+    m = json.loads(sweep.read_text())
+    sweep.write_text(json.dumps({**m, "top1": 0.9}))
+    with pytest.raises(ConfigError, match=r"stage 'fine-tune mpp, 50% labels, seed 0' finished earlier .*"
+                                          r"optim.lr: 0.01 -> 0.1"):
+        run(cfg)
+    assert not ran
+    sweep.write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match="stage 'pre-train mpp' finished earlier.*steps: 2 -> 3"):
+        run(_cfg(tmp_path, SWEEP + "finetune_pool: config\n", ["pretrain_overrides=[steps=3]"]))
+    assert not ran

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import http.server
 import io
+import json
 import multiprocessing
 import shutil
 import threading
@@ -19,7 +20,9 @@ from PIL import Image
 from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.decode import open_image
+from mpp.data.sources import ShardSet
 from mpp.data.stream import batch_plan
+from mpp.data.subset import select_subset
 from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, _load, resized_crop, stack
 from shardutil import encode, write_shards
 
@@ -465,3 +468,43 @@ def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_pa
         held.append(sum(len(q) for q in loader._held.values()))
     loader.close()
     assert max(held) <= 2 * loader.workers, held
+
+
+def _indexed(tmp_path, sizes: dict[int, int], shards: int = 2):
+    """A ShardSet whose label index lists `sizes[c]` samples of class c over `shards` shards; the
+    shards themselves are never read (a subset is drawn from the index alone)."""
+    items = [(f"s{c}_{i:04d}", c) for c, n in sorted(sizes.items()) for i in range(n)]
+    index = [[list(kv) for kv in items[s::shards]] for s in range(shards)]
+    (tmp_path / "labels.json").write_text(json.dumps(index))
+    return ShardSet([str(tmp_path / f"{s:06d}.tar") for s in range(shards)], [len(e) for e in index],
+                    [f"c{c}" for c in sorted(sizes)], labels=str(tmp_path / "labels.json"))
+
+
+def _subset_keys(shards) -> set:
+    return {k for ks in shards.keys for k in ks}
+
+
+def test_a_rare_class_keeps_one_label_in_a_small_subset(tmp_path):
+    """A class whose share of a 1% subset rounds to nothing still gets one label: a fine-tune on a
+    long-tailed set never trains without a class it is tested on."""
+    got = _subset_keys(select_subset(_indexed(tmp_path, {0: 200, 1: 200, 2: 20}), 0.01, seed=0))
+    assert {c: sum(k.startswith(f"s{c}_") for k in got) for c in range(3)} == {0: 2, 1: 2, 2: 1}
+
+
+def test_the_split_seed_draws_another_subset(tmp_path):
+    """finetune.split_seed draws the subset itself, not only its development split: another seed,
+    another class-balanced subset; the same seed, the same one."""
+    shards = _indexed(tmp_path, {0: 40, 1: 40})
+    a, b = (_subset_keys(select_subset(shards, 0.5, seed=s)) for s in (0, 1))
+    assert len(a) == len(b) == 40 and a != b and a == _subset_keys(select_subset(shards, 0.5, seed=0))
+
+
+def test_a_negative_label_in_the_index_is_refused(tmp_path):
+    import json
+
+    shards = _indexed(tmp_path, {0: 4, 1: 4})
+    index = json.loads((tmp_path / "labels.json").read_text())
+    index[0][0][1] = -1
+    (tmp_path / "labels.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match="gives label -1"):
+        select_subset(shards, 0.5, seed=0)
