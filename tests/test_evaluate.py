@@ -19,13 +19,14 @@ import webdataset as wds
 from PIL import Image
 
 import mpp.evaluators.features
+import mpp.evaluators.fewshot as fs_mod
 import mpp.evaluators.linear_probe
 import mpp.objectives
 from mpp import outcomes
 from mpp.config import ConfigError, build_config
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features
-from mpp.evaluators.fewshot import BIAS_CONSTANT, fewshot_eval, fewshot_lstsq
+from mpp.evaluators.fewshot import BIAS_CONSTANT, Evaluator, fewshot_correct, fewshot_eval, fewshot_lstsq
 from mpp.evaluators.linear_probe import linear_probe
 from mpp.models import create_encoder, save_encoder
 
@@ -421,3 +422,86 @@ def test_probe_l2_grid_is_a_config_key(tmp_path):
             load_config(None, [f"probe.l2_grid={bad}"])
     with pytest.raises(ConfigError, match="probe.l2_grid"):
         load_config(None, ["probe.l2_grid=[weak]"])
+
+
+def _ref_correct(trx, try_, tex, tey, C, l2):
+    """big_vision's few-shot fit written out: standardise with the shots' statistics, a bias
+    column of 100, ridge onto {-1, 1}, argmax."""
+    trx, tex = trx.double(), tex.double()
+    mean, std = trx.mean(0), trx.std(0, unbiased=False) + 1e-5
+    a, b = (trx - mean) / std, (tex - mean) / std
+    a = torch.cat([a, torch.full((len(a), 1), 100.0, dtype=torch.float64)], 1)
+    b = torch.cat([b, torch.full((len(b), 1), 100.0, dtype=torch.float64)], 1)
+    t = 2.0 * F.one_hot(try_, C).double() - 1.0
+    w = torch.linalg.solve(a.T @ a + l2 * torch.eye(a.shape[1], dtype=torch.float64), a.T @ t)
+    return (b @ w).argmax(1).eq(tey).numpy()
+
+
+def _noisy(seed, n=240, C=4, D=12):
+    """Gaussian classes off the origin, one feature 50 times the others' scale."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(C, D, generator=g) * 1.5
+    y = torch.arange(n) % C
+    x = centers[y] + torch.randn(n, D, generator=g) * 2 + 3.0  # off-centre, scaled: standardising matters
+    x[:, 0] *= 50
+    return x, y
+
+
+@pytest.mark.parametrize("l2", [0.01, 50.0])
+def test_fewshot_correct_is_standardised_bias_ridge(l2):
+    """Standardised with the shots' statistics (not the test set's), the bias column, fewshot.l2."""
+    x, y = _noisy(0)
+    xt, yt = _noisy(1, n=400)
+    xt = xt * 1.7 - 2  # a test set with other statistics: standardise with the train set's
+    assert BIAS_CONSTANT == 100.0
+    got = fewshot_correct(x[:40], y[:40], xt, yt, 4, l2)
+    assert np.array_equal(got, _ref_correct(x[:40], y[:40], xt, yt, 4, l2))
+
+
+def test_fewshot_eval_draws_follow_big_vision():
+    """Seed s draws each class's first k of one seeded permutation (nested shots); the std is the
+    draws' sample std."""
+    x, y = _noisy(2)
+    xt, yt = _noisy(3, n=300)
+    out = fewshot_eval(x, y, xt, yt, shots=(2, 5), seeds=3, l2=1.0, draws=True)
+    for k in (2, 5):
+        want = []
+        for s in range(3):
+            rng = np.random.default_rng(s)
+            perms = [rng.permutation(np.flatnonzero(y.numpy() == c)) for c in range(4)]
+            idx = torch.from_numpy(np.concatenate([p[:k] for p in perms]))
+            want.append(float(_ref_correct(x[idx], y[idx], xt, yt, 4, 1.0).mean()))
+        assert out[f"{k}shot_draws"] == pytest.approx(want, abs=1e-12)
+        assert len(set(want)) > 1  # the draws differ
+        assert out[f"{k}shot_std"] == pytest.approx(np.std(want, ddof=1))
+
+
+def test_evaluator_passes_l2_and_reads_enough_shots(monkeypatch):
+    """fewshot.l2 reaches the fit, and the evaluator reads max(shots) x seeds images per class."""
+    cfg = build_config({"model": "vit_micro4_32", "fewshot": {"l2": 7.0, "shots": [1, 5], "seeds": 3}})
+    ev = Evaluator.__new__(Evaluator)
+    ev.cfg, ev.device = cfg, torch.device("cpu")
+    limits = []
+
+    def fake_read(spec, n, *, cfg, img_size, limit):
+        limits.append(limit(1000, ["a", "b", "c", "d"]))
+        g = torch.Generator().manual_seed(len(limits))
+        return torch.randint(0, 256, (16, 3, img_size, img_size), dtype=torch.uint8, generator=g), torch.arange(16) % 4
+    monkeypatch.setattr(fs_mod, "_read_images", fake_read)
+    calls = []
+    real = fs_mod.fewshot_eval
+    monkeypatch.setattr(fs_mod, "fewshot_eval", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    ev._data = {}
+    ev.run(create_encoder("vit_micro4_32", attn="math"))
+    assert calls and all(kw["l2"] == 7.0 for kw in calls)
+    assert limits[0] == 5 * 3 * 4  # max shots x seeds per class
+
+
+def test_fewshot_bias_column_matters_with_unbalanced_shots():
+    """A class with fewer shots than k (it contributes all it has) shifts the class means: the
+    constant bias feature is what absorbs that."""
+    x, y = _noisy(4, n=400)
+    keep = torch.cat([torch.nonzero(y == c).flatten()[:n] for c, n in enumerate((1, 12, 12, 12))])
+    xt, yt = _noisy(5, n=400)
+    got = fewshot_correct(x[keep], y[keep], xt, yt, 4, 1.0)
+    assert np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0))

@@ -3,10 +3,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mpp.config import build_config
 from mpp.models import create_encoder
-from mpp.objectives import TARGETS, build_task, mean_color_targets, quantize, sample_corruption
+from mpp.objectives import (TARGETS, Target, build_task, class_colors, mean_color_targets, patches, quantize,
+                            sample_corruption)
 
 PRESET = "vit_micro4_32"
 
@@ -224,3 +226,88 @@ def test_a_new_target_is_one_table_entry(monkeypatch):
     task = task_for(mpp={"target": "my_target"})
     assert build_config({"mpp": {"target": "my_target"}}).mpp.target == "my_target"
     assert task.head.out_features == 512
+
+
+def spy_target(task):
+    """Wrap the task's target loss so each call's (pix, guess, classes) is kept."""
+    seen = {}
+    orig = task.target
+
+    def loss(pred, pix, bits):
+        out = orig.loss(pred, pix, bits)
+        seen.update(pix=pix, guess=out[1], classes=out[2])
+        return out
+    task.target = Target(outputs=orig.outputs, loss=loss, colors=orig.colors)
+    return seen
+
+
+def spy_plan(task):
+    """Keep the corruption plan the encoder receives."""
+    seen = {}
+    task.encoder.register_forward_pre_hook(lambda m, a, kw: seen.update(plan=a[1]), with_kwargs=True)
+    return seen
+
+
+def test_mpp_targets_are_the_true_pixels_of_the_chosen_patches():
+    """Targets line up with the chosen tokens (corruption.index order), from the uncorrupted pixels."""
+    task = task_for()
+    seen, plan = spy_target(task), spy_plan(task)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=g)
+    loss, metrics = task(images)
+    index = plan["plan"].index
+    pix = patches(images.float() / 255, 4)
+    want = torch.gather(pix, 1, index.view(4, -1, 1, 1, 1).expand(-1, -1, *pix.shape[2:]))
+    torch.testing.assert_close(seen["pix"].float(), want)
+    assert torch.equal(seen["classes"], mean_color_targets(images.float() / 255, 4).gather(1, index))
+    assert (plan["plan"].src != torch.arange(64)).any()  # the plan did swap some patches
+    # the accuracy metric compares each prediction with its own patch's class
+    assert metrics["acc"].item() == pytest.approx((seen["guess"] == seen["classes"]).float().mean().item())
+
+
+def test_mpp_forward_uses_configured_random_and_keep():
+    """mpp.random and mpp.keep reach the corruption in the right places (keep 0: every chosen patch changes)."""
+    task = task_for(mpp={"mask": 0.5, "random": 0.5, "keep": 0.0})
+    plan = spy_plan(task)
+    task(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8))
+    c = plan["plan"]
+    swapped = c.src != torch.arange(64)
+    assert torch.equal(c.masked | swapped, c.chosen)  # keep = 0: every chosen patch is corrupted
+    assert (swapped.sum(1) == 16).all()
+
+
+def test_mean_color_guess_is_the_argmax():
+    pix = torch.rand(2, 3, 3, 4, 4, dtype=torch.float64)
+    classes = quantize(pix.mean((-1, -2)), 3)
+    pred = F.one_hot(classes, 512).float() * 5
+    _, guess, true = TARGETS["mean_color"].loss(pred, pix, 3)
+    assert torch.equal(guess, true)
+
+
+def test_class_colors_are_level_centres_in_rgb_order():
+    cls = torch.tensor([(1 << 6) | (2 << 3) | 3])
+    torch.testing.assert_close(class_colors(cls, 3), torch.tensor([[1.5 / 8, 2.5 / 8, 3.5 / 8]]))
+    c = torch.rand(100, 3)
+    assert torch.equal(quantize(class_colors(quantize(c), 3)), quantize(c))
+
+
+def test_downsampled_target_is_cell_mean_colour():
+    pix = torch.zeros(1, 1, 3, 8, 8, dtype=torch.float64)
+    pix[..., ::2, :] = 0.25  # every 2x2 cell: mean 0.125 -> level 1 (its max 0.25 would be level 2)
+    pred = torch.zeros(1, 1, 16 * 512)
+    _, _, classes = TARGETS["downsampled"].loss(pred, pix, 3)
+    assert (classes == (1 << 6) | (1 << 3) | 1).all()
+
+
+def test_pixels_and_regression_colors():
+    pix = torch.rand(2, 3, 3, 4, 4)
+    torch.testing.assert_close(TARGETS["pixels"].colors(pix.flatten(2), 3), pix.mean((-1, -2)))
+    out = TARGETS["mean_color_regression"].colors(torch.tensor([[[1.5, -0.2, 0.5]]]), 3)
+    assert out.tolist() == [[[1.0, 0.0, 0.5]]]
+
+
+def test_random_other_patch_offsets_uniform():
+    """The other patch of a random replacement can be any patch of the image but itself."""
+    c = sample_corruption(4000, 8, 0.5, 0.0, 1.0, 0.0, generator=torch.Generator().manual_seed(0))
+    off = (c.src - torch.arange(8)) % 8
+    assert set(off[c.chosen].unique().tolist()) == set(range(1, 8))
