@@ -17,7 +17,8 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
 - a fine-tune evaluated on a development split (`"evaluated_on": "dev"`, a sweep stage of
   mpp.compare) is no table cell: it shows in the recipe section, with the config keys in which the
   sweep stages of its cell differ, the value the final runs used and that value's lead over the
-  next on the development images, ± its paired standard error (a toss-up when under t times it, as for a gap);
+  next on the development images, ± its paired standard error (a toss-up when under t times it,
+  as for a gap);
   the gaps table marks (†) each fine-tune figure that involves an arm with a toss-up.
 - a cell's final runs that used another swept value than the best on its development split (the
   comparison's runner-up stages) are no cell either: the recipe section lists their test top-1,
@@ -144,11 +145,12 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`), the multiple of it a significant gap reaches (`t`, from the
     degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent) and
-    whether the gap reaches it (`significant`, None: unknown); `per_image` (family -> (labels digest, per-image score on the test images))
-    adds the test images' sampling error (`noise_test`): paired where two families scored the
-    same images in the same order, else as two independent samples. `draws` (family -> (digest of
-    what was drawn, each draw's figure)) makes the seed part paired where two families' digests
-    and draw counts match: the few-shot draws, which use the same shots in every arm."""
+    whether the gap reaches it (`significant`, None: unknown); `per_image` (family -> (labels
+    digest, per-image score on the test images)) adds the test images' sampling error
+    (`noise_test`): paired where two families scored the same images in the same order, else as
+    two independent samples. `draws` (family -> (digest of what was drawn, each draw's figure))
+    makes the seed part paired where two families' digests and draw counts match: the few-shot
+    draws, which use the same shots in every arm."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
     sem, per_image, draws, dof = sem or {}, per_image or {}, draws or {}, dof or {}
@@ -197,7 +199,7 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict) -> float | 
     from each arm's own standard error: the seeds' part, and the test images' part where all three
     arms recorded their per-image results. None when an arm's seed noise is unknown."""
     if any(sem.get(f) is None for f in acc):
-        return None  # (no t: the share carries its ± and no verdict)
+        return None
     u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
     gain, share = u - s, (m - s) / (u - s)
     paired = _paired_draws(draws, "supervised", "mpp", "scratch")
@@ -447,18 +449,16 @@ def collect(runs: list[dict]) -> dict:
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
 
-    def sem(fr: str) -> dict:
-        return {f: None if table[f]["finetune_std"].get(fr) is None
-                else table[f]["finetune_std"][fr] / math.sqrt(table[f]["finetune_n"][fr]) for f in FAMILIES}
-
-    def seeds_dof(fr: str) -> dict:
-        return {f: table[f]["finetune_n"][fr] - 1 for f in FAMILIES if fr in table[f]["finetune_n"]}
+    def seeds_noise(fr: str) -> dict:  # derive's sem and dof of the fine-tunes, over their seeds
+        std, n = ({f: table[f][key].get(fr) for f in FAMILIES} for key in ("finetune_std", "finetune_n"))
+        return {"sem": {f: None if std[f] is None else std[f] / math.sqrt(n[f]) for f in FAMILIES},
+                "dof": {f: n[f] - 1 for f in FAMILIES if n[f] is not None}}
 
     def draws_noise(k: str) -> dict:  # derive's sem and dof of the k-shot figures
         got = {f: _draws_sem(table[f], k) for f in FAMILIES}
         return {"sem": {f: se for f, (se, _) in got.items()}, "dof": {f: df for f, (_, df) in got.items()}}
     derived = {
-        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), sem=sem(fr), dof=seeds_dof(fr),
+        "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), **seeds_noise(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES})
                      for fr in fractions},
         "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
@@ -600,10 +600,10 @@ def render_markdown(rep: dict) -> str:
               "arms drew the same shots; a linear probe's fit has none) "
               "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
               "draws, compared on the same images). A gap "
-              "under t times its standard error is marked not significant, t being Student's two-sided 95% quantile at the "
-              "Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images dominate the noise, "
-              "4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread dominates); a gap "
-              "without ± has unknown noise "
+              "under t times its standard error is marked not significant, t being Student's two-sided 95% "
+              "quantile at the Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images "
+              "dominate the noise, 4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread "
+              "dominates); a gap without ± has unknown noise "
               "(single fine-tunes, or runs that recorded no per-image results); arms scored on other test "
               "images count them as two independent samples. "
               "Share = (MPP - scratch) / (supervised - scratch), "
@@ -665,7 +665,8 @@ def render_markdown(rep: dict) -> str:
                   "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
         for f, fr in starts:
             start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
-            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr], t[f]["finetune_added_t"][fr])
+            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr],
+                                t[f]["finetune_added_t"][fr])
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
