@@ -385,19 +385,12 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
 
 def _lr_sweep(root: Path, dev_hits: dict, *, dev_pool: str | None = None, final_pool: str | None = None,
               final_metrics: dict | None = None) -> list[Path]:
-    """A supervised encoder, one development-split run per learning rate (`dev_hits`: lr -> which
-    of 400 development images it got right) and one final run at lr 0.03, 10% labels."""
+    """A `_cell` of one development-split run per learning rate (`dev_hits`: lr -> which of 400
+    development images it got right) and one final run at lr 0.03."""
     labels = np.arange(400) % 10
-    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
-    runs = [sup]
-    for lr, hits in dev_hits.items():
-        ft = {"init": str(sup), "label_fraction": 0.1, "dev_fraction": 0.1, **({"pool": dev_pool} if dev_pool else {})}
-        runs.append(_run(root, f"sweep_lr{lr}", {"objective": "classify", "seed": 0, "optim": {"lr": lr}, "finetune": ft},
-                         {"top1": float(hits.mean()), "evaluated_on": "dev", "outcomes": outcomes.record(hits, labels)}))
-    ft = {"init": str(sup), "label_fraction": 0.1, **({"pool": final_pool} if final_pool else {})}
-    runs.append(_run(root, "seed0", {"objective": "classify", "seed": 0, "optim": {"lr": 0.03}, "finetune": ft},
-                     {"top1": 0.6, "evaluated_on": "val", **(final_metrics or {})}))
-    return runs
+    dev = [(f"sweep_lr{lr}", lr, 0, dev_pool, {"top1": float(hits.mean()), "outcomes": outcomes.record(hits, labels)})
+           for lr, hits in dev_hits.items()]
+    return _cell(root, dev, [("seed0", 0.03, 0, final_pool, {"top1": 0.6, **(final_metrics or {})})])
 
 
 def test_the_recipe_lead_is_over_the_runner_up_of_three_values(tmp_path):

@@ -500,8 +500,6 @@ def test_the_split_seed_draws_another_subset(tmp_path):
 
 
 def test_a_negative_label_in_the_index_is_refused(tmp_path):
-    import json
-
     shards = _indexed(tmp_path, {0: 4, 1: 4})
     index = json.loads((tmp_path / "labels.json").read_text())
     index[0][0][1] = -1
