@@ -7,10 +7,11 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: mainjob, trainer-b16, each under its own
-#                                                  time limit: what the first two sessions (step tables,
-#                                                  trainer, finetune, graphs, cuda-tests; docs/benchmarks.md)
-#                                                  left; then, in a second call, `tests`
+#   bash benchmarks/gpu_session.sh session         on the GPU: half the suite (`tests 1/2`) under its own
+#                                                  time limit: what the first three sessions (step tables,
+#                                                  trainer, finetune, graphs, cuda-tests, mainjob, trainer-b16,
+#                                                  probe-threads; docs/benchmarks.md) left; then, in a second
+#                                                  call, `tests 2/2` and `graphs-b16`
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -24,22 +25,30 @@
 #   bash benchmarks/gpu_session.sh graphs          after trainer: its pre-training with CUDA graphs
 #                                                  (train.compile_mode=reduce-overhead)
 #   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
+#   bash benchmarks/gpu_session.sh graphs-b16      the same with CUDA graphs (train.compile_mode=reduce-overhead)
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh probe-threads   after mainjob (its feature cache): the probe's L-BFGS fits
 #                                                  with torch's default threads there and with 2
-#   bash benchmarks/gpu_session.sh tests           the whole suite on the GPU machine
+#   bash benchmarks/gpu_session.sh tests [K/N]     the whole suite on the GPU machine, or its K-th of N parts
+#                                                  (every N-th test file): it outlasts one call there, each
+#                                                  stage process starting CUDA (33 tests in 230 s, 82 s here)
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | mainjob | probe-threads | tests"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | mainjob | probe-threads | tests [K/N]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|mainjob|probe-threads|tests) ;;
+    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
+if [ "$what" = tests ]; then  # K/N: the test files whose place in the sorted list is K modulo N
+    part=${1:-1/1}
+    [[ "$part" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[2]}" ] ||
+        { echo "tests takes K/N with 1 <= K <= N, e.g. tests 1/2; got '$part'" >&2; exit 2; }
+fi
 
 if [ "$what" = wheels ]; then
     mkdir -p .git/info && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -112,7 +121,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "380 mainjob" "170 trainer-b16"; do
+    for spec in "550 tests 1/2"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -137,10 +146,12 @@ graphs)  # after trainer (its data): the same pre-training replayed as CUDA grap
 finetune)  # after trainer (its encoder and data)
     finetune always
     finetune never ;;
-trainer-b16)
+trainer-b16|graphs-b16)
     # few images: the generator writes 256 px JPEGs on one core, slowly enough to eat the part's limit
-    python3 -m mpp.tools.make_synthetic /tmp/syn256 --train 1500 --test 100 --size 256 --shards 16 >/dev/null 2>&1
-    pretrain vit_b16 256 syn256 120 default ;;
+    [ -f /tmp/syn256/train/manifest.json ] ||
+        python3 -m mpp.tools.make_synthetic /tmp/syn256 --train 1500 --test 100 --size 256 --shards 16 >/dev/null 2>&1
+    mode=default; [ "$what" = trainer-b16 ] || mode=reduce-overhead
+    pretrain vit_b16 256 syn256 120 $mode ;;
 mainjob)
     start=$(date +%s)  # its own limit inside the part's, so that what follows runs even when it is cut off
     timeout 350 python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1 ||
@@ -153,6 +164,8 @@ probe-threads)  # the main job's probe-head fits looked slower there than on 2 c
     for threads in "-u OMP_NUM_THREADS" "OMP_NUM_THREADS=2"; do  # torch's default (one per core), then 2
         env $threads python3 benchmarks/probe_fit.py --features $files 2>&1 | tee -a "$OUT/probe_threads.txt"
     done ;;
-tests)
-    python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" ;;
+tests)  # each test's name as it passes (a part cut off by its limit still says how far it got), the slowest at the end
+    k=${part%/*} n=${part#*/}
+    files=$(ls tests/test_*.py | awk -v k="$k" -v n="$n" '(NR - k) % n == 0')
+    python3 -m pytest -v -p no:cacheprovider --durations=15 $files 2>&1 | tee "$OUT/tests_${k}of$n.log" | grep -v " PASSED " ;;
 esac
