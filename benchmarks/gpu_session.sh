@@ -7,11 +7,11 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: half the suite (`tests 1/2`) under its own
-#                                                  time limit: what the first three sessions (step tables,
-#                                                  trainer, finetune, graphs, cuda-tests, mainjob, trainer-b16,
-#                                                  probe-threads; docs/benchmarks.md) left; then, in a second
-#                                                  call, `tests 2/2` and `graphs-b16`
+#   bash benchmarks/gpu_session.sh session         on the GPU: B/16's in-memory compiled and CUDA-graph step,
+#                                                  trainer-b16, graphs-b16, each under its own time limit: what
+#                                                  the first three sessions (docs/benchmarks.md) left, the
+#                                                  trainer's ratio on one card; then, in later calls,
+#                                                  `tests 1/2` and `tests 2/2`
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -121,7 +121,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "550 tests 1/2"; do
+    for spec in "220 step b16 --methods mpp+compile mpp+cudagraphs --no-loader" "170 trainer-b16" "160 graphs-b16"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
