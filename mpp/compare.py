@@ -348,24 +348,25 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     return proc.exitcode
 
 
-SPLIT = ("set-up", "training loop", "final evaluation", "export", "process start and exit")
+SPLIT = ("set-up", "begin", "training loop", "final evaluation", "export", "process start and exit")
 
 
 def time_split(out: Path, took: float) -> list[float] | None:
     """A trained stage's `took` seconds split (SPLIT) as its process timed them in metrics.json:
-    set-up, training loop, final evaluation, the rest of training (the export), and outside it the
-    process's start and exit (what a stage pays for being a process of its own). None for a stage
-    without those figures (a probe)."""
+    set-up (device, model, data), begin (the Task's work before the first step: a fine-tune's probe
+    head, fitted or read from the cache, and its start's score), training loop, final evaluation,
+    the rest of training (the export), and outside it the process's start and exit (what a stage
+    pays for being a process of its own). None for a stage without those figures (a probe)."""
     try:
         m = json.loads((out / "metrics.json").read_text())
-        parts = [m["setup_s"], m["loop_s"], m["final_eval_s"]]
+        parts = [m["setup_s"], m["begin_s"], m["loop_s"], m["final_eval_s"]]
         return [*parts, m["segment_s"] - sum(parts), took - m["segment_s"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def _seconds(took: float, split: list[float] | None) -> str:
-    """'3.5 s (set-up 1.4, training loop 1.9, ... s)', or '3.5 s' without a split."""
+    """'3.5 s (set-up 0.4, begin 1.0, training loop 1.9, ... s)', or '3.5 s' without a split."""
     parts = "" if split is None else " (" + ", ".join(f"{n} {v:.1f}" for n, v in zip(SPLIT, split)) + " s)"
     return f"{took:.1f} s{parts}"
 

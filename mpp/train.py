@@ -92,7 +92,8 @@ class Run:
     writer: Any                # TensorBoard (main process only, from the first step: `_record`)
     bar: tqdm
     t_begin: float = field(default_factory=time.time)
-    setup_s: float = 0.0       # this segment's `setup`: device, model, data, the Task's start-up work
+    setup_s: float = 0.0       # this segment's `setup` but `begin_s`: device, model, data, resume
+    begin_s: float = 0.0       # the Task's work before the first step of a fresh run (`_begin`; 0 on resume)
     t_loop: float = field(default_factory=time.perf_counter)
     t_win: float = field(default_factory=time.perf_counter)
     wait_win: float = 0.0      # seconds waiting for data in this log window / before it
@@ -164,8 +165,11 @@ def setup(cfg: Config) -> Run:
         _check_origin(out, state.get("origin", {}), origin)
     if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
         _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
+    begin_s = 0.0
     if not resume:
+        t = time.time()
         begun = _begin(cfg, accelerator, task, final, precision)
+        begin_s = time.time() - t
         set_seed(int(np.random.SeedSequence([cfg.seed, accelerator.process_index]).generate_state(1)[0]))
         state = {"step": 0, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0, "data_wait": 0.0,
                  "last": {}, "skipped": {}, "begun": begun, "origin": origin}
@@ -185,7 +189,7 @@ def setup(cfg: Config) -> Run:
         steps=steps, start=start, state=state, periodic=periodic, final=final,
         writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
-        t_begin=t_begin, setup_s=time.time() - t_begin, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
+        t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
 
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
@@ -306,8 +310,9 @@ def finish(run: Run) -> dict:
     if run.final is not None:
         results.update(run.final.run(task))
     # where this process's time went (compare's stage line sets it beside the stage's own wall time):
-    # set-up, the loop (compile and the loader's shutdown included), the final evaluation, all of train()
-    results.update(setup_s=run.setup_s, loop_s=loop_s, final_eval_s=time.perf_counter() - t_final,
+    # set-up, the Task's begin, the loop (compile and the loader's shutdown included), the final
+    # evaluation, all of train()
+    results.update(setup_s=run.setup_s, begin_s=run.begin_s, loop_s=loop_s, final_eval_s=time.perf_counter() - t_final,
                    segment_s=time.time() - run.t_begin)
     results.update(task.settings(cfg))
     results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes

@@ -216,15 +216,17 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     runs = tmp_path / "runs"
     # each trained stage's time split as its metrics.json times it (a probe's: its wall time alone)
-    line = re.search(r"fine-tune mpp, 50% labels, seed 1: finished in ([\d.]+) s \(set-up ([\d.]+), training loop "
-                     r"([\d.]+), final evaluation ([\d.]+), export ([\d.]+), process start and exit ([\d.]+) s\)", r.stdout)
+    line = re.search(r"fine-tune mpp, 50% labels, seed 1: finished in ([\d.]+) s \(set-up ([\d.]+), begin ([\d.]+), "
+                     r"training loop ([\d.]+), final evaluation ([\d.]+), export ([\d.]+), process start and exit ([\d.]+) s\)",
+                     r.stdout)
     assert line, r.stdout[-3000:]
     took, *parts = map(float, line.groups())
     assert abs(sum(parts) - took) <= 0.3 and min(parts) >= 0, line[0]
     assert json.loads((runs / "finetune_mpp_50pct/seed1/metrics.json").read_text())["final_eval_s"] > 0  # scored test
     assert re.search(r"linear probe mpp: finished in [\d.]+ s\n", r.stdout), r.stdout[-3000:]
     tooks = [float(t) for t in re.findall(r"finished in ([\d.]+) s \(set-up", r.stdout)]  # and their sum
-    summed = re.search(r"the (\d+) stages trained now took ([\d.]+) s \(set-up ([\d.]+), training loop", r.stdout)
+    summed = re.search(r"the (\d+) stages trained now took ([\d.]+) s \(set-up ([\d.]+), begin ([\d.]+), training loop",
+                       r.stdout)
     assert summed and int(summed[1]) == len(tooks) > 0 and abs(float(summed[2]) - sum(tooks)) <= 0.05 * len(tooks)
     report = json.loads((runs / "report.json").read_text())
     md = (runs / "report.md").read_text()
@@ -520,14 +522,14 @@ def test_a_swept_pool_is_not_replaced_by_auto(tmp_path):
 
 
 def test_the_time_split_of_a_stage_adds_up_to_its_time(tmp_path):
-    (tmp_path / "metrics.json").write_text(json.dumps({"setup_s": 1.0, "loop_s": 5.0, "final_eval_s": 2.0,
-                                                       "segment_s": 9.0}))
-    assert time_split(tmp_path, 10.0) == [1.0, 5.0, 2.0, 1.0, 1.0]  # set-up, loop, final, export, process
+    (tmp_path / "metrics.json").write_text(json.dumps({"setup_s": 1.0, "begin_s": 0.5, "loop_s": 5.0,
+                                                       "final_eval_s": 2.0, "segment_s": 9.5}))
+    assert time_split(tmp_path, 10.5) == [1.0, 0.5, 5.0, 2.0, 1.0, 1.0]  # set-up, begin, loop, final, export, process
 
 
 def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
     """No data, figures, report or stage processes: a 'stage' writes its config.yaml and a
-    metrics.json (1 s set-up, 2 s loop, 0.5 s final evaluation, 0.5 s export); a sweep stage of
+    metrics.json (1 s set-up, 0.25 s begin, 2 s loop, 0.5 s final evaluation, 0.5 s export); a sweep stage of
     (arm, lr) scores `sweep_hits[arm][lr]` on 200 development images. Returns the stages run."""
     import mpp.compare
     import mpp.figures.inspection
@@ -538,7 +540,8 @@ def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
         out = Path(cmd[-1].split("=", 1)[1])
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(cmd[4], cmd[5:]))))
-        m = {"setup_s": 1.0, "loop_s": 2.0, "final_eval_s": 0.5, "segment_s": 4.0, "top1": 0.5, "evaluated_on": "val"}
+        m = {"setup_s": 1.0, "begin_s": 0.25, "loop_s": 2.0, "final_eval_s": 0.5, "segment_s": 4.25, "top1": 0.5,
+             "evaluated_on": "val"}
         if out.name.startswith("sweep_lr"):
             hits = sweep_hits[out.parent.name.split("_")[1]][out.name[len("sweep_lr"):]]
             m.update(top1=float(hits.mean()), evaluated_on="dev", pool="token",
@@ -571,7 +574,7 @@ def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_ch
     assert [n for n in trained if "runner-up" in n] == ["fine-tune scratch, 50% labels, runner-up, seed 0"]
     assert out.count("not needed") == 2 and len(trained) == len(names) - 2
     n = len(trained)
-    assert re.search(rf"the {n} stages trained now took [\d.]+ s \(set-up {n:.1f}, training loop {2 * n:.1f}, "
+    assert re.search(rf"the {n} stages trained now took [\d.]+ s \(set-up {n:.1f}, begin {0.25 * n:.1f}, training loop {2 * n:.1f}, "
                      rf"final evaluation {0.5 * n:.1f}, export {0.5 * n:.1f}, ", out), out
     ran.clear()
     run(cfg)

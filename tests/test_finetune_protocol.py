@@ -126,12 +126,14 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     assert probe["top1"] > 0.6 and probe["head_probe_heldout_top1"] > 0.6, probe
     assert probe["head_probe_l2"] > 0
     assert probe["start_top1"] == probe["top1"] and "start_top1" not in zero  # scored before the step too
+    assert probe["begin_s"] > 0.05 > zero["begin_s"] >= 0  # the fit and the start's score: begin's, not set-up's
     assert list(tmp_path.glob("feature_cache/features-*.safetensors"))  # the sweep's other runs reuse them
     assert list(tmp_path.glob("feature_cache/head-*.safetensors"))
     longer = train(load_config(None, items + [f"output_dir={tmp_path / 'probe'}", "finetune.head_init=probe",
                                               "steps=2", "optim.warmup_steps=2"]))  # resumes at step 1
     assert {k: longer[k] for k in ("start_top1", "head_probe_l2", "head_probe_heldout_top1")} == \
         {k: probe[k] for k in ("start_top1", "head_probe_l2", "head_probe_heldout_top1")}
+    assert longer["begin_s"] == 0  # a resumed segment begins nothing
     test = train(load_config(None, items[:-2] + [f"output_dir={tmp_path / 'test'}", "finetune.head_init=probe",
                                                  "data.eval_crop_pct=1.0"]))
     assert test["evaluated_on"] == "val" and test["start_outcomes"] == test["outcomes"]  # image by image, unmoved
