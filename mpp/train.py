@@ -189,7 +189,8 @@ def setup(cfg: Config) -> Run:
         steps=steps, start=start, state=state, periodic=periodic, final=final,
         writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
-        t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"], win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
+        t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"],
+        win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
 
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
@@ -312,8 +313,8 @@ def finish(run: Run) -> dict:
     # where this process's time went (compare's stage line sets it beside the stage's own wall time):
     # set-up, the Task's begin, the loop (compile and the loader's shutdown included), the final
     # evaluation, all of train()
-    results.update(setup_s=run.setup_s, begin_s=run.begin_s, loop_s=loop_s, final_eval_s=time.perf_counter() - t_final,
-                   segment_s=time.time() - run.t_begin)
+    results.update(setup_s=run.setup_s, begin_s=run.begin_s, loop_s=loop_s,
+                   final_eval_s=time.perf_counter() - t_final, segment_s=time.time() - run.t_begin)
     results.update(task.settings(cfg))
     results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes
     results.update(run.state["origin"])  # what the run started from, checked at every resume

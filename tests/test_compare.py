@@ -529,8 +529,8 @@ def test_the_time_split_of_a_stage_adds_up_to_its_time(tmp_path):
 
 def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
     """No data, figures, report or stage processes: a 'stage' writes its config.yaml and a
-    metrics.json (1 s set-up, 0.25 s begin, 2 s loop, 0.5 s final evaluation, 0.5 s export); a sweep stage of
-    (arm, lr) scores `sweep_hits[arm][lr]` on 200 development images. Returns the stages run."""
+    metrics.json (1 s set-up, 0.25 s begin, 2 s loop, 0.5 s final evaluation, 0.5 s export); a sweep
+    stage of (arm, lr) scores `sweep_hits[arm][lr]` on 200 development images. Returns the stages run."""
     import mpp.compare
     import mpp.figures.inspection
     import mpp.report
@@ -574,8 +574,8 @@ def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_ch
     assert [n for n in trained if "runner-up" in n] == ["fine-tune scratch, 50% labels, runner-up, seed 0"]
     assert out.count("not needed") == 2 and len(trained) == len(names) - 2
     n = len(trained)
-    assert re.search(rf"the {n} stages trained now took [\d.]+ s \(set-up {n:.1f}, begin {0.25 * n:.1f}, training loop {2 * n:.1f}, "
-                     rf"final evaluation {0.5 * n:.1f}, export {0.5 * n:.1f}, ", out), out
+    assert re.search(rf"the {n} stages trained now took [\d.]+ s \(set-up {n:.1f}, begin {0.25 * n:.1f}, "
+                     rf"training loop {2 * n:.1f}, final evaluation {0.5 * n:.1f}, export {0.5 * n:.1f}, ", out), out
     ran.clear()
     run(cfg)
     out = capsys.readouterr().out
