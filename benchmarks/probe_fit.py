@@ -4,9 +4,12 @@ out sample-major, (N, D) @ (D, C) as a user would write it (the baseline), again
 (C, D) @ (D, N), which `_fit_logistic` uses; then `choose_probe` (the whole L2 grid, strong to
 weak, warm-started) on each cached feature file given, and the refit on all its features at the
 chosen L2, from zeros (the baseline) and from the chosen fit's head (what the probe does): the
-time, the objective each reaches, and the share of training predictions they agree on.
+time, the objective each reaches, and the share of training predictions they agree on. For
+`choose_probe` it also prints the share of its time in the evaluations (the closure's matmuls)
+against L-BFGS's own work, and `--history N` runs every fit with that L-BFGS history instead of
+the probe's (a lever tried: fewer small operations an iteration, fits that stop elsewhere).
 
-  python benchmarks/probe_fit.py [--features runs/compare_cifar10/feature_cache/features-*.safetensors]
+  python benchmarks/probe_fit.py [--features runs/compare_cifar10/feature_cache/features-*.safetensors] [--history N]
 """
 from __future__ import annotations
 
@@ -36,6 +39,24 @@ def matmul_layouts(n: int, d: int, c: int) -> tuple[float, float]:
     return _ms(lambda: (x @ w, xt @ g)), _ms(lambda: (wt @ xt, gt @ x))
 
 
+class _TimedLBFGS(torch.optim.LBFGS):
+    """torch's L-BFGS as the probe builds it, with `history` (None: the probe's own) and the
+    seconds its evaluations take summed in `evaluations_s`."""
+    history: int | None = None
+    evaluations_s = 0.0
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **{**kw, **({"history_size": self.history} if self.history else {})})
+
+    def step(self, closure):
+        def timed():
+            t = time.perf_counter()
+            loss = closure()
+            _TimedLBFGS.evaluations_s += time.perf_counter() - t
+            return loss
+        return super().step(timed)
+
+
 def refit(x, y, c: int, l2: float, init) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The probe's refit on all features from `init` (None: zeros): weight, bias, seconds."""
     t = time.perf_counter()
@@ -55,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--features", nargs="*", default=[], help="feature-cache files (features-*.safetensors)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--history", type=int, default=None, help="L-BFGS history of every fit (default: the probe's)")
     a = p.parse_args(argv)
+    if a.history is not None and a.history < 1:
+        raise ValueError(f"--history must be >= 1, got {a.history}")
+    torch.optim.LBFGS, _TimedLBFGS.history = _TimedLBFGS, a.history  # `_fit_logistic` builds torch.optim.LBFGS
     print(f"threads {torch.get_num_threads()}; logits + gradient matmuls, D={a.dim}, C={a.classes}")
     for n in (4500, 45000):
         rows, cols = matmul_layouts(n, a.dim, a.classes)
@@ -64,11 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         d = load_file(path)
         x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
         y, c = d["labels"].long(), int(d["labels"].max()) + 1
-        t = time.perf_counter()
+        t, _TimedLBFGS.evaluations_s = time.perf_counter(), 0.0
         choice = choose_probe(x, y, num_classes=c)
+        took = time.perf_counter() - t
         rep, l2, scores, head = choice.pool, choice.l2, choice.scores, choice.head
-        print(f"{path}: {len(y)} samples, {len(x)} representations: choose_probe "
-              f"{time.perf_counter() - t:.1f} s -> {rep}, L2 {l2:g}, held-out {100 * scores[rep][l2]:.1f}")
+        print(f"{path}: {len(y)} samples, {len(x)} representations: choose_probe {took:.1f} s "
+              f"({100 * _TimedLBFGS.evaluations_s / took:.0f}% in its evaluations) -> {rep}, L2 {l2:g}, "
+              f"held-out {100 * scores[rep][l2]:.1f}; every held-out score: "
+              + " ".join(f"{100 * v:.1f}" for r in scores for v in scores[r].values()))
         xr = x[rep].float()
         fits = {k: refit(xr, y, c, l2, init) for k, init in (("zeros", None), ("warm", head))}
         pred = {k: (xr @ w.T + b).argmax(1) for k, (w, b, _) in fits.items()}

@@ -3,6 +3,7 @@ package, so nothing else imports them), and their tables carry every method they
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,7 +149,7 @@ def test_loader_rate_times_the_epochs_after_the_first(tmp_path, capsys):
     assert stop.value.code == 2 and "not found" in capsys.readouterr().err
 
 
-def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, capsys):
+def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, capsys, monkeypatch):
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 4, (400,), generator=g)
@@ -156,10 +157,15 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
     save_file({"features.token": centers[y] + torch.randn(400, 16, generator=g),
                "features.avg": 0.2 * centers[y] + torch.randn(400, 16, generator=g), "labels": y},
               str(tmp_path / "features-x.safetensors"))
+    monkeypatch.setattr(torch.optim, "LBFGS", torch.optim.LBFGS)  # the benchmark swaps in its timed one
     load("probe_fit").main(["--features", str(tmp_path / "features-x.safetensors"), "--dim", "16", "--classes", "4"])
     out = capsys.readouterr().out
     assert "N=4500: sample-major" in out and "400 samples, 2 representations" in out, out
     assert "-> token," in out and "% of predictions agree" in out, out  # the stronger signal is chosen
+    assert 0 < float(re.search(r"\((\d+)% in its evaluations\)", out)[1]) < 100, out
+    with pytest.raises(SystemExit):  # a one-line error, before any fit
+        load("probe_fit").main(["--history", "0"])
+    assert "--history must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_gpu_session_script_parses_and_names_its_parts():

@@ -424,14 +424,15 @@ def test_probe_l2_grid_is_a_config_key(tmp_path):
         load_config(None, ["probe.l2_grid=[weak]"])
 
 
-def _ref_correct(trx, try_, tex, tey, C, l2):
+def _ref_correct(trx, try_, tex, tey, C, l2, bias: bool = True):
     """big_vision's few-shot fit written out: standardise with the shots' statistics, a bias
-    column of 100, ridge onto {-1, 1}, argmax."""
+    column of 100 (unless `bias` is False), ridge onto {-1, 1}, argmax."""
     trx, tex = trx.double(), tex.double()
     mean, std = trx.mean(0), trx.std(0, unbiased=False) + 1e-5
     a, b = (trx - mean) / std, (tex - mean) / std
-    a = torch.cat([a, torch.full((len(a), 1), 100.0, dtype=torch.float64)], 1)
-    b = torch.cat([b, torch.full((len(b), 1), 100.0, dtype=torch.float64)], 1)
+    if bias:
+        a = torch.cat([a, torch.full((len(a), 1), 100.0, dtype=torch.float64)], 1)
+        b = torch.cat([b, torch.full((len(b), 1), 100.0, dtype=torch.float64)], 1)
     t = 2.0 * F.one_hot(try_, C).double() - 1.0
     w = torch.linalg.solve(a.T @ a + l2 * torch.eye(a.shape[1], dtype=torch.float64), a.T @ t)
     return (b @ w).argmax(1).eq(tey).numpy()
@@ -505,3 +506,4 @@ def test_fewshot_bias_column_matters_with_unbalanced_shots():
     xt, yt = _noisy(5, n=400)
     got = fewshot_correct(x[keep], y[keep], xt, yt, 4, 1.0)
     assert np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0))
+    assert not np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0, bias=False))  # it matters here
