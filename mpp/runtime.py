@@ -5,6 +5,8 @@ import contextlib
 
 import torch
 
+from mpp.config import ConfigError
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 PRECISIONS = ("auto", *DTYPES)
 
@@ -21,6 +23,15 @@ def cpu_has_bf16() -> bool:
     bf16 matmuls take a slow emulated path, tens of times slower than fp32 (AVX2-only CPUs)."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: absent means unknown
     return bool(check and check())
+
+
+def check_ranks_fit(local_ranks: int, devices: int, device_type: str) -> None:
+    """One rank per device: NCCL refuses two ranks on one GPU, but only at the first collective and
+    in words about NCCL ("invalid usage"), after the run has built everything. Say it before."""
+    if local_ranks > devices:
+        raise ConfigError(f"this node runs {local_ranks} ranks but sees {devices} {device_type} device(s), and ranks "
+                          f"cannot share one: launch --nproc_per_node {devices}, or hide the devices "
+                          f"(CUDA_VISIBLE_DEVICES=) to train {local_ranks} ranks on the CPU")
 
 
 def resolve_precision(precision: str, device_type: str) -> str:

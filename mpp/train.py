@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import pickle
 import sys
 import time
@@ -48,7 +49,7 @@ from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
-from mpp.runtime import resolve_precision
+from mpp.runtime import check_ranks_fit, resolve_precision
 
 
 class NonFiniteError(RuntimeError):
@@ -121,8 +122,10 @@ def setup(cfg: Config) -> Run:
     # cpu=True on machines without an accelerator: only then does Accelerate treat torchrun /
     # accelerate launch processes as MULTI_CPU (gloo) ranks instead of independent single runs
     on_accelerator = torch.accelerator.is_available()
-    precision = resolve_precision(cfg.train.precision, torch.accelerator.current_accelerator().type
-                                  if on_accelerator else "cpu")
+    device_type = torch.accelerator.current_accelerator().type if on_accelerator else "cpu"
+    if on_accelerator:
+        check_ranks_fit(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.accelerator.device_count(), device_type)
+    precision = resolve_precision(cfg.train.precision, device_type)
     accelerator = Accelerator(mixed_precision=precision, cpu=not on_accelerator)
     device, world = accelerator.device, accelerator.num_processes
     if cfg.batch_size % (world * accum):

@@ -33,7 +33,9 @@ def torchrun(out: Path, manifest: str, steps: int, *extra: str, ranks: int = 2,
             "train.ckpt_every=2", "data.shuffle_buffer=8", *extra]
 
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # this checkout's mpp in the ranks
+# this checkout's mpp in the ranks; GPUs hidden: gloo ranks on the CPU on any machine (a one-GPU
+# machine cannot hold two NCCL ranks)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
 
 
 def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks(tmp_path):

@@ -30,6 +30,7 @@ from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
 from mpp.models import load_encoder
+from mpp.runtime import check_ranks_fit
 from mpp.train import NonFiniteError, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +223,8 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            *settings(data, tmp_path, steps=6, batch_size=32, **{"train.log_every": 2, "train.ckpt_every": 3,
                                                                 "data.val": data / "test/manifest.json"})]
-    done = run_tool(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    gloo = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks on any machine
+    done = run_tool(cmd, env=gloo, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for run in (tmp_path, tmp_path / "ft"):
         assert_same(weights(run / "rank0.safetensors"), weights(run / "rank1.safetensors"))
@@ -357,6 +359,20 @@ def test_bad_settings_fail_before_any_work(data, tmp_path):
         train(config(settings(data, tmp_path / "z", steps=0)))
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
+
+
+def test_more_ranks_than_gpus_fail_before_any_work(data, tmp_path, monkeypatch):
+    """Two torchrun ranks on a one-GPU node: NCCL would fail at the first collective ("invalid
+    usage", after everything was built); the trainer says it, with the fix, before any work."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"2 ranks but sees 1 cuda device.*--nproc_per_node 1.*CUDA_VISIBLE_DEVICES="):
+        train(config(settings(data, tmp_path / "x")))
+    assert not (tmp_path / "x").exists()
+    for ranks, devices in ((1, 1), (2, 2), (1, 8)):  # a rank a device, or fewer ranks, pass
+        check_ranks_fit(ranks, devices, "cuda")
 
 def test_a_checkpoint_of_another_model_is_named_and_its_run_kept(data, mpp_run, tmp_path):
     """resume=auto in a run of another model, and train.resume=PATH of one into a new output_dir: one
