@@ -26,7 +26,7 @@ FLOPs ran at the matmul peak of its precision and everything else were free. The
 (`loader_check`) times the `mpp` step in steady state on batches from `make_loader` over
 generated synthetic shards (through `mpp.prefetch`, as the trainer) against the same step on an
 in-memory batch. `device`: cpu or cuda (CUDA steps are timed with a synchronize after each; peak
-memory is CUDA's allocator peak of one step).
+memory is CUDA's allocator peak of one step, with the CUDA graphs' pools, see `peak_memory`).
 """
 from __future__ import annotations
 
@@ -251,13 +251,19 @@ def step_flops(step: Callable, images: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-def peak_memory(step: Callable, images: torch.Tensor) -> int | None:
-    """CUDA allocator peak bytes of one step (None elsewhere)."""
+def peak_memory(step: Callable, images: torch.Tensor, graphs: bool = False) -> int | None:
+    """CUDA allocator peak bytes of one step (None elsewhere). A CUDA-graph step (`graphs`)
+    allocates nothing when it replays: its activations live in the graphs' private pools, reserved
+    at capture, so the pools' unallocated part counts too."""
     if images.device.type != "cuda":
         return None
     torch.cuda.reset_peak_memory_stats(images.device)
     step(images)
-    return torch.cuda.max_memory_allocated(images.device)
+    peak = torch.cuda.max_memory_allocated(images.device)
+    if graphs:
+        pools = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)]
+        peak += sum(s["total_size"] - s["allocated_size"] for s in pools)
+    return peak
 
 
 def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METHODS["cpu"], *, steps: int = 5,
@@ -283,7 +289,8 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
             group = []
             for method, sec in seconds.items():
                 row = dict(model=key, preset=preset, batch=B, precision=prec, method=method,
-                           step_s=sec, images_per_s=B / sec, peak_bytes=peak_memory(built[method], images))
+                           step_s=sec, images_per_s=B / sec, peak_bytes=peak_memory(built[method], images,
+                                                                          method.endswith("cudagraphs")))
                 progress(f"{key} {prec} {method}: {B / sec:.1f} images/s")
                 group.append(row)
             flops = step_flops(built["mpp"] if "mpp" in built else BUILDERS["mpp"](preset, PRECISIONS[prec],
