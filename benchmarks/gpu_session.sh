@@ -7,11 +7,11 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: B/16's in-memory compiled and CUDA-graph step,
-#                                                  trainer-b16, graphs-b16, each under its own time limit: what
-#                                                  the first three sessions (docs/benchmarks.md) left, the
-#                                                  trainer's ratio on one card; then, in later calls,
-#                                                  `tests 1/2` and `tests 2/2`
+#   bash benchmarks/gpu_session.sh session         on the GPU: what the first four sessions (docs/benchmarks.md)
+#                                                  left, each under its own time limit: B/16's in-memory compiled
+#                                                  and CUDA-graph step (the graph step's peak memory with its
+#                                                  pools), then `tests 2/2`; in a later call, `tests 1/2` (its
+#                                                  multi-rank tests since they hide the GPUs)
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -31,7 +31,7 @@
 #                                                  with torch's default threads there and with 2
 #   bash benchmarks/gpu_session.sh tests [K/N]     the whole suite on the GPU machine, or its K-th of N parts
 #                                                  (every N-th test file): it outlasts one call there, each
-#                                                  stage process starting CUDA (33 tests in 230 s, 82 s here)
+#                                                  stage process starting CUDA (`tests 1/2`: 271 s on an H200)
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
@@ -121,7 +121,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "220 step b16 --methods mpp+compile mpp+cudagraphs --no-loader" "170 trainer-b16" "160 graphs-b16"; do
+    for spec in "220 step b16 --methods mpp+compile mpp+cudagraphs --no-loader" "340 tests 2/2"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
