@@ -60,6 +60,22 @@ def sem(a: np.ndarray) -> float | None:
     return float(a.std(ddof=1) / np.sqrt(a.size)) if a.size > 1 else None
 
 
+def seed_image_overlap(per_seed) -> float:
+    """The variance, as a fraction squared, that a mean over n seeds and N images owes to the
+    seed-by-image interaction (an image's score moving with the seed beyond the seed's overall
+    level), s2 / (n N). A gap's two noise parts both hold it: the seeds' spread (the spread of
+    seed means holds s2 / N) and each image's mean over seeds (s2 / n), so the report takes it
+    out of the images' part once. Estimated from per-seed scores (seeds x images): the mean
+    within-image variance over seeds estimates seed variance + s2, the variance of the seed means
+    seed variance + s2 / N. 0 under two seeds or two images."""
+    x = np.asarray(per_seed, np.float64)
+    n, images = x.shape
+    if n < 2 or images < 2:
+        return 0.0
+    within, between = x.var(axis=0, ddof=1).mean(), x.mean(axis=1).var(ddof=1)
+    return max(0.0, float(within - between) * images / (images - 1)) / (n * images)
+
+
 def unpaired_sem(a: np.ndarray, b: np.ndarray) -> float:
     """Standard error, as a fraction, of mean(a) - mean(b) when a and b were scored on other
     images (or the same in another order, which this overstates): two independent samples."""

@@ -30,7 +30,9 @@ noise is the standard error of the difference, from two sources combined: the se
 sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws, paired draw by draw where both arms drew
 the same shots; a probe's fit has none) and the test images' sampling (mpp.outcomes: the
 per-image difference of the two arms, paired over the same images, each arm averaged over its
-seeds or draws; unpaired where the two scored other images). A gap under t times its noise is
+seeds or draws; unpaired where the two scored other images), less the seed-by-image variance
+both parts hold (`outcomes.seed_image_overlap`; where the seeds pair, as the few-shot draws do,
+it stays in both). A gap under t times its noise is
 marked not significant, t being Student's two-sided 95% quantile at the Welch-Satterthwaite
 degrees of freedom of those parts (`outcomes.critical`): 1.96 where thousands of test images
 dominate the noise, up to 12.7 where one pair of seeds does. One whose seed noise is unknown
@@ -139,7 +141,8 @@ def describe_run(run_dir: str | Path) -> dict:
 
 
 def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
-           per_image: dict | None = None, draws: dict | None = None, dof: dict | None = None) -> dict:
+           per_image: dict | None = None, draws: dict | None = None, dof: dict | None = None,
+           overlap: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
@@ -150,10 +153,12 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     (`noise_test`): paired where two families scored the same images in the same order, else as
     two independent samples. `draws` (family -> (digest of what was drawn, each draw's figure))
     makes the seed part paired where two families' digests and draw counts match: the few-shot
-    draws, which use the same shots in every arm."""
+    draws, which use the same shots in every arm. `overlap` (family -> the variance of its figure
+    that its seeds' and its images' part both hold, `outcomes.seed_image_overlap`) is taken out
+    of the images' part once where the seed part is unpaired."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
-    sem, per_image, draws, dof = sem or {}, per_image or {}, draws or {}, dof or {}
+    sem, per_image, draws, dof, overlap = sem or {}, per_image or {}, draws or {}, dof or {}, overlap or {}
     out["noise"], out["noise_test"], out["t"], out["significant"] = {}, {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
@@ -164,8 +169,12 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
         noise = t = None
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             paired = _paired_draws(draws, a, b)
-            seeds = ([(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)] if paired is None
-                     else [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)])
+            if paired is None:
+                seeds = [(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)]
+                if test:  # the seed-by-image variance both parts hold, counted once
+                    test = math.sqrt(max(0.0, test ** 2 - 1e4 * (overlap.get(a, 0.0) + overlap.get(b, 0.0))))
+            else:
+                seeds = [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)]
             noise, df = outcomes.combine(*seeds, (test or 0.0, len(per_image[a][1]) - 1 if test else math.inf))
             noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
@@ -180,7 +189,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        out["share_noise"] = _share_noise(acc, sem, per_image, draws)
+        out["share_noise"] = _share_noise(acc, sem, per_image, draws, overlap)
     return out
 
 
@@ -192,12 +201,13 @@ def _paired_draws(draws: dict, *families: str) -> list[np.ndarray] | None:
     return [np.asarray(v, np.float64) for _, v in got]
 
 
-def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict) -> float | None:
+def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, overlap: dict) -> float | None:
     """Standard error of the share R = (m - s) / (u - s) (u, m, s: supervised, MPP, scratch), to
     first order (the delta method), from the influence of each unit on R, ((m_i - s_i) - R (u_i -
     s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
     from each arm's own standard error: the seeds' part, and the test images' part where all three
-    arms recorded their per-image results. None when an arm's seed noise is unknown."""
+    arms recorded their per-image results (less the seed-by-image variance the seeds' part holds
+    too, as in `derive`). None when an arm's seed noise is unknown."""
     if any(sem.get(f) is None for f in acc):
         return None
     u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
@@ -217,6 +227,10 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict) -> float | 
         else:  # scored on other images: three independent samples
             test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in
                                 ((1 / gain, mi), (share / gain, ui), ((share - 1) / gain, si))))
+        if paired is None:
+            both = sum((w / gain) ** 2 * overlap.get(f, 0.0)
+                       for f, w in (("mpp", 1.0), ("supervised", share), ("scratch", share - 1)))
+            test = math.sqrt(max(0.0, test ** 2 - both))
     return round(math.hypot(seeds, test), 4)
 
 
@@ -391,6 +405,7 @@ def collect(runs: list[dict]) -> dict:
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
     images: dict = {}  # (family, fraction | "probe") -> (labels digest, per-image top-1 on the test images)
+    overlaps: dict = {}  # (family, fraction) -> outcomes.seed_image_overlap of its final runs
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
     dev: dict = {}    # (family, fraction) -> dev-split runs
@@ -437,12 +452,14 @@ def collect(runs: list[dict]) -> dict:
         ends = [_accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
         mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
-        images[f, key] = _seed_mean_images([outcomes.read(r["metrics"].get("outcomes")) for r in finals])
+        per_seed = [outcomes.read(r["metrics"].get("outcomes")) for r in finals]
+        images[f, key] = _seed_mean_images(per_seed)
+        overlaps[f, key] = outcomes.seed_image_overlap([v for _, v in per_seed]) if images[f, key] else 0.0
         if all("start_top1" in r["metrics"] for r in finals):  # LP-FT runs: where each started, on the same images
             starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals]
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
-            added = _added_noise(ends, starts, images[f, key], _seed_mean_images(
-                [outcomes.read(r["metrics"].get("start_outcomes")) for r in finals]))
+            added = _added_noise(ends, starts, per_seed,
+                                 [outcomes.read(r["metrics"].get("start_outcomes")) for r in finals])
             table[f]["finetune_added_noise"][key], table[f]["finetune_added_t"][key] = added or (None, None)
     recipes = {f: {key: _recipes(runs_, varied[g, key], cells.get((f, key), []), retrained.get((f, key), []))
                    for (g, key), runs_ in dev.items() if g == f} for f in FAMILIES}
@@ -459,7 +476,8 @@ def collect(runs: list[dict]) -> dict:
         return {"sem": {f: se for f, (se, _) in got.items()}, "dof": {f: df for f, (_, df) in got.items()}}
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), **seeds_noise(fr),
-                                per_image={f: images.get((f, fr)) for f in FAMILIES})
+                                per_image={f: images.get((f, fr)) for f in FAMILIES},
+                                overlap={f: overlaps.get((f, fr), 0.0) for f in FAMILIES})
                      for fr in fractions},
         "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
                               sem={f: 0.0 if images.get((f, "probe")) else None for f in FAMILIES},
@@ -480,17 +498,21 @@ def collect(runs: list[dict]) -> dict:
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
-def _added_noise(ends: list, starts: list, end_images, start_images) -> tuple[float, float] | None:
+def _added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: list) -> tuple[float, float] | None:
     """Standard error in points of what a cell's fine-tunes added to their start, mean(end) -
     mean(start), and the t its significance needs (as `derive`'s): the spread of the per-seed
-    gains and, where start and end were scored image by image on the same images, the test
-    images' paired sampling. None for a single seed."""
+    gains and, where start and end were scored image by image on the same images (`outcomes.read`
+    of each seed's), the test images' paired sampling, less the seed-by-image variance of the
+    gains that the spread holds too. None for a single seed."""
     sd = _mean_std([e - s for e, s in zip(ends, starts)])[1]
     if sd is None:
         return None
     test = (0.0, math.inf)
+    end_images, start_images = _seed_mean_images(end_outcomes), _seed_mean_images(start_outcomes)
     if end_images and start_images and end_images[0] == start_images[0]:
-        test = (100.0 * outcomes.paired_sem(end_images[1], start_images[1]), len(end_images[1]) - 1)
+        both = outcomes.seed_image_overlap([e.astype(np.float64) - s for (_, e), (_, s) in zip(end_outcomes, start_outcomes)])
+        paired = math.sqrt(max(0.0, outcomes.paired_sem(end_images[1], start_images[1]) ** 2 - both))
+        test = (100.0 * paired, len(end_images[1]) - 1)
     noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1), test)
     return round(noise, 4), round(outcomes.critical(df), 4)
 

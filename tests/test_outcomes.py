@@ -170,7 +170,8 @@ def test_report_marks_a_probe_gap_within_the_test_noise(tmp_path):
 
 def test_what_fine_tuning_added_gets_its_noise(tmp_path):
     """Two seeds start from the same probe head (40% of 400 images) and end at 45% and 46%: the gain
-    (+5.5) carries the seeds' spread and the images' paired sampling; a cell whose fine-tunes won
+    (+5.5) carries the seeds' spread and the images' paired sampling, less the seed-by-image part
+    both hold (the 4 images the seeds disagree on; `outcomes.seed_image_overlap`); a cell whose fine-tunes won
     1 image and lost 1 is marked within its noise; one whose two seeds gained 3 and 7 points
     (+5.0 ± 2.2, mostly their spread) is too, over twice its noise but under Student's t."""
     root, n = tmp_path / "runs", 400
@@ -191,14 +192,19 @@ def test_what_fine_tuning_added_gets_its_noise(tmp_path):
     noise = rep["table"]["supervised"]["finetune_added_noise"]
     gains = np.array([180, 184]) / n - 0.4
     ends = [(np.arange(n) < t).astype(float) for t in (180, 184)]
-    expected = 100 * np.hypot(np.std(gains, ddof=1) / np.sqrt(2), outcomes.paired_sem(np.mean(ends, 0), start))
+
+    def images_part(ends):  # the paired sampling of the mean gain, less the seed-by-image variance of the gains
+        both = outcomes.seed_image_overlap([np.asarray(e, float) - start for e in ends])
+        return np.sqrt(outcomes.paired_sem(np.mean(ends, 0), start) ** 2 - both)
+    assert outcomes.seed_image_overlap([e - start for e in ends]) > 0
+    expected = 100 * np.hypot(np.std(gains, ddof=1) / np.sqrt(2), images_part(ends))
     assert noise["0.1"] == pytest.approx(expected, abs=1e-3) and noise["0.1"] > 100 * np.std(gains, ddof=1) / 2 ** 0.5
     md = (tmp_path / "out" / "report.md").read_text().split("What fine-tuning added")[1]
     assert f"| supervised pre-training | 10% | 40.0 | 45.5 | +5.5 ± {noise['0.1']:.1f} |" in md
     assert "| supervised pre-training | 100% | 40.0 | 40.0 | +0.0 ± 0.4 not significant |" in md
     t = rep["table"]["supervised"]["finetune_added_t"]  # the seeds' 1 degree and the images' 399, by Welch
     spread = 100 * np.std(np.array([172, 188]) / n - 0.4, ddof=1) / 2 ** 0.5
-    test = 100 * outcomes.paired_sem(np.mean([np.arange(n) < e for e in (172, 188)], 0), start)
+    test = 100 * images_part([np.arange(n) < e for e in (172, 188)])
     assert t["0.5"] == pytest.approx(outcomes.critical(outcomes.combine((spread, 1), (test, n - 1))[1]), abs=1e-3)
     assert 2 * noise["0.5"] < 5.0 < t["0.5"] * noise["0.5"]
     for r in runs[1:]:  # starts scored on other images (another labels digest): the seeds' part alone
@@ -230,6 +236,38 @@ def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
         (r / "metrics.json").write_text(json.dumps({**m, "fewshot_seeds": "5"}))  # not a count: unknown
     assert write_report(runs, tmp_path / "out2")["derived"]["fewshot"]["5"]["noise"]["supervised_minus_mpp"] is None
 
+
+
+def test_a_gaps_noise_counts_the_seed_by_image_variance_once():
+    """Simulated fine-tunes whose per-image scores move with the seed (2 seeds, 2,000 images):
+    over 200 repeats of the experiment (new seeds, new test images) the squared noise `derive`
+    gives a gap, and the share's, average to their true variances (the share's to first order).
+    Counted in both the seeds' and the images' part, the seed-by-image variance would overstate
+    them by half."""
+    rng = np.random.default_rng(0)
+    n, images, arm, seed, inter = 2, 2000, 0.5, 0.01, 0.8  # standard deviations of the parts
+    one_mean = arm ** 2 / images + seed ** 2 / n + inter ** 2 / (n * images)  # an arm's figure, less what is paired out
+    true = 2 * one_mean
+    share = 0.1 / 0.5  # (mpp - scratch) / (supervised - scratch): its weights on the three means are 1, share - 1, -share
+    share_true = (1 + (1 - share) ** 2 + share ** 2) * one_mean / 0.5 ** 2
+    counted = {"once": [], "twice": []}
+    shares = {"once": [], "twice": []}
+    for _ in range(200):
+        shared = rng.normal(0.0, 1.0, images)  # what makes an image hard for every arm: paired out
+        runs = {f: lift + shared + rng.normal(0.0, arm, images) + rng.normal(0.0, seed, (n, 1))
+                + rng.normal(0.0, inter, (n, images)) for f, lift in (("supervised", 0.5), ("mpp", 0.1), ("scratch", 0.0))}
+        common = dict(sem={f: x.mean(1).std(ddof=1) / np.sqrt(n) for f, x in runs.items()},
+                      dof={f: n - 1 for f in runs}, per_image={f: ("same", x.mean(0)) for f, x in runs.items()})
+        acc = [runs[f].mean() for f in ("supervised", "mpp", "scratch")]
+        overlap = {f: outcomes.seed_image_overlap(x) for f, x in runs.items()}
+        for key, extra in (("once", {"overlap": overlap}), ("twice", {})):
+            g = derive(*acc, **common, **extra)
+            counted[key].append((g["noise"]["mpp_minus_scratch"] / 100) ** 2)
+            shares[key].append(g["share_noise"] ** 2)
+    assert np.mean(counted["once"]) / true == pytest.approx(1.0, abs=0.06)
+    assert np.mean(counted["twice"]) / true > 1.35
+    assert np.mean(shares["once"]) / share_true == pytest.approx(1.0, abs=0.06)
+    assert np.mean(shares["twice"]) / share_true > 1.35
 
 def test_share_noise_matches_resampling():
     """The share's standard error (delta method) against brute force: resampling the test images
