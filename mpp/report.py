@@ -30,9 +30,9 @@ noise is the standard error of the difference, from two sources combined: the se
 sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws, paired draw by draw where both arms drew
 the same shots; a probe's fit has none) and the test images' sampling (mpp.outcomes: the
 per-image difference of the two arms, paired over the same images, each arm averaged over its
-seeds or draws; unpaired where the two scored other images), less the seed-by-image variance
-both parts hold (`outcomes.seed_image_overlap`; where the seeds pair, as the few-shot draws do,
-it stays in both). A gap under t times its noise is
+seeds or draws; unpaired where the two scored other images), less the run-by-image variance
+both parts hold (`outcomes.seed_image_overlap`, of each arm's runs, or of the paired difference
+where the few-shot draws pair). A gap under t times its noise is
 marked not significant, t being Student's two-sided 95% quantile at the Welch-Satterthwaite
 degrees of freedom of those parts (`outcomes.critical`): 1.96 where thousands of test images
 dominate the noise, up to 12.7 where one pair of seeds does. One whose seed noise is unknown
@@ -142,7 +142,7 @@ def describe_run(run_dir: str | Path) -> dict:
 
 def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
            per_image: dict | None = None, draws: dict | None = None, dof: dict | None = None,
-           overlap: dict | None = None) -> dict:
+           per_run: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
@@ -153,12 +153,12 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     (`noise_test`): paired where two families scored the same images in the same order, else as
     two independent samples. `draws` (family -> (digest of what was drawn, each draw's figure))
     makes the seed part paired where two families' digests and draw counts match: the few-shot
-    draws, which use the same shots in every arm. `overlap` (family -> the variance of its figure
-    that its seeds' and its images' part both hold, `outcomes.seed_image_overlap`) is taken out
-    of the images' part once where the seed part is unpaired."""
+    draws, which use the same shots in every arm. `per_run` (family -> its runs' or draws'
+    per-image scores, runs x images) takes the seed-by-image variance that the seeds' and the
+    images' part both hold out of the images' part once (`_overlap`)."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
-    sem, per_image, draws, dof, overlap = sem or {}, per_image or {}, draws or {}, dof or {}, overlap or {}
+    sem, per_image, draws, dof, per_run = sem or {}, per_image or {}, draws or {}, dof or {}, per_run or {}
     out["noise"], out["noise_test"], out["t"], out["significant"] = {}, {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
@@ -169,12 +169,10 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
         noise = t = None
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             paired = _paired_draws(draws, a, b)
-            if paired is None:
-                seeds = [(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)]
-                if test:  # the seed-by-image variance both parts hold, counted once
-                    test = math.sqrt(max(0.0, test ** 2 - 1e4 * (overlap.get(a, 0.0) + overlap.get(b, 0.0))))
-            else:
-                seeds = [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)]
+            seeds = ([(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)] if paired is None
+                     else [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)])
+            if test:  # the seed-by-image variance both parts hold, counted once
+                test = math.sqrt(max(0.0, test ** 2 - 1e4 * _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None)))
             noise, df = outcomes.combine(*seeds, (test or 0.0, len(per_image[a][1]) - 1 if test else math.inf))
             noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
@@ -189,7 +187,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        out["share_noise"] = _share_noise(acc, sem, per_image, draws, overlap)
+        out["share_noise"] = _share_noise(acc, sem, per_image, draws, per_run)
     return out
 
 
@@ -201,7 +199,21 @@ def _paired_draws(draws: dict, *families: str) -> list[np.ndarray] | None:
     return [np.asarray(v, np.float64) for _, v in got]
 
 
-def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, overlap: dict) -> float | None:
+def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
+    """The seed-by-image variance (`outcomes.seed_image_overlap`) of a weighted sum of families'
+    figures: of the weighted sum of their per-run scores where the runs pair (the same draws of
+    shots), else the weighted sum of each family's own. 0 where a family has no per-run scores."""
+    runs = [per_run.get(f) for f in weights]
+    if any(x is None for x in runs):
+        return 0.0
+    if not paired:
+        return sum(w * w * outcomes.seed_image_overlap(x) for w, x in zip(weights.values(), runs))
+    if len({x.shape for x in runs}) > 1:
+        return 0.0
+    return outcomes.seed_image_overlap(sum(w * x for w, x in zip(weights.values(), runs)))
+
+
+def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, per_run: dict) -> float | None:
     """Standard error of the share R = (m - s) / (u - s) (u, m, s: supervised, MPP, scratch), to
     first order (the delta method), from the influence of each unit on R, ((m_i - s_i) - R (u_i -
     s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
@@ -227,10 +239,8 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, overlap: di
         else:  # scored on other images: three independent samples
             test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in
                                 ((1 / gain, mi), (share / gain, ui), ((share - 1) / gain, si))))
-        if paired is None:
-            both = sum((w / gain) ** 2 * overlap.get(f, 0.0)
-                       for f, w in (("mpp", 1.0), ("supervised", share), ("scratch", share - 1)))
-            test = math.sqrt(max(0.0, test ** 2 - both))
+        weights = {"mpp": 1 / gain, "supervised": -share / gain, "scratch": (share - 1) / gain}
+        test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None)))
     return round(math.hypot(seeds, test), 4)
 
 
@@ -404,8 +414,8 @@ def collect(runs: list[dict]) -> dict:
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "probe_pool_choice": None,
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
-    images: dict = {}  # (family, fraction | "probe") -> (labels digest, per-image top-1 on the test images)
-    overlaps: dict = {}  # (family, fraction) -> outcomes.seed_image_overlap of its final runs
+    images: dict = {}  # (family, fraction | "probe" | "{k}shot") -> (labels digest, per-image top-1 on the test images)
+    per_run: dict = {}  # the same keys -> (labels digest, per-image top-1 of each run or draw: runs x images)
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
     dev: dict = {}    # (family, fraction) -> dev-split runs
@@ -440,7 +450,7 @@ def collect(runs: list[dict]) -> dict:
                     row["fewshot"][shots] = _accuracy(m, k, r["dir"])
                     row["fewshot_std"][shots] = m.get(f"{shots}shot_std")
                     row["fewshot_draws"][shots] = _draws(m, shots)
-                    images[r["family"], f"{shots}shot"] = _seed_mean_images(
+                    per_run[r["family"], f"{shots}shot"] = _runs_images(
                         [outcomes.read(e) for e in m.get(f"{shots}shot_outcomes") or []])
     varied = {cell: _varied(runs_) for cell, runs_ in dev.items()}  # the keys each cell's sweep varied
     retrained: dict = {}  # (family, fraction) -> the other values' final runs, summed up
@@ -453,8 +463,7 @@ def collect(runs: list[dict]) -> dict:
         mean, std = _mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
         per_seed = [outcomes.read(r["metrics"].get("outcomes")) for r in finals]
-        images[f, key] = _seed_mean_images(per_seed)
-        overlaps[f, key] = outcomes.seed_image_overlap([v for _, v in per_seed]) if images[f, key] else 0.0
+        per_run[f, key] = _runs_images(per_seed)
         if all("start_top1" in r["metrics"] for r in finals):  # LP-FT runs: where each started, on the same images
             starts = [_accuracy(r["metrics"], "start_top1", r["dir"]) for r in finals]
             table[f]["finetune_start"][key] = _mean_std(starts)[0]
@@ -465,6 +474,12 @@ def collect(runs: list[dict]) -> dict:
                    for (g, key), runs_ in dev.items() if g == f} for f in FAMILIES}
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
+
+    for k, v in per_run.items():  # the figures' per-image scores: each run's, averaged
+        images[k] = v and (v[0], v[1].mean(0))
+
+    def runs_of(key: str) -> dict:  # derive's per_run
+        return {f: per_run[f, key][1] for f in FAMILIES if per_run.get((f, key))}
 
     def seeds_noise(fr: str) -> dict:  # derive's sem and dof of the fine-tunes, over their seeds
         std, n = ({f: table[f][key].get(fr) for f in FAMILIES} for key in ("finetune_std", "finetune_n"))
@@ -477,14 +492,15 @@ def collect(runs: list[dict]) -> dict:
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), **seeds_noise(fr),
                                 per_image={f: images.get((f, fr)) for f in FAMILIES},
-                                overlap={f: overlaps.get((f, fr), 0.0) for f in FAMILIES})
+                                per_run=runs_of(fr))
                      for fr in fractions},
         "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
                               sem={f: 0.0 if images.get((f, "probe")) else None for f in FAMILIES},
                               per_image={f: images.get((f, "probe")) for f in FAMILIES}),
         "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), **draws_noise(k),
                               per_image={f: images.get((f, f"{k}shot")) for f in FAMILIES},
-                              draws={f: table[f]["fewshot_draws"].get(k) for f in FAMILIES}) for k in shots},
+                              draws={f: table[f]["fewshot_draws"].get(k) for f in FAMILIES},
+                              per_run=runs_of(f"{k}shot")) for k in shots},
     }
     for fr, g in derived["finetune"].items():  # arms whose recipe the development split could not choose
         cell = {f: recipes[f].get(fr) or {} for f in FAMILIES}
@@ -508,21 +524,22 @@ def _added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: l
     if sd is None:
         return None
     test = (0.0, math.inf)
-    end_images, start_images = _seed_mean_images(end_outcomes), _seed_mean_images(start_outcomes)
-    if end_images and start_images and end_images[0] == start_images[0]:
-        both = outcomes.seed_image_overlap([e.astype(np.float64) - s for (_, e), (_, s) in zip(end_outcomes, start_outcomes)])
-        paired = math.sqrt(max(0.0, outcomes.paired_sem(end_images[1], start_images[1]) ** 2 - both))
-        test = (100.0 * paired, len(end_images[1]) - 1)
+    end, start = _runs_images(end_outcomes), _runs_images(start_outcomes)
+    if end and start and end[0] == start[0]:
+        both = outcomes.seed_image_overlap(end[1] - start[1])
+        paired = math.sqrt(max(0.0, outcomes.paired_sem(end[1].mean(0), start[1].mean(0)) ** 2 - both))
+        test = (100.0 * paired, end[1].shape[1] - 1)
     noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1), test)
     return round(noise, 4), round(outcomes.critical(df), 4)
 
 
-def _seed_mean_images(per_seed: list) -> tuple[str, np.ndarray] | None:
-    """(labels digest, per-image top-1 averaged over seeds) of a cell's final runs; None unless
-    every run recorded outcomes on the same images in the same order."""
+def _runs_images(per_seed: list) -> tuple[str, np.ndarray] | None:
+    """(labels digest, per-image top-1 of each run: runs x images) of a cell's final runs or a
+    probe's draws (`outcomes.read` of each); None unless every run recorded outcomes on the same
+    images in the same order."""
     if not per_seed or any(p is None for p in per_seed) or len({(d, len(v)) for d, v in per_seed}) > 1:
         return None
-    return per_seed[0][0], np.mean([v for _, v in per_seed], axis=0)
+    return per_seed[0][0], np.array([v for _, v in per_seed], np.float64)
 
 
 def _draws(metrics: dict, shots: str) -> tuple[str, list[float]] | None:
@@ -622,8 +639,7 @@ def render_markdown(rep: dict) -> str:
               "arms drew the same shots; a linear probe's fit has none) "
               "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
               "draws, compared on the same images), less what both hold: how an image's result moves with "
-              "the fine-tune's seed beyond the seed's overall level (counted once; the few-shot draws keep it in "
-              "both). A gap "
+              "the seed or the draw beyond its overall level (counted once). A gap "
               "under t times its standard error is marked not significant, t being Student's two-sided 95% "
               "quantile at the Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images "
               "dominate the noise, 4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread "
