@@ -162,7 +162,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     out["noise"], out["noise_test"], out["t"], out["significant"] = {}, {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
-        test = None
+        test, same = None, False
         if out[gap] is not None and per_image.get(a) and per_image.get(b):
             same = per_image[a][0] == per_image[b][0]
             test = 100.0 * (outcomes.paired_sem if same else outcomes.unpaired_sem)(per_image[a][1], per_image[b][1])
@@ -172,7 +172,8 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             seeds = ([(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)] if paired is None
                      else [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)])
             if test:  # the seed-by-image variance both parts hold, counted once
-                test = math.sqrt(max(0.0, test ** 2 - 1e4 * _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None)))
+                both = _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None and same)
+                test = math.sqrt(max(0.0, test ** 2 - 1e4 * both))
             noise, df = outcomes.combine(*seeds, (test or 0.0, len(per_image[a][1]) - 1 if test else math.inf))
             noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
@@ -202,7 +203,8 @@ def _paired_draws(draws: dict, *families: str) -> list[np.ndarray] | None:
 def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
     """The seed-by-image variance (`outcomes.seed_image_overlap`) of a weighted sum of families'
     figures: of the weighted sum of their per-run scores where the runs pair (the same draws of
-    shots), else the weighted sum of each family's own. 0 where a family has no per-run scores."""
+    shots, scored on the same images), else the weighted sum of each family's own. 0 where a
+    family has no per-run scores."""
     runs = [per_run.get(f) for f in weights]
     if any(x is None for x in runs):
         return 0.0
@@ -234,13 +236,14 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, per_run: di
     images = [per_image.get(f) for f in ("supervised", "mpp", "scratch")]
     if all(images):
         ui, mi, si = (v.astype(np.float64) for _, v in images)
-        if len({d for d, _ in images}) == 1:
+        same = len({d for d, _ in images}) == 1
+        if same:
             test = outcomes.paired_sem((mi - si) / gain, share * (ui - si) / gain)
         else:  # scored on other images: three independent samples
             test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in
                                 ((1 / gain, mi), (share / gain, ui), ((share - 1) / gain, si))))
         weights = {"mpp": 1 / gain, "supervised": -share / gain, "scratch": (share - 1) / gain}
-        test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None)))
+        test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None and same)))
     return round(math.hypot(seeds, test), 4)
 
 

@@ -250,7 +250,7 @@ def test_a_gaps_noise_counts_the_seed_by_image_variance_once(paired):
     n, images, arm, seed, inter = 2, 2000, 0.5, 0.01, 0.8  # standard deviations of each arm's own parts
     one_mean = arm ** 2 / images + seed ** 2 / n + inter ** 2 / (n * images)  # an arm's figure, less what pairs out
     true = 2 * one_mean
-    share = 0.1 / 0.5  # (mpp - scratch) / (supervised - scratch): its weights on the three means are 1, share - 1, -share
+    share = 0.1 / 0.5  # (mpp - scratch) / (supervised - scratch); its weights on the means: 1, share - 1, -share
     share_true = (1 + (1 - share) ** 2 + share ** 2) * one_mean / 0.5 ** 2
     gaps, shares = {"once": [], "twice": []}, {"once": [], "twice": []}
     for _ in range(200):
@@ -258,7 +258,8 @@ def test_a_gaps_noise_counts_the_seed_by_image_variance_once(paired):
         if paired:  # the same shots: a draw's effect on the whole set and on each image, shared
             common = common + rng.normal(0.0, 0.05, (n, 1)) + rng.normal(0.0, 0.6, (n, images))
         runs = {f: lift + common + rng.normal(0.0, arm, images) + rng.normal(0.0, seed, (n, 1))
-                + rng.normal(0.0, inter, (n, images)) for f, lift in (("supervised", 0.5), ("mpp", 0.1), ("scratch", 0.0))}
+                + rng.normal(0.0, inter, (n, images))
+                for f, lift in (("supervised", 0.5), ("mpp", 0.1), ("scratch", 0.0))}
         given = dict(sem={f: x.mean(1).std(ddof=1) / np.sqrt(n) for f, x in runs.items()},
                      dof={f: n - 1 for f in runs}, per_image={f: ("same", x.mean(0)) for f, x in runs.items()},
                      draws={f: ("shots", list(x.mean(1))) for f, x in runs.items()} if paired else None)
@@ -271,6 +272,24 @@ def test_a_gaps_noise_counts_the_seed_by_image_variance_once(paired):
     assert np.mean(gaps["twice"]) / true > 1.3
     assert np.mean(shares["once"]) / share_true == pytest.approx(1.0, abs=0.08)
     assert np.mean(shares["twice"]) / share_true > 1.3
+
+
+def test_shared_draws_scored_on_other_images_take_each_arms_own_overlap():
+    """Draws that pair (the same shots) but were scored on other test images: the images' part is
+    two independent samples, and so is what it shares with the draws' part: each arm's own
+    draw-by-image variance, not that of a difference image by image."""
+    rng = np.random.default_rng(3)
+    runs = {f: (rng.random((3, 500)) < p).astype(float)
+            for f, p in (("supervised", 0.7), ("mpp", 0.5), ("scratch", 0.4))}
+    given = dict(sem={f: x.mean(1).std(ddof=1) / np.sqrt(3) for f, x in runs.items()},
+                 per_image={f: (f, x.mean(0)) for f, x in runs.items()},  # every arm its own images
+                 draws={f: ("shots", list(x.mean(1))) for f, x in runs.items()}, per_run=runs)
+    g = derive(*(runs[f].mean() for f in ("supervised", "mpp", "scratch")), **given)
+    a, b = runs["mpp"], runs["scratch"]
+    own = outcomes.seed_image_overlap(a) + outcomes.seed_image_overlap(b)
+    assert own != pytest.approx(outcomes.seed_image_overlap(a - b))  # the two readings differ here
+    want = 100 * np.sqrt(outcomes.unpaired_sem(a.mean(0), b.mean(0)) ** 2 - own)
+    assert g["noise_test"]["mpp_minus_scratch"] == pytest.approx(want, abs=1e-3)
 
 
 def test_share_noise_matches_resampling():
