@@ -226,23 +226,21 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, per_run: di
         return None
     u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
     gain, share = u - s, (m - s) / (u - s)
-    paired = _paired_draws(draws, "supervised", "mpp", "scratch")
+    weights = {"mpp": 1 / gain, "supervised": -share / gain, "scratch": (share - 1) / gain}  # dR / d(arm's mean)
+    paired = _paired_draws(draws, *weights)
     if paired is None:
-        seeds = math.hypot(sem["mpp"] / gain, share * sem["supervised"] / gain, (share - 1) * sem["scratch"] / gain)
+        seeds = math.hypot(*(w * sem[f] for f, w in weights.items()))
     else:
-        ud, md, sd = paired
-        seeds = outcomes.paired_sem((md - sd) / gain, share * (ud - sd) / gain)
+        seeds = outcomes.sem(sum(w * d for w, d in zip(weights.values(), paired))) or 0.0
     test = 0.0
-    images = [per_image.get(f) for f in ("supervised", "mpp", "scratch")]
+    images = [per_image.get(f) for f in weights]
     if all(images):
-        ui, mi, si = (v.astype(np.float64) for _, v in images)
+        scores = [v.astype(np.float64) for _, v in images]
         same = len({d for d, _ in images}) == 1
         if same:
-            test = outcomes.paired_sem((mi - si) / gain, share * (ui - si) / gain)
+            test = outcomes.sem(sum(w * x for w, x in zip(weights.values(), scores))) or 0.0
         else:  # scored on other images: three independent samples
-            test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in
-                                ((1 / gain, mi), (share / gain, ui), ((share - 1) / gain, si))))
-        weights = {"mpp": 1 / gain, "supervised": -share / gain, "scratch": (share - 1) / gain}
+            test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in zip(weights.values(), scores)))
         test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None and same)))
     return round(math.hypot(seeds, test), 4)
 
@@ -529,9 +527,9 @@ def _added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: l
     test = (0.0, math.inf)
     end, start = _runs_images(end_outcomes), _runs_images(start_outcomes)
     if end and start and end[0] == start[0]:
-        both = outcomes.seed_image_overlap(end[1] - start[1])
-        paired = math.sqrt(max(0.0, outcomes.paired_sem(end[1].mean(0), start[1].mean(0)) ** 2 - both))
-        test = (100.0 * paired, end[1].shape[1] - 1)
+        gains = end[1] - start[1]  # seeds x images
+        paired = math.sqrt(max(0.0, (outcomes.sem(gains.mean(0)) or 0.0) ** 2 - outcomes.seed_image_overlap(gains)))
+        test = (100.0 * paired, gains.shape[1] - 1)
     noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1), test)
     return round(noise, 4), round(outcomes.critical(df), 4)
 
