@@ -14,6 +14,7 @@ the probe's (a lever tried: fewer small operations an iteration, fits that stop 
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -80,29 +81,30 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.history is not None and a.history < 1:
         raise ValueError(f"--history must be >= 1, got {a.history}")
-    torch.optim.LBFGS, _TimedLBFGS.history = _TimedLBFGS, a.history  # `_fit_logistic` builds torch.optim.LBFGS
-    print(f"threads {torch.get_num_threads()}; logits + gradient matmuls, D={a.dim}, C={a.classes}")
-    for n in (4500, 45000):
-        rows, cols = matmul_layouts(n, a.dim, a.classes)
-        print(f"  N={n}: sample-major {rows:.3f} ms, class-major {cols:.3f} ms ({rows / cols:.1f}x)")
-    for path in a.features:
-        d = load_file(path)
-        x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
-        y, c = d["labels"].long(), int(d["labels"].max()) + 1
-        t, _TimedLBFGS.evaluations_s = time.perf_counter(), 0.0
-        choice = choose_probe(x, y, num_classes=c)
-        took = time.perf_counter() - t
-        rep, l2, scores, head = choice.pool, choice.l2, choice.scores, choice.head
-        print(f"{path}: {len(y)} samples, {len(x)} representations: choose_probe {took:.1f} s "
-              f"({100 * _TimedLBFGS.evaluations_s / took:.0f}% in its evaluations) -> {rep}, L2 {l2:g}, "
-              f"held-out {100 * scores[rep][l2]:.1f}; every held-out score: "
-              + " ".join(f"{100 * v:.1f}" for r in scores for v in scores[r].values()))
-        xr = x[rep].float()
-        fits = {k: refit(xr, y, c, l2, init) for k, init in (("zeros", None), ("warm", head))}
-        pred = {k: (xr @ w.T + b).argmax(1) for k, (w, b, _) in fits.items()}
-        print("  refit on all: " + ", ".join(f"from {k} {sec:.2f} s (objective {objective(xr, y, l2, w, b):.6f})"
-                                           for k, (w, b, sec) in fits.items())
-              + f"; {100 * (pred['zeros'] == pred['warm']).float().mean():.1f}% of predictions agree")
+    _TimedLBFGS.history = a.history
+    with mock.patch.object(torch.optim, "LBFGS", _TimedLBFGS):  # `_fit_logistic` builds torch.optim.LBFGS
+        print(f"threads {torch.get_num_threads()}; logits + gradient matmuls, D={a.dim}, C={a.classes}")
+        for n in (4500, 45000):
+            rows, cols = matmul_layouts(n, a.dim, a.classes)
+            print(f"  N={n}: sample-major {rows:.3f} ms, class-major {cols:.3f} ms ({rows / cols:.1f}x)")
+        for path in a.features:
+            d = load_file(path)
+            x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
+            y, c = d["labels"].long(), int(d["labels"].max()) + 1
+            t, _TimedLBFGS.evaluations_s = time.perf_counter(), 0.0
+            choice = choose_probe(x, y, num_classes=c)
+            took = time.perf_counter() - t
+            rep, l2, scores, head = choice.pool, choice.l2, choice.scores, choice.head
+            print(f"{path}: {len(y)} samples, {len(x)} representations: choose_probe {took:.1f} s "
+                  f"({100 * _TimedLBFGS.evaluations_s / took:.0f}% in its evaluations) -> {rep}, L2 {l2:g}, "
+                  f"held-out {100 * scores[rep][l2]:.1f}; every held-out score: "
+                  + " ".join(f"{100 * v:.1f}" for r in scores for v in scores[r].values()))
+            xr = x[rep].float()
+            fits = {k: refit(xr, y, c, l2, init) for k, init in (("zeros", None), ("warm", head))}
+            pred = {k: (xr @ w.T + b).argmax(1) for k, (w, b, _) in fits.items()}
+            print("  refit on all: " + ", ".join(f"from {k} {sec:.2f} s (objective {objective(xr, y, l2, w, b):.6f})"
+                                               for k, (w, b, sec) in fits.items())
+                  + f"; {100 * (pred['zeros'] == pred['warm']).float().mean():.1f}% of predictions agree")
 
 
 if __name__ == "__main__":

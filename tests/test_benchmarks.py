@@ -167,7 +167,7 @@ def test_loader_rate_times_the_epochs_after_the_first(tmp_path, capsys):
     assert stop.value.code == 2 and "not found" in capsys.readouterr().err
 
 
-def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, capsys, monkeypatch):
+def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, capsys):
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 4, (400,), generator=g)
@@ -175,8 +175,9 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
     save_file({"features.token": centers[y] + torch.randn(400, 16, generator=g),
                "features.avg": 0.2 * centers[y] + torch.randn(400, 16, generator=g), "labels": y},
               str(tmp_path / "features-x.safetensors"))
-    monkeypatch.setattr(torch.optim, "LBFGS", torch.optim.LBFGS)  # the benchmark swaps in its timed one
+    lbfgs = torch.optim.LBFGS
     load("probe_fit").main(["--features", str(tmp_path / "features-x.safetensors"), "--dim", "16", "--classes", "4"])
+    assert torch.optim.LBFGS is lbfgs  # its timed L-BFGS is swapped in for its own run only
     out = capsys.readouterr().out
     assert "N=4500: sample-major" in out and "400 samples, 2 representations" in out, out
     assert "-> token," in out and "% of predictions agree" in out, out  # the stronger signal is chosen
