@@ -141,24 +141,24 @@ def describe_run(run_dir: str | Path) -> dict:
 
 
 def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
-           per_image: dict | None = None, draws: dict | None = None, dof: dict | None = None,
-           per_run: dict | None = None) -> dict:
+           per_run: dict | None = None, draws: dict | None = None, dof: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`), the multiple of it a significant gap reaches (`t`, from the
     degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent) and
-    whether the gap reaches it (`significant`, None: unknown); `per_image` (family -> (labels
-    digest, per-image score on the test images)) adds the test images' sampling error
-    (`noise_test`): paired where two families scored the same images in the same order, else as
-    two independent samples. `draws` (family -> (digest of what was drawn, each draw's figure))
-    makes the seed part paired where two families' digests and draw counts match: the few-shot
-    draws, which use the same shots in every arm. `per_run` (family -> its runs' or draws'
-    per-image scores, runs x images) takes the seed-by-image variance that the seeds' and the
-    images' part both hold out of the images' part once (`_overlap`)."""
+    whether the gap reaches it (`significant`, None: unknown); `per_run` (family -> (labels
+    digest, per-image scores on the test images of each run or draw: runs x images, 1 x images
+    for a probe)) adds the test images' sampling error of the runs' mean (`noise_test`): paired
+    where two families scored the same images in the same order, else as two independent
+    samples, less the seed-by-image variance that the seeds' part holds too (`_overlap`).
+    `draws` (family -> (digest of what was drawn, each draw's figure)) makes the seed part paired
+    where two families' digests and draw counts match: the few-shot draws, which use the same
+    shots in every arm."""
     out: dict = {}
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
-    sem, per_image, draws, dof, per_run = sem or {}, per_image or {}, draws or {}, dof or {}, per_run or {}
+    sem, draws, dof, per_run = sem or {}, draws or {}, dof or {}, per_run or {}
+    per_image = _mean_images(per_run)
     out["noise"], out["noise_test"], out["t"], out["significant"] = {}, {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
@@ -188,8 +188,13 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        out["share_noise"] = _share_noise(acc, sem, per_image, draws, per_run)
+        out["share_noise"] = _share_noise(acc, sem, per_run, draws)
     return out
+
+
+def _mean_images(per_run: dict) -> dict:
+    """family -> (labels digest, each test image's score averaged over the runs) of `per_run`."""
+    return {f: (v[0], np.asarray(v[1], np.float64).mean(0)) for f, v in per_run.items() if v}
 
 
 def _paired_draws(draws: dict, *families: str) -> list[np.ndarray] | None:
@@ -204,10 +209,11 @@ def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
     """The seed-by-image variance (`outcomes.seed_image_overlap`) of a weighted sum of families'
     figures: of the weighted sum of their per-run scores where the runs pair (the same draws of
     shots, scored on the same images), else the weighted sum of each family's own. 0 where a
-    family has no per-run scores."""
+    family has no per-run scores (`derive`'s `per_run`)."""
     runs = [per_run.get(f) for f in weights]
-    if any(x is None for x in runs):
+    if not all(runs):
         return 0.0
+    runs = [np.asarray(x, np.float64) for _, x in runs]
     if not paired:
         return sum(w * w * outcomes.seed_image_overlap(x) for w, x in zip(weights.values(), runs))
     if len({x.shape for x in runs}) > 1:
@@ -215,7 +221,7 @@ def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
     return outcomes.seed_image_overlap(sum(w * x for w, x in zip(weights.values(), runs)))
 
 
-def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, per_run: dict) -> float | None:
+def _share_noise(acc: dict, sem: dict, per_run: dict, draws: dict) -> float | None:
     """Standard error of the share R = (m - s) / (u - s) (u, m, s: supervised, MPP, scratch), to
     first order (the delta method), from the influence of each unit on R, ((m_i - s_i) - R (u_i -
     s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
@@ -233,7 +239,8 @@ def _share_noise(acc: dict, sem: dict, per_image: dict, draws: dict, per_run: di
     else:
         seeds = outcomes.sem(sum(w * d for w, d in zip(weights.values(), paired))) or 0.0
     test = 0.0
-    images = [per_image.get(f) for f in weights]
+    means = _mean_images(per_run)
+    images = [means.get(f) for f in weights]
     if all(images):
         scores = [v.astype(np.float64) for _, v in images]
         same = len({d for d, _ in images}) == 1
@@ -415,8 +422,7 @@ def collect(runs: list[dict]) -> dict:
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "probe_pool_choice": None,
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
-    images: dict = {}  # (family, fraction | "probe" | "{k}shot") -> (labels digest, per-image top-1 on the test images)
-    per_run: dict = {}  # the same keys -> (labels digest, per-image top-1 of each run or draw: runs x images)
+    per_run: dict = {}  # (family, fraction | "probe" | "{k}shot") -> (labels digest, per-image top-1 of each run or draw)
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
     dev: dict = {}    # (family, fraction) -> dev-split runs
@@ -440,7 +446,7 @@ def collect(runs: list[dict]) -> dict:
         else:
             place((r["family"], "probe"), r)
             row["linear_top1"] = _accuracy(m, "top1", r["dir"])
-            images[r["family"], "probe"] = outcomes.read(m.get("outcomes"))
+            per_run[r["family"], "probe"] = _runs_images([outcomes.read(m.get("outcomes"))])
             row["fewshot_seeds"] = m.get("fewshot_seeds") if isinstance(m.get("fewshot_seeds"), int) else None
             row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
             row["probe_pool_choice"] = pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else None
@@ -476,11 +482,8 @@ def collect(runs: list[dict]) -> dict:
     fractions = sorted({k for f in FAMILIES for k in table[f]["finetune"]}, key=float)
     shots = sorted({k for f in FAMILIES for k in table[f]["fewshot"]}, key=int)
 
-    for k, v in per_run.items():  # the figures' per-image scores: each run's, averaged
-        images[k] = v and (v[0], v[1].mean(0))
-
     def runs_of(key: str) -> dict:  # derive's per_run
-        return {f: per_run[f, key][1] for f in FAMILIES if per_run.get((f, key))}
+        return {f: per_run[f, key] for f in FAMILIES if per_run.get((f, key))}
 
     def seeds_noise(fr: str) -> dict:  # derive's sem and dof of the fine-tunes, over their seeds
         std, n = ({f: table[f][key].get(fr) for f in FAMILIES} for key in ("finetune_std", "finetune_n"))
@@ -492,14 +495,12 @@ def collect(runs: list[dict]) -> dict:
         return {"sem": {f: se for f, (se, _) in got.items()}, "dof": {f: df for f, (_, df) in got.items()}}
     derived = {
         "finetune": {fr: derive(*(table[f]["finetune"].get(fr) for f in FAMILIES), **seeds_noise(fr),
-                                per_image={f: images.get((f, fr)) for f in FAMILIES},
                                 per_run=runs_of(fr))
                      for fr in fractions},
         "linear_top1": derive(*(table[f]["linear_top1"] for f in FAMILIES),  # a probe's fit has no seed noise
-                              sem={f: 0.0 if images.get((f, "probe")) else None for f in FAMILIES},
-                              per_image={f: images.get((f, "probe")) for f in FAMILIES}),
+                              sem={f: 0.0 if per_run.get((f, "probe")) else None for f in FAMILIES},
+                              per_run=runs_of("probe")),
         "fewshot": {k: derive(*(table[f]["fewshot"].get(k) for f in FAMILIES), **draws_noise(k),
-                              per_image={f: images.get((f, f"{k}shot")) for f in FAMILIES},
                               draws={f: table[f]["fewshot_draws"].get(k) for f in FAMILIES},
                               per_run=runs_of(f"{k}shot")) for k in shots},
     }

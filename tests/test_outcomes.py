@@ -11,6 +11,11 @@ from mpp.report import _ranges, derive, write_report
 from test_report import _run
 
 
+
+def one_run(per_image: dict) -> dict:
+    """`derive`'s per_run for one run a family: each (labels digest, per-image scores) as 1 x images."""
+    return {f: (d, np.asarray(v)[None]) for f, (d, v) in per_image.items()}
+
 def test_record_round_trips_and_rejects_malformed_entries():
     rng = np.random.default_rng(0)
     correct, labels = rng.random(1001) < 0.4, rng.integers(0, 10, 1001)  # not a multiple of 8 bits
@@ -39,25 +44,25 @@ def test_derive_adds_test_noise_only_for_the_same_images():
     sup, mpp = rng.random(n) < 0.6, rng.random(n) < 0.55
     same, other = "d1", "d2"
     sem = {"supervised": 0.003, "mpp": 0.004, "scratch": None}
-    g = derive(sup.mean(), mpp.mean(), None, sem=sem, per_image={"supervised": (same, sup), "mpp": (same, mpp)})
+    g = derive(sup.mean(), mpp.mean(), None, sem=sem, per_run=one_run({"supervised": (same, sup), "mpp": (same, mpp)}))
     test = 100 * outcomes.paired_sem(sup, mpp)
     assert 1.5 < test < 4  # two independent 0/1 vectors over 1,000 images: ~2.2 points
     assert g["noise_test"]["supervised_minus_mpp"] == pytest.approx(test, abs=1e-3)
     assert g["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(np.hypot(0.3, 0.4), test), abs=1e-3)
-    g2 = derive(sup.mean(), mpp.mean(), None, sem=sem, per_image={"supervised": (same, sup), "mpp": (other, mpp)})
+    g2 = derive(sup.mean(), mpp.mean(), None, sem=sem, per_run=one_run({"supervised": (same, sup), "mpp": (other, mpp)}))
     unpaired = 100 * outcomes.unpaired_sem(sup, mpp)  # other images or order: two independent samples
     assert unpaired == pytest.approx(100 * np.sqrt(sup.var(ddof=1) / n + mpp.var(ddof=1) / n))
     assert g2["noise_test"]["supervised_minus_mpp"] == pytest.approx(unpaired, abs=1e-3)
     assert g2["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(0.5, unpaired), abs=1e-3)
     seeds = derive(sup.mean(), mpp.mean(), None, sem={"supervised": 0.015, "mpp": 0.02},
-                   per_image={"supervised": (same, sup), "mpp": (same, mpp)},
+                   per_run=one_run({"supervised": (same, sup), "mpp": (same, mpp)}),
                    dof={"supervised": 2, "mpp": 2})  # three seeds each: the seed parts' 2 degrees weigh in
     welch = outcomes.combine((1.5, 2), (2.0, 2), (test, n - 1))
     assert seeds["noise"]["supervised_minus_mpp"] == pytest.approx(welch[0], abs=1e-3)
     assert seeds["t"]["supervised_minus_mpp"] == pytest.approx(outcomes.critical(welch[1]), abs=1e-3)
     assert 2.1 < seeds["t"]["supervised_minus_mpp"] < 4.3  # between the images' 1.96 and the seeds' 4.30
     assert 1.96 < g["t"]["supervised_minus_mpp"] < outcomes.critical(n - 1)  # no dof: the seeds' count as many
-    same_runs = derive(0.5, 0.5, 0.5, sem=dict.fromkeys(sem, 0.0), per_image=dict.fromkeys(sem, (same, sup)))
+    same_runs = derive(0.5, 0.5, 0.5, sem=dict.fromkeys(sem, 0.0), per_run=one_run(dict.fromkeys(sem, (same, sup))))
     assert same_runs["noise"]["mpp_minus_scratch"] == 0.0
     assert same_runs["significant"]["mpp_minus_scratch"] is False  # 0 ± 0 is no gap
 
@@ -261,11 +266,12 @@ def test_a_gaps_noise_counts_the_seed_by_image_variance_once(paired):
                 + rng.normal(0.0, inter, (n, images))
                 for f, lift in (("supervised", 0.5), ("mpp", 0.1), ("scratch", 0.0))}
         given = dict(sem={f: x.mean(1).std(ddof=1) / np.sqrt(n) for f, x in runs.items()},
-                     dof={f: n - 1 for f in runs}, per_image={f: ("same", x.mean(0)) for f, x in runs.items()},
+                     dof={f: n - 1 for f in runs},
                      draws={f: ("shots", list(x.mean(1))) for f, x in runs.items()} if paired else None)
         acc = [runs[f].mean() for f in ("supervised", "mpp", "scratch")]
-        for key, extra in (("once", {"per_run": runs}), ("twice", {})):
-            g = derive(*acc, **given, **extra)
+        twice = one_run({f: ("same", x.mean(0)) for f, x in runs.items()})  # the runs' mean alone: no overlap known
+        for key, per_run in (("once", {f: ("same", x) for f, x in runs.items()}), ("twice", twice)):
+            g = derive(*acc, **given, per_run=per_run)
             gaps[key].append((g["noise"]["mpp_minus_scratch"] / 100) ** 2)
             shares[key].append(g["share_noise"] ** 2)
     assert np.mean(gaps["once"]) / true == pytest.approx(1.0, abs=0.08)
@@ -282,8 +288,8 @@ def test_shared_draws_scored_on_other_images_take_each_arms_own_overlap():
     runs = {f: (rng.random((3, 500)) < p).astype(float)
             for f, p in (("supervised", 0.7), ("mpp", 0.5), ("scratch", 0.4))}
     given = dict(sem={f: x.mean(1).std(ddof=1) / np.sqrt(3) for f, x in runs.items()},
-                 per_image={f: (f, x.mean(0)) for f, x in runs.items()},  # every arm its own images
-                 draws={f: ("shots", list(x.mean(1))) for f, x in runs.items()}, per_run=runs)
+                 per_run={f: (f, x) for f, x in runs.items()},  # every arm its own images
+                 draws={f: ("shots", list(x.mean(1))) for f, x in runs.items()})
     g = derive(*(runs[f].mean() for f in ("supervised", "mpp", "scratch")), **given)
     a, b = runs["mpp"], runs["scratch"]
     own = outcomes.seed_image_overlap(a) + outcomes.seed_image_overlap(b)
@@ -302,7 +308,7 @@ def test_share_noise_matches_resampling():
     u, m, s = (latent < p for p in (0.62, 0.45, 0.38))
     u, m, s = (x ^ (rng.random(n) < 0.1) for x in (u, m, s))
     per_image = {f: ("d", v) for f, v in zip(("supervised", "mpp", "scratch"), (u, m, s))}
-    g = derive(u.mean(), m.mean(), s.mean(), sem=dict.fromkeys(per_image, 0.0), per_image=per_image)
+    g = derive(u.mean(), m.mean(), s.mean(), sem=dict.fromkeys(per_image, 0.0), per_run=one_run(per_image))
     idx = rng.integers(0, n, (4000, n))
     boot = (m[idx].mean(1) - s[idx].mean(1)) / (u[idx].mean(1) - s[idx].mean(1))
     assert g["share_noise"] == pytest.approx(boot.std(), rel=0.03)
@@ -375,7 +381,8 @@ def test_share_noise_counts_arms_scored_on_other_images():
     per_image = {f: (d, rng.random(n) < p) for f, d, p, n in
                  (("supervised", "A", 0.7, 500), ("mpp", "B", 0.5, 800), ("scratch", "C", 0.4, 600))}
     acc = {f: v.mean() for f, (_, v) in per_image.items()}
-    g = derive(acc["supervised"], acc["mpp"], acc["scratch"], sem=dict.fromkeys(per_image, 0.0), per_image=per_image)
+    g = derive(acc["supervised"], acc["mpp"], acc["scratch"], sem=dict.fromkeys(per_image, 0.0),
+               per_run=one_run(per_image))
     boot = {f: v[rng.integers(0, v.size, (4000, v.size))].mean(1) for f, (_, v) in per_image.items()}
     share = (boot["mpp"] - boot["scratch"]) / (boot["supervised"] - boot["scratch"])
     assert g["share_noise"] > 0 and g["share_noise"] == pytest.approx(share.std(), rel=0.05)
@@ -389,7 +396,7 @@ def test_single_seed_fine_tunes_get_no_noise_even_with_per_image_results():
     gap's noise, so the report gives neither a ± nor a verdict."""
     rng = np.random.default_rng(0)
     a, b = rng.random(1000) < 0.6, rng.random(1000) < 0.5
-    g = derive(0.6, 0.5, None, sem=dict.fromkeys(ARMS), per_image={"supervised": ("d", a), "mpp": ("d", b)})
+    g = derive(0.6, 0.5, None, sem=dict.fromkeys(ARMS), per_run=one_run({"supervised": ("d", a), "mpp": ("d", b)}))
     assert g["noise"]["supervised_minus_mpp"] is None and g["significant"]["supervised_minus_mpp"] is None
 
 
@@ -398,8 +405,8 @@ def test_share_noise_adds_the_seeds_and_the_test_images_in_quadrature():
     v = {f: rng.random(2000) < p for f, p in zip(ARMS, (0.62, 0.45, 0.38))}
     acc, images = [x.mean() for x in v.values()], {f: ("d", x) for f, x in v.items()}
     sem = {"supervised": 0.01, "mpp": 0.015, "scratch": 0.012}
-    both = derive(*acc, sem=sem, per_image=images)["share_noise"]
-    seeds, test = derive(*acc, sem=sem)["share_noise"], derive(*acc, sem=dict.fromkeys(ARMS, 0.0), per_image=images)
+    both = derive(*acc, sem=sem, per_run=one_run(images))["share_noise"]
+    seeds, test = derive(*acc, sem=sem)["share_noise"], derive(*acc, sem=dict.fromkeys(ARMS, 0.0), per_run=one_run(images))
     assert both == pytest.approx(np.hypot(seeds, test["share_noise"]), abs=2e-4)
 
 
@@ -424,7 +431,7 @@ def test_share_noise_of_arms_scored_on_other_images_weighs_each_arm():
     per = {"supervised": ("A", rng.random(200) < 0.7), "mpp": ("B", rng.random(800) < 0.5),
            "scratch": ("C", rng.random(5000) < 0.4)}
     u, m, s = (per[f][1].mean() for f in ARMS)
-    g = derive(u, m, s, sem=dict.fromkeys(ARMS, 0.0), per_image=per)
+    g = derive(u, m, s, sem=dict.fromkeys(ARMS, 0.0), per_run=one_run(per))
     r, gain, se = (m - s) / (u - s), u - s, {f: outcomes.sem(per[f][1]) for f in ARMS}
     assert g["share_noise"] == pytest.approx(np.linalg.norm([se["mpp"] / gain, r * se["supervised"] / gain,
                                                              (r - 1) * se["scratch"] / gain]), abs=2e-4)

@@ -73,11 +73,11 @@ def test_a_probe_gap_between_other_test_images_counts_their_sampling():
     """Probes have no seed noise, only the test images' sampling: two probes that scored other
     test images (another labels digest) get it unpaired, not a significant gap of ± 0."""
     hits = np.arange(1000) % 3 == 0
-    same = {"supervised": ("d1", hits), "mpp": ("d1", ~hits)}
-    apart = {"supervised": ("d1", hits), "mpp": ("d2", ~hits)}
+    same = {"supervised": ("d1", hits[None]), "mpp": ("d1", ~hits[None])}  # one fit each: 1 x images
+    apart = {"supervised": ("d1", hits[None]), "mpp": ("d2", ~hits[None])}
     sem = {"supervised": 0.0, "mpp": 0.0, "scratch": None}
-    assert derive(0.501, 0.5, None, sem=sem, per_image=same)["noise"]["supervised_minus_mpp"] > 0
-    g = derive(0.501, 0.5, None, sem=sem, per_image=apart)
+    assert derive(0.501, 0.5, None, sem=sem, per_run=same)["noise"]["supervised_minus_mpp"] > 0
+    g = derive(0.501, 0.5, None, sem=sem, per_run=apart)
     assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.sqrt(2 * hits.var(ddof=1) / 1000), abs=1e-3)
     assert g["significant"]["supervised_minus_mpp"] is False
 
