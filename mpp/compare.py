@@ -17,6 +17,12 @@ fit per arm and label fraction, where sweeping it would double every fine-tune s
 stage (whether it runs at all, its `Condition`), read from the finished stages' metrics.json just
 before it starts.
 
+A pre-training is one draw too: `pretrain_seeds: N` pre-trains MPP and supervised N times (seed
+0..N-1), each repeat fine-tuned, probed and reported the same way (seed 0 in `output_dir`, seed s
+in `output_dir_pretrain_seed{s}`; the scratch arm, which no pre-training touches, runs once and
+serves every repeat), and the main report adds each gap over the repeats, whose ± then counts
+the pre-training's own seed (`mpp.report.across_pretrain_seeds`).
+
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
 skipped, so running the comparison again resumes it, unless the settings it ran with (its
@@ -82,6 +88,7 @@ class Stage:
     out: Path             # its output_dir; done when out/metrics.json exists
     choices: list[Choice] = field(default_factory=list)
     when: Condition | None = None  # None: always runs
+    pretrain_seed: int = 0  # the pre-training seed of the comparison it belongs to (scratch's: 0, shared)
 
     def args(self, resolved: bool = True) -> list[str]:
         """Overrides, then the run-time choices (their placeholders unless `resolved`), then output_dir."""
@@ -142,29 +149,51 @@ def _pool_choice(outs: list[Path]) -> dict:
     return pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else {}
 
 
+def repeat_dir(cfg: CompareConfig, pretrain_seed: int) -> Path:
+    """Where the comparison with pre-training seed `pretrain_seed` writes: output_dir for seed 0,
+    a sibling output_dir_pretrain_seed{s} for the others (each its own comparison and report)."""
+    return Path(cfg.output_dir if pretrain_seed == 0 else f"{cfg.output_dir}_pretrain_seed{pretrain_seed}")
+
+
 def plan(cfg: CompareConfig) -> list[Stage]:
-    """The stages in run order, each with its resolved overrides and run-time choices."""
-    root = Path(cfg.output_dir)
+    """The stages in run order, each with its resolved overrides and run-time choices: the
+    comparison of pre-training seed 0, then the MPP and supervised stages again for each further
+    pre-training seed (`pretrain_seeds`; scratch depends on no pre-training and runs once)."""
+    stages = []
+    for pretrain_seed in range(cfg.pretrain_seeds):
+        stages += _plan_one(cfg, pretrain_seed)
+    return stages
+
+
+def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
+    """The stages of the comparison whose pre-trainings run with `pretrain_seed` (`repeat_dir`);
+    for a seed other than 0, without the scratch arm's."""
+    root = repeat_dir(cfg, pretrain_seed)
     common = as_list(cfg.overrides)
+    again = f" (pre-training seed {pretrain_seed})" if pretrain_seed else ""
     pre = {"mpp": root / "pretrain_mpp", "supervised": root / "pretrain_supervised"}
-    stages = [Stage(f"pre-train {kind}", "pretrain", getattr(cfg, kind), common + as_list(cfg.pretrain_overrides), out)
+    seeded = [f"seed={pretrain_seed}"] if pretrain_seed else []
+    arms = ("scratch", "mpp", "supervised") if pretrain_seed == 0 else ("mpp", "supervised")
+    stages = [Stage(f"pre-train {kind}{again}", "pretrain", getattr(cfg, kind),
+                    common + as_list(cfg.pretrain_overrides) + seeded, out, pretrain_seed=pretrain_seed)
               for kind, out in pre.items()]
-    probes = {arm: root / f"probe_{arm}" for arm in ("mpp", "supervised", "scratch")}
-    for arm, out in probes.items():
-        stages.append(Stage(f"linear probe {arm}", "linear_probe", cfg.probe,
-                            common + [f"probe.encoder={pre.get(arm, 'none')}"], out))
+    for arm in sorted(arms, key=("mpp", "supervised", "scratch").index):
+        stages.append(Stage(f"linear probe {arm}{again}", "linear_probe", cfg.probe,
+                            common + [f"probe.encoder={pre.get(arm, 'none')}"], root / f"probe_{arm}",
+                            pretrain_seed=pretrain_seed))
     points = grid_points(cfg.sweep)
     for frac in cfg.label_fractions:
         pct = f"{frac * 100:g}pct"
-        for arm in ("scratch", "mpp", "supervised"):
+        for arm in arms:
             base = common + [f"finetune.init={pre.get(arm, 'none')}", f"finetune.label_fraction={frac}"]
             choose = ["finetune.pool=auto"] if cfg.finetune_pool == "auto" and "finetune.pool" not in cfg.sweep else []
             sweep = []
             if cfg.sweep:
                 for point in points:
-                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}", "finetune",
+                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}{again}", "finetune",
                                        cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"] + choose,
-                                       root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}"))
+                                       root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}",
+                                       pretrain_seed=pretrain_seed))
                 stages += sweep
             outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
@@ -176,19 +205,19 @@ def plan(cfg: CompareConfig) -> list[Stage]:
             # all the labels, tested on data.val, whatever the configs say; without a sweep each final chooses its pool
             final = base + (choose if not sweep else []) + ["finetune.dev_fraction=0"]
             for seed in range(cfg.seeds):
-                stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}", "finetune", cfg.finetune,
+                stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}{again}", "finetune", cfg.finetune,
                                     final + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
-                                    pools[:1] + best))
+                                    pools[:1] + best, pretrain_seed=pretrain_seed))
             if cfg.runner_up and len(sweep) > 1:
                 second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
                                 points[1], lambda outs=outs: best_point(points, outs, rank=1))
                 when = Condition("the best value's dev lead over it is under t times its standard error (a toss-up)",
                                  lambda outs=outs: toss_up(outs))
                 for seed in range(cfg.seeds):
-                    stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}", "finetune",
-                                        cfg.finetune, final + [f"seed={seed}"],
+                    stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}{again}",
+                                        "finetune", cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
-                                        pools[1:] + [second], when))
+                                        pools[1:] + [second], when, pretrain_seed))
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
                                lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
@@ -196,9 +225,10 @@ def plan(cfg: CompareConfig) -> list[Stage]:
                                  "error on its held-out training labels (a toss-up)",
                                  lambda outs=outs: (_pool_choice(outs).get("lead") or {}).get("clear") is False)
                 for seed in range(cfg.seeds):
-                    stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}",
+                    stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}{again}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],
-                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best, when))
+                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best, when,
+                                        pretrain_seed))
     return stages
 
 
@@ -426,7 +456,11 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         print(f"the {len(spent)} stages trained now took " + _seconds(sum(t for t, _ in spent),
                                                                     [sum(p) for p in zip(*(v for _, v in spent))]))
     print(f"[{total}/{total}] figures and report", flush=True)
-    write_compare_figures([s.out for s in stages if s.tool == "pretrain"], None, Path(cfg.output_dir) / "figures")
-    ran = [s.out for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed
-    write_report(ran, Path(cfg.output_dir))  # links the figures
+    write_compare_figures([s.out for s in stages if s.tool == "pretrain" and s.pretrain_seed == 0], None,
+                          Path(cfg.output_dir) / "figures")
+    ran = [s for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed
+    scratch = [s.out for s in ran if {"probe.encoder=none", "finetune.init=none"} & set(s.overrides)]
+    repeats = [write_report([s.out for s in ran if s.pretrain_seed == seed] + scratch, repeat_dir(cfg, seed))
+               for seed in range(1, cfg.pretrain_seeds)]  # each pre-training seed's own report, scratch shared
+    write_report([s.out for s in ran if s.pretrain_seed == 0], Path(cfg.output_dir), repeats)  # links the figures
     return Path(cfg.output_dir) / "report.md"

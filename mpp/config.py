@@ -184,6 +184,9 @@ class CompareConfig:
                                # sweep.KEY=[...] sets one key's values
     dev_fraction: float = 0.1  # class-balanced share of each fine-tune's labels held out to choose the sweep value
     seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
+    pretrain_seeds: int = 1    # pre-trainings per pre-trained arm (seed 0..N-1): seed s > 0 repeats the MPP and
+                               # supervised stages in OUTPUT_DIR_pretrain_seed{s} (scratch is shared), and the
+                               # report adds each gap over them, its ± counting the pre-training's own seed
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
                                # the report gives the figures it touches their range
     finetune_pool: str = "auto"  # auto: each arm's finetune.pool chosen by a probe of its sweep's training labels
@@ -398,9 +401,9 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if decided:
         raise ConfigError(f"compare config key 'sweep' names {', '.join(sorted(decided))}, which the comparison "
                           "sets itself; sweep recipe keys such as optim.lr")
-    if cfg.seeds < 1 or not 0 < cfg.dev_fraction < 1:
-        raise ConfigError(f"compare config keys 'seeds' must be >= 1 and 'dev_fraction' in (0, 1), "
-                          f"got {cfg.seeds} and {cfg.dev_fraction}")
+    if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
+        raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
+                          f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")
     if cfg.finetune_pool not in ("auto", "config"):
         raise ConfigError(f"compare config key 'finetune_pool' is {cfg.finetune_pool!r}; choose auto (chosen on each "
                           "fine-tune's own training labels; it replaced probe, the all-label probe's choice) or config")

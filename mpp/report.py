@@ -535,6 +535,43 @@ def _added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: l
     return round(noise, 4), round(outcomes.critical(df), 4)
 
 
+def across_pretrain_seeds(reps: list[dict]) -> dict:
+    """Each derived figure of a comparison repeated with other pre-training seeds (`reps`: the
+    reports of seed 0, 1, ...): every repeat's gap, their mean and its standard error, from the
+    repeats' spread (which holds what each repeat's ± counts but the test images, and the
+    pre-training's own seed, which none does) and the test images' sampling, the same images in
+    every repeat (the repeats' `noise_test`, root mean square); t and the verdict as `derive`'s,
+    at N - 1 degrees of freedom for the spread. The share recovered gets its mean and the standard
+    error of its spread, without a verdict. {} for fewer than two repeats."""
+    if len(reps) < 2:
+        return {}
+
+    def over(gs: list[dict]) -> dict:
+        out = {}
+        for gap in (*GAPS, "recovered_share"):
+            values = [g.get(gap) for g in gs]
+            if any(v is None for v in values):
+                continue
+            mean, sd = _mean_std(values)
+            spread = (sd / math.sqrt(len(values)), len(values) - 1)
+            if gap == "recovered_share":
+                out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(spread[0], 4)}
+                continue
+            tests = [g["noise_test"].get(gap) for g in gs]
+            test = math.sqrt(sum(x * x for x in tests) / len(tests)) if None not in tests else 0.0
+            noise, df = outcomes.combine(spread, (test, math.inf))
+            t = outcomes.critical(df)
+            out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(noise, 4), "t": round(t, 4),
+                        "significant": _significant(mean, noise, t)}
+        return out
+
+    ds = [r["derived"] for r in reps]
+    return {"seeds": len(reps),
+            "finetune": {fr: over([d["finetune"].get(fr) or {} for d in ds]) for fr in ds[0]["finetune"]},
+            "linear_top1": over([d["linear_top1"] for d in ds]),
+            "fewshot": {k: over([d["fewshot"].get(k) or {} for d in ds]) for k in ds[0]["fewshot"]}}
+
+
 def _runs_images(per_seed: list) -> tuple[str, np.ndarray] | None:
     """(labels digest, per-image top-1 of each run: runs x images) of a cell's final runs or a
     probe's draws (`outcomes.read` of each); None unless every run recorded outcomes on the same
@@ -651,7 +688,10 @@ def render_markdown(rep: dict) -> str:
               "Share = (MPP - scratch) / (supervised - scratch), "
               f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
               "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "
-              "order.", "",
+              "order. Neither counts the pre-training's own seed: these figures come from one pre-training of "
+              "each arm" + (", and the section on pre-training seeds below gives each gap over several."
+                            if rep.get("pretrain_seeds") else "; the comparison's pretrain_seeds: N repeats the "
+                            "pre-trainings and adds each gap over them."), "",
               f"| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered "
               f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
@@ -697,6 +737,7 @@ def render_markdown(rep: dict) -> str:
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
                      "beyond it does not do better." if edge else "")]
+    lines += _pretrain_seeds_section(rep.get("pretrain_seeds") or {})
     starts = [(f, fr) for f in FAMILIES for fr in fracs if fr in t[f]["finetune_start"]]
     if starts:
         lines += ["", "## What fine-tuning added to its start", "",
@@ -738,6 +779,31 @@ def render_markdown(rep: dict) -> str:
                                        + (f", another {other[r['dir']]} retrained" if r["dir"] in other else "") + ")"
                                        for r in finals), ""]
     return "\n".join(lines)
+
+
+def _pretrain_seeds_section(across: dict) -> list[str]:
+    """The report's lines for `across_pretrain_seeds` (none without repeats)."""
+    if not across:
+        return []
+    lines = ["", f"## Across {across['seeds']} pre-training seeds", "",
+             "The figures above come from one pre-training of each arm (seed 0), and their ± counts the "
+             "fine-tune seeds, shot draws and test images, not the pre-training's own seed. The whole "
+             "comparison was repeated with each pre-training seed (the scratch arm, which no pre-training "
+             "touches, shared); each gap over the repeats, their mean ± its standard error: the repeats' spread "
+             "(t at their count less one degree of freedom) and the test images' sampling, which the repeats "
+             "share. The share's ± is the standard error of its spread alone.", "",
+             "| evaluation | gap | per pre-training seed | mean over seeds |", "|---|---|---|---|"]
+    rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", g) for fr, g in across["finetune"].items()]
+            + [("linear probe", across["linear_top1"])] + [(f"{k}-shot", g) for k, g in across["fewshot"].items()])
+    names = {"supervised_minus_mpp": "supervised - MPP", "mpp_minus_scratch": "MPP - scratch",
+             "supervised_minus_scratch": "supervised - scratch", "recovered_share": "share recovered"}
+    for name, g in rows:
+        for gap, x in g.items():
+            fmt = "{:.2f}" if gap == "recovered_share" else "{:+.1f}"
+            mean = (f"{x['mean']:.2f} ± {x['noise']:.2f}" if gap == "recovered_share"
+                    else _with_noise(x["mean"], x["noise"], x["t"]))
+            lines.append(f"| {name} | {names[gap]} | {', '.join(fmt.format(v) for v in x['values'])} | {mean} |")
+    return lines
 
 
 def plot(rep: dict, path: Path) -> None:
@@ -802,9 +868,25 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
     return found
 
 
-def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict:
+def read_repeat(report_dir: str | Path) -> dict:
+    """The report.json that a comparison with another pre-training seed wrote to `report_dir`
+    (`tools/report.py --repeat`)."""
+    path = Path(report_dir) / "report.json"
+    if not path.is_file():
+        raise ReportError(f"{path} is missing; pass the output_dir of a finished comparison repeated with another "
+                          "pre-training seed (OUTPUT_DIR_pretrain_seedN)")
+    rep = _read_json(path)
+    if not isinstance(rep.get("derived"), dict):
+        raise ReportError(f"{report_dir}/report.json holds no derived figures; pass the output_dir of a comparison "
+                          "repeated with another pre-training seed (OUTPUT_DIR_pretrain_seedN)")
+    return rep
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None, repeats: list[dict] = ()) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
-    (default: the runs' common parent directory) and return the report dict."""
+    (default: the runs' common parent directory) and return the report dict. `repeats`: the
+    reports of the same comparison with other pre-training seeds, summed up with this one's
+    (`across_pretrain_seeds`)."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
     run_dirs = find_runs(run_dirs)
@@ -812,6 +894,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     rep = collect(runs)
     rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction", "seed", "evaluated_on")}
                    for r in runs]
+    if repeats:
+        rep["pretrain_seeds"] = across_pretrain_seeds([rep, *repeats])
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "report.md", render_markdown(rep) + _figures_section(out))

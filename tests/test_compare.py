@@ -591,3 +591,60 @@ def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_ch
     with pytest.raises(ConfigError, match="stage 'pre-train mpp' finished earlier.*steps: 2 -> 3"):
         run(_cfg(tmp_path, SWEEP + "finetune_pool: config\n", ["pretrain_overrides=[steps=3]"]))
     assert not ran
+
+
+def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
+    """`pretrain_seeds: 2`: seed 0's comparison as before, then MPP's and supervised's stages again
+    with pre-training seed 1 in OUTPUT_DIR_pretrain_seed1, their probes and fine-tunes starting
+    from those encoders; scratch starts from no pre-training and is not repeated."""
+    one, two = plan(_cfg(tmp_path, SWEEP)), plan(_cfg(tmp_path, SWEEP + "pretrain_seeds: 2\n"))
+    assert [s.out for s in two[:len(one)]] == [s.out for s in one]  # seed 0: the comparison unchanged
+    again = two[len(one):]
+    repeat = tmp_path / "runs_pretrain_seed1"
+    assert again and all(s.pretrain_seed == 1 and s.out.is_relative_to(repeat) for s in again)
+    assert len({s.out for s in two}) == len(two)
+    assert not [s.name for s in again if "scratch" in s.name or "=none" in " ".join(s.overrides)]
+    assert len(again) == len([s for s in one if "scratch" not in s.name])
+    pre = {s.name: s for s in again if s.tool == "pretrain"}
+    assert sorted(pre) == ["pre-train mpp (pre-training seed 1)", "pre-train supervised (pre-training seed 1)"]
+    assert all(s.overrides[-1] == "seed=1" for s in pre.values())  # after pretrain_overrides
+    assert all("seed=1" not in s.overrides for s in one if s.tool == "pretrain")
+    for s in again:
+        if s.tool != "pretrain":
+            assert load_config(s.config, s.args(False)).finetune.init in (str(repeat / "pretrain_mpp"),
+                                                                          str(repeat / "pretrain_supervised")) \
+                or f"probe.encoder={repeat / 'pretrain_mpp'}" in s.overrides \
+                or f"probe.encoder={repeat / 'pretrain_supervised'}" in s.overrides, s.name
+    with pytest.raises(ConfigError, match="'pretrain_seeds' must be >= 1"):
+        _cfg(tmp_path, "pretrain_seeds: 0\n")
+
+
+def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_path):
+    path = _write_configs(tmp_path, tmp_path / "data", fractions="[1.0]", compare_extra="pretrain_seeds: 2\n")
+    r = subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)],
+                       capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs, repeat = tmp_path / "runs", tmp_path / "runs_pretrain_seed1"
+    reps = [json.loads((d / "report.json").read_text()) for d in (runs, repeat)]
+    assert "pretrain_seeds" not in reps[1]
+    for rep in reps:  # each repeat's own report, the scratch runs shared
+        assert rep["table"]["scratch"]["finetune"]["1"] == reps[0]["table"]["scratch"]["finetune"]["1"]
+        assert rep["table"]["mpp"]["finetune"]["1"] is not None
+    digests = {json.loads((d / "probe_mpp" / "metrics.json").read_text())["encoder_sha256"] for d in (runs, repeat)}
+    assert len(digests) == 2  # two pre-trainings, not one read twice
+    across = reps[0]["pretrain_seeds"]
+    assert across["seeds"] == 2
+    for fig, got, mine in ((across["finetune"]["1"], reps[0]["derived"]["finetune"]["1"],
+                            reps[1]["derived"]["finetune"]["1"]),
+                           (across["linear_top1"], reps[0]["derived"]["linear_top1"], reps[1]["derived"]["linear_top1"])):
+        assert fig["mpp_minus_scratch"]["values"] == [got["mpp_minus_scratch"], mine["mpp_minus_scratch"]]
+    md = (runs / "report.md").read_text()
+    assert "## Across 2 pre-training seeds" in md and "section on pre-training seeds below" in md
+    # the report re-rendered from the runs keeps the section only when told where the repeat is
+    again = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs), "--out", str(tmp_path / "re"),
+                            "--repeat", str(repeat)], capture_output=True, text=True, env=ENV)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((tmp_path / "re" / "report.json").read_text())["pretrain_seeds"] == across
+    bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs), "--out", str(tmp_path / "re"),
+                          "--repeat", str(tmp_path / "nope")], capture_output=True, text=True, env=ENV)
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "pretrain_seedN" in bad.stderr, bad.stderr

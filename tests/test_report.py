@@ -58,6 +58,7 @@ def test_paper_figures_give_a_third(tmp_path):
     assert t["mpp"]["pretrain"]["dir"].endswith("mpp") and t["scratch"]["pretrain"] is None
     md = (tmp_path / "out" / "report.md").read_text()
     assert "0.33" in md and "79.9" in md and "84.0" in md
+    assert "Neither counts the pre-training's own seed" in md and "pretrain_seeds: N repeats" in md  # its scope
     assert json.loads((tmp_path / "out" / "report.json").read_text())["derived"] == rep["derived"]
     assert (tmp_path / "out" / "report.png").stat().st_size > 1000
 
@@ -500,3 +501,28 @@ def test_a_runner_up_value_and_the_other_representation_are_each_an_alternative(
     assert rep["table"]["supervised"]["finetune"]["0.1"] == pytest.approx(0.70)
     assert [(x["kind"], x["top1"]) for x in recipe["retrained"]] == [("pool", 0.66), ("value", 0.60)]
     assert recipe["pool_choice"]["top1"] == {"avg": 0.60, "token": 0.50} and recipe["pool_choice"]["lead"]["clear"]
+
+
+def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
+    """A gap that each repeat measures to ± 0.5 but that moves from +1 to +9 with the pre-training
+    seed: over the seeds it is +5 ± (its spread's standard error, with the images' part), not
+    significant at the one degree of freedom of two repeats; a gap steady across them stays one."""
+    from mpp.report import across_pretrain_seeds
+
+    def rep(moving: float) -> dict:
+        g = {"supervised_minus_mpp": 20.0, "mpp_minus_scratch": moving, "supervised_minus_scratch": 20.0 + moving,
+             "recovered_share": moving / (20.0 + moving),
+             "noise_test": {"supervised_minus_mpp": 0.5, "mpp_minus_scratch": 0.5, "supervised_minus_scratch": 0.5}}
+        return {"derived": {"finetune": {"0.1": g}, "linear_top1": g, "fewshot": {}}}
+    assert across_pretrain_seeds([rep(1.0)]) == {}
+    a = across_pretrain_seeds([rep(1.0), rep(9.0)])
+    x = a["finetune"]["0.1"]["mpp_minus_scratch"]
+    noise, df = outcomes.combine((np.std([1.0, 9.0], ddof=1) / np.sqrt(2), 1), (0.5, np.inf))
+    assert x["values"] == [1.0, 9.0] and x["mean"] == 5.0 and x["noise"] == pytest.approx(noise, abs=1e-4)
+    assert x["t"] == pytest.approx(outcomes.critical(df), abs=1e-4) and x["significant"] is False
+    steady = a["finetune"]["0.1"]["supervised_minus_mpp"]
+    assert steady["noise"] == pytest.approx(0.5) and steady["significant"] is True  # only the images' part
+    assert a["linear_top1"]["recovered_share"]["noise"] == pytest.approx(
+        np.std([1 / 21, 9 / 29], ddof=1) / np.sqrt(2), abs=1e-4)
+    three = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["finetune"]["0.1"]["mpp_minus_scratch"]
+    assert three["significant"] is True  # three steady repeats: the spread's 2 degrees of freedom suffice

@@ -2,6 +2,7 @@
 
   mpp-report runs/compare_cifar10                      # every run below a comparison's output_dir
   mpp-report runs/cmp/mpp runs/cmp/sup runs/cmp/ft_mpp_10 ... --out runs/cmp
+  mpp-report runs/compare_cifar10 --repeat runs/compare_cifar10_pretrain_seed1   # pretrain_seeds: 2
 """
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="run directories holding metrics.json and config.yaml, or directories "
                              "to search for them (e.g. a comparison's output_dir)")
     parser.add_argument("--out", help="where report.md/.json/.png go (default: the runs' common parent)")
+    parser.add_argument("--repeat", action="append", default=[], metavar="REPORT_DIR",
+                        help="the output_dir of the same comparison with another pre-training seed (its report.json; "
+                             "compare's pretrain_seeds writes OUTPUT_DIR_pretrain_seedN): the report adds each gap "
+                             "over the pre-training seeds; repeat for each")
     args = parser.parse_args(argv)
-    from mpp.report import write_report
-    rep = write_report(args.runs, args.out)
+    from mpp.report import read_repeat, write_report
+    rep = write_report(args.runs, args.out, [read_repeat(d) for d in args.repeat])
     print((Path(rep["out_dir"]) / "report.md").read_text())
 
 
