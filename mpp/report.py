@@ -146,7 +146,8 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`), the multiple of it a significant gap reaches (`t`, from the
-    degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent) and
+    degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent; the
+    gap's own go to `dof`, None for many or where the noise is unknown) and
     whether the gap reaches it (`significant`, None: unknown); `per_run` (family -> (labels
     digest, per-image scores on the test images of each run or draw: runs x images, 1 x images
     for a probe)) adds the test images' sampling error of the runs' mean (`noise_test`): paired
@@ -159,14 +160,14 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     acc = {"supervised": supervised, "mpp": mpp, "scratch": scratch}
     sem, draws, dof, per_run = sem or {}, draws or {}, dof or {}, per_run or {}
     per_image = _mean_images(per_run)
-    out["noise"], out["noise_test"], out["t"], out["significant"] = {}, {}, {}, {}
+    out["noise"], out["noise_test"], out["t"], out["dof"], out["significant"] = {}, {}, {}, {}, {}
     for gap, (a, b) in GAPS.items():
         out[gap] = None if acc[a] is None or acc[b] is None else round(100.0 * (acc[a] - acc[b]), 4)
         test, same = None, False
         if out[gap] is not None and per_image.get(a) and per_image.get(b):
             same = per_image[a][0] == per_image[b][0]
             test = 100.0 * (outcomes.paired_sem if same else outcomes.unpaired_sem)(per_image[a][1], per_image[b][1])
-        noise = t = None
+        noise = t = df = None
         if out[gap] is not None and sem.get(a) is not None and sem.get(b) is not None:
             paired = _paired_draws(draws, a, b)
             seeds = ([(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)] if paired is None
@@ -177,7 +178,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             noise, df = outcomes.combine(*seeds, (test or 0.0, len(per_image[a][1]) - 1 if test else math.inf))
             noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
-        out["t"][gap] = t
+        out["t"][gap], out["dof"][gap] = t, None if df is None or math.isinf(df) else round(df, 4)
         out["significant"][gap] = None if noise is None else _significant(out[gap], noise, t)
     out["recovered_share"] = out["share_noise"] = None
     gain = out["supervised_minus_scratch"]
@@ -537,12 +538,14 @@ def _added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: l
 
 def across_pretrain_seeds(reps: list[dict]) -> dict:
     """Each derived figure of a comparison repeated with other pre-training seeds (`reps`: the
-    reports of seed 0, 1, ...): every repeat's gap, their mean and its standard error, from the
-    repeats' spread (which holds what each repeat's ± counts but the test images, and the
-    pre-training's own seed, which none does) and the test images' sampling, the same images in
-    every repeat (the repeats' `noise_test`, root mean square); t and the verdict as `derive`'s,
-    at N - 1 degrees of freedom for the spread. The share recovered gets its mean and the standard
-    error of its spread, without a verdict. {} for fewer than two repeats."""
+    reports of seed 0, 1, ...): every repeat's gap, their mean and its standard error. Two parts:
+    the repeats' spread (N - 1 degrees of freedom), which holds the pre-training's own seed; and
+    what the repeats share, whose noise their spread cannot show: the same test images, shot
+    draws and fine-tune seeds in every repeat, taken as each repeat's own ± (root mean square, at
+    the fewest degrees of freedom among them). Where the spread holds some of the latter too, it
+    counts twice: the ± errs large, never small. t and the verdict as `derive`'s. The share
+    recovered gets its mean and the standard error of its spread, without a verdict. {} for
+    fewer than two repeats."""
     if len(reps) < 2:
         return {}
 
@@ -557,9 +560,10 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
             if gap == "recovered_share":
                 out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(spread[0], 4)}
                 continue
-            tests = [g["noise_test"].get(gap) for g in gs]
-            test = math.sqrt(sum(x * x for x in tests) / len(tests)) if None not in tests else 0.0
-            noise, df = outcomes.combine(spread, (test, math.inf))
+            own = [g["noise"].get(gap) for g in gs]
+            shared = (0.0, math.inf) if None in own else (
+                math.sqrt(sum(x * x for x in own) / len(own)), min(g["dof"].get(gap) or math.inf for g in gs))
+            noise, df = outcomes.combine(spread, shared)
             t = outcomes.critical(df)
             out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(noise, 4), "t": round(t, 4),
                         "significant": _significant(mean, noise, t)}
@@ -790,8 +794,9 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
              "fine-tune seeds, shot draws and test images, not the pre-training's own seed. The whole "
              "comparison was repeated with each pre-training seed (the scratch arm, which no pre-training "
              "touches, shared); each gap over the repeats, their mean ± its standard error: the repeats' spread "
-             "(t at their count less one degree of freedom) and the test images' sampling, which the repeats "
-             "share. The share's ± is the standard error of its spread alone.", "",
+             "(at their count less one degree of freedom) and what every repeat shares, the same test images, "
+             "shot draws and fine-tune seeds, as each repeat's own ± (which errs large where the spread holds "
+             "some of it too). The share's ± is the standard error of its spread alone.", "",
              "| evaluation | gap | per pre-training seed | mean over seeds |", "|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", g) for fr, g in across["finetune"].items()]
             + [("linear probe", across["linear_top1"])] + [(f"{k}-shot", g) for k, g in across["fewshot"].items()])

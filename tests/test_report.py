@@ -505,14 +505,16 @@ def test_a_runner_up_value_and_the_other_representation_are_each_an_alternative(
 
 def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     """A gap that each repeat measures to ± 0.5 but that moves from +1 to +9 with the pre-training
-    seed: over the seeds it is +5 ± (its spread's standard error, with the images' part), not
-    significant at the one degree of freedom of two repeats; a gap steady across them stays one."""
+    seed: over the seeds it is +5 ± (its spread's standard error, with what the repeats share:
+    each one's own ±), not significant at the one degree of freedom of two repeats; a gap steady
+    across them stays one, and keeps its own ± (the repeats share its test images and draws)."""
     from mpp.report import across_pretrain_seeds
 
     def rep(moving: float) -> dict:
         g = {"supervised_minus_mpp": 20.0, "mpp_minus_scratch": moving, "supervised_minus_scratch": 20.0 + moving,
              "recovered_share": moving / (20.0 + moving),
-             "noise_test": {"supervised_minus_mpp": 0.5, "mpp_minus_scratch": 0.5, "supervised_minus_scratch": 0.5}}
+             "noise": dict.fromkeys(("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch"), 0.5),
+             "dof": {"supervised_minus_mpp": 40.0, "mpp_minus_scratch": None, "supervised_minus_scratch": None}}
         return {"derived": {"finetune": {"0.1": g}, "linear_top1": g, "fewshot": {}}}
     assert across_pretrain_seeds([rep(1.0)]) == {}
     a = across_pretrain_seeds([rep(1.0), rep(9.0)])
@@ -521,7 +523,8 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     assert x["values"] == [1.0, 9.0] and x["mean"] == 5.0 and x["noise"] == pytest.approx(noise, abs=1e-4)
     assert x["t"] == pytest.approx(outcomes.critical(df), abs=1e-4) and x["significant"] is False
     steady = a["finetune"]["0.1"]["supervised_minus_mpp"]
-    assert steady["noise"] == pytest.approx(0.5) and steady["significant"] is True  # only the images' part
+    assert steady["noise"] == pytest.approx(0.5) and steady["significant"] is True  # what the repeats share
+    assert steady["t"] == pytest.approx(outcomes.critical(40.0), abs=1e-4)  # at its own degrees of freedom
     assert a["linear_top1"]["recovered_share"]["noise"] == pytest.approx(
         np.std([1 / 21, 9 / 29], ddof=1) / np.sqrt(2), abs=1e-4)
     three = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["finetune"]["0.1"]["mpp_minus_scratch"]
