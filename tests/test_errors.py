@@ -227,6 +227,8 @@ CASES = [
      lambda t: _run_dir(t, "[]", "objective: mpp\n")),
     ("report of a run with a malformed config.yaml", "report", lambda t: [f"{t}/run"],
      lambda t: _run_dir(t, "{}", "objective: [mpp\n")),
+    ("report --repeat of a folder without a comparison's report", "report",
+     lambda t: [f"{t}/nope", "--repeat", f"{t}/nope"], None),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
     ("make_shards with shards of 0 samples", "make_shards",
