@@ -345,8 +345,9 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
     import time
     path = _write_configs(tmp_path, tmp_path / "data", compare_extra="pretrain_overrides: [steps=100000]\n")
     proc = subprocess.Popen([sys.executable, "-m", "mpp.tools.compare", "--config", str(path)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal,
+    deadline = time.time() + 120  # even where pytest itself runs with Ctrl-C ignored (nohup, a shell's `&`)
     while not (tmp_path / "runs/pretrain_mpp/tensorboard").is_dir() and time.time() < deadline:
         time.sleep(0.2)
     time.sleep(1)

@@ -175,7 +175,8 @@ def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
     out = tmp_path / "interrupted"
     proc = subprocess.Popen([sys.executable, "tools/pretrain.py", *settings(data, out, steps=100000)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},  # Ctrl-C as from a terminal, even where
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # pytest ignores it
     deadline = time.time() + 120
     while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
