@@ -152,7 +152,8 @@ def _pool_choice(outs: list[Path]) -> dict:
 def repeat_dir(cfg: CompareConfig, pretrain_seed: int) -> Path:
     """Where the comparison with pre-training seed `pretrain_seed` writes: output_dir for seed 0,
     a sibling output_dir_pretrain_seed{s} for the others (each its own comparison and report)."""
-    return Path(cfg.output_dir if pretrain_seed == 0 else f"{cfg.output_dir}_pretrain_seed{pretrain_seed}")
+    root = Path(cfg.output_dir)  # without a trailing slash, which would put the sibling inside it
+    return root if pretrain_seed == 0 else root.with_name(f"{root.name}_pretrain_seed{pretrain_seed}")
 
 
 def plan(cfg: CompareConfig) -> list[Stage]:

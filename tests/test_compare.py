@@ -616,6 +616,8 @@ def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
                                                                           str(repeat / "pretrain_supervised")) \
                 or f"probe.encoder={repeat / 'pretrain_mpp'}" in s.overrides \
                 or f"probe.encoder={repeat / 'pretrain_supervised'}" in s.overrides, s.name
+    slashed = plan(_cfg(tmp_path, SWEEP + "pretrain_seeds: 2\n", [f"output_dir={tmp_path / 'runs'}/"]))
+    assert [s.out for s in slashed] == [s.out for s in two]  # a trailing slash does not nest the repeat
     with pytest.raises(ConfigError, match="'pretrain_seeds' must be >= 1"):
         _cfg(tmp_path, "pretrain_seeds: 0\n")
 
