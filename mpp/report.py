@@ -214,7 +214,7 @@ def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
     runs = [per_run.get(f) for f in weights]
     if not all(runs):
         return 0.0
-    runs = [np.asarray(x, np.float64) for _, x in runs]
+    runs = [x for _, x in runs]
     if not paired:
         return sum(w * w * outcomes.seed_image_overlap(x) for w, x in zip(weights.values(), runs))
     if len({x.shape for x in runs}) > 1:
@@ -243,7 +243,7 @@ def _share_noise(acc: dict, sem: dict, per_run: dict, draws: dict) -> float | No
     means = _mean_images(per_run)
     images = [means.get(f) for f in weights]
     if all(images):
-        scores = [v.astype(np.float64) for _, v in images]
+        scores = [v for _, v in images]  # float64 means (`_mean_images`)
         same = len({d for d, _ in images}) == 1
         if same:
             test = outcomes.sem(sum(w * x for w, x in zip(weights.values(), scores))) or 0.0
@@ -577,9 +577,9 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
 
 
 def _runs_images(per_seed: list) -> tuple[str, np.ndarray] | None:
-    """(labels digest, per-image top-1 of each run: runs x images) of a cell's final runs or a
-    probe's draws (`outcomes.read` of each); None unless every run recorded outcomes on the same
-    images in the same order."""
+    """(labels digest, per-image top-1 of each run: runs x images) of a cell's final runs, a
+    probe's few-shot draws or its one fit (`outcomes.read` of each); None unless every run
+    recorded outcomes on the same images in the same order."""
     if not per_seed or any(p is None for p in per_seed) or len({(d, len(v)) for d, v in per_seed}) > 1:
         return None
     return per_seed[0][0], np.array([v for _, v in per_seed], np.float64)
