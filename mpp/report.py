@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -796,7 +797,9 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
              "touches, shared); each gap over the repeats, their mean ± its standard error: the repeats' spread "
              "(at their count less one degree of freedom) and what every repeat shares, the same test images, "
              "shot draws and fine-tune seeds, as each repeat's own ± (which errs large where the spread holds "
-             "some of it too). The share's ± is the standard error of its spread alone.", "",
+             "some of it too). The share's ± is the standard error of its spread alone."
+             + (" The repeats' own reports: " + ", ".join(f"`{d}`" for d in across["repeats"]) + "."
+                if across.get("repeats") else ""), "",
              "| evaluation | gap | per pre-training seed | mean over seeds |", "|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", g) for fr, g in across["finetune"].items()]
             + [("linear probe", across["linear_top1"])] + [(f"{k}-shot", g) for k, g in across["fewshot"].items()])
@@ -884,14 +887,30 @@ def read_repeat(report_dir: str | Path) -> dict:
     if not isinstance(rep.get("derived"), dict):
         raise ReportError(f"{report_dir}/report.json holds no derived figures; pass the output_dir of a comparison "
                           "repeated with another pre-training seed (OUTPUT_DIR_pretrain_seedN)")
-    return rep
+    return {**rep, "out_dir": str(report_dir)}
 
 
-def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None, repeats: list[dict] = ()) -> dict:
+def _previous_repeats(out: Path) -> list[dict]:
+    """The repeats that the report already in `out` was summed up with (its report.json names
+    their folders), so that re-rendering a comparison keeps its section on pre-training seeds."""
+    path = out / "report.json"
+    across = _read_json(path).get("pretrain_seeds") if path.is_file() else None
+    if not across:
+        return []
+    if not isinstance(across.get("repeats"), list):  # written before the report named its repeats
+        print(f"warning: {path} was summed up over {across.get('seeds')} pre-training seeds, but does not name "
+              "their folders; pass each with --repeat to keep that section", file=sys.stderr)
+        return []
+    print(f"[report] over pre-training seeds with the repeats {path} names: {', '.join(across['repeats'])}")
+    return [read_repeat(out / d) for d in across["repeats"]]
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
+                 repeats: list[dict] | None = None) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
     (default: the runs' common parent directory) and return the report dict. `repeats`: the
-    reports of the same comparison with other pre-training seeds, summed up with this one's
-    (`across_pretrain_seeds`)."""
+    reports of the same comparison with other pre-training seeds (`read_repeat`), summed up with
+    this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
     run_dirs = find_runs(run_dirs)
@@ -899,9 +918,12 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None, 
     rep = collect(runs)
     rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction", "seed", "evaluated_on")}
                    for r in runs]
-    if repeats:
-        rep["pretrain_seeds"] = across_pretrain_seeds([rep, *repeats])
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
+    if repeats is None:
+        repeats = _previous_repeats(out)
+    if repeats:
+        rep["pretrain_seeds"] = {**across_pretrain_seeds([rep, *repeats]),
+                                 "repeats": [os.path.relpath(r["out_dir"], out) for r in repeats]}
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "report.md", render_markdown(rep) + _figures_section(out))
     write_atomic(out / "report.json", json.dumps(rep, indent=2) + "\n")

@@ -641,7 +641,15 @@ def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_
         assert fig["mpp_minus_scratch"]["values"] == [got["mpp_minus_scratch"], mine["mpp_minus_scratch"]]
     md = (runs / "report.md").read_text()
     assert "## Across 2 pre-training seeds" in md and "section on pre-training seeds below" in md
-    # the report re-rendered from the runs keeps the section only when told where the repeat is
+    assert across["repeats"] == ["../runs_pretrain_seed1"] and "`../runs_pretrain_seed1`" in md
+    # re-rendered in place, the report keeps the repeats its report.json names
+    (runs / "report.json").write_text(json.dumps({**reps[0], "pretrain_seeds": {**across, "seeds": 9}}))
+    again = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs)],
+                           capture_output=True, text=True, env=ENV)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((runs / "report.json").read_text())["pretrain_seeds"] == across
+    assert "../runs_pretrain_seed1" in again.stdout
+    # elsewhere it keeps the section when told where the repeat is
     again = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs), "--out", str(tmp_path / "re"),
                             "--repeat", str(repeat)], capture_output=True, text=True, env=ENV)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.report import ReportError, choice_lead, derive, write_report
+from mpp.report import ReportError, choice_lead, derive, read_repeat, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +41,21 @@ def _paper_runs(root: Path) -> list[Path]:
     runs.append(_run(root, "probe_sup", {"objective": "mpp", "probe": {"encoder": str(sup)}},
                      {"kind": "linear_probe", "top1": 0.65, "5shot_mean": 0.55, "5shot_std": 0.02}))
     return runs
+
+
+def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(tmp_path, capsys):
+    runs = _paper_runs(tmp_path / "runs")
+    write_report(runs, tmp_path / "seed1", [])
+    first = write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "seed1")])
+    assert first["pretrain_seeds"]["repeats"] == ["../seed1"]
+    assert write_report(runs, tmp_path / "out")["pretrain_seeds"] == first["pretrain_seeds"]
+    assert "../seed1" in capsys.readouterr().out
+    assert "pretrain_seeds" not in write_report(runs, tmp_path / "out", [])  # told: none
+    old = {k: v for k, v in first["pretrain_seeds"].items() if k != "repeats"}  # a report from before it named them
+    (tmp_path / "out" / "report.json").write_text(json.dumps({"pretrain_seeds": old}))
+    assert "pretrain_seeds" not in write_report(runs, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "2 pre-training seeds" in err and "--repeat" in err and err.count("\n") == 1
 
 
 def test_paper_figures_give_a_third(tmp_path):
