@@ -525,13 +525,16 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     across them stays one, and keeps its own ± (the repeats share its test images and draws)."""
     from mpp.report import across_pretrain_seeds
 
-    def rep(moving: float) -> dict:
+    def rep(moving: float, own: float = 0.5, dof: float = 40.0) -> dict:
         g = {"supervised_minus_mpp": 20.0, "mpp_minus_scratch": moving, "supervised_minus_scratch": 20.0 + moving,
              "recovered_share": moving / (20.0 + moving),
-             "noise": dict.fromkeys(("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch"), 0.5),
-             "dof": {"supervised_minus_mpp": 40.0, "mpp_minus_scratch": None, "supervised_minus_scratch": None}}
+             "noise": dict.fromkeys(("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch"), own),
+             "dof": {"supervised_minus_mpp": dof, "mpp_minus_scratch": None, "supervised_minus_scratch": None}}
         return {"derived": {"finetune": {"0.1": g}, "linear_top1": g, "fewshot": {}}}
     assert across_pretrain_seeds([rep(1.0)]) == {}
+    unequal = across_pretrain_seeds([rep(1.0, 0.3, 40.0), rep(9.0, 0.4, 20.0)])["finetune"]["0.1"]
+    assert unequal["supervised_minus_mpp"]["noise"] == pytest.approx(np.sqrt((0.3**2 + 0.4**2) / 2), abs=1e-4)  # RMS
+    assert unequal["supervised_minus_mpp"]["t"] == pytest.approx(outcomes.critical(20.0), abs=1e-4)  # the fewest
     a = across_pretrain_seeds([rep(1.0), rep(9.0)])
     x = a["finetune"]["0.1"]["mpp_minus_scratch"]
     noise, df = outcomes.combine((np.std([1.0, 9.0], ddof=1) / np.sqrt(2), 1), (0.5, np.inf))
