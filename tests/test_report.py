@@ -50,6 +50,9 @@ def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(t
     assert first["pretrain_seeds"]["repeats"] == ["../seed1"]
     assert write_report(runs, tmp_path / "out")["pretrain_seeds"] == first["pretrain_seeds"]
     assert "../seed1" in capsys.readouterr().out
+    (tmp_path / "seed1" / "report.json").rename(tmp_path / "moved.json")
+    with pytest.raises(ReportError, match="names the repeat .*seed1.* --repeat"):  # not an error about --repeat's
+        write_report(runs, tmp_path / "out")
     assert "pretrain_seeds" not in write_report(runs, tmp_path / "out", [])  # told: none
     old = {k: v for k, v in first["pretrain_seeds"].items() if k != "repeats"}  # a report from before it named them
     (tmp_path / "out" / "report.json").write_text(json.dumps({"pretrain_seeds": old}))
