@@ -902,10 +902,10 @@ def _previous_repeats(out: Path) -> list[dict]:
               "their folders; pass each with --repeat to keep that section", file=sys.stderr)
         return []
     print(f"[report] over pre-training seeds with the repeats {path} names: {', '.join(across['repeats'])}")
-    for d in across["repeats"]:
-        if not (out / d / "report.json").is_file():
-            raise ReportError(f"{path} names the repeat {out / d}, which holds no report.json; pass the repeats to "
-                              "keep with --repeat, or write the report elsewhere with --out")
+    gone = [out / d for d in across["repeats"] if not (out / d / "report.json").is_file()]
+    if gone:  # read_repeat's own error would name a --repeat the user never passed
+        raise ReportError(f"{path} names the repeat {gone[0]}, which holds no report.json; pass the repeats to "
+                          "keep with --repeat, or write the report elsewhere with --out")
     return [read_repeat(out / d) for d in across["repeats"]]
 
 
