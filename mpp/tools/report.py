@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", action="append", default=[], metavar="REPORT_DIR",
                         help="the output_dir of the same comparison with another pre-training seed (its report.json; "
                              "compare's pretrain_seeds writes OUTPUT_DIR_pretrain_seedN): the report adds each gap "
-                             "over the pre-training seeds; repeat for each (default: the repeats that the report already in "
-                             "the output folder names)")
+                             "over the pre-training seeds; repeat for each (default: the repeats that the report "
+                             "already in the output folder names)")
     args = parser.parse_args(argv)
     from mpp.report import read_repeat, write_report
     rep = write_report(args.runs, args.out, [read_repeat(d) for d in args.repeat] or None)
