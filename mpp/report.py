@@ -190,7 +190,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        out["share_noise"] = _share_noise(acc, sem, per_run, draws)
+        out["share_noise"] = _share_noise(acc, sem, per_run, per_image, draws)
     return out
 
 
@@ -223,13 +223,14 @@ def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
     return outcomes.seed_image_overlap(sum(w * x for w, x in zip(weights.values(), runs)))
 
 
-def _share_noise(acc: dict, sem: dict, per_run: dict, draws: dict) -> float | None:
+def _share_noise(acc: dict, sem: dict, per_run: dict, per_image: dict, draws: dict) -> float | None:
     """Standard error of the share R = (m - s) / (u - s) (u, m, s: supervised, MPP, scratch), to
     first order (the delta method), from the influence of each unit on R, ((m_i - s_i) - R (u_i -
     s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
     from each arm's own standard error: the seeds' part, and the test images' part where all three
-    arms recorded their per-image results (less the seed-by-image variance the seeds' part holds
-    too, as in `derive`). None when an arm's seed noise is unknown."""
+    arms recorded their per-image results (`per_image`: `_mean_images` of `per_run`; less the
+    seed-by-image variance the seeds' part holds too, as in `derive`). None when an arm's seed
+    noise is unknown."""
     if any(sem.get(f) is None for f in acc):
         return None
     u, m, s = acc["supervised"], acc["mpp"], acc["scratch"]
@@ -241,8 +242,7 @@ def _share_noise(acc: dict, sem: dict, per_run: dict, draws: dict) -> float | No
     else:
         seeds = outcomes.sem(sum(w * d for w, d in zip(weights.values(), paired))) or 0.0
     test = 0.0
-    means = _mean_images(per_run)
-    images = [means.get(f) for f in weights]
+    images = [per_image.get(f) for f in weights]
     if all(images):
         scores = [v for _, v in images]  # float64 means (`_mean_images`)
         same = len({d for d, _ in images}) == 1
