@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1, as the CIFAR configs)")
     p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--step-ms", type=float, default=90.0, help="simulated step time (default 90: the CIFAR fine-tune's)")
+    p.add_argument("--step-ms", type=float, default=90.0,
+                   help="simulated step time (default 90: the CIFAR fine-tune's)")
     p.add_argument("--repeats", type=int, default=2, help="runs per way, alternating (default 2)")
     a = p.parse_args(argv)
     if not Path(a.data).is_file():

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3, help="epochs read, the first left out (default 3)")
-    p.add_argument("--fraction", type=float, default=0.0, help="a class-balanced label fraction (default: all, unlabeled)")
+    p.add_argument("--fraction", type=float, default=0.0,
+                   help="a class-balanced label fraction (default: all, unlabeled)")
     p.add_argument("--device", default="cpu", help="cpu: host batches; cuda: through the trainer's prefetcher")
     a = p.parse_args(argv)
     if not Path(a.data).is_file():

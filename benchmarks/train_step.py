@@ -180,7 +180,8 @@ class PlainMPP(nn.Module):
         t[chosen & (r < 0.8)] = self.mask_token.to(t.dtype)
         t = self.vit.norm(self.vit.blocks(self.vit._pos_embed(t)))
         logits = self.head(t[:, 1:])
-        return F.cross_entropy(logits[chosen].float(), mean_color_targets(x01, self.vit.patch_embed.patch_size[0])[chosen])
+        return F.cross_entropy(logits[chosen].float(),
+                               mean_color_targets(x01, self.vit.patch_embed.patch_size[0])[chosen])
 
 
 def timm_loop(preset: str, precision: str, compile: bool = False,
@@ -434,7 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", nargs="+", choices=list(METHODS),
                    help="default: " + "; ".join(f"{d}: {' '.join(m)}" for d, m in DEFAULT_METHODS.items()))
     p.add_argument("--device", choices=list(DEFAULT_METHODS), default="cpu")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per method, one at a time in turn with the other methods; the median counts (default 5)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps per method, one at a time in turn with the other methods; "
+                        "the median counts (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--batch-size", type=int, default=0, help="0: per model and device, " + "; ".join(
         f"{d}: " + " ".join(f"{m} {b}" for m, b in bs.items()) for d, bs in DEFAULT_BATCH.items()))

@@ -191,8 +191,9 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
             sweep = []
             if cfg.sweep:
                 for point in points:
-                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}{again}", "finetune",
-                                       cfg.finetune, base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"] + choose,
+                    sweep.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, sweep {' '.join(point)}{again}",
+                                       "finetune", cfg.finetune,
+                                       base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"] + choose,
                                        root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}",
                                        pretrain_seed=pretrain_seed))
                 stages += sweep
@@ -201,7 +202,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                            lambda outs=outs: best_point(points, outs))] if sweep else []
             # the representation that the best (the second-best) sweep stage chose on its training labels
             pools = [Choice(f"finetune.pool: the {nth} sweep stage's, chosen on its training labels",
-                            ["finetune.pool=token"], lambda outs=outs, r=r: [f"finetune.pool={_ranked(outs)[r][1]['pool']}"])
+                            ["finetune.pool=token"],
+                            lambda outs=outs, r=r: [f"finetune.pool={_ranked(outs)[r][1]['pool']}"])
                      for r, nth in enumerate(("best", "second-best"))] if choose and sweep else []
             # all the labels, tested on data.val, whatever the configs say; without a sweep each final chooses its pool
             final = base + (choose if not sweep else []) + ["finetune.dev_fraction=0"]
@@ -305,7 +307,8 @@ def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
     file = encoder_file(path).resolve()
     if not file.is_file():
         raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} from {file}, which is gone: delete "
-                          f"the stage that made it ({Path(path)}) and the stages that started from it, to run them again")
+                          f"the stage that made it ({Path(path)}) and the stages that started from it, "
+                          "to run them again")
     if file not in digests:
         digests[file] = encoder_digest(file)
     if metrics[recorded] != digests[file]:

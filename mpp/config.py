@@ -52,7 +52,8 @@ class MPPConfig:
     mask: float = 0.8          # of the chosen: replaced by the [mask] embedding
     random: float = 0.1        # ... by the embedding of a random other patch of the same image
     keep: float = 0.1          # ... left unchanged
-    target: str = "mean_color"  # an entry of mpp.objectives.TARGETS: mean_color | mean_color_regression | downsampled | pixels
+    target: str = "mean_color"  # an entry of mpp.objectives.TARGETS: mean_color | mean_color_regression |
+                                # downsampled | pixels
     bits: int = 3              # colour quantisation per channel (512 classes at 3)
 
 
@@ -106,7 +107,8 @@ class TrainConfig:
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
     attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
-    compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of 4,000+ steps) | always | never (mpp.compiled)
+    compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of 4,000+ steps) | always | never
+                               # (mpp.compiled)
     compile_mode: str = "default"  # torch.compile's mode; reduce-overhead adds CUDA graphs (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
     profile: tuple = (0, 0)    # [first, count]: torch.profiler over steps first+1..first+count into
@@ -309,7 +311,8 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
         cur = getattr(obj, k)
         if dataclasses.is_dataclass(cur):
             if not isinstance(v, dict):
-                raise ConfigError(f"config key '{key}' is a section; give it a mapping, e.g. {key}.{dataclasses.fields(cur)[0].name}=...")
+                raise ConfigError(f"config key '{key}' is a section; give it a mapping, "
+                                  f"e.g. {key}.{dataclasses.fields(cur)[0].name}=...")
             _apply(cur, v, key + ".", root)
         else:
             setattr(obj, k, _coerce(key, v, str(fields[k].type)))
@@ -509,7 +512,8 @@ def validate(cfg: Config) -> None:
           f"train.image_every logs MPP predictions; set it to 0 for objective={cfg.objective}")
     f = cfg.finetune
     check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
-    check(0 <= f.dev_fraction < 1, f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
+    check(0 <= f.dev_fraction < 1,
+          f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
           "drop_path and label_smoothing must be in [0, 1)")
     check(cfg.supervised.hidden_dim >= 0, "config key 'supervised.hidden_dim' must be >= 0 (0: the encoder width)")

@@ -313,7 +313,8 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     try:
         encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
     except (TypeError, ValueError, AssertionError) as e:
-        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: {' '.join(str(e).split())[:100]}") from None
+        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
+                          f"{' '.join(str(e).split())[:100]}") from None
     try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
         state = load_file(str(weights))
     except Exception as e:

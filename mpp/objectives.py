@@ -176,7 +176,8 @@ def _linear(dim_in: int, dim_out: int, zero: bool = False) -> nn.Linear:
 def _batch_mode_accuracy(classes: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Accuracy of always predicting the batch's most frequent class (bincount without a sync)."""
     flat = classes.reshape(-1)
-    counts = torch.zeros(num_classes, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float))
+    counts = torch.zeros(num_classes, device=flat.device).scatter_add_(0, flat,
+                                                                       torch.ones_like(flat, dtype=torch.float))
     return counts.max() / flat.numel()
 
 
@@ -397,5 +398,6 @@ def build_task(cfg, encoder: nn.Module, num_classes: int | None) -> Task:
     """The Task for `cfg.objective` around `encoder` (`num_classes`: of the labels, when it needs them)."""
     cls = OBJECTIVES[cfg.objective]
     if cls.labeled and (not num_classes or num_classes < 2):
-        raise ValueError(f"objective '{cfg.objective}' needs labeled data with >= 2 classes, got num_classes={num_classes}")
+        raise ValueError(f"objective '{cfg.objective}' needs labeled data with >= 2 classes, "
+                         f"got num_classes={num_classes}")
     return cls.from_config(cfg, encoder, num_classes)

@@ -61,7 +61,8 @@ class StepProfiler:
         self.prof = None
         if count and self.steps > 0:
             cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
-            if not cuda:  # Kineto's start-up messages (a failed GPU probe on a CUDA build without a GPU) mean nothing here
+            # Kineto's start-up messages (a failed GPU probe on a CUDA build without a GPU) mean nothing here
+            if not cuda:
                 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             self.prof = torch.profiler.profile(
                 activities=[ProfilerActivity.CPU, *cuda], on_trace_ready=self._write,
@@ -98,7 +99,8 @@ class StepProfiler:
                                            if e.device_type != DeviceType.CPU
                                            and not getattr(e, "is_user_annotation", False))),
             **{f"{k}_ms": v for k, v in spent.items()}}
-        listed = lambda names: ", ".join(f"{k} {spent[k]:.2f}" for k in (n.removeprefix("mpp/") for n in names))  # noqa: E731
+        listed = lambda names: ", ".join(  # noqa: E731
+            f"{k} {spent[k]:.2f}" for k in (n.removeprefix("mpp/") for n in names))
         line = (f"profiled steps {self.begin + 1}-{self.begin + self.steps} on {self.device}, rank {self.rank}: a step "
                 f"took {figures['step_ms']:.2f} ms on the host: {listed(PHASES)}; the prefetch thread, per step: "
                 f"{listed(THREAD_PHASES)}" + (f"; the device was busy {figures['device_busy_ms']:.2f} ms a step "

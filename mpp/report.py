@@ -424,7 +424,8 @@ def collect(runs: list[dict]) -> dict:
                  "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "probe_pool_choice": None,
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
-    per_run: dict = {}  # (family, fraction | "probe" | "{k}shot") -> (labels digest, per-image top-1 of each run or draw)
+    # (family, fraction | "probe" | "{k}shot") -> (labels digest, per-image top-1 of each run or draw)
+    per_run: dict = {}
     seen: dict = {}
     cells: dict = {}  # (family, fraction) -> final runs
     dev: dict = {}    # (family, fraction) -> dev-split runs
@@ -734,7 +735,8 @@ def render_markdown(rep: dict) -> str:
     if held:
         lines += ["", "Linear probe, held-out top-1 of each representation on training features (the best is used; "
                   "its lead ± its standard error, paired over the held-out images): " + "; ".join(held) + "."]
-    l2s = [(FAMILY_NAMES[f], t[f]["probe_l2"], t[f]["probe_l2_grid"]) for f in FAMILIES if t[f].get("probe_l2") is not None]
+    l2s = [(FAMILY_NAMES[f], t[f]["probe_l2"], t[f]["probe_l2_grid"])
+           for f in FAMILIES if t[f].get("probe_l2") is not None]
     if l2s:
         edge = [name for name, l2, grid in l2s if len(grid) > 1  # the grid's keys carry 6 digits (:g)
                 and any(math.isclose(l2, g, rel_tol=1e-5) for g in (grid[0], grid[-1]))]
@@ -861,7 +863,8 @@ def _figures_section(out: Path) -> str:
         return ""
     names = [n for n in FIGURES if (fig / n).is_file()] + sorted(p.name for p in fig.glob("predictions_*.png"))
     lines = ["", "## What the encoders learned", ""]
-    lines += [f"- {FIGURES.get(n, 'MPP predictions: ' + n[len('predictions_'):-4])}: ![{n}](figures/{n})" for n in names]
+    lines += [f"- {FIGURES.get(n, 'MPP predictions: ' + n[len('predictions_'):-4])}: ![{n}](figures/{n})"
+              for n in names]
     return "\n".join(lines) + "\n"
 
 

@@ -516,7 +516,8 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
             raise
         except Exception as e:  # a checkpoint is untrusted input: corrupt, empty, crafted (never unpickled)
             why = ("holds objects other than tensors and plain values: refused, never unpickled"
-                   if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {' '.join(str(e).split())[:100]}")
+                   if isinstance(e, pickle.UnpicklingError)
+                   else f"{type(e).__name__}: {' '.join(str(e).split())[:100]}")
             state = {}
         whys = [w for w in gather_object([why]) if w]
         if not whys:

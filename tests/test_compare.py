@@ -125,7 +125,8 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
         finals[0].args()
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
-    assert "optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out and "the second-best sweep stage's" in out
+    assert ("optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out
+            and "the second-best sweep stage's" in out)
     assert "runs only if the best value's dev lead over it is under t times its standard error" in out
     assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
@@ -217,7 +218,8 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     runs = tmp_path / "runs"
     # each trained stage's time split as its metrics.json times it (a probe's: its wall time alone)
     line = re.search(r"fine-tune mpp, 50% labels, seed 1: finished in ([\d.]+) s \(set-up ([\d.]+), begin ([\d.]+), "
-                     r"training loop ([\d.]+), final evaluation ([\d.]+), export ([\d.]+), process start and exit ([\d.]+) s\)",
+                     r"training loop ([\d.]+), final evaluation ([\d.]+), export ([\d.]+), "
+                     r"process start and exit ([\d.]+) s\)",
                      r.stdout)
     assert line, r.stdout[-3000:]
     took, *parts = map(float, line.groups())
@@ -455,7 +457,8 @@ def test_a_finished_stage_resumes_with_other_speed_and_logging_keys(tmp_path):
     from mpp.config import RESULT_NEUTRAL
     assert sorted(o.split("=")[0] for o in other) == sorted(RESULT_NEUTRAL)  # every one of them, each changed
     with pytest.raises(ConfigError, match="data.num_workers: 0 -> 4"):
-        check_unchanged(plan(load_compare_config(tmp_path / "compare.yaml", ["pretrain_overrides=[data.num_workers=4]"]))[0])
+        check_unchanged(plan(load_compare_config(tmp_path / "compare.yaml",
+                                                 ["pretrain_overrides=[data.num_workers=4]"]))[0])
 
 
 def test_a_finished_stage_of_an_encoder_trained_again_is_refused(tmp_path, monkeypatch, capsys):
@@ -637,7 +640,8 @@ def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_
     assert across["seeds"] == 2
     for fig, got, mine in ((across["finetune"]["1"], reps[0]["derived"]["finetune"]["1"],
                             reps[1]["derived"]["finetune"]["1"]),
-                           (across["linear_top1"], reps[0]["derived"]["linear_top1"], reps[1]["derived"]["linear_top1"])):
+                           (across["linear_top1"], reps[0]["derived"]["linear_top1"],
+                            reps[1]["derived"]["linear_top1"])):
         assert fig["mpp_minus_scratch"]["values"] == [got["mpp_minus_scratch"], mine["mpp_minus_scratch"]]
     md = (runs / "report.md").read_text()
     assert "## Across 2 pre-training seeds" in md and "section on pre-training seeds below" in md

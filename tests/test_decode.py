@@ -121,7 +121,8 @@ def test_transforms_same_draws_and_pixels_on_both_decoders(size):
             data = jpeg(width, height, quality=95)
             fast, slow = random.Random(1), random.Random(1)
             for _ in range(4):
-                (a,), (b,) = transform.batch([open_image(data, CAP)], fast), transform.batch([Image.open(io.BytesIO(data))], slow)
+                (a,), (b,) = (transform.batch([open_image(data, CAP)], fast),
+                              transform.batch([Image.open(io.BytesIO(data))], slow))
                 assert a.shape == b.shape == (3, size, size) and a.stride()[0] == b.stride()[0] == 1  # (H, W, 3) pixels
                 diff = (a.int() - b.int()).abs().float()
                 if width < 2 * size:  # never reduced: PIL's pixels (within +-1 below 64 px: PIL resizes there)

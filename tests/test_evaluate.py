@@ -238,7 +238,8 @@ def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path,
     assert first["l2"] in (1e-3, 1e-1) and first["weight"].shape == (4, enc_a.embed_dim)
     fits = []
     real_choose = mpp.evaluators.linear_probe.choose_probe
-    monkeypatch.setattr(mpp.evaluators.linear_probe, "choose_probe", lambda *a, **k: fits.append(1) or real_choose(*a, **k))
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "choose_probe",
+                        lambda *a, **k: fits.append(1) or real_choose(*a, **k))
     again = probe_head(enc_a, cfg, **kw)
     assert not fits and all(torch.equal(first[k], again[k]) for k in ("weight", "bias"))
     assert (again["l2"], again["heldout_top1"]) == (first["l2"], first["heldout_top1"])
@@ -331,7 +332,8 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     monkey_load = lambda *a, **k: encoder  # noqa: E731 -- the hooked encoder stands for a loaded one
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mpp.evaluators.linear_probe, "load_encoder", monkey_load)
-        auto = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "auto", probe={"encoder": str(tmp_path)}))
+        auto = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "auto",
+                                                                 probe={"encoder": str(tmp_path)}))
         forced = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "token",
                                                     probe={"encoder": str(tmp_path), "pool": "token"}))
     assert auto["pool"] == "avg" and auto["pool_setting"] == "auto"
@@ -358,7 +360,8 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
                optim={"name": "sgd", "warmup_steps": 1, "weight_decay": 0.0})  # one step at lr 0: nothing moves
     tune = {"init": str(tmp_path), "pool": "auto", "label_fraction": 0.5, "dev_fraction": 0.25}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)  # the hooked encoder stands for a loaded one
+        # the hooked encoder stands for a loaded one
+        mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)
         zero = train(_cfg(shards, tmp_path / "zero", finetune=tune, **run))
         probe = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"}, **run))
         chosen_again = []

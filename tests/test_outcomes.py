@@ -49,7 +49,8 @@ def test_derive_adds_test_noise_only_for_the_same_images():
     assert 1.5 < test < 4  # two independent 0/1 vectors over 1,000 images: ~2.2 points
     assert g["noise_test"]["supervised_minus_mpp"] == pytest.approx(test, abs=1e-3)
     assert g["noise"]["supervised_minus_mpp"] == pytest.approx(np.hypot(np.hypot(0.3, 0.4), test), abs=1e-3)
-    g2 = derive(sup.mean(), mpp.mean(), None, sem=sem, per_run=one_run({"supervised": (same, sup), "mpp": (other, mpp)}))
+    g2 = derive(sup.mean(), mpp.mean(), None, sem=sem,
+                per_run=one_run({"supervised": (same, sup), "mpp": (other, mpp)}))
     unpaired = 100 * outcomes.unpaired_sem(sup, mpp)  # other images or order: two independent samples
     assert unpaired == pytest.approx(100 * np.sqrt(sup.var(ddof=1) / n + mpp.var(ddof=1) / n))
     assert g2["noise_test"]["supervised_minus_mpp"] == pytest.approx(unpaired, abs=1e-3)
@@ -150,7 +151,8 @@ def test_report_marks_a_probe_gap_within_the_test_noise(tmp_path):
             c = base.copy()
             c[n - 1] = bool(seed)                      # the seeds differ by one image
             runs.append(_run(root, f"ft_{arm}_{seed}", {"objective": "classify", "seed": seed, "finetune": {
-                "init": str(init), "label_fraction": 1.0}}, {"top1": float(c.mean()), "outcomes": outcomes.record(c, labels)}))
+                "init": str(init), "label_fraction": 1.0}},
+                {"top1": float(c.mean()), "outcomes": outcomes.record(c, labels)}))
     rep = write_report(runs, tmp_path / "out")
     lin, ft = rep["derived"]["linear_top1"], rep["derived"]["finetune"]["1"]
     assert lin["mpp_minus_scratch"] == pytest.approx(1.0)
@@ -160,8 +162,8 @@ def test_report_marks_a_probe_gap_within_the_test_noise(tmp_path):
     sem = np.std([0.0, 0.0025], ddof=1) / np.sqrt(2)  # each arm: 2 seeds 0.25 points apart
     seeds_part = 100 * np.hypot(sem, sem)
     assert ft["noise"]["mpp_minus_scratch"] > ft["noise_test"]["mpp_minus_scratch"] > 0
-    assert ft["noise"]["mpp_minus_scratch"] == pytest.approx(np.hypot(seeds_part, ft["noise_test"]["mpp_minus_scratch"]),
-                                                             abs=1e-3)
+    assert ft["noise"]["mpp_minus_scratch"] == pytest.approx(
+        np.hypot(seeds_part, ft["noise_test"]["mpp_minus_scratch"]), abs=1e-3)
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| linear probe | +20.0 ± 2.0 | +1.0 ± 0.7 not significant |" in md
     # the same probes without per-image results: noise unknown, not zero
@@ -406,7 +408,8 @@ def test_share_noise_adds_the_seeds_and_the_test_images_in_quadrature():
     acc, images = [x.mean() for x in v.values()], {f: ("d", x) for f, x in v.items()}
     sem = {"supervised": 0.01, "mpp": 0.015, "scratch": 0.012}
     both = derive(*acc, sem=sem, per_run=one_run(images))["share_noise"]
-    seeds, test = derive(*acc, sem=sem)["share_noise"], derive(*acc, sem=dict.fromkeys(ARMS, 0.0), per_run=one_run(images))
+    seeds, test = (derive(*acc, sem=sem)["share_noise"],
+                   derive(*acc, sem=dict.fromkeys(ARMS, 0.0), per_run=one_run(images)))
     assert both == pytest.approx(np.hypot(seeds, test["share_noise"]), abs=2e-4)
 
 

@@ -166,7 +166,8 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     inits = {"supervised": str(sup), "mpp": str(mpp), "scratch": "none"}
     held, idx = np.arange(40) % 10, np.arange(40)  # pool=auto's held-out images: token right on 2 more
     chose = {"pool": "token", "pool_heldout_top1": {"token": 0.5, "avg": 0.45},
-             "pool_heldout_outcomes": {"token": outcomes.record(idx < 20, held), "avg": outcomes.record(idx < 18, held)}}
+             "pool_heldout_outcomes": {"token": outcomes.record(idx < 20, held),
+                                       "avg": outcomes.record(idx < 18, held)}}
     for fam, accs in tops.items():
         for lr, dev in ((0.01, 0.5), (0.03, 0.55)):
             runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
@@ -225,7 +226,8 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     m = json.loads((probe_sup / "metrics.json").read_text())
     (probe_sup / "metrics.json").write_text(json.dumps({**m, "probe_l2": 1.0}))  # the strongest edge: flagged too
     write_report(runs, tmp_path / "edge")
-    assert "edge of its grid for supervised pre-training, MPP pre-training:" in (tmp_path / "edge" / "report.md").read_text()
+    assert ("edge of its grid for supervised pre-training, MPP pre-training:"
+            in (tmp_path / "edge" / "report.md").read_text())
     (probe_sup / "metrics.json").write_text(json.dumps(m))
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
@@ -321,7 +323,8 @@ def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
     assert [t[f]["finetune"]["0.1"] for f in ("supervised", "mpp", "scratch")] == pytest.approx([0.71, 0.51, 0.31])
     assert rep["recipes"]["supervised"]["0.1"]["chosen"]["optim.lr"] == 0.03
     assert rep["recipes"]["supervised"]["0.1"]["retrained"] == [
-        {"values": {"optim.lr": 0.01}, "kind": "value", "top1": pytest.approx(0.61), "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2,
+        {"values": {"optim.lr": 0.01}, "kind": "value", "top1": pytest.approx(0.61),
+         "std": pytest.approx(0.01 * 2 ** 0.5), "n": 2,
          "dirs": [str(root / f"ft_supervised/lr0.01_seed{s}") for s in (0, 1)]}]
     assert g["recipe_toss_ups"] == ["supervised"]  # MPP's lead is clear: its runner-up moves no figure
     assert g["range"] == {"supervised_minus_mpp": pytest.approx([10.0, 20.0]),
@@ -507,7 +510,8 @@ def test_a_runner_up_value_and_the_other_representation_are_each_an_alternative(
     from the lr 0.01 run listed before it."""
     labels, idx = np.arange(400) % 10, np.arange(400)
     held = {p: outcomes.record(idx < k, labels) for p, k in (("avg", 240), ("token", 200))}
-    won = {"top1": 0.56, "pool": "avg", "pool_heldout_top1": {"avg": 0.60, "token": 0.50}, "pool_heldout_outcomes": held}
+    won = {"top1": 0.56, "pool": "avg", "pool_heldout_top1": {"avg": 0.60, "token": 0.50},
+           "pool_heldout_outcomes": held}
     lost = {"top1": 0.50, "pool": "token", "pool_heldout_top1": {"avg": 0.40, "token": 0.45},
             "pool_heldout_outcomes": {"avg": outcomes.record(idx < 160, labels),
                                       "token": outcomes.record(idx < 180, labels)}}

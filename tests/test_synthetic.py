@@ -62,12 +62,14 @@ def test_make_synthetic_shards(tmp_path: Path):
     assert Counter(labels) == {c: 10 for c in range(10)}  # balanced
     assert len(labels) == len(images) == 100 and len(set(images)) == 100
     assert labels[:10] != sorted(labels[:10])  # shuffled order
-    assert all(Image.open(io.BytesIO(b)).format == "JPEG" and Image.open(io.BytesIO(b)).size == (32, 32) for b in images)
+    assert all(Image.open(io.BytesIO(b)).format == "JPEG" and Image.open(io.BytesIO(b)).size == (32, 32)
+               for b in images)
     # same seed: byte-identical shards
     make_synthetic(tmp_path / "b", train=100, test=30, shards=4, seed=3, progress=False)
     for split in ("train", "test"):
         for s in ms[split]["shards"]:
-            assert (tmp_path / "a" / split / s["name"]).read_bytes() == (tmp_path / "b" / split / s["name"]).read_bytes()
+            assert ((tmp_path / "a" / split / s["name"]).read_bytes()
+                    == (tmp_path / "b" / split / s["name"]).read_bytes())
 
 
 def test_make_synthetic_reuses_same_settings_refuses_others(tmp_path: Path):

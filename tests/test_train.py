@@ -511,7 +511,8 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(capsys)
     """A resumed run names the settings that differ from its config.yaml, not those of speed and
     logging alone (mpp.config.RESULT_NEUTRAL), which a run changes on resume as a matter of course."""
     old = {"train": {"log_every": 10, "ckpt_every": 500, "resume": "auto"}, "data": {"num_workers": 2}}
-    mpp.train._warn_changes(old, {"train": {"log_every": 1, "ckpt_every": 5, "resume": "none"}, "data": {"num_workers": 4}})
+    mpp.train._warn_changes(old, {"train": {"log_every": 1, "ckpt_every": 5, "resume": "none"},
+                                  "data": {"num_workers": 4}})
     assert capsys.readouterr().err == "warning: resuming with data.num_workers=4 (the checkpointed run had 2)\n"
 
 

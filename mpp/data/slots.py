@@ -2,7 +2,8 @@
 
 PyTorch sends each batch from a worker in a fresh shared-memory segment that the worker writes
 page by page and the main process unmaps and frees after use, so the kernel zeroes and maps every
-4 KiB page of every batch anew (a cost comparable to decoding; docs/benchmarks.md). Here the loader maps `per_worker` batch-sized slots per
+4 KiB page of every batch anew (a cost comparable to decoding; docs/benchmarks.md). Here the loader
+maps `per_worker` batch-sized slots per
 worker once (an anonymous shared mapping that the forked workers inherit); a worker stacks its batch
 into a free slot of its own and sends only the slot's number. The main process hands out a tensor
 over the slot and marks the slot free again when that tensor and every view of it are garbage

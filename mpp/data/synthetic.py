@@ -46,7 +46,8 @@ def _colours(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarr
     h = rng.random()
     s_bg, v_bg = rng.uniform(0.2, 0.9), rng.uniform(0.25, 0.95)
     bg = np.array(colorsys.hsv_to_rgb(h, s_bg, v_bg))
-    bg2 = np.array(colorsys.hsv_to_rgb((h + rng.uniform(-0.06, 0.06)) % 1, s_bg, np.clip(v_bg + rng.uniform(-0.3, 0.3), 0.1, 1)))
+    bg2 = np.array(colorsys.hsv_to_rgb((h + rng.uniform(-0.06, 0.06)) % 1, s_bg,
+                                       np.clip(v_bg + rng.uniform(-0.3, 0.3), 0.1, 1)))
     v_fg = rng.uniform(0.15, 0.45) if v_bg > 0.6 else rng.uniform(0.7, 1.0)  # contrast in lightness too
     fg = np.array(colorsys.hsv_to_rgb((h + rng.uniform(0.25, 0.75)) % 1, rng.uniform(0.5, 1.0), v_fg))
     return tuple((c * 255).astype(np.float32) for c in (bg, bg2, fg))
@@ -111,7 +112,8 @@ def _object_mask(label: int, rng: np.random.Generator, w: int) -> np.ndarray:
         draw.polygon(_polygon(cx, cy, [1.35 * r, 0.55 * r] * 5, rot), fill=255)
     else:  # cross: a plus of two bars, as one 12-vertex outline
         a, b = 1.25 * r, 0.38 * r
-        pts = [(b, a), (b, b), (a, b), (a, -b), (b, -b), (b, -a), (-b, -a), (-b, -b), (-a, -b), (-a, b), (-b, b), (-b, a)]
+        pts = [(b, a), (b, b), (a, b), (a, -b), (b, -b), (b, -a),
+               (-b, -a), (-b, -b), (-a, -b), (-a, b), (-b, b), (-b, a)]
         c, s = math.cos(rot), math.sin(rot)
         draw.polygon([(cx + px * c - py * s, cy + px * s + py * c) for px, py in pts], fill=255)
     return np.asarray(mask, np.float32) / 255
@@ -164,7 +166,8 @@ def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size
     for split, n in (("train", train), ("test", test)):
         if n == 0:
             continue
-        params = {"generator": "mpp.data.synthetic", "split": split, "num": n, "size": size, "jpeg_quality": JPEG_QUALITY}
+        params = {"generator": "mpp.data.synthetic", "split": split, "num": n, "size": size,
+                  "jpeg_quality": JPEG_QUALITY}
         per_shard = -(-n // shards)  # what `shards` changes; every manifest records it, older ones too
         path = Path(out) / split
         if not overwrite and (path / MANIFEST).is_file():

@@ -168,7 +168,8 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
             save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
-                      str(tmp), metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
+                      str(tmp),
+                      metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
     return features, labels
 
 

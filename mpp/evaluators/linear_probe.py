@@ -39,7 +39,8 @@ def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 
     gradient is written out ((softmax - onehot)^T x / N) rather than autograd's, and the work is
     class-major (C, N): with C ~ 10 as the outer dimension this CPU's matmuls run faster at a few
     thousand samples and no slower at tens of thousands (docs/benchmarks.md)."""
-    w = torch.zeros(num_classes, x.shape[1] + 1) if init is None else init.T.clone(memory_format=torch.contiguous_format)
+    w = (torch.zeros(num_classes, x.shape[1] + 1) if init is None
+         else init.T.clone(memory_format=torch.contiguous_format))
     w.requires_grad_(True)  # (C, D + 1), the transpose of what is returned
     xt, onehot_t = x.T.contiguous(), F.one_hot(y, num_classes).T.float()
     opt = torch.optim.LBFGS([w], lr=1.0, max_iter=max_iter, history_size=20, tolerance_grad=1e-6,

@@ -51,7 +51,8 @@ def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
         state = load_file(str(run / HEAD_FILE))
     elif ckpts := list_checkpoints(run / "checkpoints"):
         full = load_file(str(ckpts[-1] / "model.safetensors"))
-        state = {k.removeprefix("encoder."): v for k, v in full.items() if k.startswith("head.") or k == "encoder.mask_token"}
+        state = {k.removeprefix("encoder."): v for k, v in full.items()
+                 if k.startswith("head.") or k == "encoder.mask_token"}
     else:
         return None
     task = MPPTask(load_encoder(run, attn=attn), cfg.mpp, cfg.data)
