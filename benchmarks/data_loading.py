@@ -24,11 +24,11 @@ one core each (torch single-threaded):
   the same workers and batch size, persistent like the shard loader's (DataLoader's default forks
   them anew every epoch, which would make the baseline slower).
 Rates are measured from the first batch on (the first worker start-up and shuffle-buffer fill
-excluded; with more samples than images, later epoch starts count) and reported with the ratios \
-the issue targets, shards / ImageFolder >= 2 and shards / (PIL decode
-loop x workers) >= 0.8, plus shards / (mpp decode x workers), the pipeline's efficiency over its own
-decode code. On a small shared machine one timing is noisy, so the methods run in turn
-`repeats` times (interleaved, so a busy moment hits all of them alike) and each keeps its best.
+excluded; with more samples than images, later epoch starts count) and reported with the ratios the
+issue targets, shards / ImageFolder >= 2 and shards / (PIL decode loop x workers) >= 0.8, plus
+shards / (mpp decode x workers), the pipeline's efficiency over its own decode code. On a small
+shared machine one timing is noisy, so the methods run in turn `repeats` times (interleaved, so a
+busy moment hits all of them alike) and each keeps its best.
 """
 from __future__ import annotations
 

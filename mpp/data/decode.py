@@ -122,8 +122,8 @@ def decode_batch(samples: list[dict], transform, rng: random.Random, *, labeled:
                  ) -> tuple[list[torch.Tensor], list[int | None]]:
     """The uint8 CHW images and labels (None when unlabeled) of the raw webdataset samples that
     decode; the others are skipped and counted by kind in `skips`. Labels and headers are read here,
-    the images decoded and
-    augmented by `transform.batch` (a `transforms` transform), all of them in one go."""
+    the images decoded and augmented by `transform.batch` (a `transforms` transform), all of them
+    in one go."""
     images, labels = [], []
     for sample in samples:
         data = image_member(sample)

@@ -1,16 +1,15 @@
 """Batch buffers that DataLoader workers reuse: shared memory that stays mapped between batches.
 
-PyTorch sends each batch from a worker in a fresh shared-memory segment that the worker writes
-page by page and the main process unmaps and frees after use, so the kernel zeroes and maps every
-4 KiB page of every batch anew (a cost comparable to decoding; docs/benchmarks.md). Here the loader
-maps `per_worker` batch-sized slots per
-worker once (an anonymous shared mapping that the forked workers inherit); a worker stacks its batch
-into a free slot of its own and sends only the slot's number. The main process hands out a tensor
-over the slot and marks the slot free again when that tensor and every view of it are garbage
-(a finalizer on the numpy array under it): a consumer may keep batches as long as it likes, the
-slot is not reused meanwhile. When all of a worker's slots are taken, or the workers were not
-forked (the `spawn`/`forkserver` start methods pickle the data set, and the mapping with it is
-dropped), batches travel the usual way.
+PyTorch sends each batch from a worker in a fresh shared-memory segment that the worker writes page
+by page and the main process unmaps and frees after use, so the kernel zeroes and maps every 4 KiB
+page of every batch anew (a cost comparable to decoding; docs/benchmarks.md). Here the loader maps
+`per_worker` batch-sized slots per worker once (an anonymous shared mapping that the forked workers
+inherit); a worker stacks its batch into a free slot of its own and sends only the slot's number.
+The main process hands out a tensor over the slot and marks the slot free again when that tensor and
+every view of it are garbage (a finalizer on the numpy array under it): a consumer may keep batches
+as long as it likes, the slot is not reused meanwhile. When all of a worker's slots are taken, or
+the workers were not forked (the `spawn`/`forkserver` start methods pickle the data set, and the
+mapping with it is dropped), batches travel the usual way.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """A fast, bounded reader of the regular-file members of a (plain or gzip) tar stream.
 
-Python's tarfile costs several times more per member than this (docs/benchmarks.md) and its
-stream mode ends silently at a truncated header. This reader handles what shard writers produce
-(ustar + PAX `path`/`size`
-records, GNU long names), verifies header checksums, and treats shards as untrusted input: every
-member it reads is bounded in size, every header field is validated, and each header block moves
-the stream forward, so any byte string ends in bounded time and memory. It raises
+Python's tarfile costs several times more per member than this (docs/benchmarks.md) and its stream
+mode ends silently at a truncated header. This reader handles what shard writers produce (ustar +
+PAX `path`/`size` records, GNU long names), verifies header checksums, and treats shards as
+untrusted input: every member it reads is bounded in size, every header field is validated, and each
+header block moves the stream forward, so any byte string ends in bounded time and memory. It raises
 `TruncatedTar` when the stream ends early (a tar must end with its zero end-of-archive block) and
 `CorruptTar` for anything malformed; both are `tarfile.ReadError`s.
 """
