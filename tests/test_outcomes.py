@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpp import outcomes
-from mpp.report import _ranges, derive, write_report
+from mpp.report import _added_noise, _ranges, _significant, derive, write_report
 from test_report import _run
 
 
@@ -36,6 +36,13 @@ def test_paired_sem_is_the_standard_error_of_the_per_image_difference():
     d = a.astype(float) - b
     assert outcomes.paired_sem(a, b) == pytest.approx(np.std(d, ddof=1) / np.sqrt(8))
     assert outcomes.paired_sem(a, a) == 0.0  # the same predictions: no sampling noise in their gap
+
+
+def test_a_difference_over_one_image_has_no_standard_error_rather_than_none():
+    """One image gives no spread to estimate: its part of a gap's noise is 0 (which `derive` then
+    leaves out), paired or not, whichever side has the single image; never None."""
+    assert outcomes.paired_sem([True], [False]) == 0.0
+    assert outcomes.unpaired_sem([1.0], [0.0, 1.0, 1.0]) == 0.0 == outcomes.unpaired_sem([0.0, 1.0, 1.0], [1.0])
 
 
 def test_derive_adds_test_noise_only_for_the_same_images():
@@ -68,6 +75,17 @@ def test_derive_adds_test_noise_only_for_the_same_images():
     assert same_runs["significant"]["mpp_minus_scratch"] is False  # 0 ± 0 is no gap
 
 
+def test_a_gap_on_few_test_images_takes_their_degrees_of_freedom():
+    """Two probes (no seed noise) on the same 4 test images: the gap's noise is the images' paired
+    sampling alone, at 4 - 1 = 3 degrees of freedom: Student's 3.182, not the 2.776 of 4."""
+    a, b = np.array([1, 1, 1, 0], bool), np.array([1, 0, 0, 0], bool)
+    g = derive(a.mean(), b.mean(), None, sem={"supervised": 0.0, "mpp": 0.0},
+               per_run=one_run({"supervised": ("d", a), "mpp": ("d", b)}))
+    d = a.astype(float) - b
+    assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.std(d, ddof=1) / 2, abs=1e-3)
+    assert g["dof"]["supervised_minus_mpp"] == 3 and g["t"]["supervised_minus_mpp"] == pytest.approx(3.182, abs=1e-3)
+
+
 def test_critical_is_students_t_and_combine_weighs_parts_by_their_degrees_of_freedom():
     table = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042, 1e9: 1.960}  # two-sided 95%
     for dof, t in table.items():
@@ -78,6 +96,9 @@ def test_critical_is_students_t_and_combine_weighs_parts_by_their_degrees_of_fre
     assert outcomes.critical(0.5) == outcomes.critical(1)  # under one degree counts as one
     with pytest.raises(ValueError, match="dof=nan"):
         outcomes.critical(float("nan"))
+    for level in (0.0, 1.0, 1.5, -0.95):  # a quantile needs 0 < level < 1
+        with pytest.raises(ValueError, match="level"):
+            outcomes.critical(4, level)
     # two seeds' spreads of one degree each: Welch-Satterthwaite gives 2; a precise part adds weight
     assert outcomes.combine((1.0, 1), (1.0, 1)) == pytest.approx((2 ** 0.5, 2.0))
     se, dof = outcomes.combine((1.0, 1), (1.0, 9999))
@@ -124,6 +145,12 @@ def test_gaps_between_equal_arms_are_called_significant_at_most_5_percent_of_the
         flagged += g["significant"]["supervised_minus_mpp"]
         twice += abs(g["supervised_minus_mpp"]) >= 2 * g["noise"]["supervised_minus_mpp"]
     assert 0.01 < flagged / 2000 < 0.06 and twice / 2000 > 0.12
+
+
+def test_a_gap_of_exactly_t_times_its_noise_is_significant():
+    """'At least t times its noise', on either side of zero."""
+    assert _significant(3.0, 1.5, 2.0) and _significant(-3.0, 1.5, 2.0)
+    assert not _significant(2.999, 1.5, 2.0) and not _significant(-2.999, 1.5, 2.0)
 
 
 def _probe(root, name, encoder, correct, labels):
@@ -222,6 +249,17 @@ def test_what_fine_tuning_added_gets_its_noise(tmp_path):
     assert f"| supervised pre-training | 50% | 40.0 | 45.0 | +5.0 ± {noise['0.5']:.1f} not significant |" in md
 
 
+def test_what_fine_tuning_added_on_few_images_takes_their_degrees_of_freedom():
+    """Two seeds that each won the same one of 6 images from the same start: no spread between the
+    seeds, so the gain's noise is the images' paired sampling alone, at 6 - 1 = 5 degrees of
+    freedom (Student's 2.571, not the 2.447 of 6)."""
+    start, end = np.array([1, 1, 0, 0, 0, 0], bool), np.array([1, 1, 1, 0, 0, 0], bool)
+    noise, t = _added_noise([end.mean()] * 2, [start.mean()] * 2, [("d", end)] * 2, [("d", start)] * 2)
+    gain = end.astype(float) - start
+    assert noise == pytest.approx(100 * np.std(gain, ddof=1) / np.sqrt(6), abs=1e-3)
+    assert t == pytest.approx(2.571, abs=1e-3)
+
+
 def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
     """Few-shot figures of a probe that recorded no draws (written before they were) are a mean over
     `fewshot_seeds` draws with their population std: a gap's noise is the two means' standard
@@ -243,6 +281,26 @@ def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
         (r / "metrics.json").write_text(json.dumps({**m, "fewshot_seeds": "5"}))  # not a count: unknown
     assert write_report(runs, tmp_path / "out2")["derived"]["fewshot"]["5"]["noise"]["supervised_minus_mpp"] is None
 
+
+
+def _interaction(x) -> float:
+    """The run-by-image variance of a mean over runs and images, from the two-way layout (runs x
+    images, one score a cell): its residual mean square, sum (x_ij - run_i - image_j + mean)^2 /
+    ((n - 1)(N - 1)), over n N."""
+    x = np.asarray(x, np.float64)
+    n, images = x.shape
+    r = x - x.mean(1, keepdims=True) - x.mean(0) + x.mean()
+    return float((r ** 2).sum() / ((n - 1) * (images - 1)) / (n * images))
+
+
+def test_seed_image_overlap_is_the_run_by_image_interactions_mean_square():
+    """On a few seeds and images (where N / (N - 1) and the seed means' degrees of freedom show):
+    the two-way layout's residual mean square over n N; 0 for one seed or one image."""
+    rng = np.random.default_rng(7)
+    for shape in ((2, 5), (3, 4), (4, 50)):
+        x = (rng.random(shape) < 0.6).astype(float)
+        assert outcomes.seed_image_overlap(x) == pytest.approx(_interaction(x), rel=1e-9)
+        assert outcomes.seed_image_overlap(x[:1]) == 0.0 == outcomes.seed_image_overlap(x[:, :1])
 
 
 @pytest.mark.parametrize("paired", [False, True], ids=["seeds", "shared-draws"])
@@ -298,6 +356,35 @@ def test_shared_draws_scored_on_other_images_take_each_arms_own_overlap():
     assert own != pytest.approx(outcomes.seed_image_overlap(a - b))  # the two readings differ here
     want = 100 * np.sqrt(outcomes.unpaired_sem(a.mean(0), b.mean(0)) ** 2 - own)
     assert g["noise_test"]["mpp_minus_scratch"] == pytest.approx(want, abs=1e-3)
+
+
+def test_arms_with_their_own_seeds_on_the_same_images_take_each_arms_own_overlap():
+    """Fine-tunes: each arm its own three seeds, all scored on the same test images (the images
+    pair, the runs do not): what the images' part shares with the seeds' part is each arm's own
+    seed-by-image variance, in a gap and in the share (delta method: weights 1 / gain on MPP,
+    -share / gain on supervised, (share - 1) / gain on scratch); not that of the runs'
+    differences image by image, which pairs runs that share nothing and is far smaller here,
+    where run i of every arm flips the same images."""
+    rng = np.random.default_rng(0)
+    n, images = 3, 600
+    latent, flip = rng.random(images), rng.random((n, images)) < 0.05
+    runs = {f: ((latent < p) ^ flip).astype(float) for f, p in zip(ARMS, (0.7, 0.5, 0.4))}
+    sem = {f: x.mean(1).std(ddof=1) / np.sqrt(n) for f, x in runs.items()}
+    acc = [runs[f].mean() for f in ARMS]
+    g = derive(*acc, sem=sem, dof=dict.fromkeys(ARMS, n - 1), per_run={f: ("d", x) for f, x in runs.items()})
+    a, b = runs["mpp"], runs["scratch"]
+    assert _interaction(a - b) < 0.5 * (_interaction(a) + _interaction(b))  # the two readings differ here
+    paired = np.std(a.mean(0) - b.mean(0), ddof=1) / np.sqrt(images)
+    test = 100 * np.sqrt(paired ** 2 - _interaction(a) - _interaction(b))
+    assert g["noise_test"]["mpp_minus_scratch"] == pytest.approx(test, abs=1e-3)
+    u, m, s = acc
+    share = (m - s) / (u - s)
+    w = {"supervised": -share / (u - s), "mpp": 1 / (u - s), "scratch": (share - 1) / (u - s)}
+    influence = sum(w[f] * runs[f].mean(0) for f in ARMS)
+    test2 = np.var(influence, ddof=1) / images - sum(w[f] ** 2 * _interaction(runs[f]) for f in ARMS)
+    assert test2 > 0
+    seeds2 = sum((w[f] * sem[f]) ** 2 for f in ARMS)
+    assert g["share_noise"] == pytest.approx(np.sqrt(seeds2 + test2), abs=2e-4)
 
 
 def test_share_noise_matches_resampling():
@@ -440,6 +527,22 @@ def test_share_noise_of_arms_scored_on_other_images_weighs_each_arm():
                                                              (r - 1) * se["scratch"] / gain]), abs=2e-4)
 
 
+def test_share_noise_takes_the_arms_as_independent_unless_all_three_share_the_images():
+    """Supervised and MPP probes on the same 1,000 images, scratch's on other ones: no unit is
+    shared by all three arms, so the share's test part is each arm's own sampling error through
+    the delta method, as for three different test sets, not a per-image influence that would
+    pair scratch's images with the others' by position."""
+    rng = np.random.default_rng(4)
+    latent = rng.random(1000)
+    per = {"supervised": ("A", latent < 0.7), "mpp": ("A", latent < 0.5), "scratch": ("B", rng.random(1000) < 0.4)}
+    u, m, s = (per[f][1].mean() for f in ARMS)
+    g = derive(u, m, s, sem=dict.fromkeys(ARMS, 0.0), per_run=one_run(per))
+    r, gain = (m - s) / (u - s), u - s
+    se = {f: np.std(per[f][1], ddof=1) / np.sqrt(1000) for f in ARMS}
+    assert g["share_noise"] == pytest.approx(np.linalg.norm([se["mpp"] / gain, r * se["supervised"] / gain,
+                                                             (r - 1) * se["scratch"] / gain]), abs=2e-4)
+
+
 def test_draws_of_other_counts_are_not_paired():
     """Two probes with the same shots' digest but 5 and 4 draws (one cut short): unpaired, the two
     means' standard errors combined, with 4 and 3 degrees of freedom."""
@@ -452,6 +555,16 @@ def test_draws_of_other_counts_are_not_paired():
     assert g["t"]["supervised_minus_mpp"] == pytest.approx(
         outcomes.critical(outcomes.combine((se_b, 4), (se_a, 3))[1]), abs=1e-3)
     assert outcomes.sem(np.array([0.0, 1.0])) == pytest.approx(0.5)  # two values already have a standard error
+
+
+def test_draws_pair_only_where_both_arms_recorded_two_or_more():
+    """One draw of the same shots each (no spread to pair), or draws recorded by one arm only (a
+    probe written before they were): each arm keeps its own standard error."""
+    sem = {"supervised": 0.01, "mpp": 0.02}
+    for draws in ({"supervised": ("x", [0.6]), "mpp": ("x", [0.5])},
+                  {"supervised": ("x", [0.59, 0.61]), "mpp": None}, {"supervised": None, "mpp": ("x", [0.49, 0.51])}):
+        g = derive(0.6, 0.5, None, sem=sem, draws=draws)
+        assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.hypot(0.01, 0.02), abs=1e-3)
 
 
 def test_a_share_range_skips_combinations_without_a_supervised_gain():
