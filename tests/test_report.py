@@ -459,6 +459,15 @@ def test_a_lead_pairs_only_runs_scored_on_the_same_split():
         "points": pytest.approx(5.0), "noise": None, "t": None, "clear": None}
 
 
+def test_a_leads_verdict_takes_students_t_at_one_less_degree_than_the_images():
+    """Four development images, three won and none lost: a 75-point lead at 3.0 times its paired
+    standard error (25 points), short of Student's 3.182 at 4 - 1 degrees: not clear (at the
+    2.776 of 4 degrees it would be)."""
+    lead = choice_lead(0.75, 0.0, ("d", np.array([1, 1, 1, 0], bool)), ("d", np.zeros(4, bool)))
+    assert lead["noise"] == pytest.approx(100 * np.std([1, 1, 1, 0], ddof=1) / 2, abs=1e-3)
+    assert lead["t"] == pytest.approx(3.182, abs=1e-3) and lead["clear"] is False
+
+
 def _cell(root: Path, dev: list[tuple], finals: list[tuple]) -> list[Path]:
     """A supervised encoder and one 10%-label cell: `dev` (name, lr, seed, pool, metrics) runs on
     the development split, `finals` (name, lr, seed, pool, metrics) scored on test."""
@@ -486,6 +495,7 @@ def test_the_cell_is_the_value_whose_best_development_run_won(tmp_path):
     recipe = rep["recipes"]["supervised"]["0.1"]
     assert recipe["chosen"]["optim.lr"] == 0.03 and [x["dev_top1"] for x in recipe["dev"]] == [0.56, 0.40, 0.55]
     assert [(x["values"], x["kind"]) for x in recipe["retrained"]] == [({"optim.lr": 0.01}, "value")]
+    assert recipe["lead"] is None  # two development runs of the chosen value: no one lead to show
 
 
 def test_finals_that_chose_their_representation_stay_one_cell(tmp_path):
