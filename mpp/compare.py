@@ -89,6 +89,7 @@ class Stage:
     choices: list[Choice] = field(default_factory=list)
     when: Condition | None = None  # None: always runs
     pretrain_seed: int = 0  # the pre-training seed of the comparison it belongs to (scratch's: 0, shared)
+    arm: str = ""  # the arm it pre-trains or evaluates: mpp, supervised or scratch
 
     def args(self, resolved: bool = True) -> list[str]:
         """Overrides, then the run-time choices (their placeholders unless `resolved`), then output_dir."""
@@ -176,12 +177,12 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     seeded = [f"seed={pretrain_seed}"] if pretrain_seed else []
     arms = ("scratch", "mpp", "supervised") if pretrain_seed == 0 else ("mpp", "supervised")
     stages = [Stage(f"pre-train {kind}{again}", "pretrain", getattr(cfg, kind),
-                    common + as_list(cfg.pretrain_overrides) + seeded, out, pretrain_seed=pretrain_seed)
+                    common + as_list(cfg.pretrain_overrides) + seeded, out, pretrain_seed=pretrain_seed, arm=kind)
               for kind, out in pre.items()]
     for arm in sorted(arms, key=("mpp", "supervised", "scratch").index):
         stages.append(Stage(f"linear probe {arm}{again}", "linear_probe", cfg.probe,
                             common + [f"probe.encoder={pre.get(arm, 'none')}"], root / f"probe_{arm}",
-                            pretrain_seed=pretrain_seed))
+                            pretrain_seed=pretrain_seed, arm=arm))
     points = grid_points(cfg.sweep)
     for frac in cfg.label_fractions:
         pct = f"{frac * 100:g}pct"
@@ -195,7 +196,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                        "finetune", cfg.finetune,
                                        base + point + [f"finetune.dev_fraction={cfg.dev_fraction}"] + choose,
                                        root / f"finetune_{arm}_{pct}" / f"sweep_{_slug(point)}",
-                                       pretrain_seed=pretrain_seed))
+                                       pretrain_seed=pretrain_seed, arm=arm))
                 stages += sweep
             outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
@@ -210,7 +211,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
             for seed in range(cfg.seeds):
                 stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, seed {seed}{again}", "finetune", cfg.finetune,
                                     final + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
-                                    pools[:1] + best, pretrain_seed=pretrain_seed))
+                                    pools[:1] + best, pretrain_seed=pretrain_seed, arm=arm))
             if cfg.runner_up and len(sweep) > 1:
                 second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
                                 points[1], lambda outs=outs: best_point(points, outs, rank=1))
@@ -220,7 +221,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}{again}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
-                                        pools[1:] + [second], when, pretrain_seed))
+                                        pools[1:] + [second], when, pretrain_seed, arm))
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
                                lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
@@ -231,7 +232,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}{again}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best, when,
-                                        pretrain_seed))
+                                        pretrain_seed, arm))
     return stages
 
 
@@ -463,7 +464,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     write_compare_figures([s.out for s in stages if s.tool == "pretrain" and s.pretrain_seed == 0], None,
                           Path(cfg.output_dir) / "figures")
     ran = [s for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed
-    scratch = [s.out for s in ran if {"probe.encoder=none", "finetune.init=none"} & set(s.overrides)]
+    scratch = [s.out for s in ran if s.arm == "scratch"]
     repeats = [write_report([s.out for s in ran if s.pretrain_seed == seed] + scratch, repeat_dir(cfg, seed), [])
                for seed in range(1, cfg.pretrain_seeds)]  # each pre-training seed's own report, scratch shared
     write_report([s.out for s in ran if s.pretrain_seed == 0], Path(cfg.output_dir), repeats)  # links the figures

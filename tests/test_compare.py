@@ -617,6 +617,11 @@ def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
     for s in again:  # every probe and fine-tune of the repeat starts from the repeat's own encoders
         starts = [o.split("=", 1)[1] for o in s.overrides if o.startswith(("finetune.init=", "probe.encoder="))]
         assert s.tool == "pretrain" or (len(starts) == 1 and starts[0] in encoders), s.name
+    for s in two:  # each stage's arm is what it starts from (scratch: none) or pre-trains; the report groups by it
+        starts = [o.split("=", 1)[1] for o in s.overrides if o.startswith(("finetune.init=", "probe.encoder="))]
+        source = s.out if s.tool == "pretrain" else Path(starts[0])
+        assert s.arm == ("scratch" if starts == ["none"] else source.name.removeprefix("pretrain_")), s.name
+    assert {s.arm for s in two} == {"mpp", "supervised", "scratch"}
     slashed = plan(_cfg(tmp_path, SWEEP + "pretrain_seeds: 2\n", [f"output_dir={tmp_path / 'runs'}/"]))
     assert [s.out for s in slashed] == [s.out for s in two]  # a trailing slash does not nest the repeat
     with pytest.raises(ConfigError, match="'pretrain_seeds' must be >= 1"):
