@@ -221,7 +221,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, runner-up, seed {seed}{again}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
-                                        pools[1:] + [second], when, pretrain_seed, arm))
+                                        pools[1:] + [second], when=when, pretrain_seed=pretrain_seed, arm=arm))
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
                                lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
@@ -231,8 +231,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                 for seed in range(cfg.seeds):
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}{again}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],
-                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best, when,
-                                        pretrain_seed, arm))
+                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best,
+                                        when=when, pretrain_seed=pretrain_seed, arm=arm))
     return stages
 
 
