@@ -614,13 +614,14 @@ def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
     assert all(s.overrides[-1] == "seed=1" for s in pre.values())  # after pretrain_overrides
     assert all("seed=1" not in s.overrides for s in one if s.tool == "pretrain")
     encoders = {str(repeat / "pretrain_mpp"), str(repeat / "pretrain_supervised")}
+
+    def starts(s):  # the encoders a stage's overrides start it from
+        return [o.split("=", 1)[1] for o in s.overrides if o.startswith(("finetune.init=", "probe.encoder="))]
     for s in again:  # every probe and fine-tune of the repeat starts from the repeat's own encoders
-        starts = [o.split("=", 1)[1] for o in s.overrides if o.startswith(("finetune.init=", "probe.encoder="))]
-        assert s.tool == "pretrain" or (len(starts) == 1 and starts[0] in encoders), s.name
+        assert s.tool == "pretrain" or (len(starts(s)) == 1 and starts(s)[0] in encoders), s.name
     for s in two:  # each stage's arm is what it starts from (scratch: none) or pre-trains; the report groups by it
-        starts = [o.split("=", 1)[1] for o in s.overrides if o.startswith(("finetune.init=", "probe.encoder="))]
-        source = s.out if s.tool == "pretrain" else Path(starts[0])
-        assert s.arm == ("scratch" if starts == ["none"] else source.name.removeprefix("pretrain_")), s.name
+        source = s.out if s.tool == "pretrain" else Path(starts(s)[0])
+        assert s.arm == ("scratch" if starts(s) == ["none"] else source.name.removeprefix("pretrain_")), s.name
     assert {s.arm for s in two} == {"mpp", "supervised", "scratch"}
     slashed = plan(_cfg(tmp_path, SWEEP + "pretrain_seeds: 2\n", [f"output_dir={tmp_path / 'runs'}/"]))
     assert [s.out for s in slashed] == [s.out for s in two]  # a trailing slash does not nest the repeat
