@@ -21,7 +21,7 @@ A pre-training is one draw too: `pretrain_seeds: N` pre-trains MPP and supervise
 0..N-1), each repeat fine-tuned, probed and reported the same way (seed 0 in `output_dir`, seed s
 in `output_dir_pretrain_seed{s}`; the scratch arm, which no pre-training touches, runs once and
 serves every repeat), and the main report adds each gap over the repeats, whose ± then counts
-the pre-training's own seed (`mpp.report.across_pretrain_seeds`).
+the pre-training's own seed (`mpp.gaps.across_pretrain_seeds`).
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is

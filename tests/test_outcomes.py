@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mpp import outcomes
-from mpp.report import _added_noise, _ranges, _significant, derive, write_report
+from mpp.gaps import added_noise, derive, significant
+from mpp.report import _ranges, write_report
 from test_report import _run
 
 
@@ -149,8 +150,8 @@ def test_gaps_between_equal_arms_are_called_significant_at_most_5_percent_of_the
 
 def test_a_gap_of_exactly_t_times_its_noise_is_significant():
     """'At least t times its noise', on either side of zero."""
-    assert _significant(3.0, 1.5, 2.0) and _significant(-3.0, 1.5, 2.0)
-    assert not _significant(2.999, 1.5, 2.0) and not _significant(-2.999, 1.5, 2.0)
+    assert significant(3.0, 1.5, 2.0) and significant(-3.0, 1.5, 2.0)
+    assert not significant(2.999, 1.5, 2.0) and not significant(-2.999, 1.5, 2.0)
 
 
 def _probe(root, name, encoder, correct, labels):
@@ -254,7 +255,7 @@ def test_what_fine_tuning_added_on_few_images_takes_their_degrees_of_freedom():
     seeds, so the gain's noise is the images' paired sampling alone, at 6 - 1 = 5 degrees of
     freedom (Student's 2.571, not the 2.447 of 6)."""
     start, end = np.array([1, 1, 0, 0, 0, 0], bool), np.array([1, 1, 1, 0, 0, 0], bool)
-    noise, t = _added_noise([end.mean()] * 2, [start.mean()] * 2, [("d", end)] * 2, [("d", start)] * 2)
+    noise, t = added_noise([end.mean()] * 2, [start.mean()] * 2, [("d", end)] * 2, [("d", start)] * 2)
     gain = end.astype(float) - start
     assert noise == pytest.approx(100 * np.std(gain, ddof=1) / np.sqrt(6), abs=1e-3)
     assert t == pytest.approx(2.571, abs=1e-3)

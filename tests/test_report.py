@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.report import ReportError, choice_lead, derive, read_repeat, write_report
+from mpp.gaps import derive
+from mpp.report import ReportError, choice_lead, read_repeat, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -540,7 +541,7 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     seed: over the seeds it is +5 ± (its spread's standard error, with what the repeats share:
     each one's own ±), not significant at the one degree of freedom of two repeats; a gap steady
     across them stays one, and keeps its own ± (the repeats share its test images and draws)."""
-    from mpp.report import across_pretrain_seeds
+    from mpp.gaps import across_pretrain_seeds
 
     def rep(moving: float, own: float = 0.5, dof: float = 40.0) -> dict:
         g = {"supervised_minus_mpp": 20.0, "mpp_minus_scratch": moving, "supervised_minus_scratch": 20.0 + moving,
