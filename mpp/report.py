@@ -42,19 +42,13 @@ import yaml
 from mpp import outcomes
 from mpp.config import flatten
 from mpp.fileio import write_atomic
-from mpp.gaps import (
-    GAPS,
-    across_pretrain_seeds,
-    added_noise,
-    derive,
-    mean_std,
-    runs_images,
-    significant,
-)
+from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
 PAPER_SHARE = 0.33  # the paper's ViT-B/16 ImageNet fine-tunes: (79.9 - 77.9) / (84.0 - 77.9)
+
+
 class ReportError(ValueError):
     """A run directory the report cannot place; the message names it and says what to do."""
 
