@@ -4,8 +4,8 @@
 with one step added: the MPP corruption (gather by `src`, then `mask_token` where `masked`) is
 applied to the patch embeddings BEFORE the position embeddings are added, so a masked token
 carries its position but no content. The clean encoder (`vit`, timm key names, no mask token)
-is what `save_encoder` writes; `timm.create_model(name, pretrained=True,
-pretrained_cfg_overlay=dict(file=".../encoder.safetensors"), **kwargs)` loads it.
+is what `save_encoder` writes; `timm.create_model(name, checkpoint_path=".../encoder.safetensors",
+**kwargs)` loads it.
 
 The attention path (`attn`, a mode of mpp.runtime.ATTENTION) sets timm's per-module `fused_attn`
 flag for the device of each batch. The math path runs its softmax in fp32, as CUDA autocast does:

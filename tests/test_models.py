@@ -63,8 +63,7 @@ def test_export_loads_into_plain_timm_with_equal_features(encoder, tmp_path):
     path = save_encoder(encoder, tmp_path)
     spec = json.loads((tmp_path / "model.json").read_text())
     assert set(spec) == {"name", "kwargs"} and spec["name"] == PRESETS[PRESET][0]
-    model = timm.create_model(spec["name"], pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
-                              **spec["kwargs"]).eval()
+    model = timm.create_model(spec["name"], checkpoint_path=str(path), **spec["kwargs"]).eval()
     assert model.state_dict().keys() == encoder.encoder_state_dict().keys()
     assert "mask_token" not in encoder.encoder_state_dict()
     with torch.no_grad():

@@ -110,8 +110,7 @@ def test_mpp_run_learns_and_writes_its_run_dir(mpp_run):
 def test_exported_encoder_loads_into_plain_timm(mpp_run):
     spec = json.loads((mpp_run / "model.json").read_text())
     assert (spec["mean"], spec["std"]) == ([0.5] * 3, [0.5] * 3)  # the normalisation it trained on
-    vit = timm.create_model(spec["name"], pretrained=True,
-                            pretrained_cfg_overlay=dict(file=str(mpp_run / "encoder.safetensors")), **spec["kwargs"])
+    vit = timm.create_model(spec["name"], checkpoint_path=str(mpp_run / "encoder.safetensors"), **spec["kwargs"])
     ours = load_encoder(mpp_run, attn="math").eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
