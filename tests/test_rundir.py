@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from mpp.config import ConfigError, load_config
+from cpuonly import cpu_only
 from mpp.train import NonFiniteError, train
 from shardutil import write_shards
 
@@ -30,12 +31,14 @@ def items(data: str, out: Path, **extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[str, Path]:
-    """A finished 4-step run with a checkpoint after every step."""
+    """A finished 4-step run with a checkpoint after every step, on the CPU: resumed copies of it
+    must end bit-identical to it."""
     root = tmp_path_factory.mktemp("rundir")
     data, _ = write_shards(root / "data", [16, 16], classes=None)
     old = os.umask(0o022)
     try:
-        train(load_config(None, items(data, root / "run")))
+        with cpu_only():
+            train(load_config(None, items(data, root / "run")))
     finally:
         os.umask(old)
     return data, root / "run"
@@ -68,7 +71,8 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, ca
     (ck / "step_0000004/state.pt").write_bytes((ck / "step_0000004/state.pt").read_bytes()[:200])
     (ck / "step_0000003/model.safetensors").write_bytes(b"")
     (ck / "step_0000009").write_text("not a checkpoint")
-    train(load_config(None, items(data, out)))
+    with cpu_only():
+        train(load_config(None, items(data, out)))
     err = capfd.readouterr()
     assert "resumed from" in err.out + err.err and "step_0000002 (step 2)" in err.out + err.err
     warning = [line for line in err.err.splitlines() if "resume skipped" in line]
@@ -91,7 +95,8 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
     shutil.copytree(ck / "step_0000004", ck / "step_0000009")
     shutil.rmtree(ck / "step_0000003")
     (ck / "step_0000003").write_text("not a checkpoint")
-    train(load_config(None, items(data, out, **{"train.keep_ckpts": 1})))
+    with cpu_only():
+        train(load_config(None, items(data, out, **{"train.keep_ckpts": 1})))
     err = capfd.readouterr()
     assert "step_0000001 (step 1)" in err.out + err.err
     assert all(f"step_000000{s} (ValueError: state.pt" in err.err for s in (2, 4, 9))

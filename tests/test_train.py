@@ -25,6 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import mpp.train
 from colours import write_colours
+from cpuonly import cpu_env, cpu_only
 from mpp import outcomes
 from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
@@ -82,8 +83,10 @@ def assert_same(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def mpp_run(data, tmp_path_factory) -> Path:
+    """The uninterrupted run that resumed and profiled runs must equal bit for bit: on the CPU."""
     out = tmp_path_factory.mktemp("runs") / "mpp"
-    train(config(settings(data, out)))
+    with cpu_only():
+        train(config(settings(data, out)))
     return out
 
 
@@ -122,7 +125,8 @@ def test_exported_encoder_loads_into_plain_timm(mpp_run):
 
 
 def test_a_profiled_run_says_where_its_steps_went_and_trains_the_same(data, mpp_run, tmp_path):
-    train(config(settings(data, tmp_path, **{"train.profile": "[9,3]"})))
+    with cpu_only():
+        train(config(settings(data, tmp_path, **{"train.profile": "[9,3]"})))
     figures = json.loads((tmp_path / "profile/rank0.json").read_text())
     assert figures["steps"] == [10, 12] and figures["forward_ms"] > 0 and figures["data_ms"] >= 0
     assert figures["loader_ms"] > 0  # the prefetch thread's reads, recorded from its own thread
@@ -149,7 +153,7 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     out = tmp_path / "killed"
     cmd = [sys.executable, "tools/pretrain.py", *settings(data, out)]
     log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=cpu_env(PYTHONPATH=str(ROOT)))
     deadline = time.time() + 120
     while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -159,7 +163,7 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     assert not (out / "metrics.json").exists()
     fewshot = {"fewshot.every": 4, "fewshot.train": data / "train/manifest.json",
                "fewshot.test": data / "test/manifest.json", "fewshot.shots": "[1,2]", "fewshot.seeds": 1}
-    done = run_tool(["tools/pretrain.py", *settings(data, out, **fewshot)])
+    done = run_tool(["tools/pretrain.py", *settings(data, out, **fewshot)], env=cpu_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
@@ -192,7 +196,8 @@ def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
 def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
     """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
     for name in ("a", "b"):
-        done = run_tool(["tools/pretrain.py", *settings(data, tmp_path / name, steps=4, **{"train.attn": "auto"})])
+        done = run_tool(["tools/pretrain.py", *settings(data, tmp_path / name, steps=4, **{"train.attn": "auto"})],
+                        env=cpu_env())
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same(weights(tmp_path / "a/encoder.safetensors"), weights(tmp_path / "b/encoder.safetensors"))
 
@@ -309,19 +314,20 @@ def test_a_few_nonfinite_steps_leave_the_weights_alone(data, tmp_path, monkeypat
     # calls 1-2 fine, then NaN forever: with max_bad_steps large the loop runs to the end, every step
     # after the second skipped, so the weights equal a 2-step run's (no update, no optimiser state
     # change). The run's last steps failed, so it must not end well nor export an encoder.
-    monkeypatch.setattr(mpp.train, "build_task", nan_after(2))
-    items = dict(steps=6, **{"train.log_every": 3, "train.max_bad_steps": 100, "optim.schedule": "constant",
-                             "optim.warmup_steps": 0, "data.num_workers": 0})
-    with pytest.raises(NonFiniteError, match="the last 4 steps had a non-finite"):
-        train(config(settings(data, tmp_path / "nan", **items)))
-    assert not (tmp_path / "nan/encoder.safetensors").exists() and not (tmp_path / "nan/metrics.json").exists()
-    monkeypatch.undo()
-    with pytest.raises(NonFiniteError, match="the last 4 steps"):  # resuming the finished run fails the same way
-        train(config(settings(data, tmp_path / "nan", **items)))
-    train(config(settings(data, tmp_path / "short", **{**items, "steps": 2})))
-    task = load_file(str(tmp_path / "nan/checkpoints/step_0000006/model.safetensors"))
-    assert_same({k.removeprefix("encoder.vit."): v for k, v in task.items() if k.startswith("encoder.vit.")},
-                weights(tmp_path / "short/encoder.safetensors"))
+    with cpu_only():  # the two runs' weights are compared bit for bit
+        monkeypatch.setattr(mpp.train, "build_task", nan_after(2))
+        items = dict(steps=6, **{"train.log_every": 3, "train.max_bad_steps": 100, "optim.schedule": "constant",
+                                 "optim.warmup_steps": 0, "data.num_workers": 0})
+        with pytest.raises(NonFiniteError, match="the last 4 steps had a non-finite"):
+            train(config(settings(data, tmp_path / "nan", **items)))
+        assert not (tmp_path / "nan/encoder.safetensors").exists() and not (tmp_path / "nan/metrics.json").exists()
+        monkeypatch.undo()
+        with pytest.raises(NonFiniteError, match="the last 4 steps"):  # resuming the finished run fails the same way
+            train(config(settings(data, tmp_path / "nan", **items)))
+        train(config(settings(data, tmp_path / "short", **{**items, "steps": 2})))
+        task = load_file(str(tmp_path / "nan/checkpoints/step_0000006/model.safetensors"))
+        assert_same({k.removeprefix("encoder.vit."): v for k, v in task.items() if k.startswith("encoder.vit.")},
+                    weights(tmp_path / "short/encoder.safetensors"))
 
 
 def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
