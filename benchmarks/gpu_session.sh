@@ -7,11 +7,10 @@
 # (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: what the first four sessions (docs/benchmarks.md)
-#                                                  left, each under its own time limit: B/16's in-memory compiled
-#                                                  and CUDA-graph step (the graph step's peak memory with its
-#                                                  pools), then `tests 2/2`; in a later call, `tests 1/2` (its
-#                                                  multi-rank tests since they hide the GPUs)
+#   bash benchmarks/gpu_session.sh session         on the GPU: what the first five sessions (docs/benchmarks.md)
+#                                                  left, each under its own time limit: the three test files
+#                                                  whose 7 failures there the fifth fixed, then `tests 1/2`
+#                                                  (its multi-rank tests since they hide the GPUs)
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -29,14 +28,16 @@
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh probe-threads   after mainjob (its feature cache): the probe's L-BFGS fits
 #                                                  with torch's default threads there and with 2
-#   bash benchmarks/gpu_session.sh tests [K/N]     the whole suite on the GPU machine, or its K-th of N parts
-#                                                  (every N-th test file): it outlasts one call there, each
-#                                                  stage process starting CUDA (`tests 1/2`: 271 s on an H200)
+#   bash benchmarks/gpu_session.sh tests [K/N | FILE...]
+#                                                  the whole suite on the GPU machine, its K-th of N parts
+#                                                  (every N-th test file, in C-locale order), or the files named:
+#                                                  it outlasts one call there, each stage process starting CUDA
+#                                                  (`tests 1/2`: 271 s on an H200; `tests 2/2`: over 340 s)
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | mainjob | probe-threads | tests [K/N]"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | mainjob | probe-threads | tests [K/N | FILE...]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
@@ -44,10 +45,12 @@ case "$what" in
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
-if [ "$what" = tests ]; then  # K/N: the test files whose place in the sorted list is K modulo N
+if [ "$what" = tests ] && [ "${1:-}" = "${1#tests/}" ]; then  # K/N: the files whose place in the list is K modulo N
     part=${1:-1/1}
     [[ "$part" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[2]}" ] ||
-        { echo "tests takes K/N with 1 <= K <= N, e.g. tests 1/2; got '$part'" >&2; exit 2; }
+        { echo "tests takes K/N with 1 <= K <= N, e.g. tests 1/2, or test files; got '$part'" >&2; exit 2; }
+elif [ "$what" = tests ]; then
+    for f in "$@"; do [ -f "$f" ] || { echo "no test file '$f' (give paths under tests/)" >&2; exit 2; }; done
 fi
 
 if [ "$what" = wheels ]; then
@@ -121,7 +124,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "220 step b16 --methods mpp+compile mpp+cudagraphs --no-loader" "340 tests 2/2"; do
+    for spec in "200 tests tests/test_models.py tests/test_rundir.py tests/test_train.py" "340 tests 1/2"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -165,7 +168,11 @@ probe-threads)  # the main job's probe-head fits looked slower there than on 2 c
         env $threads python3 benchmarks/probe_fit.py --features $files 2>&1 | tee -a "$OUT/probe_threads.txt"
     done ;;
 tests)  # each test's name as it passes (a part cut off by its limit still says how far it got), the slowest at the end
-    k=${part%/*} n=${part#*/}
-    files=$(ls tests/test_*.py | awk -v k="$k" -v n="$n" '(NR - k) % n == 0')
-    python3 -m pytest -v -p no:cacheprovider --durations=15 $files 2>&1 | tee "$OUT/tests_${k}of$n.log" | grep -v " PASSED " ;;
+    if [ -n "${part:-}" ]; then
+        k=${part%/*} n=${part#*/} log=tests_${k}of$n.log
+        files=$(LC_ALL=C ls tests/test_*.py | awk -v k="$k" -v n="$n" '(NR - k) % n == 0')
+    else
+        files="$*" log=tests_files.log
+    fi
+    python3 -m pytest -v -p no:cacheprovider --durations=15 $files 2>&1 | tee "$OUT/$log" | grep -v " PASSED " ;;
 esac

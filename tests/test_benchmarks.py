@@ -198,5 +198,8 @@ def test_gpu_session_script_parses_and_names_its_parts():
     assert r.returncode == 2 and "step needs models" in r.stderr, r.stderr
     for part in ("3/2", "0/2", "x"):  # checked before anything is installed or run
         r = subprocess.run(["bash", script, "tests", part], capture_output=True, text=True)
-        want = f"tests takes K/N with 1 <= K <= N, e.g. tests 1/2; got '{part}'"
+        want = f"tests takes K/N with 1 <= K <= N, e.g. tests 1/2, or test files; got '{part}'"
         assert r.returncode == 2 and want in r.stderr, r.stderr
+    r = subprocess.run(["bash", script, "tests", "tests/test_models.py", "tests/test_nope.py"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "no test file 'tests/test_nope.py'" in r.stderr, r.stderr
