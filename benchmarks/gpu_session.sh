@@ -124,7 +124,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "200 tests tests/test_models.py tests/test_rundir.py tests/test_train.py" "340 tests 1/2"; do
+    for spec in "225 tests tests/test_models.py tests/test_rundir.py tests/test_train.py" "335 tests 1/2"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
