@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mpp.config import ConfigError, load_config
 from cpuonly import cpu_only
+from mpp.config import ConfigError, load_config
 from mpp.train import NonFiniteError, train
 from shardutil import write_shards
 
