@@ -18,6 +18,7 @@ need full unpickling to load.)
 """
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -31,6 +32,7 @@ from mpp.config import ConfigError
 from mpp.fileio import atomic_path
 from mpp.models import mismatched
 
+log = logging.getLogger(__name__)
 PREFIX = "step_"
 # what a resumed run reads from state.pt, and its types (a checkpoint is untrusted input)
 STATE_KEYS = {"step": int, "world_size": int, "nonfinite_steps": int, "elapsed": (int, float),
@@ -56,8 +58,13 @@ def set_rng_state(state: dict) -> None:
     np_state["state"]["key"] = np_state["state"]["key"].numpy().astype(np.uint32)
     np.random.set_state(np_state)
     torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda, gpus = state["cuda"], torch.cuda.device_count()
+    if cuda and len(cuda) == gpus:
+        torch.cuda.set_rng_state_all(cuda)
+    elif cuda:  # another node shape, or GPUs hidden: torch would fail on the missing devices
+        log.warning("warning: the checkpoint holds the CUDA RNG states of %d GPUs and this process sees %d: the "
+                    "CUDA RNG goes on from the seed (a run resumed on other hardware is not bit-exact anyway)",
+                    len(cuda), gpus)
 
 
 def checkpoint_name(step: int) -> str:

@@ -105,6 +105,26 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(run, tmp_path, caplog):
+    """rng_0.pt written where the process saw more GPUs (another node shape): the run resumes, its
+    CUDA RNG going on from the seed with a warning; torch would fail on the missing devices, and
+    every checkpoint would then read as damaged."""
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    ck = out / "checkpoints"
+    for step in (3, 4):
+        shutil.rmtree(ck / f"step_000000{step}")
+    rng = torch.load(ck / "step_0000002/rng_0.pt", weights_only=True)
+    gpus = torch.cuda.device_count() + 2
+    rng["cuda"] = [torch.get_rng_state()] * gpus  # byte tensors like CUDA's; never applied
+    torch.save(rng, ck / "step_0000002/rng_0.pt")
+    with cpu_only():
+        train(load_config(None, items(data, out)))
+    assert f"CUDA RNG states of {gpus} GPUs and this process sees {gpus - 2}" in caplog.text
+    a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the CPU's RNG and everything else restored
+
+
 def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path):
     """train.resume=PATH older than checkpoints in the output dir would mix two runs (and rotation
     would remove the new ones); a checkpoint past `steps` would export it as a shorter run."""
