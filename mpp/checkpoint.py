@@ -61,7 +61,7 @@ def set_rng_state(state: dict) -> None:
     cuda, gpus = state["cuda"], torch.cuda.device_count()
     if cuda and len(cuda) == gpus:
         torch.cuda.set_rng_state_all(cuda)
-    elif cuda:  # another node shape, or GPUs hidden: torch would fail on the missing devices
+    elif cuda:  # another node shape (torch would index past this node's GPUs), or the GPUs hidden
         log.warning("warning: the checkpoint holds the CUDA RNG states of %d GPUs and this process sees %d: the "
                     "CUDA RNG goes on from the seed (a run resumed on other hardware is not bit-exact anyway)",
                     len(cuda), gpus)
