@@ -3,8 +3,8 @@
 # 10-minute limit, results under $OUT (or ./gpu_out). A session has 15 device-minutes in all,
 # start-up included: `session` runs the most wanted parts in one call of at most 560 s of
 # part limits (run it with a 585 s timeout). The machine
-# has torch, timm and accelerate but not webdataset or simplejpeg: fetch their wheels here once
-# (`wheels`), carry `.whl` with each call.
+# has torch, timm and accelerate but not webdataset or simplejpeg, and perhaps a setuptools too old
+# to build pyproject: fetch their wheels here once (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
 #   bash benchmarks/gpu_session.sh session         on the GPU: what the first five sessions (docs/benchmarks.md)
@@ -57,7 +57,7 @@ if [ "$what" = wheels ]; then
     mkdir -p .git/info && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl webdataset braceexpand simplejpeg
+        -d .whl webdataset braceexpand simplejpeg 'setuptools>=77'
     ls .whl
     exit 0
 fi
@@ -68,6 +68,8 @@ if ! python3 -c "import webdataset, simplejpeg, mpp" 2>/dev/null; then
     # the carried wheels into the interpreter itself (not a --target folder on PYTHONPATH: the
     # tests' subprocesses set PYTHONPATH to the checkout and would lose them), then this project
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+    # pyproject's license is an SPDX string (PEP 639), which setuptools builds from 77 on; the
+    # image's may be older, and --no-build-isolation builds with it: the carried one is 77+
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
