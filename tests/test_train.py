@@ -1,7 +1,8 @@
 """The trainer end to end on small synthetic shards: MPP and supervised runs learn, the run
 directory is complete and loads into plain timm, kill -9 + resume=auto is bit-exact on the CPU
-(with the few-shot hook on, which must not disturb training), two torchrun ranks stay identical, non-finite
-steps never reach the weights, fine-tuning loads its init, and bad settings fail before any work."""
+(with the few-shot hook on, which must not disturb training), two torchrun ranks stay identical,
+non-finite steps never reach the weights, fine-tuning loads its init, and bad settings fail before
+any work."""
 from __future__ import annotations
 
 import hashlib
