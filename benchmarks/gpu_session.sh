@@ -176,7 +176,7 @@ tests)  # each test's name as it passes (a part cut off by its limit still says 
         k=${part%/*} n=${part#*/} log=tests_${k}of$n.log
         files=$(LC_ALL=C ls tests/test_*.py | awk -v k="$k" -v n="$n" '(NR - k) % n == 0')
     else
-        files="$*" log=tests_files.log
+        files="$*" log=tests_from_$(basename "$1" .py).log  # one log per call: a session makes two
     fi
     # a test still running after 100 s prints every thread's stack (the sixth session's stopped in one)
     python3 -m pytest -v -p no:cacheprovider --durations=15 -o faulthandler_timeout=100 $files 2>&1 | tee "$OUT/$log" | grep -v " PASSED " ;;
