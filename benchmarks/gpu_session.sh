@@ -7,11 +7,10 @@
 # to build pyproject: fetch their wheels here once (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: what the first six sessions (docs/benchmarks.md)
-#                                                  left, each under its own time limit: the files of `tests 2/2`
-#                                                  the sixth did not reach, then `tests/test_compare.py` and
-#                                                  `tests/test_decode.py` in one process, the order in which
-#                                                  the sixth stopped inside a decode test
+#   bash benchmarks/gpu_session.sh session         on the GPU: what the first seven sessions (docs/benchmarks.md)
+#                                                  left, under its own time limit: `tests/test_compare.py`
+#                                                  alone, each test's time there (its stage processes run
+#                                                  slower on that host than here)
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -29,9 +28,9 @@
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh probe-threads   after mainjob (its feature cache): the probe's L-BFGS fits
 #                                                  with torch's default threads there and with 2
-#   bash benchmarks/gpu_session.sh tests [K/N | FILE...]
+#   bash benchmarks/gpu_session.sh tests [K/N | FILE[::TEST]...]
 #                                                  the whole suite on the GPU machine, its K-th of N parts
-#                                                  (every N-th test file, in C-locale order), or the files named:
+#                                                  (every N-th test file, in C-locale order), or the files or tests named:
 #                                                  it outlasts one call there, each stage process starting CUDA
 #                                                  (`tests 1/2`: 271 s on an H200; `tests 2/2`: over 340 s)
 set -euo pipefail
@@ -51,7 +50,7 @@ if [ "$what" = tests ] && [ "${1:-}" = "${1#tests/}" ]; then  # K/N: the files w
     [[ "$part" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[2]}" ] ||
         { echo "tests takes K/N with 1 <= K <= N, e.g. tests 1/2, or test files; got '$part'" >&2; exit 2; }
 elif [ "$what" = tests ]; then
-    for f in "$@"; do [ -f "$f" ] || { echo "no test file '$f' (give paths under tests/)" >&2; exit 2; }; done
+    for f in "$@"; do [ -f "${f%%::*}" ] || { echo "no test file '${f%%::*}' (give paths under tests/)" >&2; exit 2; }; done
 fi
 
 if [ "$what" = wheels ]; then
@@ -127,8 +126,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "300 tests tests/test_decode.py tests/test_errors.py tests/test_finetune_protocol.py tests/test_outcomes.py tests/test_precision.py tests/test_profiling.py tests/test_soak.py tests/test_stream_dist.py tests/test_synthetic.py tests/test_tarstream.py" \
-                "260 tests tests/test_compare.py tests/test_decode.py"; do
+    for spec in "540 tests tests/test_compare.py"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -176,8 +174,11 @@ tests)  # each test's name as it passes (a part cut off by its limit still says 
         k=${part%/*} n=${part#*/} log=tests_${k}of$n.log
         files=$(LC_ALL=C ls tests/test_*.py | awk -v k="$k" -v n="$n" '(NR - k) % n == 0')
     else
-        files="$*" log=tests_from_$(basename "$1" .py).log  # one log per call: a session makes two
+        # one log per call, named after its first file or test (a session makes two)
+        files="$*" log=tests_from_$(basename "$1" | sed 's/\.py//; s/[^A-Za-z0-9_]\+/_/g').log
     fi
-    # a test still running after 100 s prints every thread's stack (the sixth session's stopped in one)
-    python3 -m pytest -v -p no:cacheprovider --durations=15 -o faulthandler_timeout=100 $files 2>&1 | tee "$OUT/$log" | grep -v " PASSED " ;;
+    # each test's time as it passes (a call cut off by its limit keeps them), and a test still
+    # running after 100 s prints every thread's stack (the sixth session's stopped in one)
+    python3 -m pytest -v -p no:cacheprovider --durations=15 -o console_output_style=times -o faulthandler_timeout=100 \
+        $files 2>&1 | tee "$OUT/$log" | grep -v " PASSED " ;;
 esac
