@@ -188,6 +188,13 @@ def test_randaugment_setting_reaches_the_training_transform_and_is_checked():
     for bad in ([1], [-1, 9], [1, 31], [1.5, 9]):
         with pytest.raises(ConfigError, match="data.randaugment"):
             build_config({"data": {"randaugment": bad}})
+    # the torchvision internals it drives, gone in some release: one line at set-up, not a crash mid-run
+    from torchvision.transforms import v2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delattr(v2.RandAugment, "_AUGMENTATION_SPACE")
+        with pytest.raises(ConfigError, match=r"data.randaugment.*torchvision .* lacks .*_AUGMENTATION_SPACE") as e:
+            build_transform(32, True, DataConfig(randaugment=(1, 5)))
+    assert "\n" not in str(e.value)
 
 
 def test_randaugment_leaves_the_global_torch_rng_to_other_threads():

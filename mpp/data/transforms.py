@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import default_collate
 
+from mpp.config import ConfigError
 from mpp.data.decode import IMAGE_ERRORS, Jpeg
 
 # output side from which PIL images resize in torch: PyTorch's uint8 channels-last antialiased
@@ -181,9 +182,17 @@ class TrainTransform(_Transform):
         self.size, self.scale, self.hflip = img_size, tuple(scale), hflip
         self.augment, self.ops = None, []
         if randaugment[0] > 0:
+            import torchvision
             from torchvision.transforms import v2
             self.augment = a = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
-            for name, (magnitudes, signed) in a._AUGMENTATION_SPACE.items():  # every output is size x size
+            try:  # private to torchvision (tested 0.26-0.29): a release that moves them fails here, not mid-run
+                space, _ = a._AUGMENTATION_SPACE.items(), (a._apply_image_or_video_transform, a._fill)
+            except AttributeError as e:
+                raise ConfigError(
+                    f"config key 'data.randaugment' drives torchvision's RandAugment through internals that "
+                    f"torchvision {torchvision.__version__} lacks ({e}); install torchvision 0.26-0.29 or set "
+                    f"data.randaugment=[0, 9]") from None
+            for name, (magnitudes, signed) in space:  # every output is size x size
                 m = magnitudes(a.num_magnitude_bins, img_size, img_size)
                 scaled = m is not None and m.ndim > 0
                 self.ops.append((name, float(m[a.magnitude]) if scaled else 0.0, signed and scaled))
