@@ -8,9 +8,9 @@
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
 #   bash benchmarks/gpu_session.sh session         on the GPU: what the first seven sessions (docs/benchmarks.md)
-#                                                  left, under its own time limit: `tests/test_compare.py`
+#                                                  left, each under its own time limit: `tests/test_compare.py`
 #                                                  alone, each test's time there (its stage processes run
-#                                                  slower on that host than here)
+#                                                  slower on that host than here), then `recompiles`
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -25,6 +25,8 @@
 #                                                  (train.compile_mode=reduce-overhead)
 #   bash benchmarks/gpu_session.sh trainer-b16     B/16 pre-training at 224 px through the real loader
 #   bash benchmarks/gpu_session.sh graphs-b16      the same with CUDA graphs (train.compile_mode=reduce-overhead)
+#   bash benchmarks/gpu_session.sh recompiles      whether a compiled pre-training recompiles at its epochs'
+#                                                  small tail batches there, as it does on CPU, and on which guard
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh probe-threads   after mainjob (its feature cache): the probe's L-BFGS fits
 #                                                  with torch's default threads there and with 2
@@ -37,11 +39,11 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | mainjob | probe-threads | tests [K/N | FILE...]"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | mainjob | probe-threads | tests [K/N | FILE...]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|mainjob|probe-threads|tests) ;;
+    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|recompiles|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -126,7 +128,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "540 tests tests/test_compare.py"; do
+    for spec in "380 tests tests/test_compare.py" "175 recompiles"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -157,6 +159,19 @@ trainer-b16|graphs-b16)
         python3 -m mpp.tools.make_synthetic /tmp/syn256 --train 1500 --test 100 --size 256 --shards 16 >/dev/null 2>&1
     mode=default; [ "$what" = trainer-b16 ] || mode=reduce-overhead
     pretrain vit_b16 256 syn256 120 $mode ;;
+recompiles)
+    # 19,800 images at batch 1024 (Ti/4: 65 tokens an image): each epoch ends in batches of 344 or
+    # fewer images, small enough to cross the sizes inductor's kernels may guard on (on CPU a sum
+    # over 4,096 rows); TORCH_LOGS=recompiles names the guard of every recompile
+    [ -f /tmp/syn198/train/manifest.json ] ||
+        python3 -m mpp.tools.make_synthetic /tmp/syn198 --train 19800 --test 200 --shards 16 >/dev/null 2>&1
+    TORCH_LOGS=recompiles python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=vit_ti4_32 \
+        batch_size=1024 steps=45 data.train=/tmp/syn198/train/manifest.json data.val=/tmp/syn198/test/manifest.json \
+        data.num_workers=14 train.log_every=5 train.ckpt_every=100000 train.compile=always \
+        output_dir=/tmp/runs/recompiles 2>&1 | tr '\r' '\n' | { grep -v "it/s" || true; } > "$OUT/recompiles.log"
+    echo "recompiles in 45 compiled steps over two epoch ends: $(grep -c 'triggered by' "$OUT/recompiles.log")" |
+        tee -a "$OUT/trainer.txt"
+    grep -A2 "triggered by" "$OUT/recompiles.log" | tee -a "$OUT/trainer.txt" || true ;;
 mainjob)
     start=$(date +%s)  # its own limit inside the part's, so that what follows runs even when it is cut off
     timeout 350 python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1 ||

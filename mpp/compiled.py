@@ -3,7 +3,8 @@
 One graph per task, no graph breaks (the attention "auto" rule is applied for the model's device
 before the first trace and not re-applied while tracing, see mpp.models), and the batch dimension
 is dynamic, so an epoch's smaller tail batches and a resumed run reuse the compiled graph instead
-of recompiling (only a batch of one specialises). "auto" compiles CUDA runs of at least
+of recompiling (a batch of one specialises, and a tail batch on the other side of a size inductor
+guards on compiles once more: on CPU, a sum over more than 4,096 rows). "auto" compiles CUDA runs of at least
 AUTO_MIN_STEPS steps (the whole run's, so a resumed run decides as the run did): there the fused
 kernels and fewer launches pay for the compile time. A shorter run (the fine-tunes and probes of
 a comparison's many stages) would spend longer compiling than stepping eagerly, and on CPU the
