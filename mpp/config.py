@@ -195,6 +195,8 @@ class CompareConfig:
                                # (finetune.pool=auto); config: the stage config's
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
     pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
+    fraction_overrides: dict = field(default_factory=dict)  # label fraction -> overrides of its fine-tunes
+                               # (sweep and final, every arm alike), after `overrides`, e.g. {1.0: [steps=2400]}
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
@@ -388,6 +390,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return build_config(_merge(data, parse_overrides(overrides or [])))
 
 
+# the stage config keys the comparison sets itself, per stage
+SET_BY_COMPARE = ("output_dir", "seed", "finetune.init", "finetune.label_fraction", "finetune.dev_fraction",
+                  "finetune.split_seed")
+
+
 def load_compare_config(path: str | Path, overrides: list[str] | None = None) -> CompareConfig:
     """The comparison's own config (its stage configs are validated by mpp.compare)."""
     cfg, data = CompareConfig(), load_yaml(path, WHOLE)
@@ -399,11 +406,16 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
             raise ConfigError(f"compare config key '{key}' is empty; give the path of its stage config")
     if not cfg.label_fractions or not all(0 < f <= 1 for f in cfg.label_fractions):
         raise ConfigError("compare config key 'label_fractions' must list fractions in (0, 1]")
-    decided = {"output_dir", "seed", "finetune.init", "finetune.label_fraction", "finetune.dev_fraction",
-               "finetune.split_seed"} & set(cfg.sweep)
+    decided = set(SET_BY_COMPARE) & set(cfg.sweep)
     if decided:
         raise ConfigError(f"compare config key 'sweep' names {', '.join(sorted(decided))}, which the comparison "
                           "sets itself; sweep recipe keys such as optim.lr")
+    cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
+    for frac, extra in cfg.fraction_overrides.items():
+        keys = {o.split("=", 1)[0].strip() for o in as_list(extra)}
+        if keys & (decided_keys := set(SET_BY_COMPARE) | set(cfg.sweep)):
+            raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(keys & decided_keys))} "
+                              f"for label fraction {frac}, which the comparison or its sweep sets; override other keys")
     if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
                           f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")
@@ -415,6 +427,19 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if len(src) != len(out):
         raise ConfigError("compare config keys prepare.shards_src and prepare.shards_out must have the same length")
     return cfg
+
+
+def _fraction(key: Any, fractions: tuple) -> float:
+    """A fraction_overrides key (a number, or its text from a key=value override) as the label
+    fraction it names."""
+    try:
+        frac = float(key) if not isinstance(key, bool) else None
+    except (TypeError, ValueError):
+        frac = None
+    if frac not in fractions:
+        raise ConfigError(f"compare config key 'fraction_overrides' names label fraction {key!r}, which "
+                          f"label_fractions {list(fractions)} lacks; key it by one of those")
+    return frac
 
 
 def as_list(v: Any) -> list[str]:

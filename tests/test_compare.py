@@ -142,6 +142,36 @@ def test_bad_sweep_fails_before_any_work(tmp_path):
         validate(cfg, plan(cfg))
 
 
+def test_fraction_overrides_reach_that_fractions_fine_tunes_alone(tmp_path):
+    """`fraction_overrides`: one label fraction's fine-tunes (sweep and final, every arm) take
+    settings of their own, after `overrides`; a fraction the comparison does not run, a key it or
+    its sweep sets, and a bad stage key fail before any work."""
+    extra = "sweep: {optim.lr: [0.01, 0.03]}\nfraction_overrides: {1.0: [steps=5, optim.momentum=0.8]}\n"
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra))
+    stages = plan(cfg)
+    validate(cfg, stages)
+    longer = [s for s in stages if "steps=5" in s.overrides]
+    assert {s.name for s in longer} == {s.name for s in stages if s.name.startswith("fine-tune")
+                                        and "100% labels" in s.name}
+    assert {s.arm for s in longer} == {"mpp", "supervised", "scratch"} and any("sweep" in s.name for s in longer)
+    assert all(s.overrides.index("steps=5") > s.overrides.index("steps=2") and "optim.momentum=0.8" in s.overrides
+               for s in longer)
+    # from the command line the fraction arrives as text
+    assert load_compare_config(_write_configs(tmp_path, tmp_path / "d"),
+                               ["fraction_overrides={0.5: [steps=4]}"]).fraction_overrides == {0.5: ["steps=4"]}
+    for bad, match in [("{0.2: [steps=4]}", "label fraction '0.2', which label_fractions \\[0.5, 1.0\\] lacks"),
+                       ("{1.0: [seed=4]}", "sets seed for label fraction 1.0"),
+                       ("{1.0: [finetune.label_fraction=0.2]}", "sets finetune.label_fraction")]:
+        with pytest.raises(ConfigError, match=match):
+            load_compare_config(_write_configs(tmp_path, tmp_path / "d"), [f"fraction_overrides={bad}"])
+    with pytest.raises(ConfigError, match="sets optim.lr for label fraction 1.0"):
+        load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra),
+                            ["fraction_overrides={1.0: [optim.lr=0.1]}"])
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d"), ["fraction_overrides={1.0: [stepz=4]}"])
+    with pytest.raises(ConfigError, match="100% labels.*unknown config key 'stepz'"):
+        validate(cfg, plan(cfg))
+
+
 def test_a_stage_normalising_otherwise_than_its_encoder_fails_before_any_work(tmp_path):
     """A probe or fine-tune whose data.mean/std differ from its encoder's pre-training would stop
     only when it starts, after the pre-training's hours: validation names it first."""
