@@ -412,10 +412,10 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
                           "sets itself; sweep recipe keys such as optim.lr")
     cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
     for frac, extra in cfg.fraction_overrides.items():
-        keys = {o.split("=", 1)[0].strip() for o in as_list(extra)}
-        if keys & (decided_keys := set(SET_BY_COMPARE) | set(cfg.sweep)):
-            raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(keys & decided_keys))} "
-                              f"for label fraction {frac}, which the comparison or its sweep sets; override other keys")
+        taken = {o.split("=", 1)[0].strip() for o in as_list(extra)} & (set(SET_BY_COMPARE) | set(cfg.sweep))
+        if taken:
+            raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(taken))} for label "
+                              f"fraction {frac}, which the comparison or its sweep sets; override other keys")
     if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
                           f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")

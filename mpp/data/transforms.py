@@ -185,14 +185,15 @@ class TrainTransform(_Transform):
             import torchvision
             from torchvision.transforms import v2
             self.augment = a = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
-            try:  # private to torchvision (tested 0.26-0.29): a release that moves them fails here, not mid-run
-                space, _ = a._AUGMENTATION_SPACE.items(), (a._apply_image_or_video_transform, a._fill)
-            except AttributeError as e:
+            # private to torchvision (tested 0.26-0.29): a release without them fails here, not mid-run
+            missing = [n for n in ("_AUGMENTATION_SPACE", "_apply_image_or_video_transform", "_fill")
+                       if not hasattr(a, n)]
+            if missing:
                 raise ConfigError(
                     f"config key 'data.randaugment' drives torchvision's RandAugment through internals that "
-                    f"torchvision {torchvision.__version__} lacks ({e}); install torchvision 0.26-0.29 or set "
-                    f"data.randaugment=[0, 9]") from None
-            for name, (magnitudes, signed) in space:  # every output is size x size
+                    f"torchvision {torchvision.__version__} lacks ({', '.join(missing)}); install torchvision "
+                    f"0.26-0.29 or set data.randaugment=[0, 9]")
+            for name, (magnitudes, signed) in a._AUGMENTATION_SPACE.items():  # every output is size x size
                 m = magnitudes(a.num_magnitude_bins, img_size, img_size)
                 scaled = m is not None and m.ndim > 0
                 self.ops.append((name, float(m[a.magnitude]) if scaled else 0.0, signed and scaled))
