@@ -39,7 +39,7 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | mainjob | probe-threads | tests [K/N | FILE...]"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
@@ -160,9 +160,9 @@ trainer-b16|graphs-b16)
     mode=default; [ "$what" = trainer-b16 ] || mode=reduce-overhead
     pretrain vit_b16 256 syn256 120 $mode ;;
 recompiles)
-    # 19,800 images at batch 1024 (Ti/4: 65 tokens an image): each epoch ends in batches of 344 or
-    # fewer images, small enough to cross the sizes inductor's kernels may guard on (on CPU a sum
-    # over 4,096 rows); TORCH_LOGS=recompiles names the guard of every recompile
+    # 19,800 images at batch 1024 (Ti/4: 65 tokens an image): each epoch of 20 batches ends in one of
+    # 344 images, small enough to cross the sizes inductor's kernels may guard on (on CPU a sum over
+    # 4,096 rows); TORCH_LOGS=recompiles names the guard of every recompile
     [ -f /tmp/syn198/train/manifest.json ] ||
         python3 -m mpp.tools.make_synthetic /tmp/syn198 --train 19800 --test 200 --shards 16 >/dev/null 2>&1
     TORCH_LOGS=recompiles python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=vit_ti4_32 \
