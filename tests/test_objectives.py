@@ -209,6 +209,17 @@ def test_class_logits_are_fp32_under_bf16_autocast(objective):
     assert (top2[:, 0] > top2[:, 1]).all()
 
 
+def test_mpp_head_runs_in_fp32_under_bf16_autocast():
+    """The MPP head's 512 colour logits in bf16 cost the colour task (docs/results.md): the head,
+    like the class heads, runs in fp32 outside autocast, and the loss reads its exact output."""
+    task = task_for("mpp")
+    seen = []
+    task.head.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = task(batch(8, seed=1))
+    assert seen == [(torch.float32, torch.float32)] and loss.dtype == torch.float32
+
+
 def test_bad_inputs():
     task = task_for()
     with pytest.raises(ValueError, match="uint8"):
