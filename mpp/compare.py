@@ -187,7 +187,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     for frac in cfg.label_fractions:
         pct = f"{frac * 100:g}pct"
         for arm in arms:
-            base = common + as_list(cfg.fraction_overrides.get(frac, [])) + [
+            base = common + cfg.fraction_overrides.get(frac, []) + [
                 f"finetune.init={pre.get(arm, 'none')}", f"finetune.label_fraction={frac}"]
             choose = ["finetune.pool=auto"] if cfg.finetune_pool == "auto" and "finetune.pool" not in cfg.sweep else []
             sweep = []
@@ -257,10 +257,9 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             raise ConfigError(f"stage '{s.name}' ({s.config}) normalises its inputs with data.mean={list(c.data.mean)} "
                               f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
                               f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
-    for key, extra in [("overrides", cfg.overrides), ("pretrain_overrides", cfg.pretrain_overrides),
-                       *((f"fraction_overrides[{f}]", v) for f, v in cfg.fraction_overrides.items())]:
+    for key in ("overrides", "pretrain_overrides"):
         try:
-            parse_overrides(as_list(extra))
+            parse_overrides(as_list(getattr(cfg, key)))
         except ConfigError as e:
             raise ConfigError(f"compare config key '{key}': {e}") from None
 

@@ -288,7 +288,9 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return value
     wanted = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
               "tuple": "a list of numbers", "Any": "a string or a list of strings",
-              "dict": "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}"}[kind]
+              "dict": "a mapping of label fractions to non-empty lists of key=value overrides, e.g. {1.0: [steps=2400]}"
+              if key == "fraction_overrides" else
+              "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}"}[kind]
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
 
 
@@ -412,7 +414,10 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
                           "sets itself; sweep recipe keys such as optim.lr")
     cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
     for frac, extra in cfg.fraction_overrides.items():
-        taken = {o.split("=", 1)[0].strip() for o in as_list(extra)} & (set(SET_BY_COMPARE) | set(cfg.sweep))
+        if not all(isinstance(o, str) for o in extra):
+            raise ConfigError(f"compare config key 'fraction_overrides' gives label fraction {frac} {extra!r}; give "
+                              f"key=value overrides, e.g. {{{frac}: [steps=2400]}}")
+        taken = {o.split("=", 1)[0].strip() for o in extra} & (set(SET_BY_COMPARE) | set(cfg.sweep))
         if taken:
             raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(taken))} for label "
                               f"fraction {frac}, which the comparison or its sweep sets; override other keys")

@@ -161,7 +161,8 @@ def test_fraction_overrides_reach_that_fractions_fine_tunes_alone(tmp_path):
                                ["fraction_overrides={0.5: [steps=4]}"]).fraction_overrides == {0.5: ["steps=4"]}
     for bad, match in [("{0.2: [steps=4]}", "label fraction '0.2', which label_fractions \\[0.5, 1.0\\] lacks"),
                        ("{1.0: [seed=4]}", "sets seed for label fraction 1.0"),
-                       ("{1.0: [finetune.label_fraction=0.2]}", "sets finetune.label_fraction")]:
+                       ("{1.0: [finetune.label_fraction=0.2]}", "sets finetune.label_fraction"),
+                       ("{1.0: [5]}", "gives label fraction 1.0 \\[5\\]; give key=value overrides")]:
         with pytest.raises(ConfigError, match=match):
             load_compare_config(_write_configs(tmp_path, tmp_path / "d"), [f"fraction_overrides={bad}"])
     with pytest.raises(ConfigError, match="sets optim.lr for label fraction 1.0"):
