@@ -258,6 +258,12 @@ def _as_number(value: Any) -> Any:
     return value
 
 
+# what each mapping key of the compare config holds, for the error that names its shape
+DICT_SHAPES = {"sweep": "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}",
+               "fraction_overrides": "a mapping of label fractions to non-empty lists of key=value overrides, "
+                                     "e.g. {1.0: [steps=2400]}"}
+
+
 def _coerce(key: str, value: Any, kind: str) -> Any:
     """Convert a YAML value to the field's declared type `kind`, or raise ConfigError."""
     if kind in ("int", "float"):
@@ -288,9 +294,7 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return value
     wanted = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
               "tuple": "a list of numbers", "Any": "a string or a list of strings",
-              "dict": "a mapping of label fractions to non-empty lists of key=value overrides, e.g. {1.0: [steps=2400]}"
-              if key == "fraction_overrides" else
-              "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}"}[kind]
+              "dict": DICT_SHAPES.get(key, DICT_SHAPES["sweep"])}[kind]
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
 
 
