@@ -8,9 +8,10 @@
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
 #   bash benchmarks/gpu_session.sh session         on the GPU: what the first seven sessions (docs/benchmarks.md)
-#                                                  left, each under its own time limit: `tests/test_compare.py`
-#                                                  alone, each test's time there (its stage processes run
-#                                                  slower on that host than here), then `recompiles`
+#                                                  left, each under its own time limit: `recompiles`, then
+#                                                  `deterministic`, then `tests/test_compare.py` alone, each
+#                                                  test's time there (its stage processes run slower on that
+#                                                  host than here) until its limit
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -27,6 +28,9 @@
 #   bash benchmarks/gpu_session.sh graphs-b16      the same with CUDA graphs (train.compile_mode=reduce-overhead)
 #   bash benchmarks/gpu_session.sh recompiles      whether a compiled pre-training recompiles at its epochs'
 #                                                  small tail batches there, as it does on CPU, and on which guard
+#   bash benchmarks/gpu_session.sh deterministic   Ti/4 pre-training twice as shipped and twice with
+#                                                  train.deterministic=true: whether each pair's encoders are
+#                                                  the same bits, and the images/s it costs
 #   bash benchmarks/gpu_session.sh mainjob         the README main job's time
 #   bash benchmarks/gpu_session.sh probe-threads   after mainjob (its feature cache): the probe's L-BFGS fits
 #                                                  with torch's default threads there and with 2
@@ -39,11 +43,11 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | deterministic | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|recompiles|mainjob|probe-threads|tests) ;;
+    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -128,7 +132,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "380 tests tests/test_compare.py" "175 recompiles"; do
+    for spec in "175 recompiles" "150 deterministic" "230 tests tests/test_compare.py"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -172,6 +176,30 @@ recompiles)
     echo "recompiles in 45 compiled steps over two epoch ends: $(grep -c 'triggered by' "$OUT/recompiles.log")" |
         tee -a "$OUT/trainer.txt"
     grep -A2 "triggered by" "$OUT/recompiles.log" | tee -a "$OUT/trainer.txt" || true ;;
+deterministic)  # a and b as shipped, c and d under train.deterministic=true; eager (short runs are)
+    [ -f /tmp/syn5k/train/manifest.json ] ||
+        python3 -m mpp.tools.make_synthetic /tmp/syn5k --train 5000 --test 200 --shards 8 >/dev/null 2>&1
+    for run in a:false b:false c:true d:true; do
+        python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=vit_ti4_32 batch_size=1024 \
+            steps=60 data.train=/tmp/syn5k/train/manifest.json data.val=/tmp/syn5k/test/manifest.json \
+            data.num_workers=14 train.log_every=20 train.ckpt_every=100000 train.compile=never \
+            train.deterministic=${run#*:} output_dir=/tmp/runs/det_${run%:*} 2>&1 | tr '\r' '\n' |
+            { grep -v "it/s" || true; } | tail -3 >> "$OUT/deterministic.log"
+        [ -f /tmp/runs/det_${run%:*}/metrics.json ] || echo "run ${run%:*} (deterministic ${run#*:}) failed" | tee -a "$OUT/trainer.txt"
+    done
+    python3 - <<'PY' | tee -a "$OUT/trainer.txt"
+import hashlib, json, os
+def look(r):
+    d = f"/tmp/runs/det_{r}"
+    if not os.path.exists(d + "/metrics.json"):
+        return None, None
+    return hashlib.sha256(open(d + "/encoder.safetensors", "rb").read()).hexdigest()[:16], round(json.load(open(d + "/metrics.json"))["images_per_s"])
+(a, ra), (b, rb), (c, rc), (d, rd) = (look(r) for r in "abcd")
+print(f"deterministic: as shipped the two encoders are {'the same bits' if a and a == b else 'different'} "
+      f"({a}, {b}; {ra} and {rb} images/s); train.deterministic=true: {'the same bits' if c and c == d else 'different'} "
+      f"({c}, {d}; {rc} and {rd} images/s)")
+PY
+    ;;
 mainjob)
     start=$(date +%s)  # its own limit inside the part's, so that what follows runs even when it is cut off
     timeout 350 python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1 ||

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -50,6 +51,24 @@ def autocast(device: torch.device, precision: str):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def deterministic(on: bool):
+    """`train.deterministic`: within the run, torch takes deterministic kernels only and raises at
+    an op that has none (on CUDA, scatter-adds and some attention backwards are not by default); the
+    process's own setting comes back afterwards. cuBLAS reads its workspace setting when it starts,
+    so it is set before the run touches the GPU (an existing value is kept)."""
+    if not on:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def leave_process_group() -> None:

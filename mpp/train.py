@@ -49,7 +49,7 @@ from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
-from mpp.runtime import check_ranks_fit, resolve_precision
+from mpp.runtime import check_ranks_fit, deterministic, resolve_precision
 
 
 class NonFiniteError(RuntimeError):
@@ -61,13 +61,14 @@ def train(cfg: Config) -> dict:
     the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile; a run
     stopped by an error or Ctrl-C ends its progress bar's line first, so the error line comes last."""
     try:
-        run = setup(cfg)
-        try:
-            loop(run)
-            return finish(run)
-        finally:
-            run.bar.close()  # finish closed it (and the prefetch thread) already when it got there
-            run.batches.close()
+        with deterministic(cfg.train.deterministic):
+            run = setup(cfg)
+            try:
+                loop(run)
+                return finish(run)
+            finally:
+                run.bar.close()  # finish closed it (and the prefetch thread) already when it got there
+                run.batches.close()
     finally:
         rundir.unlock(cfg.output_dir)
 

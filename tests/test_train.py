@@ -24,6 +24,7 @@ import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import mpp.objectives
 import mpp.train
 from colours import write_colours
 from cpuonly import cpu_env, cpu_only
@@ -201,6 +202,28 @@ def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
                         env=cpu_env())
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same(weights(tmp_path / "a/encoder.safetensors"), weights(tmp_path / "b/encoder.safetensors"))
+
+
+def test_train_deterministic_holds_for_the_run_alone_and_keeps_the_cpu_numbers(data, mpp_run, tmp_path, monkeypatch):
+    """train.deterministic: every step runs under torch's deterministic mode, which the process
+    gets back after the run; on the CPU, deterministic already, the weights stay bit for bit."""
+    seen = []
+    forward = mpp.objectives.MPPTask.forward
+
+    def recorded(self, *args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(mpp.objectives.MPPTask, "forward", recorded)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with cpu_only():
+        train(config(settings(data, tmp_path / "on", **{"train.deterministic": "true"})))
+    assert seen and all(seen) and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert_same(weights(tmp_path / "on/encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+    seen.clear()
+    with cpu_only():
+        train(config(settings(data, tmp_path / "off", steps=2)))
+    assert seen and not any(seen)
 
 
 def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
