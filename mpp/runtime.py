@@ -55,10 +55,10 @@ def autocast(device: torch.device, precision: str):
 
 @contextlib.contextmanager
 def deterministic(on: bool):
-    """`train.deterministic`: within the run, torch takes deterministic kernels only and raises at
-    an op that has none (on CUDA, scatter-adds and some attention backwards are not by default); the
-    process's own setting comes back afterwards. cuBLAS reads its workspace setting when it starts,
-    so it is set before the run touches the GPU (an existing value is kept)."""
+    """`train.deterministic`: within a run or a probe, torch takes deterministic kernels only and
+    raises at an op that has none (on CUDA, scatter-adds and some attention backwards are not by
+    default); the process's own setting comes back afterwards. cuBLAS reads its workspace setting
+    when it starts, so it is set before the run touches the GPU (an existing value is kept)."""
     if not on:
         yield
         return

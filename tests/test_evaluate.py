@@ -346,6 +346,23 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["pool"] == "avg"
 
 
+def test_train_deterministic_holds_for_the_probe_alone_and_keeps_its_figures(shards, tmp_path, monkeypatch):
+    """train.deterministic covers the probe's features and fits as it covers training (the probe
+    reads train.* too: train.attn); the process gets its setting back, and on the CPU nothing moves."""
+    seen, run = [], mpp.evaluators.linear_probe.Evaluator.run
+
+    def recorded(self, encoder):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return run(self, encoder)
+    monkeypatch.setattr(mpp.evaluators.linear_probe.Evaluator, "run", recorded)
+    probe = mpp.evaluators.linear_probe.run_linear_probe
+    plain = probe(_cfg(shards, tmp_path / "plain", probe={"encoder": "none", "cache_dir": str(tmp_path / "c1")}))
+    held = probe(_cfg(shards, tmp_path / "held", probe={"encoder": "none", "cache_dir": str(tmp_path / "c2")},
+                      train={"deterministic": True}))
+    assert seen == [False, True] and not torch.are_deterministic_algorithms_enabled()
+    assert (held["top1"], held["outcomes"], held["5shot_mean"]) == (plain["top1"], plain["outcomes"], plain["5shot_mean"])
+
+
 def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
     """finetune.pool=auto chooses the representation as the probe does, but on the run's own
     training labels: the patch mean for an encoder whose [class] output is constant, under a zero

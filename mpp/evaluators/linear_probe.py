@@ -28,7 +28,7 @@ from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, write_atomic
 from mpp.models import create_encoder, encoder_digest, load_encoder
-from mpp.runtime import resolve_precision
+from mpp.runtime import deterministic, resolve_precision
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
     """Weights (D + 1, C) of L2-regularised multinomial logistic regression (bias unregularised),
@@ -256,14 +256,15 @@ def run_linear_probe(cfg: Config) -> dict:
                           "its encoder.safetensors, or none (a randomly initialised model)")
     rundir.check_output_dir(out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    evaluator = Evaluator(cfg, device)
-    if str(encoder_path) == "none":
-        set_seed(cfg.seed)
-        encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
-    else:
-        encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn, data=cfg.data).to(device)
-    metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "encoder_sha256": encoder_digest(encoder_path),
-               **evaluator.run(encoder), "config": to_dict(cfg)}
+    with deterministic(cfg.train.deterministic):  # as in training: the features and fits repeat bit for bit
+        evaluator = Evaluator(cfg, device)
+        if str(encoder_path) == "none":
+            set_seed(cfg.seed)
+            encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
+        else:
+            encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn, data=cfg.data).to(device)
+        metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "encoder_sha256": encoder_digest(encoder_path),
+                   **evaluator.run(encoder), "config": to_dict(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"
