@@ -113,8 +113,8 @@ class TrainConfig:
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
     profile: tuple = (0, 0)    # [first, count]: torch.profiler over steps first+1..first+count into
                                # OUTPUT_DIR/profile (mpp.profiling); count 0: off
-    deterministic: bool = False  # torch's deterministic kernels only (mpp.runtime.deterministic): repeatable
-                               # bit for bit on GPUs too, slower; an op that has none stops the run
+    deterministic: bool = False  # torch's deterministic kernels only (mpp.runtime.deterministic), for GPU
+                               # runs that repeat bit for bit; slower, and an op that has none stops the run
 
 
 @dataclass

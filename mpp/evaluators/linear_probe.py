@@ -256,7 +256,7 @@ def run_linear_probe(cfg: Config) -> dict:
                           "its encoder.safetensors, or none (a randomly initialised model)")
     rundir.check_output_dir(out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with deterministic(cfg.train.deterministic):  # as in training: the features and fits repeat bit for bit
+    with deterministic(cfg.train.deterministic):  # as training runs under it
         evaluator = Evaluator(cfg, device)
         if str(encoder_path) == "none":
             set_seed(cfg.seed)
