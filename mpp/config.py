@@ -296,7 +296,7 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return value
     wanted = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
               "tuple": "a list of numbers", "Any": "a string or a list of strings",
-              "dict": DICT_SHAPES.get(key, DICT_SHAPES["sweep"])}[kind]
+              "dict": DICT_SHAPES[key]}[kind]
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
 
 

@@ -165,6 +165,10 @@ def test_fraction_overrides_reach_that_fractions_fine_tunes_alone(tmp_path):
                        ("{1.0: [5]}", "gives label fraction 1.0 \\[5\\]; give key=value overrides")]:
         with pytest.raises(ConfigError, match=match):
             load_compare_config(_write_configs(tmp_path, tmp_path / "d"), [f"fraction_overrides={bad}"])
+    for key, shape in [("sweep", "config keys to non-empty lists of values"),
+                       ("fraction_overrides", "label fractions to non-empty lists of key=value overrides")]:
+        with pytest.raises(ConfigError, match=f"config key '{key}' must be a mapping of {shape}"):
+            load_compare_config(_write_configs(tmp_path, tmp_path / "d"), [f"{key}=5"])
     with pytest.raises(ConfigError, match="sets optim.lr for label fraction 1.0"):
         load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra),
                             ["fraction_overrides={1.0: [optim.lr=0.1]}"])

@@ -214,7 +214,8 @@ def test_train_deterministic_holds_for_the_run_alone_and_keeps_the_cpu_numbers(d
         seen.append(torch.are_deterministic_algorithms_enabled())
         return forward(self, *args, **kwargs)
     monkeypatch.setattr(mpp.objectives.MPPTask, "forward", recorded)
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded first, so that teardown also undoes the run's value
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     with cpu_only():
         train(config(settings(data, tmp_path / "on", **{"train.deterministic": "true"})))
     assert seen and all(seen) and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
