@@ -294,9 +294,9 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if kind == "Any" and (isinstance(value, str) or (
                 isinstance(value, list) and all(isinstance(v, str) for v in value))):
             return value
-    wanted = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
-              "tuple": "a list of numbers", "Any": "a string or a list of strings",
-              "dict": DICT_SHAPES[key]}[kind]
+    wanted = DICT_SHAPES[key] if kind == "dict" else {
+        "bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
+        "tuple": "a list of numbers", "Any": "a string or a list of strings"}[kind]
     raise ConfigError(f"config key '{key}' must be {wanted}, got {value!r}")
 
 
