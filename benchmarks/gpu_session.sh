@@ -7,11 +7,10 @@
 # to build pyproject: fetch their wheels here once (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: what the first seven sessions (docs/benchmarks.md)
-#                                                  left, each under its own time limit: `recompiles`, then
-#                                                  `deterministic`, then `tests/test_compare.py` alone, each
-#                                                  test's time there (its stage processes run slower on that
-#                                                  host than here) until its limit
+#   bash benchmarks/gpu_session.sh session         on the GPU: what the first eight sessions (docs/benchmarks.md)
+#                                                  left, each under its own time limit: `trainer`, Ti/4's
+#                                                  in-memory compiled step, then `trainer-b16`: pre-training
+#                                                  through the real loader with the code as it is now
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -132,7 +131,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "175 recompiles" "150 deterministic" "230 tests tests/test_compare.py"; do
+    for spec in "220 trainer" "150 step ti4 --methods mpp+compile --no-loader" "180 trainer-b16"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
