@@ -53,7 +53,7 @@ class MPPConfig:
     random: float = 0.1        # ... by the embedding of a random other patch of the same image
     keep: float = 0.1          # ... left unchanged
     target: str = "mean_color"  # an entry of mpp.objectives.TARGETS: mean_color | mean_color_regression |
-                                # downsampled | pixels
+                                # downsampled | color_histogram | pixels
     bits: int = 3              # colour quantisation per channel (512 classes at 3)
 
 

@@ -99,6 +99,19 @@ def _downsampled_loss(pred, pix, bits):
     return F.cross_entropy(pred.flatten(0, 2), classes.flatten()), pred.argmax(-1), classes
 
 
+def _color_histogram_loss(pred, pix, bits):
+    hist = torch.zeros(*pred.shape, dtype=pred.dtype, device=pred.device)
+    px = quantize(pix.flatten(3).transpose(2, 3), bits)  # (B, K, p*p): each pixel's colour class
+    hist.scatter_add_(-1, px, torch.full(px.shape, 1.0 / px.shape[-1], dtype=pred.dtype, device=pred.device))
+    return (F.cross_entropy(pred.flatten(0, 1), hist.flatten(0, 1)), quantize(_histogram_mean(pred, bits), bits),
+            quantize(pix.mean((-1, -2)), bits))
+
+
+def _histogram_mean(pred, bits):
+    """The mean colour of the predicted distribution over colour classes (B, K, 3)."""
+    return pred.softmax(-1) @ class_colors(torch.arange(pred.shape[-1], device=pred.device), bits)
+
+
 def _pixels_loss(pred, pix, bits):
     guess = quantize(pred.view(*pix.shape[:3], -1).mean(-1), bits)
     return F.mse_loss(pred, pix.flatten(2).float()), guess, quantize(pix.mean((-1, -2)), bits)
@@ -114,6 +127,8 @@ TARGETS: dict[str, Target] = {
         outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * colors, loss=_downsampled_loss,
         colors=lambda pred, bits: class_colors(
             pred.view(*pred.shape[:2], DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)),
+    "color_histogram": Target(  # not the paper's: the share of the patch's pixels in each colour class
+        outputs=lambda colors, p: colors, loss=_color_histogram_loss, colors=_histogram_mean),
     "pixels": Target(  # every pixel, L2
         outputs=lambda colors, p: 3 * p * p, loss=_pixels_loss,
         colors=lambda pred, bits: pred.view(*pred.shape[:2], 3, -1).mean(-1).clamp(0, 1)),

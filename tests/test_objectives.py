@@ -310,6 +310,26 @@ def test_downsampled_target_is_cell_mean_colour():
     assert (classes == (1 << 6) | (1 << 3) | 1).all()
 
 
+def test_color_histogram_target_is_the_share_of_each_pixel_colour():
+    pix = torch.zeros(1, 2, 3, 4, 4, dtype=torch.float64)
+    pix[0, 0, 0, :, :2] = 0.8125  # patch 0: half its pixels red (class 6 << 6), half black (class 0)
+    pix[0, 1] = 0.3            # patch 1: one grey (level 2 per channel) for every pixel
+    grey = (2 << 6) | (2 << 3) | 2
+    pred = torch.full((1, 2, 512), -30.0)
+    pred[0, 0, [0, 6 << 6]] = 0.0
+    pred[0, 1, grey] = 0.0
+    pred.requires_grad_(True)
+    loss, guess, true = TARGETS["color_histogram"].loss(pred, pix, 3)
+    assert loss.item() == pytest.approx(math.log(2) / 2, abs=1e-6)  # the targets' entropy: the minimum
+    loss.backward()
+    assert pred.grad.abs().max() < 1e-6
+    assert true.tolist() == [[3 << 6, grey]]  # the mean colour's class, as for mean_color's accuracy
+    assert guess.tolist() == true.tolist()  # guessed through the predicted distribution's mean colour
+    single = F.one_hot(torch.tensor([[3, 100]]), 512).float()
+    torch.testing.assert_close(TARGETS["color_histogram"].loss(single, pix[:, 1:].expand(1, 2, -1, -1, -1), 3)[0],
+                               TARGETS["mean_color"].loss(single, pix[:, 1:].expand(1, 2, -1, -1, -1), 3)[0])
+
+
 def test_pixels_and_regression_colors():
     pix = torch.rand(2, 3, 3, 4, 4)
     torch.testing.assert_close(TARGETS["pixels"].colors(pix.flatten(2), 3), pix.mean((-1, -2)))

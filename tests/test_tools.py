@@ -58,3 +58,16 @@ def test_cited_configs_exist():
              *(ROOT / "configs").glob("*.yaml")]
     cited = {m for p in texts for m in re.findall(r"configs/[\w.-]+\.yaml", p.read_text())}
     assert cited and not [c for c in sorted(cited) if not (ROOT / c).is_file()]
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_pass_their_checks(path, monkeypatch):
+    """Every configs/*.yaml loads through the schema and its checks, a comparison's with every stage's."""
+    from mpp import compare
+    from mpp.config import load_compare_config, load_config, validate
+    monkeypatch.chdir(ROOT)  # a comparison names its stages' configs from the repository root
+    if path.startswith("compare_"):
+        cfg = load_compare_config(ROOT / "configs" / path)
+        compare.validate(cfg, compare.plan(cfg))
+    else:
+        validate(load_config(ROOT / "configs" / path))
