@@ -100,11 +100,10 @@ def _downsampled_loss(pred, pix, bits):
 
 
 def _color_histogram_loss(pred, pix, bits):
-    hist = torch.zeros(*pred.shape, dtype=pred.dtype, device=pred.device)
     px = quantize(pix.flatten(3).transpose(2, 3), bits)  # (B, K, p*p): each pixel's colour class
-    hist.scatter_add_(-1, px, torch.full(px.shape, 1.0 / px.shape[-1], dtype=pred.dtype, device=pred.device))
-    return (F.cross_entropy(pred.flatten(0, 1), hist.flatten(0, 1)), quantize(_histogram_mean(pred, bits), bits),
-            quantize(pix.mean((-1, -2)), bits))
+    hist = torch.zeros_like(pred).scatter_add_(-1, px, torch.full_like(px, 1.0 / px.shape[-1], dtype=pred.dtype))
+    guess = quantize(_histogram_mean(pred.detach(), bits), bits)  # a metric: no graph for it
+    return F.cross_entropy(pred.flatten(0, 1), hist.flatten(0, 1)), guess, quantize(pix.mean((-1, -2)), bits)
 
 
 def _histogram_mean(pred, bits):
