@@ -52,8 +52,7 @@ class MPPConfig:
     mask: float = 0.8          # of the chosen: replaced by the [mask] embedding
     random: float = 0.1        # ... by the embedding of a random other patch of the same image
     keep: float = 0.1          # ... left unchanged
-    target: str = "mean_color"  # an entry of mpp.objectives.TARGETS: mean_color | mean_color_regression |
-                                # downsampled | color_histogram | pixels
+    target: str = "mean_color"  # an entry of mpp.objectives.TARGETS (a wrong name's error lists them)
     bits: int = 3              # colour quantisation per channel (512 classes at 3)
 
 

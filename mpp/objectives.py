@@ -82,8 +82,13 @@ class Target:
     colors: Callable[[torch.Tensor, int], torch.Tensor]
 
 
+def _mean_classes(pix, bits):
+    """Each chosen patch's mean-colour class (B, K): what every target's colour accuracy scores."""
+    return quantize(pix.mean((-1, -2)), bits)
+
+
 def _mean_color_loss(pred, pix, bits):
-    classes = quantize(pix.mean((-1, -2)), bits)
+    classes = _mean_classes(pix, bits)
     return F.cross_entropy(pred.flatten(0, 1), classes.flatten()), pred.argmax(-1), classes
 
 
@@ -103,7 +108,7 @@ def _color_histogram_loss(pred, pix, bits):
     px = quantize(pix.flatten(3).transpose(2, 3), bits)  # (B, K, p*p): each pixel's colour class
     hist = torch.zeros_like(pred).scatter_add_(-1, px, torch.full_like(px, 1.0 / px.shape[-1], dtype=pred.dtype))
     guess = quantize(_histogram_mean(pred.detach(), bits), bits)  # a metric: no graph for it
-    return F.cross_entropy(pred.flatten(0, 1), hist.flatten(0, 1)), guess, quantize(pix.mean((-1, -2)), bits)
+    return F.cross_entropy(pred.flatten(0, 1), hist.flatten(0, 1)), guess, _mean_classes(pix, bits)
 
 
 def _histogram_mean(pred, bits):
@@ -113,7 +118,7 @@ def _histogram_mean(pred, bits):
 
 def _pixels_loss(pred, pix, bits):
     guess = quantize(pred.view(*pix.shape[:3], -1).mean(-1), bits)
-    return F.mse_loss(pred, pix.flatten(2).float()), guess, quantize(pix.mean((-1, -2)), bits)
+    return F.mse_loss(pred, pix.flatten(2).float()), guess, _mean_classes(pix, bits)
 
 
 TARGETS: dict[str, Target] = {
