@@ -83,7 +83,8 @@ class Target:
 
 
 def _mean_classes(pix, bits):
-    """Each chosen patch's mean-colour class (B, K): what every target's colour accuracy scores."""
+    """Each chosen patch's mean-colour class (B, K), the class a colour accuracy scores (the
+    regression quantises the colours its loss needs; downsampled scores its cells' classes)."""
     return quantize(pix.mean((-1, -2)), bits)
 
 
