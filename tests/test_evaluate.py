@@ -294,6 +294,26 @@ def test_probe_refit_starts_at_the_chosen_head(monkeypatch):
     assert objective(*warm) == pytest.approx(objective(*fit_linear_head(x, y, 4, choice.l2)), abs=1e-5)
 
 
+def test_starting_head_takes_the_strongest_l2_within_a_standard_error_of_the_lowest_loss():
+    """A fine-tune's starting head (choose_probe's head_l2) is not the top-1 choice: on weakly
+    informative features, as a random-init encoder's, held-out top-1 picks a weak L2 whose head
+    has a large norm (which, clipped, starved a fine-tune's encoder); the start takes the strongest
+    L2 whose held-out cross-entropy is within one standard error of the lowest."""
+    from mpp.evaluators.linear_probe import choose_probe
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 4, (600,), generator=g)
+    x = torch.randn(600, 32, generator=g) * 0.01 + 0.006 * F.one_hot(y, 32).float()
+    grid = (1e-6, 1e-3, 1e-2, 1e-1, 1.0)
+    c = choose_probe({"x": x}, y, num_classes=4, l2_grid=grid)
+    lowest = min(c.losses, key=lambda l2: c.losses[l2][0])
+    assert c.l2 == lowest == 0.1 and set(c.losses) == set(grid)  # top-1 and the loss both pick 0.1 here
+    assert c.head_l2 == 1.0 and c.losses[1.0][0] <= c.losses[lowest][0] + c.losses[lowest][1]
+    assert c.start_head[0].norm() < c.head[0].norm() / 2  # a far smaller head at a loss within noise
+    informative = x + 0.05 * F.one_hot(y, 32).float()  # features that say a lot: the start is the top-1 fit
+    c = choose_probe({"x": informative}, y, num_classes=4, l2_grid=grid)
+    assert c.head_l2 < 1.0 and torch.equal(c.start_head[0], c.head[0]) == (c.head_l2 == c.l2)
+
+
 def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
     cfg = _cfg(shards, tmp_path / "run", train={"precision": "bf16"}, probe={"pool": "token"})
     torch.manual_seed(0)

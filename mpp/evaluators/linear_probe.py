@@ -95,19 +95,30 @@ class ProbeChoice(NamedTuple):
     every pair's score ({representation: {L2: top-1}}), that pair's fitted head (weight (C, D),
     bias (C,) on raw features), the warm start of the refit on all the features, and each
     representation's held-out outcomes at its best L2 ({representation: mpp.outcomes record}),
-    from which a report can tell how sure the choice of representation was."""
+    from which a report can tell how sure the choice of representation was. `head_l2`, its
+    `start_head` and `losses` ({L2: (held-out cross-entropy, its standard error)} of the chosen
+    representation) are the choice for a fine-tune's starting head (see `choose_probe`)."""
     pool: str
     l2: float
     scores: dict
     head: tuple[torch.Tensor, torch.Tensor]
     heldout: dict
+    head_l2: float
+    start_head: tuple[torch.Tensor, torch.Tensor]
+    losses: dict
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
                  val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> ProbeChoice:
     """Every (representation, L2) pair fitted on the train part (1 - val_fraction, one seeded random
     split) of {representation: features (N, D)} and scored on the rest; the best wins (ties: the
-    stronger L2, then the earlier representation)."""
+    stronger L2, then the earlier representation).
+
+    A fine-tune's starting head (LP-FT) takes its L2 by another rule, on the chosen representation:
+    the strongest whose held-out cross-entropy is within one standard error of the lowest (the
+    one-standard-error rule). Top-1 is flat over weak L2s where features say little, and a
+    random-init encoder's then picked heads of weight norm 50-90 that made the first fine-tune
+    steps' gradient norms 100-240 and, clipped at 1, starved the encoder (docs/evaluation.md)."""
     train_y = train_y.long()
     perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(val_fraction * len(train_y))))
@@ -116,24 +127,29 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     fit_idx, val_idx = perm[n_val:], perm[:n_val]
     scores: dict[str, dict[float, float]] = {}
     fits: dict[tuple[str, float], torch.Tensor] = {}
-    stats, hits = {}, {}
+    stats, hits, losses = {}, {}, {}
     for name, x in train_x.items():
         fx, vx = x[fit_idx].float(), x[val_idx].float()
         stats[name] = mean, std = feature_stats(fx)
         fx, vx = (fx - mean) / std, (vx - mean) / std
-        scores[name], w = {}, None
+        scores[name], losses[name], w = {}, {}, None
         for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
             w = fits[name, l2] = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
             logits = vx @ w[:-1] + w[-1]
             scores[name][l2] = _topk(logits, train_y[val_idx], 1)
             hits[name, l2] = logits.topk(1, dim=1).indices[:, 0].eq(train_y[val_idx])  # the images _topk counted
+            ce = F.cross_entropy(logits, train_y[val_idx], reduction="none")
+            losses[name][l2] = (ce.mean().item(), ce.std().item() / len(ce) ** 0.5 if len(ce) > 1 else 0.0)
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
     labels = train_y[val_idx].numpy()
+    lowest = min(losses[rep].values())
+    head_l2 = max(l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest[0] + lowest[1])
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
-                       {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order})
+                       {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order},
+                       head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep])
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -152,8 +168,8 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
-    rep, best, scores, head, heldout = choose_probe(trains, train_y, num_classes=num_classes,
-                                                    val_fraction=val_fraction, l2_grid=l2_grid, seed=seed)
+    rep, best, scores, head, heldout, *_ = choose_probe(trains, train_y, num_classes=num_classes,
+                                                        val_fraction=val_fraction, l2_grid=l2_grid, seed=seed)
     weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
     out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
@@ -169,17 +185,19 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
-    chosen with the L2) of the labeled `subset` of data.train (as `make_loader` takes it), the L2
-    chosen on a held-out part (probe.val_fraction, split by finetune.split_seed): {weight (C, D),
-    bias (C,), pool, l2, heldout_top1, pool_heldout_top1 and pool_heldout_outcomes (each
-    candidate's best and its per-image outcomes)}, the starting head of a fine-tune with
+    chosen on held-out top-1) of the labeled `subset` of data.train (as `make_loader` takes it), its
+    L2 chosen on a held-out part (probe.val_fraction, split by finetune.split_seed) by the
+    starting-head rule of `choose_probe`: {weight (C, D), bias (C,), pool, l2, heldout_top1 and
+    heldout_loss (at that L2), pool_heldout_top1 and pool_heldout_outcomes (each candidate's best
+    and its per-image outcomes)}, the starting head of a fine-tune with
     finetune.head_init=probe and the representation of one with finetune.pool=auto. Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
-    key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes])
+    key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
+                      "l2: one standard error of the held-out loss"])  # heads cached under the top-1 rule refit
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def read(file: Path) -> dict:
@@ -190,11 +208,12 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
         return cached
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
                             cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
-    chosen, l2, scores, head, heldout = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction,
-                                                     l2_grid=p.l2_grid, seed=cfg.finetune.split_seed)
-    weight, bias = fit_linear_head(x[chosen], y, num_classes, l2, init=head)
-    fit = {"pool": chosen, "l2": l2, "heldout_top1": scores[chosen][l2], "pool_heldout_outcomes": heldout,
-           "pool_heldout_top1": {n: max(s.values()) for n, s in scores.items()}}
+    c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=p.l2_grid,
+                     seed=cfg.finetune.split_seed)
+    weight, bias = fit_linear_head(x[c.pool], y, num_classes, c.head_l2, init=c.start_head)
+    fit = {"pool": c.pool, "l2": c.head_l2, "heldout_top1": c.scores[c.pool][c.head_l2],
+           "heldout_loss": c.losses[c.head_l2][0], "pool_heldout_outcomes": c.heldout,
+           "pool_heldout_top1": {n: max(s.values()) for n, s in c.scores.items()}}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file({"weight": weight, "bias": bias}, str(tmp), metadata={"fit": json.dumps(fit)})
