@@ -116,9 +116,9 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
 
     A fine-tune's starting head (LP-FT) takes its L2 by another rule, on the chosen representation:
     the strongest whose held-out cross-entropy is within one standard error of the lowest (the
-    one-standard-error rule). Top-1 is flat over weak L2s where features say little, and a
-    random-init encoder's then picked heads of weight norm 50-90 that made the first fine-tune
-    steps' gradient norms 100-240 and, clipped at 1, starved the encoder (docs/evaluation.md)."""
+    one-standard-error rule). Top-1 is flat over weak L2s where features say little, and for a
+    random-init encoder it picked large heads whose gradients, clipped at 1, starved the
+    encoder (docs/evaluation.md)."""
     train_y = train_y.long()
     perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(val_fraction * len(train_y))))
@@ -145,8 +145,8 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
     labels = train_y[val_idx].numpy()
-    lowest = min(losses[rep].values())
-    head_l2 = max(l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest[0] + lowest[1])
+    lowest, lowest_se = min(losses[rep].values())
+    head_l2 = max(l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se)
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
                        {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order},
                        head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep])
