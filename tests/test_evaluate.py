@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import random
 import runpy
@@ -312,6 +313,26 @@ def test_starting_head_takes_the_strongest_l2_within_a_standard_error_of_the_low
     informative = x + 0.05 * F.one_hot(y, 32).float()  # features that say a lot: the start is the top-1 fit
     c = choose_probe({"x": informative}, y, num_classes=4, l2_grid=grid)
     assert c.head_l2 < 1.0 and torch.equal(c.start_head[0], c.head[0]) == (c.head_l2 == c.l2)
+
+
+def test_starting_head_takes_top1_among_the_near_losses_where_none_beats_a_uniform_guess():
+    """On a few dozen held-out images of features that say little, no head's cross-entropy beats a
+    uniform guess's (log C) by its standard error, and the strongest L2 within it is a head near
+    zero. The start then takes, of the L2s within that standard error, the best held-out top-1:
+    neither that empty head nor the large, overconfident one top-1 alone picks."""
+    from mpp.evaluators.linear_probe import choose_probe
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 10, (300,), generator=g)
+    x = torch.randn(300, 64, generator=g) + 0.5 * F.one_hot(y, 64).float()
+    grid = (1e-6, 1e-4, 1e-2, 1.0, 10.0)
+    c = choose_probe({"x": x}, y, num_classes=10, l2_grid=grid)
+    lowest, se = min(c.losses.values())
+    assert lowest + se >= math.log(10)  # the case: the loss cannot tell any head from a uniform guess
+    near = [l2 for l2 in grid if c.losses[l2][0] <= lowest + se]
+    top1 = c.scores["x"]
+    assert c.head_l2 in near and top1[c.head_l2] == max(top1[l2] for l2 in near)
+    assert c.l2 < c.head_l2 < max(grid) and top1[c.head_l2] > top1[max(grid)]  # a head, and not the empty one
+    assert c.losses[c.head_l2][0] < 2.5 < c.losses[c.l2][0]  # top-1 alone took a large, overconfident head
 
 
 def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):

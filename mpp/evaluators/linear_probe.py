@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -118,7 +119,9 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     the strongest whose held-out cross-entropy is within one standard error of the lowest (the
     one-standard-error rule). Top-1 is flat over weak L2s where features say little, and for a
     random-init encoder it picked large heads whose gradients, clipped at 1, starved the
-    encoder (docs/evaluation.md)."""
+    encoder (docs/evaluation.md). Where no L2's held-out loss beats a uniform guess's (log C) by
+    its standard error, as on a few dozen held-out images, the strongest would be a head near zero;
+    the start then takes, of the L2s within that standard error, the best held-out top-1."""
     train_y = train_y.long()
     perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(val_fraction * len(train_y))))
@@ -146,7 +149,11 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
     labels = train_y[val_idx].numpy()
     lowest, lowest_se = min(losses[rep].values())
-    head_l2 = max(l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se)
+    near = [l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se]
+    if lowest + lowest_se < math.log(num_classes):  # the loss tells some head from a uniform guess
+        head_l2 = max(near)
+    else:  # it cannot, and its strongest L2 is no head at all: of the heads it cannot tell apart, top-1's
+        head_l2 = max(near, key=lambda l2: (scores[rep][l2], l2))
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
                        {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order},
                        head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep])
@@ -197,7 +204,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
     key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
-                      "l2: one standard error of the held-out loss"])  # heads cached under the top-1 rule refit
+                      "l2: one standard error of the held-out loss, top-1 within it if no better than uniform"])  # heads of an earlier rule refit
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def read(file: Path) -> dict:
