@@ -203,8 +203,9 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
+    rule = "l2: one standard error of the held-out loss, top-1 within it if no better than uniform"
     key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
-                      "l2: one standard error of the held-out loss, top-1 within it if no better than uniform"])  # heads of an earlier rule refit
+                      rule])  # heads cached under an earlier rule are refitted
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def read(file: Path) -> dict:
