@@ -545,6 +545,11 @@ def validate(cfg: Config) -> None:
           f"got {list(t.profile)}")
     check(not t.image_every or cfg.objective == "mpp",
           f"train.image_every logs MPP predictions; set it to 0 for objective={cfg.objective}")
+    if t.image_every and cfg.objective == "mpp":
+        from mpp.objectives import TARGETS
+        check(cfg.mpp.target not in TARGETS or TARGETS[cfg.mpp.target].colors is not None,
+              f"train.image_every paints predicted colours, which mpp.target={cfg.mpp.target} does not predict; "
+              f"set it to 0")
     f = cfg.finetune
     check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
     check(0 <= f.dev_fraction < 1,

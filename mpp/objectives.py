@@ -30,6 +30,7 @@ from mpp.data.transforms import normalize, to_float01
 from mpp.models import POOLS, create_encoder, encoder_digest, load_encoder
 
 DOWNSAMPLED_CELLS = 4  # the `downsampled` target: a 4x4 downsized patch, one colour class per cell
+HOG_CELLS, HOG_BINS = 2, 9  # the `hog` target: 2x2 cells per patch, 9 orientations over 0-180 degrees
 
 
 def patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -76,10 +77,11 @@ class Target:
     """What the MPP head predicts for each chosen patch. `outputs(num_colors, patch_size)`: the
     head's width; `loss(pred, pix, bits) -> (loss, predicted classes, true classes)` from the fp32
     head output (B, K, out) and the chosen patches' true pixels (B, K, 3, p, p); `colors(pred,
-    bits)`: the predicted mean colour of each patch (B, K, 3), for the prediction figures."""
+    bits)`: the predicted mean colour of each patch (B, K, 3), for the prediction figures (None for
+    a target that predicts no colour)."""
     outputs: Callable[[int, int], int]
     loss: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    colors: Callable[[torch.Tensor, int], torch.Tensor]
+    colors: Callable[[torch.Tensor, int], torch.Tensor] | None
 
 
 def _mean_classes(pix, bits):
@@ -117,6 +119,34 @@ def _histogram_mean(pred, bits):
     return pred.softmax(-1) @ class_colors(torch.arange(pred.shape[-1], device=pred.device), bits)
 
 
+def hog(pix: torch.Tensor) -> torch.Tensor:
+    """Histograms of oriented gradients of each patch alone (MaskFeat's target, Wei et al. 2022):
+    (B, K, 3, p, p) in [0, 1] -> (B, K, HOG_BINS * HOG_CELLS**2). Central differences of the grey
+    image (edge pixels repeated at the patch's border), each pixel's magnitude split linearly
+    between its two nearest of HOG_BINS unsigned orientations, averaged over each of the
+    HOG_CELLS x HOG_CELLS cells, the vector L2-normalised per patch (a flat patch stays zero)."""
+    B, K, _, p, _ = pix.shape
+    grey = pix.float().mean(2).reshape(B * K, 1, p, p)
+    gx = F.pad(grey, (1, 1, 0, 0), mode="replicate")
+    gy = F.pad(grey, (0, 0, 1, 1), mode="replicate")
+    gx, gy = gx[..., 2:] - gx[..., :-2], gy[..., 2:, :] - gy[..., :-2, :]
+    magnitude = torch.hypot(gx, gy)
+    position = torch.remainder(torch.atan2(gy, gx), math.pi) / math.pi * HOG_BINS
+    low = position.floor()
+    frac = position - low
+    low = low.long() % HOG_BINS
+    hist = torch.zeros(B * K, HOG_BINS, p, p, device=pix.device)
+    hist.scatter_add_(1, low, magnitude * (1 - frac)).scatter_add_(1, (low + 1) % HOG_BINS, magnitude * frac)
+    h = F.avg_pool2d(hist, p // HOG_CELLS).reshape(B, K, -1)  # (bin, cell row, cell column) order
+    return h / (h.norm(dim=-1, keepdim=True) + 1e-3)
+
+
+def _hog_loss(pred, pix, bits):
+    """Squared error summed over the histogram; the `acc` metric: the strongest bin found."""
+    true = hog(pix)
+    return F.mse_loss(pred, true, reduction="none").sum(-1).mean(), pred.detach().argmax(-1), true.argmax(-1)
+
+
 def _pixels_loss(pred, pix, bits):
     guess = quantize(pred.view(*pix.shape[:3], -1).mean(-1), bits)
     return F.mse_loss(pred, pix.flatten(2).float()), guess, _mean_classes(pix, bits)
@@ -134,6 +164,8 @@ TARGETS: dict[str, Target] = {
             pred.view(*pred.shape[:2], DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)),
     "color_histogram": Target(  # not the paper's: the share of the patch's pixels in each colour class
         outputs=lambda colors, p: colors, loss=_color_histogram_loss, colors=_histogram_mean),
+    "hog": Target(  # not the paper's (MaskFeat's): the patch's gradient-orientation histograms, L2
+        outputs=lambda colors, p: HOG_CELLS ** 2 * HOG_BINS, loss=_hog_loss, colors=None),
     "pixels": Target(  # every pixel, L2
         outputs=lambda colors, p: 3 * p * p, loss=_pixels_loss,
         colors=lambda pred, bits: pred.view(*pred.shape[:2], 3, -1).mean(-1).clamp(0, 1)),

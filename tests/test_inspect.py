@@ -34,10 +34,11 @@ def data(tmp_path_factory) -> Path:
     return out / "test" / "manifest.json"
 
 
-def saved_mpp_run(out: Path, seed: int = 0) -> MPPTask:
+def saved_mpp_run(out: Path, seed: int = 0, target: str = "mean_color") -> MPPTask:
     """A run dir as an MPP pre-training leaves it (config, encoder, head), without training."""
     torch.manual_seed(seed)
-    cfg = load_config(ROOT / "configs/synthetic_mpp.yaml", ["model=vit_micro4_32", f"output_dir={out}"])
+    cfg = load_config(ROOT / "configs/synthetic_mpp.yaml",
+                      ["model=vit_micro4_32", f"output_dir={out}", f"mpp.target={target}"])
     task = MPPTask(create_encoder("vit_micro4_32", attn="math"), cfg.mpp, cfg.data)
     torch.nn.init.normal_(task.head.weight)  # a head whose argmax varies with the input
     out.mkdir(parents=True, exist_ok=True)
@@ -134,16 +135,19 @@ def test_mpp_head_round_trip_and_prediction_grid(tmp_path):
 
 def test_tool_side_by_side(data, tmp_path):
     saved_mpp_run(tmp_path / "mpp")
+    saved_mpp_run(tmp_path / "hog", target="hog")  # predicts no colours: no prediction figure for it
     out = tmp_path / "figures"
     r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", str(tmp_path / "mpp"),
-                        "--encoder", "rand=none:vit_micro4_32", "--data", str(data), "--out", str(out),
+                        "--encoder", "rand=none:vit_micro4_32", "--encoder", str(tmp_path / "hog"),
+                        "--data", str(data), "--out", str(out),
                         "--images", "10", "--grid-images", "3", "--batch-size", "4"],
                        capture_output=True, text=True, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
     for png in ("attention_distance.png", "position_similarity.png", "filters.png", "predictions_mpp.png"):
         assert (out / png).stat().st_size > 1000
     numbers = json.loads((out / "inspect.json").read_text())
-    assert list(numbers["encoders"]) == ["mpp", "rand"]
+    assert list(numbers["encoders"]) == ["mpp", "rand", "hog"]
+    assert not (out / "predictions_hog.png").exists() and "mpp_chosen_color_accuracy" not in numbers["encoders"]["hog"]
     mpp, rand = numbers["encoders"]["mpp"], numbers["encoders"]["rand"]
     assert len(mpp["mean_attention_distance_px"]) == 2 and len(mpp["mean_attention_distance_px"][0]) == 2
     assert 0 <= mpp["mpp_chosen_color_accuracy"] <= 1 and "mpp_chosen_color_accuracy" not in rand
@@ -214,6 +218,11 @@ def test_image_every_is_checked_before_any_work():
         load_config(None, ["objective=supervised", "train.image_every=5"])
     with pytest.raises(ConfigError, match="train.image_every"):
         load_config(None, ["train.image_every=-1"])
+    with pytest.raises(ConfigError, match="train.image_every paints predicted colours, which mpp.target=hog"):
+        load_config(None, ["mpp.target=hog", "train.image_every=5"])
+    with pytest.raises(ValueError, match="no prediction figure"):
+        cfg = load_config(None, ["mpp.target=hog"])
+        predict(MPPTask(create_encoder("vit_micro4_32"), cfg.mpp, cfg.data), torch.zeros(1, 3, 32, 32, dtype=torch.uint8))
 
 
 def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):

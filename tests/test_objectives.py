@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from mpp.config import build_config
 from mpp.models import create_encoder
-from mpp.objectives import (TARGETS, Target, build_task, class_colors, mean_color_targets, patches, quantize,
-                            sample_corruption)
+from mpp.objectives import (HOG_BINS, HOG_CELLS, TARGETS, Target, build_task, class_colors, hog, mean_color_targets,
+                            patches, quantize, sample_corruption)
 
 PRESET = "vit_micro4_32"
 
@@ -328,6 +328,27 @@ def test_color_histogram_target_is_the_share_of_each_pixel_colour():
     single = F.one_hot(torch.tensor([[3, 100]]), 512).float()
     torch.testing.assert_close(TARGETS["color_histogram"].loss(single, pix[:, 1:].expand(1, 2, -1, -1, -1), 3)[0],
                                TARGETS["mean_color"].loss(single, pix[:, 1:].expand(1, 2, -1, -1, -1), 3)[0])
+
+
+def test_hog_target_is_each_cells_gradient_orientations():
+    """A vertical edge puts the patch's gradient in orientation 0 of the two cells it crosses, a
+    horizontal one half in orientation 4 and half in 5 (90 degrees falls between their centres),
+    each patch normalised to length 1; a flat patch stays zero and a perfect guess has no gradient."""
+    pix = torch.zeros(1, 3, 3, 8, 8, dtype=torch.float64)
+    pix[0, 0, :, :, 4:] = 1.0  # the edge between columns 3 and 4: the left and the right cells of each row
+    pix[0, 1, :, 4:, :] = 1.0  # the edge between rows 3 and 4
+    h = hog(pix).view(3, HOG_BINS, HOG_CELLS, HOG_CELLS)
+    vertical = torch.zeros(HOG_BINS, 2, 2)
+    vertical[0] = 0.5
+    torch.testing.assert_close(h[0], vertical, atol=1e-3, rtol=0)
+    assert (h[1, 4] - h[1, 5]).abs().max() < 1e-6 and h[1, 4].sum() == pytest.approx(4 * h[1, 4, 0, 0].item())
+    assert h[1, [0, 1, 2, 3, 6, 7, 8]].abs().max() < 1e-6 and h[1].norm() == pytest.approx(1, abs=5e-3)
+    assert (h[2] == 0).all()
+    pred = hog(pix).clone().requires_grad_(True)
+    loss, guess, true = TARGETS["hog"].loss(pred.float(), pix, 3)
+    loss.backward()
+    assert loss.item() == 0 and pred.grad.abs().max() == 0 and (guess == true).all()
+    assert TARGETS["hog"].loss(torch.zeros(1, 3, 36), pix, 3)[0].item() == pytest.approx(2 / 3, abs=1e-2)
 
 
 def test_pixels_and_regression_colors():

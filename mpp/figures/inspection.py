@@ -129,7 +129,8 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
                  "mean_attention_distance_px": distances[m.name].tolist(),
                  "position_similarity": sims[m.name].tolist(),
                  "filter_pc_variance_share": share.tolist()}
-        if m.task is not None and grid_images:  # accuracy over all images read, grid of the first few
+        if m.task is not None and m.task.target.colors is not None and grid_images:
+            # the colour accuracy over all images read, the grid of the first few
             pred = predict(m.task, batch, seed=seed)
             entry["mpp_chosen_color_accuracy"] = pred.accuracy(m.task.cfg.bits)
             shown = dataclasses.replace(pred, **{k: v[:grid_images] for k, v in vars(pred).items()})

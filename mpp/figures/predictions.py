@@ -83,6 +83,8 @@ def predict(task: MPPTask, images: torch.Tensor, seed: int = 0) -> Prediction:
     """Corrupt uint8 `images` as in training (a seeded draw: the training RNG is not touched) and
     run the encoder and head on them."""
     enc, c = task.encoder, task.cfg
+    if task.target.colors is None:
+        raise ValueError(f"mpp.target={c.target} predicts no colours: there is no prediction figure for it")
     images01, x = task.inputs(images)
     B, N, p = images.shape[0], enc.num_patches, enc.patch_size
     g = torch.Generator(device=images.device).manual_seed(seed)
