@@ -220,8 +220,8 @@ def test_image_every_is_checked_before_any_work():
         load_config(None, ["train.image_every=-1"])
     with pytest.raises(ConfigError, match="train.image_every paints predicted colours, which mpp.target=hog"):
         load_config(None, ["mpp.target=hog", "train.image_every=5"])
+    cfg = load_config(None, ["mpp.target=hog"])
     with pytest.raises(ValueError, match="no prediction figure"):
-        cfg = load_config(None, ["mpp.target=hog"])
         predict(MPPTask(create_encoder("vit_micro4_32"), cfg.mpp, cfg.data), torch.zeros(1, 3, 32, 32, dtype=torch.uint8))
 
 
