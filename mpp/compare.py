@@ -177,7 +177,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     seeded = [f"seed={pretrain_seed}"] if pretrain_seed else []
     arms = ("scratch", "mpp", "supervised") if pretrain_seed == 0 else ("mpp", "supervised")
     stages = [Stage(f"pre-train {kind}{again}", "pretrain", getattr(cfg, kind),
-                    common + as_list(cfg.pretrain_overrides) + seeded, out, pretrain_seed=pretrain_seed, arm=kind)
+                    common + _withheld(cfg, getattr(cfg, kind)) + as_list(cfg.pretrain_overrides) + seeded, out,
+                    pretrain_seed=pretrain_seed, arm=kind)
               for kind, out in pre.items()]
     for arm in sorted(arms, key=("mpp", "supervised", "scratch").index):
         stages.append(Stage(f"linear probe {arm}{again}", "linear_probe", cfg.probe,
@@ -235,6 +236,28 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                         root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best,
                                         when=when, pretrain_seed=pretrain_seed, arm=arm))
     return stages
+
+
+def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
+    """The pre-training override that leaves out every development split the fine-tune sweeps draw
+    from its training set (`data.withhold`), so that no recipe or representation is chosen on images
+    a pre-training trained on (the supervised one with their labels). Nothing for a pre-training on
+    other data than the fine-tunes', or without a sweep; `pretrain_overrides` come after it (and
+    `data.withhold=[]` there turns it off). A config that does not load is left to
+    `validate`, which names its stage."""
+    common = as_list(cfg.overrides)
+    try:
+        train = load_config(pretrain_config, common + as_list(cfg.pretrain_overrides)).data.train
+        splits = set()
+        for frac in cfg.label_fractions:
+            for point in grid_points(cfg.sweep) if cfg.sweep else []:
+                f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, []) + [
+                    f"finetune.label_fraction={frac}"] + point + [f"finetune.dev_fraction={cfg.dev_fraction}"])
+                if f.data.train == train:
+                    splits.add((f.finetune.label_fraction, f.finetune.split_seed, f.finetune.dev_fraction))
+    except ConfigError:
+        return []
+    return [f"data.withhold={[list(s) for s in sorted(splits)]}".replace(" ", "")] if splits else []
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256

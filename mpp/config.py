@@ -43,6 +43,9 @@ class DataConfig:
     max_pixels: int = 64_000_000     # larger images are rejected as corrupt (decompression bombs)
     cache_mb: int = 512        # per worker: keep a train set's raw samples in memory after the
                                # first epoch when they fit (small sets read many times); 0: off
+    withhold: tuple = ()       # pre-training: [[label_fraction, split_seed, dev_fraction], ...], the development
+                               # splits that fine-tunes on `train` draw (finetune.*), left out of this run so that
+                               # their recipes are chosen on images it never saw; tools/compare.py sets it
 
 
 @dataclass
@@ -269,6 +272,13 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     """Convert a YAML value to the field's declared type `kind`, or raise ConfigError."""
     if kind in ("int", "float"):
         value = _as_number(value)
+    if kind == "tuple" and key == "data.withhold" and isinstance(value, (list, tuple)):
+        if all(isinstance(v, (list, tuple)) and len(v) == 3 for v in value):
+            value = [[_as_number(x) for x in v] for v in value]
+            if all(isinstance(x, (int, float)) and not isinstance(x, bool) for v in value for x in v):
+                return tuple(tuple(v) for v in value)
+        raise ConfigError(f"config key '{key}' must be a list of [label_fraction, split_seed, dev_fraction] "
+                          f"triples, e.g. [[0.1, 0, 0.1]], got {value!r}")
     if kind == "tuple" and isinstance(value, (list, tuple)):
         value = [_as_number(v) for v in value]
     if kind == "bool" and isinstance(value, bool):
@@ -521,6 +531,13 @@ def validate(cfg: Config) -> None:
           f"0..30, got {list(d.randaugment)}")
     check(len(d.mean) == 3 and len(d.std) == 3 and all(s > 0 for s in d.std),
           "config keys data.mean and data.std must be 3 numbers each, std > 0")
+    for fraction, seed, dev in d.withhold:
+        check(0 < fraction <= 1 and 0 < dev < 1 and float(seed).is_integer() and 0 <= seed < 2**32,
+              f"config key 'data.withhold' lists [{fraction:g}, {seed:g}, {dev:g}]: each entry must be "
+              "[label_fraction in (0, 1], split_seed a whole number >= 0, dev_fraction in (0, 1)]")
+    check(not d.withhold or cfg.objective != "classify",
+          "config key 'data.withhold' is for pre-training; a fine-tune holds out its own development split "
+          "with finetune.dev_fraction")
     check(not d.resampled or d.epoch_samples > 0,
           "data.resampled=true needs data.epoch_samples > 0 (the fixed epoch length)")
     o = cfg.optim

@@ -306,7 +306,8 @@ def collect(runs: list[dict]) -> dict:
         row, m = table[r["family"]], r["metrics"]
         if r["kind"] == "pretrain":
             place((r["family"], "pretrain"), r)
-            row["pretrain"] = {"dir": r["dir"], "steps": m.get("steps"), "loss": m.get("loss")}
+            row["pretrain"] = {"dir": r["dir"], "steps": m.get("steps"), "loss": m.get("loss"),
+                              "images": m.get("train_samples")}
         elif r["kind"] == "finetune":
             key = f"{r['label_fraction']:g}"
             if r["evaluated_on"] == "dev":
@@ -460,12 +461,15 @@ def render_markdown(rep: dict) -> str:
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
-             "on held-out training features (token: [class] token, avg: mean of the patch tokens).", "",
+             "on held-out training features (token: [class] token, avg: mean of the patch tokens). A pre-training on "
+             "the fine-tunes' training set leaves out their development splits (data.withhold), so no recipe is "
+             "chosen on images it trained on.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
         row = t[f]
         pre = row["pretrain"]
-        steps = f" ({pre['steps']} steps)" if pre and pre.get("steps") else ""
+        steps = (f" ({pre['steps']} steps" + (f" on {pre['images']:,} images" if pre.get("images") else "") + ")"
+                 if pre and pre.get("steps") else "")
         pre_cell = "—" if pre is None else f"`{pre['dir']}`{steps}"
         probe = _pct(row["linear_top1"]) + (f" ({row['probe_pool']})" if row.get("probe_pool") else "")
         cells = ([FAMILY_NAMES[f], pre_cell] + [_finetune_cell(row, fr) for fr in fracs] + [probe]

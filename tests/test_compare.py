@@ -20,6 +20,7 @@ import yaml
 from mpp import outcomes
 from mpp.compare import best_point, check_unchanged, plan, run, time_split, validate
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
+from mpp.data import make_loader
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tools and their stages import this checkout's mpp
@@ -265,8 +266,14 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     summed = re.search(r"the (\d+) stages trained now took ([\d.]+) s \(set-up ([\d.]+), begin ([\d.]+), training loop",
                        r.stdout)
     assert summed and int(summed[1]) == len(tooks) > 0 and abs(float(summed[2]) - sum(tooks)) <= 0.05 * len(tooks)
+    # both pre-trainings trained on all the fine-tunes' training images but their development split
+    dev = make_loader(str(tmp_path / "data" / "train"), batch_size=1, img_size=32, train=False, labeled=True,
+                      subset=(0.5, 0, 0.25, True)).num_samples
+    assert [json.loads((runs / f"pretrain_{k}" / "metrics.json").read_text())["train_samples"]
+            for k in ("mpp", "supervised")] == [120 - dev] * 2 and dev > 0
     report = json.loads((runs / "report.json").read_text())
     md = (runs / "report.md").read_text()
+    assert md.count(f" steps on {120 - dev} images)") == 2  # the table says what each pre-training read
     assert "MPP" in md and "share" in md and (runs / "report.png").stat().st_size > 0
     assert "](figures/attention_distance.png)" in md and (runs / "figures/attention_distance.png").is_file()
     stages = plan(load_compare_config(path))
@@ -538,6 +545,19 @@ SWEEP = "sweep: {optim.lr: [0.01, 0.1]}\nseeds: 1\ndev_fraction: 0.2\n"
 def _cfg(tmp_path, compare_extra: str = "", overrides=()):
     return load_compare_config(_write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",
                                               compare_extra=compare_extra), list(overrides))
+
+
+def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(tmp_path):
+    """A pre-training on the fine-tunes' training set leaves out every development split their
+    sweeps choose on (one per label fraction); one on other data, or a comparison without a
+    sweep, withholds nothing."""
+    def withheld(stages):
+        return [[o for o in s.overrides if o.startswith("data.withhold=")] for s in stages if s.tool == "pretrain"]
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
+    assert withheld(plan(load_compare_config(path))) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2
+    other = load_compare_config(path, [f"pretrain_overrides=[data.train={tmp_path / 'other'}]"])
+    assert withheld(plan(other)) == [[], []]
+    assert withheld(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[], []]
 
 
 def test_runner_up_false_plans_no_retrains_of_other_choices(tmp_path):

@@ -206,6 +206,30 @@ def test_subset_class_balanced_exact(tmp_path):
                     subset=(0.05, 5, 0.1, False))
 
 
+def test_a_pretraining_withholds_exactly_the_finetunes_development_splits(tmp_path):
+    """data.withhold: an unlabeled (MPP) training stream reads every sample but the development
+    splits that fine-tunes at 10% and 100% of the labels choose their recipes on, each epoch alike,
+    with the batch count of what is left."""
+    manifest, source = write_shards(tmp_path, [15, 15, 15, 15, 20], classes=2)  # 40 per class
+    splits = [(0.5, 3, 0.25), (1.0, 3, 0.25)]
+    dev = set()
+    for fraction, seed, d in splits:
+        part = make_loader(manifest, batch_size=1, img_size=16, train=False, labeled=True, data_cfg=cfg(),
+                           subset=(fraction, seed, d, True))
+        dev |= {k for b in part.epoch(0) for k in batch_keys(b, lookup(source))}
+    assert 20 < len(dev) < 30  # 5 + 10 per class, overlapping by chance
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=False,
+                         data_cfg=cfg(crop_scale=(1.0, 1.0), hflip=0.0), withhold=splits)
+    assert loader.num_samples == 80 - len(dev) and len(loader) == (80 - len(dev)) // 4
+    table = lookup(source)
+    for epoch in (0, 1):
+        seen = [k for b in loader.epoch(epoch) for k in batch_keys(b, table)]
+        assert not set(seen) & dev and len(seen) == len(set(seen)) == 4 * len(loader)
+    with pytest.raises(ValueError, match="not both"):
+        make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True, data_cfg=cfg(),
+                    subset=(0.5, 3), withhold=splits)
+
+
 def test_a_subset_scan_that_cannot_read_a_shard_stops_in_one_line(tmp_path):
     """Shards without a label index are scanned for their labels on every rank: one that cannot be
     read is an error, not a subset drawn from what one rank happened to read."""

@@ -59,7 +59,7 @@ from mpp.config import DataConfig
 from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_batch
 from mpp.data.slots import BatchSlots
 from mpp.data.sources import ShardSet, assign, read_shard, resolve
-from mpp.data.subset import select_subset
+from mpp.data.subset import select_subset, withhold_splits
 from mpp.data.transforms import build_transform, stack
 
 log = logging.getLogger(__name__)
@@ -462,14 +462,15 @@ def _take(pieces: list[dict], n: int, keys) -> dict:
 
 def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg=None,
                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                num_samples: int = 0, subset: tuple | None = None) -> ShardLoader:
+                num_samples: int = 0, subset: tuple | None = None, withhold=()) -> ShardLoader:
     """A ShardLoader over `spec` (manifest.json, shard list/URLs, or brace pattern + num_samples).
 
     batch_size is per rank. rank/world_size default to torch.distributed's when it is initialised
     (else 0/1). train: augmentation + shuffling; else evaluation crop, shard order, every sample
     once. labeled: batches carry 'label' (unlabeled shards are an error). subset=(fraction, seed):
     a class-balanced seeded subset of a labeled set; (fraction, seed, dev_fraction, dev): its
-    development split (dev true) or the rest (see `select_subset`). data_cfg: a `DataConfig` (workers, shuffle
+    development split (dev true) or the rest (see `select_subset`). withhold: (fraction, seed,
+    dev_fraction) triples whose development splits are left out (see `withhold_splits`). data_cfg: a `DataConfig` (workers, shuffle
     buffer, augmentation, resampling, pixel cap; None: its defaults).
     """
     data_cfg = data_cfg if data_cfg is not None else DataConfig()
@@ -487,5 +488,9 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
                         "for: these shards look unlabeled; use labeled shards or an unlabeled objective (mpp)")
     if subset is not None and (subset[0] != 1 or len(subset) > 2 and subset[2] > 0):
         shards = select_subset(shards, *subset)  # (all labels and no dev split need no label pass)
+    if withhold:
+        if subset is not None:
+            raise ValueError("a loader takes a label subset or withheld development splits, not both")
+        shards = withhold_splits(shards, withhold)
     return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
                        data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)

@@ -82,25 +82,30 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
     return index
 
 
-def select_subset(shards: ShardSet, fraction: float, seed: int, dev_fraction: float = 0.0,
-                  dev: bool = False) -> ShardSet:
-    """`shards` restricted to a class-balanced seeded `fraction` of its samples; with
-    `dev_fraction` > 0, to the development split of that subset (`dev`) or to the rest."""
+def _labelled_keys(shards: ShardSet) -> list[list[tuple[str, int]]]:
+    """Per shard, its (key, label) pairs: from the manifest's label index, else one label pass."""
+    if not shards.classes:
+        raise DataError("a class-balanced subset needs labeled shards with 'classes' in manifest.json")
+    if shards.labels:
+        return read_label_index(shards)
+    return [read_labels(url, len(shards.classes)) for url in shards.urls]
+
+
+def _select(pairs: list[list[tuple[str, int]]], fraction: float, seed: int, dev_fraction: float,
+            dev: bool) -> list[set]:
+    """Per shard, the keys `select_subset` keeps."""
     if not 0 < fraction <= 1:
         raise DataError(f"subset fraction must be in (0, 1], got {fraction}")
     if not 0 <= dev_fraction < 1:
         raise DataError(f"development fraction must be in [0, 1), got {dev_fraction}")
-    if not shards.classes:
-        raise DataError("a class-balanced subset needs labeled shards with 'classes' in manifest.json")
-    index = read_label_index(shards) if shards.labels else None
     by_class: dict[int, list[tuple[int, str]]] = defaultdict(list)
-    for s, url in enumerate(shards.urls):
-        for key, label in index[s] if index is not None else read_labels(url, len(shards.classes)):
+    for s, entry in enumerate(pairs):
+        for key, label in entry:
             by_class[label].append((s, key))
     rng, dev_rng = random.Random(seed), random.Random(f"dev-{seed}")
     picked = {label: rng.sample(sorted(by_class[label]), max(1, round(fraction * len(by_class[label]))))
               for label in sorted(by_class)}
-    keep: list[set] = [set() for _ in shards.urls]
+    keep: list[set] = [set() for _ in pairs]
     for label, members in picked.items():
         if dev_fraction:
             held = set(dev_rng.sample(sorted(members), max(1, round(dev_fraction * len(members)))))
@@ -111,9 +116,40 @@ def select_subset(shards: ShardSet, fraction: float, seed: int, dev_fraction: fl
             members = [m for m in members if (m in held) == dev]
         for s, key in members:
             keep[s].add(key)
+    return keep
+
+
+def _restrict(shards: ShardSet, keep: list[set], what: str) -> ShardSet:
     if not any(keep):
-        raise DataError(f"the {'development split' if dev else 'training part'} of a {fraction:g} subset "
-                        f"with dev_fraction={dev_fraction:g} is empty; use more data or a smaller dev_fraction")
+        raise DataError(f"the {what} is empty; use more data or a smaller dev_fraction")
     idx = [s for s in range(len(shards.urls)) if keep[s]]
     return ShardSet([shards.urls[s] for s in idx], [len(keep[s]) for s in idx], shards.classes,
                     exact=True, keys=[frozenset(keep[s]) for s in idx])
+
+
+def select_subset(shards: ShardSet, fraction: float, seed: int, dev_fraction: float = 0.0,
+                  dev: bool = False) -> ShardSet:
+    """`shards` restricted to a class-balanced seeded `fraction` of its samples; with
+    `dev_fraction` > 0, to the development split of that subset (`dev`) or to the rest."""
+    keep = _select(_labelled_keys(shards), fraction, seed, dev_fraction, dev)
+    return _restrict(shards, keep, f"{'development split' if dev else 'training part'} of a {fraction:g} subset "
+                                   f"with dev_fraction={dev_fraction:g}")
+
+
+def withhold_splits(shards: ShardSet, splits) -> ShardSet:
+    """`shards` without the development splits that fine-tunes draw from them with `select_subset`,
+    one per (label_fraction, split_seed, dev_fraction) of `splits`: a pre-training on the fine-tunes'
+    training set that withholds them never trains on the images their recipes are chosen on."""
+    if not shards.classes:
+        raise DataError("data.withhold leaves out development splits that are drawn class by class, and these "
+                        "shards have no 'classes' in their manifest; withhold nothing (data.withhold=[]) or train "
+                        "on the fine-tunes' labeled shards")
+    pairs = _labelled_keys(shards)
+    held: list[set] = [set() for _ in pairs]
+    for fraction, seed, dev_fraction in splits:
+        if not 0 < dev_fraction < 1:
+            raise DataError(f"a withheld development split needs dev_fraction in (0, 1), got {dev_fraction}")
+        for s, keys in enumerate(_select(pairs, fraction, seed, dev_fraction, dev=True)):
+            held[s] |= keys
+    return _restrict(shards, [{key for key, _ in entry} - h for entry, h in zip(pairs, held)],
+                     "training set left after withholding the development splits")
