@@ -276,7 +276,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if all(isinstance(v, (list, tuple)) and len(v) == 3 for v in value):
             value = [[_as_number(x) for x in v] for v in value]
             if all(isinstance(x, (int, float)) and not isinstance(x, bool) for v in value for x in v):
-                return tuple(tuple(v) for v in value)
+                # a whole split seed as an int: the development split's RNG is seeded with its text
+                return tuple((f, int(s) if float(s).is_integer() else s, d) for f, s, d in value)
         raise ConfigError(f"config key '{key}' must be a list of [label_fraction, split_seed, dev_fraction] "
                           f"triples, e.g. [[0.1, 0, 0.1]], got {value!r}")
     if kind == "tuple" and isinstance(value, (list, tuple)):

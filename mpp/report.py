@@ -461,9 +461,10 @@ def render_markdown(rep: dict) -> str:
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
-             "on held-out training features (token: [class] token, avg: mean of the patch tokens). A pre-training on "
-             "the fine-tunes' training set leaves out their development splits (data.withhold), so no recipe is "
-             "chosen on images it trained on.", "",
+             "on held-out training features (token: [class] token, avg: mean of the patch tokens). Pre-training: its "
+             "steps and the images it read (the comparison leaves the fine-tunes' development splits out of a "
+             "pre-training on their training set, data.withhold, so that no swept value is chosen on images it "
+             "trained on).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
         row = t[f]

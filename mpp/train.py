@@ -143,7 +143,7 @@ def setup(cfg: Config) -> Run:
                          img_size=encoder_img_size(encoder), train=True, labeled=objective.labeled,
                          data_cfg=cfg.data, seed=cfg.seed, rank=accelerator.process_index, world_size=world,
                          num_samples=cfg.data.num_samples, subset=objective.subset(cfg),
-                         withhold=[(f, int(s), d) for f, s, d in cfg.data.withhold])
+                         withhold=cfg.data.withhold)
     if objective.labeled and not loader.classes:
         raise ConfigError(f"objective={cfg.objective} needs labeled shards whose manifest.json lists "
                           f"'classes'; data.train={cfg.data.train!r} has none")

@@ -82,10 +82,12 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
     return index
 
 
-def _labelled_keys(shards: ShardSet) -> list[list[tuple[str, int]]]:
-    """Per shard, its (key, label) pairs: from the manifest's label index, else one label pass."""
+def _labelled_keys(shards: ShardSet, unlabeled: str = "a class-balanced subset needs labeled shards with "
+                   "'classes' in manifest.json") -> list[list[tuple[str, int]]]:
+    """Per shard, its (key, label) pairs: from the manifest's label index, else one label pass;
+    shards without classes are the DataError `unlabeled`."""
     if not shards.classes:
-        raise DataError("a class-balanced subset needs labeled shards with 'classes' in manifest.json")
+        raise DataError(unlabeled)
     if shards.labels:
         return read_label_index(shards)
     return [read_labels(url, len(shards.classes)) for url in shards.urls]
@@ -140,11 +142,9 @@ def withhold_splits(shards: ShardSet, splits) -> ShardSet:
     """`shards` without the development splits that fine-tunes draw from them with `select_subset`,
     one per (label_fraction, split_seed, dev_fraction) of `splits`: a pre-training on the fine-tunes'
     training set that withholds them never trains on the images their recipes are chosen on."""
-    if not shards.classes:
-        raise DataError("data.withhold leaves out development splits that are drawn class by class, and these "
-                        "shards have no 'classes' in their manifest; withhold nothing (data.withhold=[]) or train "
-                        "on the fine-tunes' labeled shards")
-    pairs = _labelled_keys(shards)
+    pairs = _labelled_keys(shards, "data.withhold leaves out development splits that are drawn class by class, "
+                           "and these shards have no 'classes' in their manifest; withhold nothing "
+                           "(data.withhold=[]) or train on the fine-tunes' labeled shards")
     held: list[set] = [set() for _ in pairs]
     for fraction, seed, dev_fraction in splits:
         if not 0 < dev_fraction < 1:
