@@ -9,8 +9,8 @@ once per seed. Where the split could not separate the best value from the next (
 t times its paired standard error, Student's t at the images' degrees of freedom: a toss-up),
 `runner_up` also retrains the next with the same seeds, so that the report can give each figure
 the range that choice spans (and likewise the best value through the other representation where
-the best stage's choice of it was a toss-up on its held-out training labels). `finetune.pool` is
-chosen by a linear probe of the sweep's own training labels (`finetune_pool: auto`, i.e.
+the best stage's choice of it was a toss-up). `finetune.pool` is chosen by a linear probe of the
+sweep's own training labels, scored on its development split (`finetune_pool: auto`, i.e.
 finetune.pool=auto in the sweep stages; the finals take the best one's): one cheap frozen-feature
 fit per arm and label fraction, where sweeping it would double every fine-tune sweep, and a
 10%-label cell never leans on a probe of all the labels. Such run-time choices are `Choice`s of a
@@ -240,9 +240,10 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
 
 def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     """The pre-training override that leaves out every development split the fine-tune sweeps draw
-    from its training set (`data.withhold`), so that no swept value is chosen on images a
-    pre-training trained on (the supervised one with their labels; a representation is still chosen
-    by a probe held out within the training labels). Nothing for a pre-training on
+    from its training set (`data.withhold`), so that no swept value, nor a fine-tune's
+    representation (scored on the same splits), is chosen on images a pre-training trained on (the
+    supervised one with their labels; the linear probe's own representation is still chosen on a
+    part held out within all the training labels). Nothing for a pre-training on
     other data than the fine-tunes', or without a sweep; `pretrain_overrides` come after it (and
     `data.withhold=[]` there turns it off). A config that does not load is left to
     `validate`, which names its stage."""

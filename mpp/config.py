@@ -71,7 +71,7 @@ class FinetuneConfig:
     """Fine-tuning (objective: classify): new zero-initialised linear head on the encoder."""
     init: str = "none"         # none (from scratch) | path to encoder.safetensors or a run dir
     pool: str = "token"        # token ([class] token) | avg (mean of patch tokens) | auto (the better one for a
-                               # linear probe on held-out features of this run's own training labels)
+                               # linear probe of this run's own training labels, scored on its dev split if any)
     label_fraction: float = 1.0  # class-balanced, seeded subset of the labeled train shards
     dev_fraction: float = 0.0  # > 0: hold out this class-balanced share of that subset, train on the rest
                                # and evaluate on it instead of data.val (to choose a recipe, never on test)
@@ -195,8 +195,8 @@ class CompareConfig:
                                # report adds each gap over them, its ± counting the pre-training's own seed
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
                                # the report gives the figures it touches their range
-    finetune_pool: str = "auto"  # auto: each arm's finetune.pool chosen by a probe of its sweep's training labels
-                               # (finetune.pool=auto); config: the stage config's
+    finetune_pool: str = "auto"  # auto: each arm's finetune.pool chosen by a probe of its sweep's training labels,
+                               # scored on its dev split (finetune.pool=auto); config: the stage config's
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
     pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
     fraction_overrides: dict = field(default_factory=dict)  # label fraction -> overrides of its fine-tunes

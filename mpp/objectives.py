@@ -381,8 +381,10 @@ class ClassifyTask(LabelTask):
     paper) or, with finetune.head_init=probe, at the encoder's linear probe on the same training
     labels (LP-FT, Kumar et al. 2022: fine-tuning then starts where the probe ends instead of
     first distorting the features to fit a blank head). finetune.pool=auto chooses the
-    representation the way the linear probe does, but on this run's own training labels only (a
-    10%-label fine-tune must not lean on a probe of all the labels)."""
+    representation the way the linear probe does, but on this run's own labels only (a 10%-label
+    fine-tune must not lean on a probe of all the labels): a probe of its training part, scored on
+    its development split where it has one (which a comparison's pre-trainings never saw), else on
+    a held-out part of its training labels."""
     final_eval = "classify"
 
     @classmethod
@@ -395,10 +397,12 @@ class ClassifyTask(LabelTask):
         if f.head_init != "probe" and f.pool != "auto":
             return None
         from mpp.evaluators.linear_probe import probe_head  # only a run that probes pays for its import
+        dev = (f.label_fraction, f.split_seed, f.dev_fraction, True) if f.dev_fraction > 0 else None
         fit = probe_head(self.encoder, cfg, pool=f.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
-                         device=device, precision=precision)
+                         device=device, precision=precision, dev_subset=dev)
         weight, bias, chosen = fit.pop("weight"), fit.pop("bias"), fit.pop("pool")
-        choice = {"pool": chosen, **{k: fit.pop(k) for k in ("pool_heldout_top1", "pool_heldout_outcomes")}}
+        choice = {"pool": chosen, **{k: fit.pop(k) for k in ("pool_heldout_top1", "pool_heldout_outcomes",
+                                                             "pool_dev_top1", "pool_dev_outcomes") if k in fit}}
         figures = choice if f.pool == "auto" else {}
         if f.head_init == "probe":
             with torch.no_grad():

@@ -228,15 +228,18 @@ def _draws_sem(row: dict, k: str) -> tuple[float | None, int]:
 
 
 def pool_choice(m: dict) -> dict:
-    """How finetune.pool=auto chose (a fine-tune's metrics.json): each candidate's held-out top-1 on
-    part of its training labels, how many images that part held, the next best candidate (`other`)
-    and the chosen one's lead over it (`choice_lead`, paired over those images)."""
-    top1, records = m["pool_heldout_top1"], m.get("pool_heldout_outcomes") or {}
+    """How a probe chose the representation (a fine-tune's finetune.pool=auto, or the linear
+    probe's, from its metrics.json): each candidate's top-1 on the images it was chosen on (`on`:
+    dev, the run's development split, or heldout, a held-out part of its training labels), how many
+    images that was, the next best candidate (`other`) and the chosen one's lead over it
+    (`choice_lead`, paired over those images)."""
+    on = "dev" if "pool_dev_top1" in m else "heldout"
+    top1, records = m[f"pool_{on}_top1"], m.get(f"pool_{on}_outcomes") or {}
     pool = m["pool"]
     other = max((k for k in top1 if k != pool), key=top1.get, default=None)
     lead = None if other is None else choice_lead(top1[pool], top1[other], outcomes.read(records.get(pool)),
                                                   outcomes.read(records.get(other)))
-    return {"top1": top1, "n": (records.get(pool) or {}).get("n"), "other": other, "lead": lead}
+    return {"top1": top1, "on": on, "n": (records.get(pool) or {}).get("n"), "other": other, "lead": lead}
 
 
 def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
@@ -463,8 +466,8 @@ def render_markdown(rep: dict) -> str:
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
              "on held-out training features (token: [class] token, avg: mean of the patch tokens). Pre-training: its "
              "steps and the images it read (the comparison leaves the fine-tunes' development splits out of a "
-             "pre-training on their training set, data.withhold, so that no swept value is chosen on images it "
-             "trained on).", "",
+             "pre-training on their training set, data.withhold, so that no fine-tune's learning rate or "
+             "representation is chosen on images it trained on).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
         row = t[f]
@@ -573,7 +576,8 @@ def render_markdown(rep: dict) -> str:
             again = ", ".join(f"{_short(x['values'])}: {_seeds_cell(x['top1'], x['std'], x['n'])}"
                               for x in r["retrained"]) or "—"
             pool = r.get("pool_choice")
-            how = (f" (pool by a probe of its training labels, held-out top-1 "
+            scored = ("development top-1" if pool.get("on") == "dev" else "held-out top-1") if pool else ""
+            how = (f" (pool by a probe of its training labels, {scored} "
                    f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())} on {pool['n']} images: "
                    f"lead {_lead_cell(pool['lead'])})" if pool else "")
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "

@@ -405,11 +405,34 @@ def test_train_deterministic_holds_for_the_probe_alone_and_keeps_its_figures(sha
     assert [held[k] for k in keys] == [plain[k] for k in keys]
 
 
+def test_choose_probe_chooses_the_representation_on_a_development_split():
+    """Given a development split, the representation is the one whose fit scores best there, not on
+    the held-out training part: a representation that memorised the training images (informative
+    on all of them, noise elsewhere, as a supervised encoder's features of images it fitted) wins
+    the held-out part and loses the development split."""
+    from mpp.evaluators.linear_probe import choose_probe
+    g = torch.Generator().manual_seed(0)
+    y, dev_y = torch.arange(400) % 4, torch.arange(200) % 4
+
+    def features(labels, signal):
+        return torch.nn.functional.one_hot(labels, 8).float() * signal + torch.randn(len(labels), 8, generator=g)
+    train = {"memorised": features(y, 3.0), "general": features(y, 1.0)}
+    dev = {"memorised": features(dev_y, 0.0), "general": features(dev_y, 1.0)}
+    plain = choose_probe(train, y, num_classes=4, l2_grid=(1e-3, 1e-1))
+    on_dev = choose_probe(train, y, num_classes=4, l2_grid=(1e-3, 1e-1), dev=(dev, dev_y))
+    assert plain.pool == "memorised" and not plain.dev_scores
+    assert on_dev.pool == "general" and on_dev.dev_scores["general"] > 0.5 > 0.35 > on_dev.dev_scores["memorised"]
+    assert on_dev.l2 == max(on_dev.scores["general"], key=lambda l2: (on_dev.scores["general"][l2], l2))
+    for name, record in on_dev.heldout.items():  # the images the choice was made on: the development split
+        assert record["n"] == 200 and outcomes.read(record)[1].mean() == pytest.approx(on_dev.dev_scores[name])
+    assert on_dev.start_head[0].shape == (4, 8)
+
+
 def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
     """finetune.pool=auto chooses the representation as the probe does, but on the run's own
-    training labels: the patch mean for an encoder whose [class] output is constant, under a zero
-    head as under a probe head; the choice is recorded, and kept when the run resumes (where the
-    choice is not made again)."""
+    labels (a probe of its training part, scored on its development split): the patch mean for an
+    encoder whose [class] output is constant, under a zero head as under a probe head; the choice
+    is recorded, and kept when the run resumes (where the choice is not made again)."""
     from mpp.train import train
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
@@ -431,10 +454,11 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     assert not chosen_again  # the resume took the checkpoint's choice
     for m in (zero, probe, longer):
         assert m["pool"] == "avg", m
-        assert m["pool_heldout_top1"]["avg"] > 0.6 > 0.5 > m["pool_heldout_top1"]["token"]
-        for pool, record in m["pool_heldout_outcomes"].items():  # probe.val_fraction of its own training part
-            assert record["n"] == round(0.1 * m["train_samples"])
-            assert outcomes.read(record)[1].mean() == pytest.approx(m["pool_heldout_top1"][pool])
+        assert m["pool_dev_top1"]["avg"] > 0.6 > 0.5 > m["pool_dev_top1"]["token"]
+        assert set(m["pool_heldout_top1"]) == {"token", "avg"} and "pool_heldout_outcomes" not in m
+        for pool, record in m["pool_dev_outcomes"].items():  # the development split the run was scored on
+            assert record["n"] == m["outcomes"]["n"] and record["labels"] == m["outcomes"]["labels"]
+            assert outcomes.read(record)[1].mean() == pytest.approx(m["pool_dev_top1"][pool])
     assert probe["top1"] > 0.6 and probe["evaluated_on"] == "dev"  # the probe head on the patch mean
     assert probe["start_top1"] == probe["top1"] and "head_probe_l2" in probe
     assert "start_top1" not in zero and "head_probe_l2" not in zero  # a zero head: no start worth scoring

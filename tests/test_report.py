@@ -165,10 +165,10 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     runs = [mpp, sup]
     tops = {"supervised": (0.60, 0.62, 0.64), "mpp": (0.59, 0.62, 0.65), "scratch": (0.40, 0.41, 0.42)}
     inits = {"supervised": str(sup), "mpp": str(mpp), "scratch": "none"}
-    held, idx = np.arange(40) % 10, np.arange(40)  # pool=auto's held-out images: token right on 2 more
-    chose = {"pool": "token", "pool_heldout_top1": {"token": 0.5, "avg": 0.45},
-             "pool_heldout_outcomes": {"token": outcomes.record(idx < 20, held),
-                                       "avg": outcomes.record(idx < 18, held)}}
+    held, idx = np.arange(40) % 10, np.arange(40)  # pool=auto's development images: token right on 2 more
+    chose = {"pool": "token", "pool_dev_top1": {"token": 0.5, "avg": 0.45},
+             "pool_dev_outcomes": {"token": outcomes.record(idx < 20, held), "avg": outcomes.record(idx < 18, held)},
+             "pool_heldout_top1": {"token": 0.3, "avg": 0.6}}  # the training part's, not what chose
     for fam, accs in tops.items():
         for lr, dev in ((0.01, 0.5), (0.03, 0.55)):
             runs.append(_run(root, f"ft_{fam}/sweep_lr{lr}", {
@@ -210,7 +210,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     probe_noise = 100 * outcomes.paired_sem(np.arange(100) < 46, np.arange(100) < 37)
     assert f"MPP pre-training: token 37.0, avg 46.0 (lead +9.0 ± {probe_noise:.1f} on 100 images)" in md
     noise = 100 * outcomes.paired_sem(idx < 20, idx < 18)  # 5 points' lead, under twice its noise
-    assert "pool token (pool by a probe of its training labels, held-out top-1 token 50.0, avg 45.0 on 40 images: " \
+    assert "pool token (pool by a probe of its training labels, development top-1 token 50.0, avg 45.0 on 40 images: " \
            f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise
     assert rep["recipes"]["scratch"]["0.1"]["pool_choice"]["lead"]["clear"] is False  # the report's own verdict
     # dev runs without outcomes: no learning-rate toss-up claimed (no lead's noise known); scratch's

@@ -98,7 +98,9 @@ class ProbeChoice(NamedTuple):
     representation's held-out outcomes at its best L2 ({representation: mpp.outcomes record}),
     from which a report can tell how sure the choice of representation was. `head_l2`, its
     `start_head` and `losses` ({L2: (held-out cross-entropy, its standard error)} of the chosen
-    representation) are the choice for a fine-tune's starting head (see `choose_probe`)."""
+    representation) are the choice for a fine-tune's starting head (see `choose_probe`). Where the
+    representation was chosen on a development split, `dev_scores` holds each one's top-1 there
+    and `heldout` its outcomes there."""
     pool: str
     l2: float
     scores: dict
@@ -107,13 +109,21 @@ class ProbeChoice(NamedTuple):
     head_l2: float
     start_head: tuple[torch.Tensor, torch.Tensor]
     losses: dict
+    dev_scores: dict
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
-                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> ProbeChoice:
+                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0,
+                 dev: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None) -> ProbeChoice:
     """Every (representation, L2) pair fitted on the train part (1 - val_fraction, one seeded random
     split) of {representation: features (N, D)} and scored on the rest; the best wins (ties: the
     stronger L2, then the earlier representation).
+
+    With `dev` ({representation: features}, labels), a development split the fits never saw, the
+    representation is chosen there instead: each one's fit at its own best L2, scored on `dev` (ties:
+    the earlier); `heldout` then holds the `dev` outcomes the choice was made on, `dev_scores` each
+    one's top-1 there. A supervised pre-training has fitted the labels of the training part (all of
+    them but the withheld development splits), so its held-out part flatters what it memorised.
 
     A fine-tune's starting head (LP-FT) takes its L2 by another rule, on the chosen representation:
     the strongest whose held-out cross-entropy is within one standard error of the lowest (the
@@ -147,7 +157,15 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
-    labels = train_y[val_idx].numpy()
+    labels, dev_scores = train_y[val_idx].numpy(), {}
+    if dev is not None:
+        dev_x, dev_y = dev[0], dev[1].long()
+        for n in order:
+            w, (mean, std) = fits[n, own[n]], stats[n]
+            hits[n, own[n]] = ((dev_x[n].float() - mean) / std @ w[:-1] + w[-1]).argmax(1).eq(dev_y)
+            dev_scores[n] = hits[n, own[n]].float().mean().item()
+        rep = max(order, key=lambda n: (dev_scores[n], -order.index(n)))
+        best, labels = own[rep], dev_y.numpy()
     lowest, lowest_se = min(losses[rep].values())
     near = [l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se]
     if lowest + lowest_se < math.log(num_classes):  # the loss tells some head from a uniform guess
@@ -156,7 +174,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
         head_l2 = max(near, key=lambda l2: (scores[rep][l2], l2))
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
                        {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order},
-                       head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep])
+                       head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep], dev_scores)
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -190,22 +208,27 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
 
 
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
-               precision: str) -> dict:
+               precision: str, dev_subset: tuple | None = None) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
     chosen on held-out top-1) of the labeled `subset` of data.train (as `make_loader` takes it), its
     L2 chosen on a held-out part (probe.val_fraction, split by finetune.split_seed) by the
     starting-head rule of `choose_probe`: {weight (C, D), bias (C,), pool, l2, heldout_top1 and
     heldout_loss (at that L2), pool_heldout_top1 and pool_heldout_outcomes (each candidate's best
     and its per-image outcomes)}, the starting head of a fine-tune with
-    finetune.head_init=probe and the representation of one with finetune.pool=auto. Features and the head go through the
+    finetune.head_init=probe and the representation of one with finetune.pool=auto. With
+    `dev_subset` (the run's development split) and several candidates, the representation is chosen
+    on it instead (`choose_probe`'s `dev`): pool_dev_top1 and pool_dev_outcomes then record each
+    candidate's score there, and pool_heldout_top1 its score on the held-out training part, unused.
+    Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
+    dev_subset = dev_subset if len(pools) > 1 else None  # one candidate: nothing to choose
     rule = "l2: one standard error of the held-out loss, top-1 within it if no better than uniform"
     key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
-                      rule])  # heads cached under an earlier rule are refitted
+                      rule, dev_subset and list(dev_subset)])  # heads cached under an earlier rule are refitted
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def read(file: Path) -> dict:
@@ -216,12 +239,17 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
         return cached
     x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
                             cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
+    dev = dev_subset and extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, cache_dir=cache,
+                                          num_samples=cfg.data.num_samples, device=device, precision=precision,
+                                          subset=dev_subset)
     c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=p.l2_grid,
-                     seed=cfg.finetune.split_seed)
+                     seed=cfg.finetune.split_seed, dev=dev)
     weight, bias = fit_linear_head(x[c.pool], y, num_classes, c.head_l2, init=c.start_head)
     fit = {"pool": c.pool, "l2": c.head_l2, "heldout_top1": c.scores[c.pool][c.head_l2],
-           "heldout_loss": c.losses[c.head_l2][0], "pool_heldout_outcomes": c.heldout,
-           "pool_heldout_top1": {n: max(s.values()) for n, s in c.scores.items()}}
+           "heldout_loss": c.losses[c.head_l2][0],
+           ("pool_dev_outcomes" if dev else "pool_heldout_outcomes"): c.heldout,
+           "pool_heldout_top1": {n: max(s.values()) for n, s in c.scores.items()},
+           **({"pool_dev_top1": c.dev_scores} if dev else {})}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file({"weight": weight, "bias": bias}, str(tmp), metadata={"fit": json.dumps(fit)})
