@@ -180,9 +180,10 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                     common + _withheld(cfg, getattr(cfg, kind)) + as_list(cfg.pretrain_overrides) + seeded, out,
                     pretrain_seed=pretrain_seed, arm=kind)
               for kind, out in pre.items()]
+    probe_split = _probe_split(cfg)
     for arm in sorted(arms, key=("mpp", "supervised", "scratch").index):
         stages.append(Stage(f"linear probe {arm}{again}", "linear_probe", cfg.probe,
-                            common + [f"probe.encoder={pre.get(arm, 'none')}"], root / f"probe_{arm}",
+                            probe_split + common + [f"probe.encoder={pre.get(arm, 'none')}"], root / f"probe_{arm}",
                             pretrain_seed=pretrain_seed, arm=arm))
     points = grid_points(cfg.sweep)
     for frac in cfg.label_fractions:
@@ -260,6 +261,27 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     except ConfigError:
         return []
     return [f"data.withhold={[list(s) for s in sorted(splits)]}".replace(" ", "")] if splits else []
+
+
+def _probe_split(cfg: CompareConfig) -> list[str]:
+    """The probe override that chooses every linear probe's representation on the development split
+    the 100%-label fine-tunes choose their recipe on (`probe.dev_split`), which `_withheld` keeps
+    out of the pre-trainings, instead of on a held-out part of the training features. Nothing
+    without a sweep or a 100%-label fine-tune, or where the probe reads other data; the
+    comparison's `overrides` come after it (`probe.dev_split=[]` there turns it off). A config that
+    does not load is left to `validate`."""
+    common = as_list(cfg.overrides)
+    if not cfg.sweep or 1.0 not in cfg.label_fractions:
+        return []
+    try:
+        f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(1.0, []) + [
+            "finetune.label_fraction=1.0", f"finetune.dev_fraction={cfg.dev_fraction}"] + grid_points(cfg.sweep)[0])
+        probe = load_config(cfg.probe, common)
+    except ConfigError:
+        return []
+    if probe.data.train != f.data.train:
+        return []
+    return [f"probe.dev_split=[{f.finetune.split_seed},{f.finetune.dev_fraction}]"]
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256

@@ -138,6 +138,9 @@ class ProbeConfig:
     """Linear probe on frozen features."""
     pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
     val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation
+    dev_split: tuple = ()      # [split_seed, dev_fraction]: choose the representation on this development split
+                               # of all the labels instead (a fine-tune's at label_fraction 1, which a pre-training
+                               # can withhold), fitted on the rest, then refitted on all; tools/compare.py sets it
     l2_grid: tuple = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # L2 strengths tried (on mean
                                # cross-entropy, standardised features); widen it when the choice lands on an edge
     cache_dir: str = ""        # feature cache ('' -> OUTPUT_DIR/../feature_cache)
@@ -282,6 +285,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
                           f"triples, e.g. [[0.1, 0, 0.1]], got {value!r}")
     if kind == "tuple" and isinstance(value, (list, tuple)):
         value = [_as_number(v) for v in value]
+        if key == "probe.dev_split" and len(value) == 2 and isinstance(value[0], float) and value[0].is_integer():
+            value[0] = int(value[0])  # a whole split seed as an int, as data.withhold's
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "str" and value is False:  # YAML 1.1 reads `no` (as in train.precision=no) as false
@@ -582,6 +587,11 @@ def validate(cfg: Config) -> None:
           "config keys fewshot.shots (a non-empty list of whole numbers >= 1), fewshot.seeds (>= 1), fewshot.l2 "
           "(>= 0), fewshot.every (>= 0, 0: off), fewshot.max_test (>= 1)")
     check(0 < cfg.probe.val_fraction < 1, "config key 'probe.val_fraction' must be in (0, 1)")
+    split = cfg.probe.dev_split
+    check(not split or (len(split) == 2 and float(split[0]).is_integer() and 0 <= split[0] < 2**32
+                        and 0 < split[1] < 1),
+          f"config key 'probe.dev_split' must be [] or [split_seed (a whole number >= 0), dev_fraction in (0, 1)], "
+          f"got {list(split)}")
     check(len(cfg.probe.l2_grid) > 0 and all(v > 0 for v in cfg.probe.l2_grid),
           f"config key 'probe.l2_grid' must be a non-empty list of L2 strengths > 0, e.g. [1e-4, 1e-2, 1], "
           f"got {list(cfg.probe.l2_grid)}")

@@ -464,7 +464,7 @@ def render_markdown(rep: dict) -> str:
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
-             "on held-out training features (token: [class] token, avg: mean of the patch tokens). Pre-training: its "
+             "on training images its fit left out (below; token: [class] token, avg: mean of the patch tokens). Pre-training: its "
              "steps and the images it read (the comparison leaves the fine-tunes' development splits out of a "
              "pre-training on their training set, data.withhold, so that no fine-tune's learning rate or "
              "representation is chosen on images it trained on).", "",
@@ -530,19 +530,27 @@ def render_markdown(rep: dict) -> str:
                   + (" A toss-up of the representation (finetune.pool, chosen by a probe of the cell's own "
                      "training labels) is marked too; where the comparison retrained the chosen value through the "
                      "other representation as well (same seeds), the range spans that too." if pooled else "")]
-    held = [f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in t[f]["probe_heldout_top1"].items())
-            + (f" (lead {_lead_cell(c['lead'])} on {c['n']} images)" if (c := t[f].get("probe_pool_choice"))
-               and c["n"] and c["lead"] else "")
-            for f in FAMILIES if t[f].get("probe_heldout_top1")]
+    held = []
+    for f in FAMILIES:
+        if not t[f].get("probe_heldout_top1"):
+            continue
+        c = t[f].get("probe_pool_choice") or {}
+        where = "development" if c.get("on") == "dev" else "held-out"
+        held.append(f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in
+                                                       (c.get("top1") or t[f]["probe_heldout_top1"]).items())
+                    + (f" (lead {_lead_cell(c['lead'])} on {c['n']} {where} images)" if c.get("n") and c.get("lead")
+                       else f" ({where})"))
     if held:
-        lines += ["", "Linear probe, held-out top-1 of each representation on training features (the best is used; "
-                  "its lead ± its standard error, paired over the held-out images): " + "; ".join(held) + "."]
+        lines += ["", "Linear probe, top-1 of each representation on training images its fit left out (development: "
+                  "the split of all the labels that the fine-tunes choose on and the pre-trainings withheld, "
+                  "probe.dev_split; held-out: a part of the training features; the best is used; its lead ± its "
+                  "standard error, paired over those images): " + "; ".join(held) + "."]
     l2s = [(FAMILY_NAMES[f], t[f]["probe_l2"], t[f]["probe_l2_grid"])
            for f in FAMILIES if t[f].get("probe_l2") is not None]
     if l2s:
         edge = [name for name, l2, grid in l2s if len(grid) > 1  # the grid's keys carry 6 digits (:g)
                 and any(math.isclose(l2, g, rel_tol=1e-5) for g in (grid[0], grid[-1]))]
-        lines += ["", "Linear probe L2 strength, chosen on the same held-out features: "
+        lines += ["", "Linear probe L2 strength, chosen on a held-out part of the training features: "
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
                      "beyond it does not do better." if edge else "")]

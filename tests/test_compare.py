@@ -560,6 +560,24 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
     assert withheld(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[], []]
 
 
+def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
+    """Every linear probe (scratch's too) chooses its representation on the development split of the
+    100%-label fine-tunes, the one the pre-trainings withhold; without a sweep or a 100%-label
+    fine-tune it keeps its held-out part, and the comparison's overrides can turn it off."""
+    def splits(stages):
+        return [[o for o in s.overrides if o.startswith("probe.dev_split")] for s in stages if s.tool == "linear_probe"]
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
+    stages = plan(load_compare_config(path))
+    assert splits(stages) == [["probe.dev_split=[0,0.2]"]] * 3
+    assert all(load_config(s.config, s.args()).probe.dev_split == (0, 0.2)
+               for s in stages if s.tool == "linear_probe")
+    assert splits(plan(load_compare_config(path, ["label_fractions=[0.5]"]))) == [[]] * 3
+    assert splits(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[]] * 3
+    off = plan(load_compare_config(path, ["overrides=['probe.dev_split=[]']"]))
+    assert all(load_config(s.config, s.args()).probe.dev_split == ()
+               for s in off if s.tool == "linear_probe")
+
+
 def test_runner_up_false_plans_no_retrains_of_other_choices(tmp_path):
     names = [s.name for s in plan(_cfg(tmp_path, SWEEP + "runner_up: false\n"))]
     assert not [n for n in names if "runner-up" in n or "other representation" in n]

@@ -223,6 +223,8 @@ CASES = [
      lambda t: [*TRAIN(t), f"data.val={t}/data/other", "probe.encoder=none"], None),
     ("probe: unlabeled data.val (checked before the features)", "linear_probe",
      lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled", "probe.encoder=none"], None),
+    ("probe.dev_split out of range", "linear_probe",
+     lambda t: [*FT(t), "probe.encoder=none", "probe.dev_split=[0,1.5]"], None),
     ("probe: output_dir is a file", "linear_probe",
      lambda t: [*FT(t)[1:], "probe.encoder=none", f"output_dir={t}/afile"], lambda t: (t / "afile").write_text("x")),
     ("report of a directory without a run", "report", lambda t: [f"{t}/nope"], None),

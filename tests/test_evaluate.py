@@ -25,6 +25,7 @@ import mpp.evaluators.linear_probe
 import mpp.objectives
 from mpp import outcomes
 from mpp.config import ConfigError, build_config
+from mpp.data import make_loader
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features
 from mpp.evaluators.fewshot import BIAS_CONSTANT, Evaluator, fewshot_correct, fewshot_eval, fewshot_lstsq
@@ -377,6 +378,18 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
                                                                  probe={"encoder": str(tmp_path)}))
         forced = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "token",
                                                     probe={"encoder": str(tmp_path), "pool": "token"}))
+        on_dev = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "dev",
+                                                    probe={"encoder": str(tmp_path), "dev_split": [0, 0.25]}))
+    # probe.dev_split: chosen on that development split of all the labels (60 of 240), fitted on the rest, every
+    # training image in the refit and the shots
+    assert on_dev["pool"] == "avg" and on_dev["num_train"] == 240 and "pool_heldout_outcomes" not in on_dev
+    assert on_dev["pool_dev_top1"]["avg"] > 0.6 > 0.5 > on_dev["pool_dev_top1"]["token"]
+    dev_labels = make_loader(shards["train"], batch_size=60, img_size=16, train=False, labeled=True,
+                             data_cfg=_cfg(shards, tmp_path).data, subset=(1.0, 0, 0.25, True))
+    dev_labels = torch.cat([b["label"] for b in dev_labels.epoch(0)]).numpy()
+    for pool, record in on_dev["pool_dev_outcomes"].items():
+        assert record == {**record, "n": 60, "labels": outcomes.labels_digest(dev_labels)}
+        assert outcomes.read(record)[1].mean() == pytest.approx(on_dev["pool_dev_top1"][pool])
     assert auto["pool"] == "avg" and auto["pool_setting"] == "auto"
     assert set(auto["pool_heldout_top1"]) == {"token", "avg"}
     assert auto["pool_heldout_top1"]["avg"] > 0.6 and auto["pool_heldout_top1"]["token"] < 0.5  # chance 0.25

@@ -189,7 +189,11 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
                                                 "avg": outcomes.record(np.arange(100) < 46, np.arange(100) % 10)}}))
     runs.append(_run(root, "probe_sup", {"objective": "mpp", "probe": {"encoder": str(sup)}},
                      {"kind": "linear_probe", "top1": 0.6, "pool": "token", "probe_l2": 0.01,
-                      "probe_val_top1": {"0.0001": 0.58, "0.01": 0.6, "1": 0.5}}))
+                      "probe_val_top1": {"0.0001": 0.58, "0.01": 0.6, "1": 0.5},
+                      "pool_heldout_top1": {"token": 0.7, "avg": 0.5},  # chosen on probe.dev_split: not these
+                      "pool_dev_top1": {"token": 0.6, "avg": 0.55},
+                      "pool_dev_outcomes": {"token": outcomes.record(np.arange(100) < 60, np.arange(100) % 10),
+                                            "avg": outcomes.record(np.arange(100) < 55, np.arange(100) % 10)}}))
     rep = write_report(runs, tmp_path / "out")
     t, g = rep["table"], rep["derived"]["finetune"]["0.1"]
     assert t["mpp"]["finetune"]["0.1"] == pytest.approx(0.62) and t["mpp"]["finetune_n"]["0.1"] == 3
@@ -208,7 +212,10 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
     probe_noise = 100 * outcomes.paired_sem(np.arange(100) < 46, np.arange(100) < 37)
-    assert f"MPP pre-training: token 37.0, avg 46.0 (lead +9.0 ± {probe_noise:.1f} on 100 images)" in md
+    assert f"MPP pre-training: token 37.0, avg 46.0 (lead +9.0 ± {probe_noise:.1f} on 100 held-out images)" in md
+    dev_noise = 100 * outcomes.paired_sem(np.arange(100) < 60, np.arange(100) < 55)
+    assert f"supervised pre-training: token 60.0, avg 55.0 (lead +5.0 ± {dev_noise:.1f} on 100 " \
+           "development images)" in md
     noise = 100 * outcomes.paired_sem(idx < 20, idx < 18)  # 5 points' lead, under twice its noise
     assert "pool token (pool by a probe of its training labels, development top-1 token 50.0, avg 45.0 on 40 images: " \
            f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise

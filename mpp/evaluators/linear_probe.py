@@ -178,7 +178,8 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
-                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0) -> dict:
+                 val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0,
+                 dev: tuple[dict, torch.Tensor] | None = None) -> dict:
     """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
     held-out train features (`choose_probe`), refitted on all training features and evaluated once
     on test (features standardised with training statistics).
@@ -186,6 +187,8 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
     With a dict the result also holds `representation` (the chosen one), `heldout_top1` (each
     candidate's best held-out top-1) and `heldout_outcomes` (its held-out images' outcomes).
+    `dev` ({representation: features}, labels): a development split apart from `train_x`, on which
+    the representation is chosen instead (`dev_top1`, `dev_outcomes`); the refit then takes both.
     `outcomes`: which test samples it got right (mpp.outcomes).
     """
     several = isinstance(train_x, dict)
@@ -193,9 +196,12 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
-    rep, best, scores, head, heldout, *_ = choose_probe(trains, train_y, num_classes=num_classes,
-                                                        val_fraction=val_fraction, l2_grid=l2_grid, seed=seed)
-    weight, bias = fit_linear_head(trains[rep], train_y, num_classes, best, init=head)
+    c = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction, l2_grid=l2_grid, seed=seed,
+                     dev=dev)
+    rep, best, scores, head, heldout = c.pool, c.l2, c.scores, c.head, c.heldout
+    refit_x, refit_y = (trains[rep], train_y) if dev is None else (torch.cat([trains[rep], dev[0][rep]]),
+                                                                  torch.cat([train_y, dev[1].long()]))
+    weight, bias = fit_linear_head(refit_x, refit_y, num_classes, best, init=head)
     logits = tests[rep].float() @ weight.T + bias
     out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
            "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())},
@@ -203,7 +209,7 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     if several:
         out["representation"] = rep
         out["heldout_top1"] = {n: max(scores[n].values()) for n in trains}
-        out["heldout_outcomes"] = heldout
+        out.update({"dev_top1": c.dev_scores, "dev_outcomes": heldout} if dev else {"heldout_outcomes": heldout})
     return out
 
 
@@ -260,8 +266,11 @@ class Evaluator:
     """Linear probe and few-shot figures of a frozen encoder: fitted on `data.train`, tested on
     `data.val`. Features come from (and go to) the cache `probe.cache_dir` (default
     OUTPUT_DIR/../feature_cache). `probe.pool=auto` chooses the representation per encoder on
-    held-out training features (see `linear_probe`); the few-shot figures use the same choice,
-    recorded as `pool`, with every candidate's held-out top-1 as `pool_heldout_top1`."""
+    held-out training features (see `linear_probe`), or with `probe.dev_split` on that development
+    split of all the labels, fitted on the rest (`pool_dev_top1`, `pool_dev_outcomes`): a
+    comparison's pre-trainings withhold it, so no probe chooses on images a supervised pre-training
+    fitted. The few-shot figures use the same choice, recorded as `pool`, with every candidate's
+    held-out top-1 as `pool_heldout_top1`, and draw their shots from all the training labels."""
 
     def __init__(self, cfg: Config, device: torch.device | str):
         if not cfg.data.train or not cfg.data.val:
@@ -274,18 +283,29 @@ class Evaluator:
         kw = dict(cfg=cfg, pools=candidate_pools(cfg.probe.pool), cache_dir=feature_cache_dir(cfg), device=self.device,
                   precision=resolve_precision(cfg.train.precision, self.device.type))  # the cache key names what ran
         t0 = time.time()
-        tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
+        split, dev = cfg.probe.dev_split, None
+        if split:  # the rest, then the split: together every training sample, once
+            tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples,
+                                          subset=(1.0, *split, False), **kw)
+            dev = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples,
+                                   subset=(1.0, *split, True), **kw)
+        else:
+            tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
         te_x, te_y = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
         t1 = time.time()
         num_classes = int(max(tr_y.max(), te_y.max())) + 1
         lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
-                           l2_grid=cfg.probe.l2_grid, seed=cfg.seed)
+                           l2_grid=cfg.probe.l2_grid, seed=cfg.seed, dev=dev)
+        if dev:
+            tr_x, tr_y = {p: torch.cat([tr_x[p], dev[0][p]]) for p in tr_x}, torch.cat([tr_y, dev[1]])
         t2 = time.time()
         pool = lin["representation"]
         fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
                           l2=cfg.fewshot.l2, num_classes=num_classes, draws=True)
+        chose = ({"pool_dev_top1": lin["dev_top1"], "pool_dev_outcomes": lin["dev_outcomes"]} if dev
+                 else {"pool_heldout_outcomes": lin["heldout_outcomes"]})
         return {"top1": lin["top1"], "top5": lin["top5"], **fs, "pool": pool, "pool_setting": cfg.probe.pool,
-                "pool_heldout_top1": lin["heldout_top1"], "pool_heldout_outcomes": lin["heldout_outcomes"],
+                "pool_heldout_top1": lin["heldout_top1"], **chose,
                 "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
                 "outcomes": lin["outcomes"],
                 "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
