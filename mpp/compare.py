@@ -241,10 +241,9 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
 
 def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     """The pre-training override that leaves out every development split the fine-tune sweeps draw
-    from its training set (`data.withhold`), so that no swept value, nor a fine-tune's
-    representation (scored on the same splits), is chosen on images a pre-training trained on (the
-    supervised one with their labels; the linear probe's own representation is still chosen on a
-    part held out within all the training labels). Nothing for a pre-training on
+    from its training set (`data.withhold`), so that no swept value, nor a fine-tune's or a linear
+    probe's representation (scored on the same splits, `_probe_split`), is chosen on images a
+    pre-training trained on (the supervised one with their labels). Nothing for a pre-training on
     other data than the fine-tunes', or without a sweep; `pretrain_overrides` come after it (and
     `data.withhold=[]` there turns it off). A config that does not load is left to
     `validate`, which names its stage."""
