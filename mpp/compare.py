@@ -239,6 +239,20 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     return stages
 
 
+def _dev_splits(cfg: CompareConfig) -> set[tuple]:
+    """(data.train as JSON, label_fraction, split_seed, dev_fraction) of every development split the
+    fine-tune sweeps draw, as their configs resolve; none without a sweep. A config that does not
+    load raises its ConfigError."""
+    common, splits = as_list(cfg.overrides), set()
+    for frac in cfg.label_fractions:
+        for point in grid_points(cfg.sweep) if cfg.sweep else []:
+            f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, []) + [
+                f"finetune.label_fraction={frac}"] + point + [f"finetune.dev_fraction={cfg.dev_fraction}"])
+            splits.add((json.dumps(f.data.train), f.finetune.label_fraction, f.finetune.split_seed,
+                        f.finetune.dev_fraction))
+    return splits
+
+
 def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     """The pre-training override that leaves out every development split the fine-tune sweeps draw
     from its training set (`data.withhold`), so that no swept value, nor a fine-tune's or a linear
@@ -247,19 +261,12 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     other data than the fine-tunes', or without a sweep; `pretrain_overrides` come after it (and
     `data.withhold=[]` there turns it off). A config that does not load is left to
     `validate`, which names its stage."""
-    common = as_list(cfg.overrides)
     try:
-        train = load_config(pretrain_config, common + as_list(cfg.pretrain_overrides)).data.train
-        splits = set()
-        for frac in cfg.label_fractions:
-            for point in grid_points(cfg.sweep) if cfg.sweep else []:
-                f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, []) + [
-                    f"finetune.label_fraction={frac}"] + point + [f"finetune.dev_fraction={cfg.dev_fraction}"])
-                if f.data.train == train:
-                    splits.add((f.finetune.label_fraction, f.finetune.split_seed, f.finetune.dev_fraction))
+        train = load_config(pretrain_config, as_list(cfg.overrides) + as_list(cfg.pretrain_overrides)).data.train
+        splits = sorted(s[1:] for s in _dev_splits(cfg) if s[0] == json.dumps(train))
     except ConfigError:
         return []
-    return [f"data.withhold={[list(s) for s in sorted(splits)]}".replace(" ", "")] if splits else []
+    return [f"data.withhold={[list(s) for s in splits]}".replace(" ", "")] if splits else []
 
 
 def _probe_split(cfg: CompareConfig) -> list[str]:
@@ -269,18 +276,12 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
     without a sweep or a 100%-label fine-tune, or where the probe reads other data; the
     comparison's `overrides` come after it (`probe.dev_split=[]` there turns it off). A config that
     does not load is left to `validate`."""
-    common = as_list(cfg.overrides)
-    if not cfg.sweep or 1.0 not in cfg.label_fractions:
-        return []
     try:
-        f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(1.0, []) + [
-            "finetune.label_fraction=1.0", f"finetune.dev_fraction={cfg.dev_fraction}"] + grid_points(cfg.sweep)[0])
-        probe = load_config(cfg.probe, common)
+        train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
+        splits = sorted(s[2:] for s in _dev_splits(cfg) if s[0] == json.dumps(train) and s[1] == 1.0)
     except ConfigError:
         return []
-    if probe.data.train != f.data.train:
-        return []
-    return [f"probe.dev_split=[{f.finetune.split_seed},{f.finetune.dev_fraction}]"]
+    return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256

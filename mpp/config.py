@@ -265,6 +265,12 @@ def _as_number(value: Any) -> Any:
     return value
 
 
+def _whole(seed: Any) -> Any:
+    """A split seed that is a whole number as an int (the development split's RNG is seeded with its
+    text, so 0.0 and 0 would draw different splits); anything else as it is, for `validate`."""
+    return int(seed) if isinstance(seed, float) and seed.is_integer() else seed
+
+
 # what each mapping key of the compare config holds, for the error that names its shape
 DICT_SHAPES = {"sweep": "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}",
                "fraction_overrides": "a mapping of label fractions to non-empty lists of key=value overrides, "
@@ -279,14 +285,13 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if all(isinstance(v, (list, tuple)) and len(v) == 3 for v in value):
             value = [[_as_number(x) for x in v] for v in value]
             if all(isinstance(x, (int, float)) and not isinstance(x, bool) for v in value for x in v):
-                # a whole split seed as an int: the development split's RNG is seeded with its text
-                return tuple((f, int(s) if float(s).is_integer() else s, d) for f, s, d in value)
+                return tuple((f, _whole(s), d) for f, s, d in value)
         raise ConfigError(f"config key '{key}' must be a list of [label_fraction, split_seed, dev_fraction] "
                           f"triples, e.g. [[0.1, 0, 0.1]], got {value!r}")
     if kind == "tuple" and isinstance(value, (list, tuple)):
         value = [_as_number(v) for v in value]
-        if key == "probe.dev_split" and len(value) == 2 and isinstance(value[0], float) and value[0].is_integer():
-            value[0] = int(value[0])  # a whole split seed as an int, as data.withhold's
+        if key == "probe.dev_split" and value:
+            value[0] = _whole(value[0])
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "str" and value is False:  # YAML 1.1 reads `no` (as in train.precision=no) as false

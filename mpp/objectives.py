@@ -397,12 +397,11 @@ class ClassifyTask(LabelTask):
         if f.head_init != "probe" and f.pool != "auto":
             return None
         from mpp.evaluators.linear_probe import probe_head  # only a run that probes pays for its import
-        dev = (f.label_fraction, f.split_seed, f.dev_fraction, True) if f.dev_fraction > 0 else None
+        dev = (*self.subset(cfg)[:3], True) if f.dev_fraction > 0 else None  # its development split
         fit = probe_head(self.encoder, cfg, pool=f.pool, subset=self.subset(cfg), num_classes=self.head.out_features,
                          device=device, precision=precision, dev_subset=dev)
         weight, bias, chosen = fit.pop("weight"), fit.pop("bias"), fit.pop("pool")
-        choice = {"pool": chosen, **{k: fit.pop(k) for k in ("pool_heldout_top1", "pool_heldout_outcomes",
-                                                             "pool_dev_top1", "pool_dev_outcomes") if k in fit}}
+        choice = {"pool": chosen, **{k: fit.pop(k) for k in [k for k in fit if k.startswith("pool_")]}}
         figures = choice if f.pool == "auto" else {}
         if f.head_init == "probe":
             with torch.no_grad():

@@ -157,15 +157,14 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
-    labels, dev_scores = train_y[val_idx].numpy(), {}
-    if dev is not None:
-        dev_x, dev_y = dev[0], dev[1].long()
-        for n in order:
-            w, (mean, std) = fits[n, own[n]], stats[n]
-            hits[n, own[n]] = ((dev_x[n].float() - mean) / std @ w[:-1] + w[-1]).argmax(1).eq(dev_y)
-            dev_scores[n] = hits[n, own[n]].float().mean().item()
+    correct, labels, dev_scores = {n: hits[n, own[n]] for n in order}, train_y[val_idx], {}
+    if dev is not None:  # each one's fit at its own L2, scored on the development split instead
+        labels = dev[1].long()
+        correct = {n: ((dev[0][n].float() - stats[n][0]) / stats[n][1] @ fits[n, own[n]][:-1]
+                       + fits[n, own[n]][-1]).argmax(1).eq(labels) for n in order}
+        dev_scores = {n: c.float().mean().item() for n, c in correct.items()}
         rep = max(order, key=lambda n: (dev_scores[n], -order.index(n)))
-        best, labels = own[rep], dev_y.numpy()
+        best = own[rep]
     lowest, lowest_se = min(losses[rep].values())
     near = [l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se]
     if lowest + lowest_se < math.log(num_classes):  # the loss tells some head from a uniform guess
@@ -173,7 +172,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     else:  # it cannot, and its strongest L2 is no head at all: of the heads it cannot tell apart, top-1's
         head_l2 = max(near, key=lambda l2: (scores[rep][l2], l2))
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
-                       {n: outcomes.record(hits[n, own[n]].numpy(), labels) for n in order},
+                       {n: outcomes.record(correct[n].numpy(), labels.numpy()) for n in order},
                        head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep], dev_scores)
 
 
