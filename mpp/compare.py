@@ -147,7 +147,7 @@ def _pool_choice(outs: list[Path]) -> dict:
     """How the best sweep stage chose its representation (report's `pool_choice`: the other
     candidate, the chosen one's lead over it); {} if it chose none (finetune.pool not auto)."""
     m = _ranked(outs)[0][1]
-    return pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else {}
+    return pool_choice(m) or {}
 
 
 def repeat_dir(cfg: CompareConfig, pretrain_seed: int) -> Path:
@@ -229,7 +229,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
                                lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
                 when = Condition("the best sweep stage's representation led the other by under t times its standard "
-                                 "error on its held-out training labels (a toss-up)",
+                                 "error on the images it was chosen on (a toss-up)",
                                  lambda outs=outs: (_pool_choice(outs).get("lead") or {}).get("clear") is False)
                 for seed in range(cfg.seeds):
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}{again}",
@@ -270,9 +270,9 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
 
 
 def _probe_split(cfg: CompareConfig) -> list[str]:
-    """The probe override that chooses every linear probe's representation on the development split
-    the 100%-label fine-tunes choose their recipe on (`probe.dev_split`), which `_withheld` keeps
-    out of the pre-trainings, instead of on a held-out part of the training features. Nothing
+    """The probe override that chooses every linear probe's representation and L2 on the development
+    split the 100%-label fine-tunes choose their recipe on (`probe.dev_split`), which `_withheld`
+    keeps out of the pre-trainings, instead of on a held-out part of the training features. Nothing
     without a sweep or a 100%-label fine-tune, or where the probe reads other data; the
     comparison's `overrides` come after it (`probe.dev_split=[]` there turns it off). A config that
     does not load is left to `validate`."""

@@ -137,8 +137,8 @@ class FewshotConfig:
 class ProbeConfig:
     """Linear probe on frozen features."""
     pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
-    val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation
-    dev_split: tuple = ()      # [split_seed, dev_fraction]: choose the representation on this development split
+    val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation (no dev_split)
+    dev_split: tuple = ()      # [split_seed, dev_fraction]: choose the L2 and representation on this development split
                                # of all the labels instead (a fine-tune's at label_fraction 1, which a pre-training
                                # can withhold), fitted on the rest, then refitted on all; tools/compare.py sets it
     l2_grid: tuple = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # L2 strengths tried (on mean

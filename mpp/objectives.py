@@ -384,7 +384,7 @@ class ClassifyTask(LabelTask):
     representation the way the linear probe does, but on this run's own labels only (a 10%-label
     fine-tune must not lean on a probe of all the labels): a probe of its training part, scored on
     its development split where it has one (which a comparison's pre-trainings never saw), else on
-    a held-out part of its training labels."""
+    a held-out part of its training labels. The probe head's L2 is chosen on the same images."""
     final_eval = "classify"
 
     @classmethod
@@ -407,7 +407,7 @@ class ClassifyTask(LabelTask):
             with torch.no_grad():
                 self.head.weight.copy_(weight)
                 self.head.bias.copy_(bias)
-            figures.update({f"head_probe_{k}": v for k, v in fit.items()})  # its L2 and held-out top-1
+            figures.update({f"head_probe_{k}": v for k, v in fit.items()})  # its L2, its top-1 and loss where chosen
         return figures, f.head_init == "probe"
 
     def restore(self, begun: dict) -> None:

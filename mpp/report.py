@@ -209,9 +209,9 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
-    made = next((m for m in (r["metrics"] for r in [*dev_runs, *finals])
-                 if "pool_heldout_top1" in m and m.get("pool") == chosen.get("finetune.pool")), None)
-    return {"dev": dev, "chosen": chosen, "pool_choice": pool_choice(made) if made else None,
+    made = next((c for c in (pool_choice(r["metrics"]) for r in [*dev_runs, *finals] if
+                             r["metrics"].get("pool") == chosen.get("finetune.pool")) if c), None)
+    return {"dev": dev, "chosen": chosen, "pool_choice": made,
             "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}
 
@@ -227,13 +227,15 @@ def _draws_sem(row: dict, k: str) -> tuple[float | None, int]:
     return (None if std is None or n < 2 else std / math.sqrt(n - 1)), n - 1
 
 
-def pool_choice(m: dict) -> dict:
+def pool_choice(m: dict) -> dict | None:
     """How a probe chose the representation (a fine-tune's finetune.pool=auto, or the linear
     probe's, from its metrics.json): each candidate's top-1 on the images it was chosen on (`on`:
     dev, the run's development split, or heldout, a held-out part of its training labels), how many
     images that was, the next best candidate (`other`) and the chosen one's lead over it
-    (`choice_lead`, paired over those images)."""
+    (`choice_lead`, paired over those images). None where the run recorded no such choice."""
     on = "dev" if "pool_dev_top1" in m else "heldout"
+    if not m.get(f"pool_{on}_top1") or not m.get("pool"):
+        return None
     top1, records = m[f"pool_{on}_top1"], m.get(f"pool_{on}_outcomes") or {}
     pool = m["pool"]
     other = max((k for k in top1 if k != pool), key=top1.get, default=None)
@@ -291,7 +293,7 @@ def collect(runs: list[dict]) -> dict:
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
                  "finetune_added_noise": {}, "finetune_added_t": {},
-                 "linear_top1": None, "probe_pool": None, "probe_heldout_top1": None, "probe_pool_choice": None,
+                 "linear_top1": None, "probe_pool": None, "probe_pool_choice": None,
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
     # (family, fraction | "probe" | "{k}shot") -> (labels digest, per-image top-1 of each run or draw)
@@ -322,8 +324,7 @@ def collect(runs: list[dict]) -> dict:
             row["linear_top1"] = _accuracy(m, "top1", r["dir"])
             per_run[r["family"], "probe"] = runs_images([outcomes.read(m.get("outcomes"))])
             row["fewshot_seeds"] = m.get("fewshot_seeds") if isinstance(m.get("fewshot_seeds"), int) else None
-            row["probe_pool"], row["probe_heldout_top1"] = m.get("pool"), m.get("pool_heldout_top1")
-            row["probe_pool_choice"] = pool_choice(m) if m.get("pool_heldout_top1") and m.get("pool") else None
+            row["probe_pool"], row["probe_pool_choice"] = m.get("pool"), pool_choice(m)
             row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
             for k, v in m.items():
                 if k.endswith("shot_mean"):
@@ -532,12 +533,10 @@ def render_markdown(rep: dict) -> str:
                      "other representation as well (same seeds), the range spans that too." if pooled else "")]
     held = []
     for f in FAMILIES:
-        if not t[f].get("probe_heldout_top1"):
+        if not (c := t[f].get("probe_pool_choice")):
             continue
-        c = t[f].get("probe_pool_choice") or {}
-        where = "development" if c.get("on") == "dev" else "held-out"
-        held.append(f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in
-                                                       (c.get("top1") or t[f]["probe_heldout_top1"]).items())
+        where = "development" if c["on"] == "dev" else "held-out"
+        held.append(f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in c["top1"].items())
                     + (f" (lead {_lead_cell(c['lead'])} on {c['n']} {where} images)" if c.get("n") and c.get("lead")
                        else f" ({where})"))
     if held:
@@ -550,7 +549,7 @@ def render_markdown(rep: dict) -> str:
     if l2s:
         edge = [name for name, l2, grid in l2s if len(grid) > 1  # the grid's keys carry 6 digits (:g)
                 and any(math.isclose(l2, g, rel_tol=1e-5) for g in (grid[0], grid[-1]))]
-        lines += ["", "Linear probe L2 strength, chosen on a held-out part of the training features: "
+        lines += ["", "Linear probe L2 strength, chosen with its representation on the same images: "
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
                      "beyond it does not do better." if edge else "")]

@@ -382,7 +382,7 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
                                                     probe={"encoder": str(tmp_path), "dev_split": [0, 0.25]}))
     # probe.dev_split: chosen on that development split of all the labels (60 of 240), fitted on the rest, every
     # training image in the refit and the shots
-    assert on_dev["pool"] == "avg" and on_dev["num_train"] == 240 and "pool_heldout_outcomes" not in on_dev
+    assert on_dev["pool"] == "avg" and on_dev["num_train"] == 240 and not [k for k in on_dev if "heldout" in k]
     assert on_dev["pool_dev_top1"]["avg"] > 0.6 > 0.5 > on_dev["pool_dev_top1"]["token"]
     dev_labels = make_loader(shards["train"], batch_size=60, img_size=16, train=False, labeled=True,
                              data_cfg=_cfg(shards, tmp_path).data, subset=(1.0, 0, 0.25, True))
@@ -433,12 +433,38 @@ def test_choose_probe_chooses_the_representation_on_a_development_split():
     dev = {"memorised": features(dev_y, 0.0), "general": features(dev_y, 1.0)}
     plain = choose_probe(train, y, num_classes=4, l2_grid=(1e-3, 1e-1))
     on_dev = choose_probe(train, y, num_classes=4, l2_grid=(1e-3, 1e-1), dev=(dev, dev_y))
-    assert plain.pool == "memorised" and not plain.dev_scores
-    assert on_dev.pool == "general" and on_dev.dev_scores["general"] > 0.5 > 0.35 > on_dev.dev_scores["memorised"]
+    assert (plain.pool, plain.on, on_dev.pool, on_dev.on) == ("memorised", "heldout", "general", "dev")
+    best = {n: max(s.values()) for n, s in on_dev.scores.items()}
+    assert best["general"] > 0.5 > 0.35 > best["memorised"]
     assert on_dev.l2 == max(on_dev.scores["general"], key=lambda l2: (on_dev.scores["general"][l2], l2))
-    for name, record in on_dev.heldout.items():  # the images the choice was made on: the development split
-        assert record["n"] == 200 and outcomes.read(record)[1].mean() == pytest.approx(on_dev.dev_scores[name])
+    for name, record in on_dev.outcomes.items():  # the images the choice was made on: the development split
+        assert record["n"] == 200 and outcomes.read(record)[1].mean() == pytest.approx(best[name])
     assert on_dev.start_head[0].shape == (4, 8)
+
+
+def test_choose_probe_chooses_the_l2_on_a_development_split():
+    """Given a development split, the L2 too is chosen there, each strength fitted on every training
+    image: features that memorised the training labels in many dimensions beside a weak general
+    signal ask for another L2 on held-out training images than on images the encoder never fitted."""
+    from mpp.evaluators.linear_probe import choose_probe, fit_linear_head
+    g = torch.Generator().manual_seed(0)
+    y, dev_y = torch.arange(400) % 4, torch.arange(200) % 4
+
+    def features(labels, signal, d):
+        return torch.nn.functional.one_hot(labels, 4).float().repeat(1, d // 4) * signal + torch.randn(len(labels), d,
+                                                                                                       generator=g)
+    train = torch.cat([features(y, 1.0, 4), features(y, 0.6, 60)], 1)
+    dev = torch.cat([features(dev_y, 1.0, 4), features(dev_y, 0.0, 60)], 1)
+    grid = (1e-4, 1e-2, 1.0, 100.0)
+    plain = choose_probe({"x": train}, y, num_classes=4, l2_grid=grid)
+    on_dev = choose_probe({"x": train}, y, num_classes=4, l2_grid=grid, dev=({"x": dev}, dev_y))
+    direct = {}
+    for l2 in grid:  # each strength fitted on all the training features, scored on the development split
+        weight, bias = fit_linear_head(train, y, 4, l2)
+        direct[l2] = (dev @ weight.T + bias).argmax(1).eq(dev_y).float().mean().item()
+    assert on_dev.scores["x"] == pytest.approx(direct, abs=1 / 200 + 1e-6)
+    assert on_dev.l2 == max(direct, key=lambda l2: (direct[l2], l2)) != plain.l2
+    assert plain.scores["x"][plain.l2] > 0.9 > 0.5 > direct[plain.l2]  # the held-out part's L2 flatters it
 
 
 def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
@@ -468,7 +494,7 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     for m in (zero, probe, longer):
         assert m["pool"] == "avg", m
         assert m["pool_dev_top1"]["avg"] > 0.6 > 0.5 > m["pool_dev_top1"]["token"]
-        assert set(m["pool_heldout_top1"]) == {"token", "avg"} and "pool_heldout_outcomes" not in m
+        assert not [k for k in m if "heldout" in k]  # nothing chosen on the held-out training part
         for pool, record in m["pool_dev_outcomes"].items():  # the development split the run was scored on
             assert record["n"] == m["outcomes"]["n"] and record["labels"] == m["outcomes"]["labels"]
             assert outcomes.read(record)[1].mean() == pytest.approx(m["pool_dev_top1"][pool])

@@ -92,79 +92,75 @@ def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: floa
 
 
 class ProbeChoice(NamedTuple):
-    """What `choose_probe` found: the representation and L2 strength with the best held-out top-1,
-    every pair's score ({representation: {L2: top-1}}), that pair's fitted head (weight (C, D),
-    bias (C,) on raw features), the warm start of the refit on all the features, and each
-    representation's held-out outcomes at its best L2 ({representation: mpp.outcomes record}),
+    """What `choose_probe` found: the representation and L2 strength with the best validation top-1,
+    every pair's score there ({representation: {L2: top-1}}), that pair's fitted head (weight
+    (C, D), bias (C,) on raw features), the warm start of the refit on all the features, and each
+    representation's validation outcomes at its best L2 ({representation: mpp.outcomes record}),
     from which a report can tell how sure the choice of representation was. `head_l2`, its
-    `start_head` and `losses` ({L2: (held-out cross-entropy, its standard error)} of the chosen
-    representation) are the choice for a fine-tune's starting head (see `choose_probe`). Where the
-    representation was chosen on a development split, `dev_scores` holds each one's top-1 there
-    and `heldout` its outcomes there."""
+    `start_head` and `losses` ({L2: (validation cross-entropy, its standard error)} of the chosen
+    representation) are the choice for a fine-tune's starting head (see `choose_probe`). `on`
+    names the validation images: `dev` (a development split) or `heldout` (a held-out part of the
+    training features)."""
     pool: str
     l2: float
     scores: dict
     head: tuple[torch.Tensor, torch.Tensor]
-    heldout: dict
+    outcomes: dict
     head_l2: float
     start_head: tuple[torch.Tensor, torch.Tensor]
     losses: dict
-    dev_scores: dict
+    on: str
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
                  val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0,
                  dev: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None) -> ProbeChoice:
-    """Every (representation, L2) pair fitted on the train part (1 - val_fraction, one seeded random
-    split) of {representation: features (N, D)} and scored on the rest; the best wins (ties: the
-    stronger L2, then the earlier representation).
+    """Every (representation, L2) pair of {representation: features (N, D)} fitted and scored on
+    validation images; the best wins (ties: the stronger L2, then the earlier representation).
 
-    With `dev` ({representation: features}, labels), a development split the fits never saw, the
-    representation is chosen there instead: each one's fit at its own best L2, scored on `dev` (ties:
-    the earlier); `heldout` then holds the `dev` outcomes the choice was made on, `dev_scores` each
-    one's top-1 there. A supervised pre-training has fitted the labels of the training part (all of
-    them but the withheld development splits), so its held-out part flatters what it memorised.
+    The validation images are `dev` ({representation: features}, labels) where given, a development
+    split the fits never saw, and every pair is then fitted on all of `train_x`; else a held-out
+    part (val_fraction, one seeded random split) of `train_x`, fitted on the rest. A supervised
+    pre-training has fitted the labels of the training features (all of them but the withheld
+    development splits), so a held-out part of them flatters what it memorised, in the
+    representation and in the L2 alike: a comparison gives every probe a development split.
 
     A fine-tune's starting head (LP-FT) takes its L2 by another rule, on the chosen representation:
-    the strongest whose held-out cross-entropy is within one standard error of the lowest (the
+    the strongest whose validation cross-entropy is within one standard error of the lowest (the
     one-standard-error rule). Top-1 is flat over weak L2s where features say little, and for a
     random-init encoder it picked large heads whose gradients, clipped at 1, starved the
-    encoder (docs/evaluation.md). Where no L2's held-out loss beats a uniform guess's (log C) by
-    its standard error, as on a few dozen held-out images, the strongest would be a head near zero;
-    the start then takes, of the L2s within that standard error, the best held-out top-1."""
+    encoder (docs/evaluation.md). Where no L2's validation loss beats a uniform guess's (log C) by
+    its standard error, as on a few dozen validation images, the strongest would be a head near
+    zero; the start then takes, of the L2s within that standard error, the best validation top-1."""
     train_y = train_y.long()
-    perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
-    n_val = max(1, int(round(val_fraction * len(train_y))))
-    if len(train_y) - n_val < 1:
-        raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
-    fit_idx, val_idx = perm[n_val:], perm[:n_val]
+    if dev is None:
+        perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
+        n_val = max(1, int(round(val_fraction * len(train_y))))
+        if len(train_y) - n_val < 1:
+            raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
+        fit_x, fit_y = {n: x[perm[n_val:]] for n, x in train_x.items()}, train_y[perm[n_val:]]
+        val_x, val_y = {n: x[perm[:n_val]] for n, x in train_x.items()}, train_y[perm[:n_val]]
+    else:
+        (fit_x, fit_y), (val_x, val_y) = (train_x, train_y), (dev[0], dev[1].long())
     scores: dict[str, dict[float, float]] = {}
     fits: dict[tuple[str, float], torch.Tensor] = {}
     stats, hits, losses = {}, {}, {}
-    for name, x in train_x.items():
-        fx, vx = x[fit_idx].float(), x[val_idx].float()
+    for name, x in fit_x.items():
+        fx, vx = x.float(), val_x[name].float()
         stats[name] = mean, std = feature_stats(fx)
         fx, vx = (fx - mean) / std, (vx - mean) / std
         scores[name], losses[name], w = {}, {}, None
         for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
-            w = fits[name, l2] = _fit_logistic(fx, train_y[fit_idx], num_classes, l2, init=w)
+            w = fits[name, l2] = _fit_logistic(fx, fit_y, num_classes, l2, init=w)
             logits = vx @ w[:-1] + w[-1]
-            scores[name][l2] = _topk(logits, train_y[val_idx], 1)
-            hits[name, l2] = logits.topk(1, dim=1).indices[:, 0].eq(train_y[val_idx])  # the images _topk counted
-            ce = F.cross_entropy(logits, train_y[val_idx], reduction="none")
+            scores[name][l2] = _topk(logits, val_y, 1)
+            hits[name, l2] = logits.topk(1, dim=1).indices[:, 0].eq(val_y)  # the images _topk counted
+            ce = F.cross_entropy(logits, val_y, reduction="none")
             losses[name][l2] = (ce.mean().item(), ce.std().item() / len(ce) ** 0.5 if len(ce) > 1 else 0.0)
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
-    correct, labels, dev_scores = {n: hits[n, own[n]] for n in order}, train_y[val_idx], {}
-    if dev is not None:  # each one's fit at its own L2, scored on the development split instead
-        labels = dev[1].long()
-        correct = {n: ((dev[0][n].float() - stats[n][0]) / stats[n][1] @ fits[n, own[n]][:-1]
-                       + fits[n, own[n]][-1]).argmax(1).eq(labels) for n in order}
-        dev_scores = {n: c.float().mean().item() for n, c in correct.items()}
-        rep = max(order, key=lambda n: (dev_scores[n], -order.index(n)))
-        best = own[rep]
     lowest, lowest_se = min(losses[rep].values())
     near = [l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se]
     if lowest + lowest_se < math.log(num_classes):  # the loss tells some head from a uniform guess
@@ -172,22 +168,24 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     else:  # it cannot, and its strongest L2 is no head at all: of the heads it cannot tell apart, top-1's
         head_l2 = max(near, key=lambda l2: (scores[rep][l2], l2))
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
-                       {n: outcomes.record(correct[n].numpy(), labels.numpy()) for n in order},
-                       head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep], dev_scores)
+                       {n: outcomes.record(hits[n, own[n]].numpy(), val_y.numpy()) for n in order},
+                       head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep],
+                       "heldout" if dev is None else "dev")
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
                  val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0,
                  dev: tuple[dict, torch.Tensor] | None = None) -> dict:
     """Linear top-1 / top-5 on the test features, its L2 strength (and representation) chosen on
-    held-out train features (`choose_probe`), refitted on all training features and evaluated once
-    on test (features standardised with training statistics).
+    validation images (`choose_probe`: held-out train features, or `dev`), refitted on all
+    training features (and `dev`'s) and evaluated once on test (features standardised with
+    training statistics).
 
     `train_x` / `test_x` are features (N, D) or {representation: features} of the same samples.
-    With a dict the result also holds `representation` (the chosen one), `heldout_top1` (each
-    candidate's best held-out top-1) and `heldout_outcomes` (its held-out images' outcomes).
-    `dev` ({representation: features}, labels): a development split apart from `train_x`, on which
-    the representation is chosen instead (`dev_top1`, `dev_outcomes`); the refit then takes both.
+    With a dict the result also holds `representation` (the chosen one), and each candidate's best
+    validation top-1 and its images' outcomes: `heldout_top1` and `heldout_outcomes`, or with
+    `dev` ({representation: features}, labels: a development split apart from `train_x`)
+    `dev_top1` and `dev_outcomes`. `val_top1`: the chosen representation's top-1 there at each L2.
     `outcomes`: which test samples it got right (mpp.outcomes).
     """
     several = isinstance(train_x, dict)
@@ -197,41 +195,35 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
         num_classes = int(max(train_y.max(), test_y.max())) + 1
     c = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction, l2_grid=l2_grid, seed=seed,
                      dev=dev)
-    rep, best, scores, head, heldout = c.pool, c.l2, c.scores, c.head, c.heldout
-    refit_x, refit_y = (trains[rep], train_y) if dev is None else (torch.cat([trains[rep], dev[0][rep]]),
-                                                                  torch.cat([train_y, dev[1].long()]))
-    weight, bias = fit_linear_head(refit_x, refit_y, num_classes, best, init=head)
-    logits = tests[rep].float() @ weight.T + bias
-    out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": best,
-           "val_top1": {f"{k:g}": v for k, v in sorted(scores[rep].items())},
+    refit_x, refit_y = (trains[c.pool], train_y) if dev is None else (torch.cat([trains[c.pool], dev[0][c.pool]]),
+                                                                     torch.cat([train_y, dev[1].long()]))
+    weight, bias = fit_linear_head(refit_x, refit_y, num_classes, c.l2, init=c.head)
+    logits = tests[c.pool].float() @ weight.T + bias
+    out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": c.l2,
+           "val_top1": {f"{k:g}": v for k, v in sorted(c.scores[c.pool].items())},
            "outcomes": outcomes.record(logits.argmax(1).eq(test_y).numpy(), test_y.numpy())}
     if several:
-        out["representation"] = rep
-        out["heldout_top1"] = {n: max(scores[n].values()) for n in trains}
-        out.update({"dev_top1": c.dev_scores, "dev_outcomes": heldout} if dev else {"heldout_outcomes": heldout})
+        out.update({"representation": c.pool, f"{c.on}_top1": {n: max(s.values()) for n, s in c.scores.items()},
+                    f"{c.on}_outcomes": c.outcomes})
     return out
 
 
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str, dev_subset: tuple | None = None) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
-    chosen on held-out top-1) of the labeled `subset` of data.train (as `make_loader` takes it), its
-    L2 chosen on a held-out part (probe.val_fraction, split by finetune.split_seed) by the
-    starting-head rule of `choose_probe`: {weight (C, D), bias (C,), pool, l2, heldout_top1 and
-    heldout_loss (at that L2), pool_heldout_top1 and pool_heldout_outcomes (each candidate's best
-    and its per-image outcomes)}, the starting head of a fine-tune with
-    finetune.head_init=probe and the representation of one with finetune.pool=auto. With
-    `dev_subset` (the run's development split) and several candidates, the representation is chosen
-    on it instead (`choose_probe`'s `dev`): pool_dev_top1 and pool_dev_outcomes then record each
-    candidate's score there, and pool_heldout_top1 its score on the held-out training part, unused.
-    Features and the head go through the
+    chosen on validation top-1) of the labeled `subset` of data.train (as `make_loader` takes it),
+    its L2 chosen by the starting-head rule of `choose_probe`, on `dev_subset` (the run's
+    development split) where given, else on a held-out part (probe.val_fraction, split by
+    finetune.split_seed): {weight (C, D), bias (C,), pool, l2, and with ON dev or heldout:
+    ON_top1 and ON_loss (at that L2), pool_ON_top1 and pool_ON_outcomes (each candidate's best and
+    its per-image outcomes)}, the starting head of a fine-tune with finetune.head_init=probe and the
+    representation of one with finetune.pool=auto. Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
-    dev_subset = dev_subset if len(pools) > 1 else None  # one candidate: nothing to choose
-    rule = "l2: one standard error of the held-out loss, top-1 within it if no better than uniform"
+    rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
     key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
                       rule, dev_subset and list(dev_subset)])  # heads cached under an earlier rule are refitted
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
@@ -250,11 +242,9 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=p.l2_grid,
                      seed=cfg.finetune.split_seed, dev=dev)
     weight, bias = fit_linear_head(x[c.pool], y, num_classes, c.head_l2, init=c.start_head)
-    fit = {"pool": c.pool, "l2": c.head_l2, "heldout_top1": c.scores[c.pool][c.head_l2],
-           "heldout_loss": c.losses[c.head_l2][0],
-           ("pool_dev_outcomes" if dev else "pool_heldout_outcomes"): c.heldout,
-           "pool_heldout_top1": {n: max(s.values()) for n, s in c.scores.items()},
-           **({"pool_dev_top1": c.dev_scores} if dev else {})}
+    fit = {"pool": c.pool, "l2": c.head_l2, f"{c.on}_top1": c.scores[c.pool][c.head_l2],
+           f"{c.on}_loss": c.losses[c.head_l2][0], f"pool_{c.on}_outcomes": c.outcomes,
+           f"pool_{c.on}_top1": {n: max(s.values()) for n, s in c.scores.items()}}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file({"weight": weight, "bias": bias}, str(tmp), metadata={"fit": json.dumps(fit)})
@@ -264,12 +254,12 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
 class Evaluator:
     """Linear probe and few-shot figures of a frozen encoder: fitted on `data.train`, tested on
     `data.val`. Features come from (and go to) the cache `probe.cache_dir` (default
-    OUTPUT_DIR/../feature_cache). `probe.pool=auto` chooses the representation per encoder on
-    held-out training features (see `linear_probe`), or with `probe.dev_split` on that development
-    split of all the labels, fitted on the rest (`pool_dev_top1`, `pool_dev_outcomes`): a
-    comparison's pre-trainings withhold it, so no probe chooses on images a supervised pre-training
-    fitted. The few-shot figures use the same choice, recorded as `pool`, with every candidate's
-    held-out top-1 as `pool_heldout_top1`, and draw their shots from all the training labels."""
+    OUTPUT_DIR/../feature_cache). The L2 and, with `probe.pool=auto`, the representation are chosen
+    per encoder on held-out training features (see `linear_probe`; `pool_heldout_top1`,
+    `pool_heldout_outcomes`), or with `probe.dev_split` on that development split of all the labels,
+    fitted on the rest (`pool_dev_top1`, `pool_dev_outcomes`): a comparison's pre-trainings withhold
+    it, so no probe chooses on images a supervised pre-training fitted. The few-shot figures use the
+    same representation, recorded as `pool`, and draw their shots from all the training labels."""
 
     def __init__(self, cfg: Config, device: torch.device | str):
         if not cfg.data.train or not cfg.data.val:
@@ -301,10 +291,9 @@ class Evaluator:
         pool = lin["representation"]
         fs = fewshot_eval(tr_x[pool], tr_y, te_x[pool], te_y, shots=cfg.fewshot.shots, seeds=cfg.fewshot.seeds,
                           l2=cfg.fewshot.l2, num_classes=num_classes, draws=True)
-        chose = ({"pool_dev_top1": lin["dev_top1"], "pool_dev_outcomes": lin["dev_outcomes"]} if dev
-                 else {"pool_heldout_outcomes": lin["heldout_outcomes"]})
+        on = "dev" if dev else "heldout"
         return {"top1": lin["top1"], "top5": lin["top5"], **fs, "pool": pool, "pool_setting": cfg.probe.pool,
-                "pool_heldout_top1": lin["heldout_top1"], **chose,
+                f"pool_{on}_top1": lin[f"{on}_top1"], f"pool_{on}_outcomes": lin[f"{on}_outcomes"],
                 "probe_l2": lin["l2"], "probe_val_top1": lin["val_top1"],
                 "outcomes": lin["outcomes"],
                 "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
