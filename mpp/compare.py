@@ -131,8 +131,20 @@ def _ranked(outs: list[Path]) -> list[tuple[int, dict]]:
 
 
 def best_point(points: list[list[str]], outs: list[Path], rank: int = 0) -> list[str]:
-    """The grid point whose sweep stage ranks `rank` on its development split (0: the best)."""
-    return points[_ranked(outs)[rank][0]]
+    """The grid point whose sweep stage ranks `rank` on its development split (0: the best), with
+    the starting head's L2 that stage chose there (`head_l2`)."""
+    return points[_ranked(outs)[rank][0]] + head_l2(outs, rank)
+
+
+def head_l2(outs: list[Path], rank: int = 0, pool: str | None = None) -> list[str]:
+    """The override that gives a final fine-tune the starting head's L2 (finetune.head_l2) that the
+    sweep stage ranked `rank` chose on its development split for representation `pool` (default:
+    its own), so that the finals choose nothing on their training labels, most of which a
+    supervised pre-training fitted; none where that stage fitted no probe head for it."""
+    m = _ranked(outs)[rank][1]
+    pool = pool or m.get("pool")
+    l2 = (m.get("pool_head_l2") or {}).get(pool) or (m.get("head_probe_l2") if pool == m.get("pool") else None)
+    return [f"finetune.head_l2={l2:g}"] if l2 else []
 
 
 def toss_up(outs: list[Path]) -> bool:
@@ -227,14 +239,15 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                         pools[1:] + [second], when=when, pretrain_seed=pretrain_seed, arm=arm))
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
                 other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
-                               lambda outs=outs: [f"finetune.pool={_pool_choice(outs)['other']}"])
+                               lambda outs=outs: [f"finetune.pool={(p := _pool_choice(outs)['other'])}",
+                                                  *head_l2(outs, pool=p)])
                 when = Condition("the best sweep stage's representation led the other by under t times its standard "
                                  "error on the images it was chosen on (a toss-up)",
                                  lambda outs=outs: (_pool_choice(outs).get("lead") or {}).get("clear") is False)
                 for seed in range(cfg.seeds):
                     stages.append(Stage(f"fine-tune {arm}, {frac:.0%} labels, other representation, seed {seed}{again}",
                                         "finetune", cfg.finetune, final + [f"seed={seed}"],
-                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", [other] + best,
+                                        root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", best + [other],
                                         when=when, pretrain_seed=pretrain_seed, arm=arm))
     return stages
 

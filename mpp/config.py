@@ -80,6 +80,8 @@ class FinetuneConfig:
     label_smoothing: float = 0.0
     head_init: str = "zero"    # zero (the paper) | probe: the linear probe of the frozen encoder on the
                                # same training labels (LP-FT), so fine-tuning starts at the probe's accuracy
+    head_l2: float = 0.0       # > 0: that probe head's L2, not chosen by the run (tools/compare.py gives its
+                               # finals the L2 their best sweep stage chose on its development split)
 
 
 @dataclass
@@ -584,6 +586,9 @@ def validate(cfg: Config) -> None:
           f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
           "drop_path and label_smoothing must be in [0, 1)")
+    check(f.head_l2 >= 0 and (f.head_l2 == 0 or f.head_init == "probe"),
+          f"config key 'finetune.head_l2' must be >= 0 (0: chosen by the run) and is the L2 of a probe head: "
+          f"set finetune.head_init=probe or finetune.head_l2=0, got {f.head_l2} with head_init={f.head_init}")
     check(cfg.supervised.hidden_dim >= 0, "config key 'supervised.hidden_dim' must be >= 0 (0: the encoder width)")
     check(d.max_pixels > 0, f"config key 'data.max_pixels' must be > 0, got {d.max_pixels}")
     fs = cfg.fewshot

@@ -109,7 +109,18 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     best = {"top1": 0.6, "evaluated_on": "dev", "pool": "token", "pool_heldout_top1": {"token": 0.6, "avg": 0.5},
             "pool_heldout_outcomes": {"token": outcomes.record(h < 60, held), "avg": outcomes.record(h >= 50, held)}}
     (sweeps[1].out / "metrics.json").write_text(json.dumps(best))
-    assert others[0].when.holds() and others[1].args()[-3:-1] == ["finetune.pool=avg", "optim.lr=0.03"]
+    assert others[0].when.holds() and others[1].args()[-3:-1] == ["optim.lr=0.03", "finetune.pool=avg"]
+    # a probe head's L2, chosen by each sweep stage on its development split per representation, goes to
+    # the finals with the representation they train through: none chosen again on their training labels
+    (sweeps[1].out / "metrics.json").write_text(json.dumps({**best, "pool_head_l2": {"token": 0.01, "avg": 1.0}}))
+    (sweeps[2].out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg",
+                                                           "head_probe_l2": 1e-4}))  # a fixed pool's record
+    assert finals[0].args()[-4:-1] == ["finetune.pool=token", "optim.lr=0.03", "finetune.head_l2=0.01"]
+    assert others[1].args()[-5:-1] == ["optim.lr=0.03", "finetune.head_l2=0.01", "finetune.pool=avg",
+                                       "finetune.head_l2=1"]  # the other representation's, after the best's
+    assert runner_ups[0].args()[-4:-1] == ["finetune.pool=avg", "optim.lr=0.1", "finetune.head_l2=0.0001"]
+    resolved = load_config(others[1].config, others[1].args() + ["finetune.head_init=probe"]).finetune
+    assert (resolved.pool, resolved.head_l2) == ("avg", 1.0)  # this test's configs start the head at zero
     best["pool_heldout_outcomes"]["avg"] = outcomes.record(h < 50, held)  # disagreeing on 10: a clear lead
     (sweeps[1].out / "metrics.json").write_text(json.dumps(best))
     assert not others[0].when.holds()

@@ -495,11 +495,12 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
         assert m["pool"] == "avg", m
         assert m["pool_dev_top1"]["avg"] > 0.6 > 0.5 > m["pool_dev_top1"]["token"]
         assert not [k for k in m if "heldout" in k]  # nothing chosen on the held-out training part
+        assert set(m["pool_head_l2"]) == {"token", "avg"}  # each one's starting-head L2, for the finals
         for pool, record in m["pool_dev_outcomes"].items():  # the development split the run was scored on
             assert record["n"] == m["outcomes"]["n"] and record["labels"] == m["outcomes"]["labels"]
             assert outcomes.read(record)[1].mean() == pytest.approx(m["pool_dev_top1"][pool])
     assert probe["top1"] > 0.6 and probe["evaluated_on"] == "dev"  # the probe head on the patch mean
-    assert probe["start_top1"] == probe["top1"] and "head_probe_l2" in probe
+    assert probe["start_top1"] == probe["top1"] and probe["head_probe_l2"] == probe["pool_head_l2"]["avg"]
     assert "start_top1" not in zero and "head_probe_l2" not in zero  # a zero head: no start worth scoring
     with pytest.MonkeyPatch.context() as mp, pytest.raises(ConfigError, match="finetune.pool=auto, but the checkpoint"):
         mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)

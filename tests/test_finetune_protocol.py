@@ -134,6 +134,10 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     assert {k: longer[k] for k in ("start_top1", "head_probe_l2", "head_probe_dev_top1")} == \
         {k: probe[k] for k in ("start_top1", "head_probe_l2", "head_probe_dev_top1")}
     assert longer["begin_s"] == 0  # a resumed segment begins nothing
+    given = train(load_config(None, items + [f"output_dir={tmp_path / 'given'}", "finetune.head_init=probe",
+                                             "finetune.head_l2=100"]))  # a final's: its sweep stage chose it
+    assert given["head_probe_l2"] == 100 != probe["head_probe_l2"]
+    assert given["head_probe_dev_loss"] > probe["head_probe_dev_loss"] + 0.1  # a head near zero: near uniform
     test = train(load_config(None, items[:-2] + [f"output_dir={tmp_path / 'test'}", "finetune.head_init=probe",
                                                  "data.eval_crop_pct=1.0"]))
     assert test["evaluated_on"] == "val" and test["start_outcomes"] == test["outcomes"]  # image by image, unmoved

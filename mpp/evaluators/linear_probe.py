@@ -98,7 +98,8 @@ class ProbeChoice(NamedTuple):
     representation's validation outcomes at its best L2 ({representation: mpp.outcomes record}),
     from which a report can tell how sure the choice of representation was. `head_l2`, its
     `start_head` and `losses` ({L2: (validation cross-entropy, its standard error)} of the chosen
-    representation) are the choice for a fine-tune's starting head (see `choose_probe`). `on`
+    representation) are the choice for a fine-tune's starting head (see `choose_probe`), and
+    `head_l2s` that choice for each representation ({representation: L2}). `on`
     names the validation images: `dev` (a development split) or `heldout` (a held-out part of the
     training features)."""
     pool: str
@@ -110,6 +111,7 @@ class ProbeChoice(NamedTuple):
     start_head: tuple[torch.Tensor, torch.Tensor]
     losses: dict
     on: str
+    head_l2s: dict
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
@@ -161,16 +163,19 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
     own = {n: max(scores[n], key=lambda l2: (scores[n][l2], l2)) for n in order}  # each one's best L2, as above
-    lowest, lowest_se = min(losses[rep].values())
-    near = [l2 for l2, (loss, _) in losses[rep].items() if loss <= lowest + lowest_se]
-    if lowest + lowest_se < math.log(num_classes):  # the loss tells some head from a uniform guess
-        head_l2 = max(near)
-    else:  # it cannot, and its strongest L2 is no head at all: of the heads it cannot tell apart, top-1's
-        head_l2 = max(near, key=lambda l2: (scores[rep][l2], l2))
+    head_l2s = {}
+    for n in order:
+        lowest, lowest_se = min(losses[n].values())
+        near = [l2 for l2, (loss, _) in losses[n].items() if loss <= lowest + lowest_se]
+        if lowest + lowest_se < math.log(num_classes):  # the loss tells some head from a uniform guess
+            head_l2s[n] = max(near)
+        else:  # it cannot, and its strongest L2 is no head at all: of the heads it cannot tell apart, top-1's
+            head_l2s[n] = max(near, key=lambda l2: (scores[n][l2], l2))
+    head_l2 = head_l2s[rep]
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
                        {n: outcomes.record(hits[n, own[n]].numpy(), val_y.numpy()) for n in order},
                        head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep],
-                       "heldout" if dev is None else "dev")
+                       "heldout" if dev is None else "dev", head_l2s)
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -214,17 +219,19 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     chosen on validation top-1) of the labeled `subset` of data.train (as `make_loader` takes it),
     its L2 chosen by the starting-head rule of `choose_probe`, on `dev_subset` (the run's
     development split) where given, else on a held-out part (probe.val_fraction, split by
-    finetune.split_seed): {weight (C, D), bias (C,), pool, l2, and with ON dev or heldout:
-    ON_top1 and ON_loss (at that L2), pool_ON_top1 and pool_ON_outcomes (each candidate's best and
-    its per-image outcomes)}, the starting head of a fine-tune with finetune.head_init=probe and the
-    representation of one with finetune.pool=auto. Features and the head go through the
+    finetune.split_seed), or given as finetune.head_l2: {weight (C, D), bias (C,), pool, l2, and with
+    ON dev or heldout: ON_top1 and ON_loss (at that L2), pool_ON_top1 and pool_ON_outcomes (each
+    candidate's best and its per-image outcomes), pool_head_l2 (each candidate's starting-head L2)},
+    the starting head of a fine-tune with finetune.head_init=probe and the representation of one
+    with finetune.pool=auto. Features and the head go through the
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
     rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
-    key = json.dumps([features, sorted(p.l2_grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
+    grid = (cfg.finetune.head_l2,) if cfg.finetune.head_l2 else p.l2_grid
+    key = json.dumps([features, sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
                       rule, dev_subset and list(dev_subset)])  # heads cached under an earlier rule are refitted
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
@@ -239,12 +246,12 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     dev = dev_subset and extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, cache_dir=cache,
                                           num_samples=cfg.data.num_samples, device=device, precision=precision,
                                           subset=dev_subset)
-    c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=p.l2_grid,
+    c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=grid,
                      seed=cfg.finetune.split_seed, dev=dev)
     weight, bias = fit_linear_head(x[c.pool], y, num_classes, c.head_l2, init=c.start_head)
     fit = {"pool": c.pool, "l2": c.head_l2, f"{c.on}_top1": c.scores[c.pool][c.head_l2],
            f"{c.on}_loss": c.losses[c.head_l2][0], f"pool_{c.on}_outcomes": c.outcomes,
-           f"pool_{c.on}_top1": {n: max(s.values()) for n, s in c.scores.items()}}
+           f"pool_{c.on}_top1": {n: max(s.values()) for n, s in c.scores.items()}, "pool_head_l2": c.head_l2s}
     cache.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file({"weight": weight, "bias": bias}, str(tmp), metadata={"fit": json.dumps(fit)})
