@@ -138,7 +138,7 @@ class FewshotConfig:
 @dataclass
 class ProbeConfig:
     """Linear probe on frozen features."""
-    pool: str = "auto"         # auto (chosen per encoder on held-out train features) | token | avg
+    pool: str = "auto"         # auto (chosen per encoder on held-out train features or dev_split) | token | avg
     val_fraction: float = 0.1  # of the training features, to choose the regulariser and representation (no dev_split)
     dev_split: tuple = ()      # [split_seed, dev_fraction]: choose the L2 and representation on this development split
                                # of all the labels instead (a fine-tune's at label_fraction 1, which a pre-training
