@@ -144,7 +144,7 @@ def head_l2(outs: list[Path], rank: int = 0, pool: str | None = None) -> list[st
     m = _ranked(outs)[rank][1]
     pool = pool or m.get("pool")
     l2 = (m.get("pool_head_l2") or {}).get(pool) or (m.get("head_probe_l2") if pool == m.get("pool") else None)
-    return [f"finetune.head_l2={l2:g}"] if l2 else []
+    return [f"finetune.head_l2={l2!r}"] if l2 else []  # repr: the float itself, to the last digit
 
 
 def toss_up(outs: list[Path]) -> bool:

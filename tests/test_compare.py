@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.compare import best_point, check_unchanged, plan, run, time_split, validate
+from mpp.compare import best_point, check_unchanged, head_l2, plan, run, time_split, validate
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
 from mpp.data import make_loader
 
@@ -117,7 +117,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
                                                            "head_probe_l2": 1e-4}))  # a fixed pool's record
     assert finals[0].args()[-4:-1] == ["finetune.pool=token", "optim.lr=0.03", "finetune.head_l2=0.01"]
     assert others[1].args()[-5:-1] == ["optim.lr=0.03", "finetune.head_l2=0.01", "finetune.pool=avg",
-                                       "finetune.head_l2=1"]  # the other representation's, after the best's
+                                       "finetune.head_l2=1.0"]  # the other representation's, after the best's
     assert runner_ups[0].args()[-4:-1] == ["finetune.pool=avg", "optim.lr=0.1", "finetune.head_l2=0.0001"]
     resolved = load_config(others[1].config, others[1].args() + ["finetune.head_init=probe"]).finetune
     assert (resolved.pool, resolved.head_l2) == ("avg", 1.0)  # this test's configs start the head at zero
@@ -439,6 +439,18 @@ def test_a_stage_dies_with_the_comparison(tmp_path):
         for p in alive:
             p.kill()
         assert not alive, f"the stage outlived the comparison (launcher {launcher!r})"
+
+
+def test_a_chosen_head_l2_reaches_the_finals_to_the_last_digit(tmp_path):
+    """An L2 off the decades (a grid of the user's) is passed on as the float the sweep stage
+    chose, not a rounding of it; a stage that fitted no head for that representation passes none."""
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg",
+                                                  "pool_head_l2": {"avg": 1 / 30000}}))
+    assert load_config(None, head_l2([out]) + ["finetune.head_init=probe"]).finetune.head_l2 == 1 / 30000
+    (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg"}))
+    assert head_l2([out]) == [] and head_l2([out], pool="token") == []
 
 
 def test_an_exact_tie_is_broken_alike_by_the_comparison_and_the_report(tmp_path):
