@@ -214,7 +214,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                        pretrain_seed=pretrain_seed, arm=arm))
                 stages += sweep
             outs = [s.out for s in sweep]
-            best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages", points[0],
+            best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages (with the "
+                           "finetune.head_l2 it chose, if it started from a probe head)", points[0],
                            lambda outs=outs: best_point(points, outs))] if sweep else []
             # the representation that the best (the second-best) sweep stage chose on its training labels
             pools = [Choice(f"finetune.pool: the {nth} sweep stage's, chosen on its training labels",
@@ -228,7 +229,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                     final + [f"seed={seed}"], root / f"finetune_{arm}_{pct}" / f"seed{seed}",
                                     pools[:1] + best, pretrain_seed=pretrain_seed, arm=arm))
             if cfg.runner_up and len(sweep) > 1:
-                second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages",
+                second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages "
+                                "(with its finetune.head_l2, if any)",
                                 points[1], lambda outs=outs: best_point(points, outs, rank=1))
                 when = Condition("the best value's dev lead over it is under t times its standard error (a toss-up)",
                                  lambda outs=outs: toss_up(outs))
@@ -238,7 +240,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                         root / f"finetune_{arm}_{pct}" / f"runner_up_seed{seed}",
                                         pools[1:] + [second], when=when, pretrain_seed=pretrain_seed, arm=arm))
             if cfg.runner_up and pools:  # the representation: the best stage's value, the other pool
-                other = Choice("finetune.pool: the one the best sweep stage did not choose", ["finetune.pool=avg"],
+                other = Choice("finetune.pool: the one the best sweep stage did not choose (with its finetune.head_l2 "
+                               "there, if any)", ["finetune.pool=avg"],
                                lambda outs=outs: [f"finetune.pool={(p := _pool_choice(outs)['other'])}",
                                                   *head_l2(outs, pool=p)])
                 when = Condition("the best sweep stage's representation led the other by under t times its standard "

@@ -209,8 +209,8 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
-    made = next((c for c in (pool_choice(r["metrics"]) for r in [*dev_runs, *finals] if
-                             r["metrics"].get("pool") == chosen.get("finetune.pool")) if c), None)
+    made = next(filter(None, (pool_choice(r["metrics"]) for r in [*dev_runs, *finals]
+                              if r["metrics"].get("pool") == chosen.get("finetune.pool"))), None)
     return {"dev": dev, "chosen": chosen, "pool_choice": made,
             "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}

@@ -96,10 +96,10 @@ class ProbeChoice(NamedTuple):
     every pair's score there ({representation: {L2: top-1}}), that pair's fitted head (weight
     (C, D), bias (C,) on raw features), the warm start of the refit on all the features, and each
     representation's validation outcomes at its best L2 ({representation: mpp.outcomes record}),
-    from which a report can tell how sure the choice of representation was. `head_l2`, its
-    `start_head` and `losses` ({L2: (validation cross-entropy, its standard error)} of the chosen
-    representation) are the choice for a fine-tune's starting head (see `choose_probe`), and
-    `head_l2s` that choice for each representation ({representation: L2}). `on`
+    from which a report can tell how sure the choice of representation was. `head_l2s` holds each
+    representation's L2 for a fine-tune's starting head (see `choose_probe`); `head_l2` (the chosen
+    representation's), its `start_head` and `losses` ({L2: (validation cross-entropy, its standard
+    error)} of the chosen representation) are that choice for the chosen one. `on`
     names the validation images: `dev` (a development split) or `heldout` (a held-out part of the
     training features)."""
     pool: str
@@ -107,11 +107,14 @@ class ProbeChoice(NamedTuple):
     scores: dict
     head: tuple[torch.Tensor, torch.Tensor]
     outcomes: dict
-    head_l2: float
     start_head: tuple[torch.Tensor, torch.Tensor]
     losses: dict
     on: str
     head_l2s: dict
+
+    @property
+    def head_l2(self) -> float:
+        return self.head_l2s[self.pool]
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
@@ -171,10 +174,9 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
             head_l2s[n] = max(near)
         else:  # it cannot, and its strongest L2 is no head at all: of the heads it cannot tell apart, top-1's
             head_l2s[n] = max(near, key=lambda l2: (scores[n][l2], l2))
-    head_l2 = head_l2s[rep]
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
                        {n: outcomes.record(hits[n, own[n]].numpy(), val_y.numpy()) for n in order},
-                       head_l2, _fold(fits[rep, head_l2], *stats[rep]), losses[rep],
+                       _fold(fits[rep, head_l2s[rep]], *stats[rep]), losses[rep],
                        "heldout" if dev is None else "dev", head_l2s)
 
 
