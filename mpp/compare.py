@@ -9,11 +9,12 @@ once per seed. Where the split could not separate the best value from the next (
 t times its paired standard error, Student's t at the images' degrees of freedom: a toss-up),
 `runner_up` also retrains the next with the same seeds, so that the report can give each figure
 the range that choice spans (and likewise the best value through the other representation where
-the best stage's choice of it was a toss-up). `finetune.pool` is chosen by a linear probe of the
-sweep's own training labels, scored on its development split (`finetune_pool: auto`, i.e.
-finetune.pool=auto in the sweep stages; the finals take the best one's): one cheap frozen-feature
-fit per arm and label fraction, where sweeping it would double every fine-tune sweep, and a
-10%-label cell never leans on a probe of all the labels. Such run-time choices are `Choice`s of a
+the best stage's choice of it was a toss-up). `finetune.pool` is best swept like the rate (the
+README's comparisons do: the fine-tune itself then chooses it); left out of the sweep, a linear
+probe of the sweep's own training labels chooses it, scored on its development split
+(`finetune_pool: auto`, i.e. finetune.pool=auto in the sweep stages; the finals take the best
+one's): one cheap frozen-feature fit per arm and label fraction, and a 10%-label cell never
+leans on a probe of all the labels. Such run-time choices are `Choice`s of a
 stage (whether it runs at all, its `Condition`), read from the finished stages' metrics.json just
 before it starts.
 

@@ -201,7 +201,8 @@ class CompareConfig:
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
                                # the report gives the figures it touches their range
     finetune_pool: str = "auto"  # auto: each arm's finetune.pool chosen by a probe of its sweep's training labels,
-                               # scored on its dev split (finetune.pool=auto); config: the stage config's
+                               # scored on its dev split (finetune.pool=auto); config: the stage config's;
+                               # neither applies where the sweep has finetune.pool (the fine-tune chooses)
     overrides: Any = ""        # key=value overrides applied to every run (e.g. [train.precision=no])
     pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
     fraction_overrides: dict = field(default_factory=dict)  # label fraction -> overrides of its fine-tunes
