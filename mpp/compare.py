@@ -9,8 +9,8 @@ once per seed. Where the split could not separate the best value from the next (
 t times its paired standard error, Student's t at the images' degrees of freedom: a toss-up),
 `runner_up` also retrains the next with the same seeds, so that the report can give each figure
 the range that choice spans (and likewise the best value through the other representation where
-the best stage's choice of it was a toss-up). `finetune.pool` is best swept like the rate (the
-README's table, the main job and the AdamW comparison do: the fine-tune itself then chooses
+the best stage's choice of it was a toss-up). `finetune.pool` is best swept like the rate (every
+shipped comparison but the `hog` and `histogram` ones does: the fine-tune itself then chooses
 it); left out of the sweep, a linear
 probe of the sweep's own training labels chooses it, scored on its development split
 (`finetune_pool: auto`, i.e. finetune.pool=auto in the sweep stages; the finals take the best
