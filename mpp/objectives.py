@@ -43,10 +43,15 @@ def patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape(B, (H // p) * (W // p), C, p, p)
 
 
+def color_levels(colors: torch.Tensor, bits: int = 3) -> torch.Tensor:
+    """Each channel's level, min(floor(value * 2**bits), 2**bits - 1), values clamped to [0, 1]."""
+    return (colors * 2 ** bits).floor().clamp(0, 2 ** bits - 1).long()
+
+
 def quantize(colors: torch.Tensor, bits: int = 3) -> torch.Tensor:
     """Colours (..., 3) in [0, 1] -> class (r << 2*bits) | (g << bits) | b, with per channel
     level = min(floor(value * 2**bits), 2**bits - 1) (values outside [0, 1] are clamped)."""
-    levels = (colors * 2 ** bits).floor().clamp(0, 2 ** bits - 1).long()
+    levels = color_levels(colors, bits)
     return (levels[..., 0] << 2 * bits) | (levels[..., 1] << bits) | levels[..., 2]
 
 
@@ -100,11 +105,31 @@ def _regression_loss(pred, pix, bits):
     return F.mse_loss(pred, colors.float()), quantize(pred, bits), quantize(colors, bits)
 
 
-def _downsampled_loss(pred, pix, bits):
+def _cells(pix):
+    """The mean colour of each cell of the downsized patch: (B, K, 3, p, p) -> (B, K, 16, 3)."""
     cells = F.adaptive_avg_pool2d(pix.flatten(0, 1), DOWNSAMPLED_CELLS)  # (B*K, 3, 4, 4)
-    classes = quantize(cells.flatten(2).transpose(1, 2), bits).view(*pix.shape[:2], DOWNSAMPLED_CELLS ** 2)
+    return cells.flatten(2).transpose(1, 2).view(*pix.shape[:2], DOWNSAMPLED_CELLS ** 2, 3)
+
+
+def _downsampled_loss(pred, pix, bits):
+    classes = quantize(_cells(pix), bits)
     pred = pred.view(*classes.shape, -1)
     return F.cross_entropy(pred.flatten(0, 2), classes.flatten()), pred.argmax(-1), classes
+
+
+def _channel_levels(pred, bits):
+    """The channels head's output (B, K, 16 * 3 * 2^bits) -> logits (B, K, 16, 3, 2^bits)."""
+    return pred.view(*pred.shape[:2], DOWNSAMPLED_CELLS ** 2, 3, 2 ** bits)
+
+
+def _downsampled_channels_loss(pred, pix, bits):
+    """Each cell's channels as separate level classes; the accuracy scores the joint colour class."""
+    cells = _cells(pix)
+    levels = color_levels(cells, bits)
+    logits = _channel_levels(pred, bits)
+    guess = logits.argmax(-1)
+    joint = (guess[..., 0] << 2 * bits) | (guess[..., 1] << bits) | guess[..., 2]
+    return F.cross_entropy(logits.flatten(0, 3), levels.flatten()), joint, quantize(cells, bits)
 
 
 def _color_histogram_loss(pred, pix, bits):
@@ -162,6 +187,10 @@ TARGETS: dict[str, Target] = {
         outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * colors, loss=_downsampled_loss,
         colors=lambda pred, bits: class_colors(
             pred.view(*pred.shape[:2], DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)),
+    "downsampled_channels": Target(  # not the paper's: downsampled with each channel's level its own class
+        outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * 3 * 2 ** ((colors.bit_length() - 1) // 3),  # levels a channel
+        loss=_downsampled_channels_loss,
+        colors=lambda pred, bits: ((_channel_levels(pred, bits).argmax(-1).float() + 0.5) / 2 ** bits).mean(2)),
     "color_histogram": Target(  # not the paper's: the share of the patch's pixels in each colour class
         outputs=lambda colors, p: colors, loss=_color_histogram_loss, colors=_histogram_mean),
     "hog": Target(  # not the paper's (MaskFeat's): the patch's gradient-orientation histograms, L2

@@ -310,6 +310,22 @@ def test_downsampled_target_is_cell_mean_colour():
     assert (classes == (1 << 6) | (1 << 3) | 1).all()
 
 
+def test_downsampled_channels_classifies_each_channel_of_each_cell():
+    """The channels head scores the same cells as `downsampled`, a level per channel: logits that
+    pick every channel's true level make its guess the joint class, and its loss the least."""
+    torch.manual_seed(0)
+    pix = torch.rand(2, 3, 3, 8, 8, dtype=torch.float64)
+    target = TARGETS["downsampled_channels"]
+    assert target.outputs(512, 8) == 16 * 3 * 8 and target.outputs(2 ** 15, 8) == 16 * 3 * 32
+    _, _, joint = TARGETS["downsampled"].loss(torch.zeros(2, 3, 16 * 512), pix, 3)
+    cells = F.adaptive_avg_pool2d(pix.flatten(0, 1), 4).flatten(2).transpose(1, 2).reshape(2, 3, 16, 3)
+    right = F.one_hot((cells * 8).floor().long(), 8).float().flatten(2) * 20
+    loss, guess, true = target.loss(right, pix, 3)
+    assert torch.equal(true, joint) and torch.equal(guess, true)
+    assert loss.item() < 1e-6 < target.loss(right.roll(1, -1), pix, 3)[0].item()
+    torch.testing.assert_close(target.colors(right, 3), ((cells * 8).floor() + 0.5).float().mean(2) / 8)
+
+
 def test_color_histogram_target_is_the_share_of_each_pixel_colour():
     pix = torch.zeros(1, 2, 3, 4, 4, dtype=torch.float64)
     pix[0, 0, 0, :, :2] = 0.8125  # patch 0: half its pixels red (class 6 << 6), half black (class 0)
