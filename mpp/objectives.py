@@ -43,16 +43,20 @@ def patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape(B, (H // p) * (W // p), C, p, p)
 
 
-def color_levels(colors: torch.Tensor, bits: int = 3) -> torch.Tensor:
+def _color_levels(colors: torch.Tensor, bits: int) -> torch.Tensor:
     """Each channel's level, min(floor(value * 2**bits), 2**bits - 1), values clamped to [0, 1]."""
     return (colors * 2 ** bits).floor().clamp(0, 2 ** bits - 1).long()
+
+
+def _pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """Channel levels (..., 3) -> colour class (r << 2*bits) | (g << bits) | b."""
+    return (levels[..., 0] << 2 * bits) | (levels[..., 1] << bits) | levels[..., 2]
 
 
 def quantize(colors: torch.Tensor, bits: int = 3) -> torch.Tensor:
     """Colours (..., 3) in [0, 1] -> class (r << 2*bits) | (g << bits) | b, with per channel
     level = min(floor(value * 2**bits), 2**bits - 1) (values outside [0, 1] are clamped)."""
-    levels = color_levels(colors, bits)
-    return (levels[..., 0] << 2 * bits) | (levels[..., 1] << bits) | levels[..., 2]
+    return _pack(_color_levels(colors, bits), bits)
 
 
 def _exact(x: torch.Tensor) -> torch.Tensor:
@@ -124,12 +128,9 @@ def _channel_levels(pred, bits):
 
 def _downsampled_channels_loss(pred, pix, bits):
     """Each cell's channels as separate level classes; the accuracy scores the joint colour class."""
-    cells = _cells(pix)
-    levels = color_levels(cells, bits)
+    levels = _color_levels(_cells(pix), bits)
     logits = _channel_levels(pred, bits)
-    guess = logits.argmax(-1)
-    joint = (guess[..., 0] << 2 * bits) | (guess[..., 1] << bits) | guess[..., 2]
-    return F.cross_entropy(logits.flatten(0, 3), levels.flatten()), joint, quantize(cells, bits)
+    return F.cross_entropy(logits.flatten(0, 3), levels.flatten()), _pack(logits.argmax(-1), bits), _pack(levels, bits)
 
 
 def _color_histogram_loss(pred, pix, bits):
@@ -190,7 +191,7 @@ TARGETS: dict[str, Target] = {
     "downsampled_channels": Target(  # not the paper's: downsampled with each channel's level its own class
         outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * 3 * 2 ** ((colors.bit_length() - 1) // 3),  # levels a channel
         loss=_downsampled_channels_loss,
-        colors=lambda pred, bits: ((_channel_levels(pred, bits).argmax(-1).float() + 0.5) / 2 ** bits).mean(2)),
+        colors=lambda pred, bits: class_colors(_pack(_channel_levels(pred, bits).argmax(-1), bits), bits).mean(2)),
     "color_histogram": Target(  # not the paper's: the share of the patch's pixels in each colour class
         outputs=lambda colors, p: colors, loss=_color_histogram_loss, colors=_histogram_mean),
     "hog": Target(  # not the paper's (MaskFeat's): the patch's gradient-orientation histograms, L2
