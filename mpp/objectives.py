@@ -72,11 +72,15 @@ def mean_color_targets(images01: torch.Tensor, patch_size: int, bits: int = 3) -
         return quantize(_exact(patches(images01, patch_size)).mean((-1, -2)), bits)
 
 
+def _level_centres(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """Channel levels -> the centres of their value ranges in [0, 1]."""
+    return (levels.float() + 0.5) / 2 ** bits
+
+
 def class_colors(classes: torch.Tensor, bits: int) -> torch.Tensor:
     """Colour classes (as `quantize` makes them) -> the centres of their levels (..., 3) in [0, 1]."""
     m = 2 ** bits - 1
-    levels = torch.stack([(classes >> 2 * bits) & m, (classes >> bits) & m, classes & m], -1)
-    return (levels.float() + 0.5) / 2 ** bits
+    return _level_centres(torch.stack([(classes >> 2 * bits) & m, (classes >> bits) & m, classes & m], -1), bits)
 
 
 # ---- MPP targets: each is one `Target` in TARGETS (config's mpp.target choices come from it)
@@ -191,7 +195,7 @@ TARGETS: dict[str, Target] = {
     "downsampled_channels": Target(  # not the paper's: downsampled with each channel's level its own class
         outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * 3 * 2 ** ((colors.bit_length() - 1) // 3),  # levels a channel
         loss=_downsampled_channels_loss,
-        colors=lambda pred, bits: class_colors(_pack(_channel_levels(pred, bits).argmax(-1), bits), bits).mean(2)),
+        colors=lambda pred, bits: _level_centres(_channel_levels(pred, bits).argmax(-1), bits).mean(2)),
     "color_histogram": Target(  # not the paper's: the share of the patch's pixels in each colour class
         outputs=lambda colors, p: colors, loss=_color_histogram_loss, colors=_histogram_mean),
     "hog": Target(  # not the paper's (MaskFeat's): the patch's gradient-orientation histograms, L2
