@@ -141,8 +141,11 @@ def head_l2(outs: list[Path], rank: int = 0, pool: str | None = None) -> list[st
     """The override that gives a final fine-tune the starting head's L2 (finetune.head_l2) that the
     sweep stage ranked `rank` chose on its development split for representation `pool` (default:
     its own), so that the finals choose nothing on their training labels, most of which a
-    supervised pre-training fitted; none where that stage fitted no probe head for it."""
+    supervised pre-training fitted; none where that stage fitted no probe head for it, nor where its
+    head started at zero (finetune.pool=auto then fits a probe only to choose the representation)."""
     m = _ranked(outs)[rank][1]
+    if m.get("head_init", "probe") != "probe":
+        return []
     pool = pool or m.get("pool")
     l2 = (m.get("pool_head_l2") or {}).get(pool) or (m.get("head_probe_l2") if pool == m.get("pool") else None)
     return [f"finetune.head_l2={l2!r}"] if l2 else []  # repr: the float itself, to the last digit

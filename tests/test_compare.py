@@ -451,6 +451,11 @@ def test_a_chosen_head_l2_reaches_the_finals_to_the_last_digit(tmp_path):
     assert load_config(None, head_l2([out]) + ["finetune.head_init=probe"]).finetune.head_l2 == 1 / 30000
     (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg"}))
     assert head_l2([out]) == [] and head_l2([out], pool="token") == []
+    # a zero head with finetune.pool=auto: the probe chose the representation only, and the finals,
+    # whose config refuses a head L2 without head_init=probe, get none
+    (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg", "head_init": "zero",
+                                                  "pool_head_l2": {"avg": 1e-4, "token": 1e-3}}))
+    assert head_l2([out]) == [] and head_l2([out], pool="token") == []
 
 
 def test_an_exact_tie_is_broken_alike_by_the_comparison_and_the_report(tmp_path):
