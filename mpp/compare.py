@@ -259,16 +259,29 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     return stages
 
 
+def data_key(spec) -> str:
+    """One spelling of a data spec, from its text alone (the comparison plans before it shards the
+    data): local paths (`file:` ones too) absolute and normalised, a shard directory and its
+    manifest.json alike, so that two configs naming the same shards in other words withhold alike."""
+    def one(s):
+        if not isinstance(s, str) or not s or s.startswith("pipe:") or ("://" in s and not s.startswith("file:")):
+            return s
+        path = os.path.normpath(os.path.abspath(re.sub(r"^file:(//)?", "", s)))
+        return path.removesuffix(os.sep + "manifest.json")
+    spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
+    return json.dumps([one(s) for s in spec] if isinstance(spec, (list, tuple)) else one(spec))
+
+
 def _dev_splits(cfg: CompareConfig) -> set[tuple]:
-    """(data.train as JSON, label_fraction, split_seed, dev_fraction) of every development split the
-    fine-tune sweeps draw, as their configs resolve; none without a sweep. A config that does not
-    load raises its ConfigError."""
+    """(data.train's `data_key`, label_fraction, split_seed, dev_fraction) of every development split
+    the fine-tune sweeps draw, as their configs resolve; none without a sweep. A config that does
+    not load raises its ConfigError."""
     common, splits = as_list(cfg.overrides), set()
     for frac in cfg.label_fractions:
         for point in grid_points(cfg.sweep) if cfg.sweep else []:
             f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, []) + [
                 f"finetune.label_fraction={frac}"] + point + [f"finetune.dev_fraction={cfg.dev_fraction}"])
-            splits.add((json.dumps(f.data.train), f.finetune.label_fraction, f.finetune.split_seed,
+            splits.add((data_key(f.data.train), f.finetune.label_fraction, f.finetune.split_seed,
                         f.finetune.dev_fraction))
     return splits
 
@@ -283,7 +296,7 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     `validate`, which names its stage."""
     try:
         train = load_config(pretrain_config, as_list(cfg.overrides) + as_list(cfg.pretrain_overrides)).data.train
-        splits = sorted(s[1:] for s in _dev_splits(cfg) if s[0] == json.dumps(train))
+        splits = sorted(s[1:] for s in _dev_splits(cfg) if s[0] == data_key(train))
     except ConfigError:
         return []
     return [f"data.withhold={[list(s) for s in splits]}".replace(" ", "")] if splits else []
@@ -298,7 +311,7 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
     does not load is left to `validate`."""
     try:
         train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
-        splits = sorted(s[2:] for s in _dev_splits(cfg) if s[0] == json.dumps(train) and s[1] == 1.0)
+        splits = sorted(s[2:] for s in _dev_splits(cfg) if s[0] == data_key(train) and s[1] == 1.0)
     except ConfigError:
         return []
     return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []

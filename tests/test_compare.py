@@ -575,16 +575,21 @@ def _cfg(tmp_path, compare_extra: str = "", overrides=()):
                                               compare_extra=compare_extra), list(overrides))
 
 
-def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(tmp_path):
-    """A pre-training on the fine-tunes' training set leaves out every development split their
-    sweeps choose on (one per label fraction); one on other data, or a comparison without a
-    sweep, withholds nothing."""
+def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(tmp_path, monkeypatch):
+    """A pre-training on the fine-tunes' training set, however its path is spelled, leaves out every
+    development split their sweeps choose on (one per label fraction); one on other data, or a
+    comparison without a sweep, withholds nothing."""
     def withheld(stages):
         return [[o for o in s.overrides if o.startswith("data.withhold=")] for s in stages if s.tool == "pretrain"]
     path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
     assert withheld(plan(load_compare_config(path))) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2
     other = load_compare_config(path, [f"pretrain_overrides=[data.train={tmp_path / 'other'}]"])
     assert withheld(plan(other)) == [[], []]
+    # the same shards in other words (their manifest, a path relative to here, a file: URL) withhold alike
+    monkeypatch.chdir(tmp_path)
+    for spelled in (tmp_path / "data" / "train" / "manifest.json", "./data/train/", f"file:{tmp_path}/data//train"):
+        same = load_compare_config(path, [f"pretrain_overrides=[data.train={spelled}]"])
+        assert withheld(plan(same)) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2, spelled
     assert withheld(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[], []]
 
 
