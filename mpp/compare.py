@@ -28,7 +28,8 @@ Each stage runs as its own process (so a crash loses one stage, memory is freed 
 and `launcher` can be `torchrun --nproc_per_node N`); a stage whose `metrics.json` exists is
 skipped, so running the comparison again resumes it, unless the settings it ran with (its
 `config.yaml`) are not the ones planned now: a changed config is an error, not a silently reused
-result (keys of speed and logging alone, mpp.config.RESULT_NEUTRAL, may differ); nor is a probe
+result (keys of speed and logging alone, mpp.config.RESULT_NEUTRAL, may differ), and so is an
+interrupted stage's checkpoint of other settings, which it would train on from; nor is a probe
 or fine-tune reused whose encoder has been trained again since (its metrics.json records the
 sha256 of the encoder it started from). Every stage config is resolved and validated before the
 first stage starts.
@@ -344,28 +345,38 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             raise ConfigError(f"compare config key '{key}': {e}") from None
 
 
-def check_unchanged(stage: Stage) -> None:
-    """A finished stage must have run with the settings planned now (its run-time choices read from
-    the finished stages before it); else resuming would report a result of other settings. Its
-    config.yaml is read through the schema (a key added since takes its default, as it did then),
-    output_dir is the stage's folder however spelled, and two paths to the same file are equal.
-    Keys of speed and logging alone (mpp.config.RESULT_NEUTRAL: data.cache_mb, train.log_every,
-    train.ckpt_every, train.keep_ckpts, train.resume, train.image_every, probe.cache_dir) may differ."""
+def check_unchanged(stage: Stage, finished: bool = True) -> None:
+    """A finished stage (or, `finished` False, an interrupted one about to resume from its
+    checkpoint) must have run with the settings planned now (its run-time choices read from the
+    finished stages before it); else resuming would report a result of other settings, or train on
+    from weights trained with them. Its config.yaml is read through the schema (a key added since
+    takes its default, as it did then), output_dir is the stage's folder however spelled, and two
+    paths to the same file are equal. Keys of speed and logging alone (mpp.config.RESULT_NEUTRAL:
+    data.cache_mb, train.log_every, train.ckpt_every, train.keep_ckpts, train.resume,
+    train.image_every, probe.cache_dir) may differ."""
+    state = "finished" if finished else "was interrupted"
     try:
         data = yaml.safe_load((stage.out / "config.yaml").read_text()) or {}
         saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
     except (OSError, yaml.YAMLError, ConfigError):
         saved = None
     if saved is None:
-        raise ConfigError(f"stage '{stage.name}': {stage.out} has a metrics.json but no config.yaml this mpp can "
-                          f"read, so what it ran is unknown; delete {stage.out} to run it again")
+        raise ConfigError(f"stage '{stage.name}': {stage.out} has a {'metrics.json' if finished else 'checkpoint'} "
+                          f"but no config.yaml this mpp can read, so what it ran is unknown; delete {stage.out} "
+                          "to run it again")
     now = flatten(to_dict(load_config(stage.config, stage.args())))
     changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
                if k != "output_dir" and k not in RESULT_NEUTRAL and not _same(saved.get(k), now.get(k))]
     if changed:
-        raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} with other settings ("
+        raise ConfigError(f"stage '{stage.name}' {state} earlier in {stage.out} with other settings ("
                           f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "
                           "the stages that used it to run them with these, or set another output_dir")
+
+
+def _checkpointed(out: Path) -> bool:
+    """Whether an interrupted stage left a checkpoint that its `train.resume=auto` would train on from."""
+    from mpp.checkpoint import list_checkpoints  # here: it imports torch, planning does not
+    return bool(list_checkpoints(out / "checkpoints"))
 
 
 def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
@@ -518,6 +529,8 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if s.when and not s.when.holds():
             print(f"[{i}/{total}] {s.name}: not needed (it runs only if {s.when.what})", flush=True)
             continue
+        if _checkpointed(s.out):  # it would resume from weights trained with the settings it ran with
+            check_unchanged(s, finished=False)
         t0 = time.time()
         cmd = s.command(launcher)
         chosen = [o for c in s.choices for o in c.pick()]

@@ -593,6 +593,22 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
     assert withheld(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[], []]
 
 
+def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):
+    """A stage stopped after a checkpoint, whose planned settings have changed since (here its
+    steps), is refused before it resumes: its weights were trained with the old settings."""
+    import yaml
+
+    from mpp.checkpoint import checkpoint_name
+    path = _write_configs(tmp_path, tmp_path / "data")
+    stage = plan(load_compare_config(path))[0]
+    saved = to_dict(load_config(stage.config, stage.args()))
+    (stage.out / "checkpoints" / checkpoint_name(1)).mkdir(parents=True)
+    (stage.out / "config.yaml").write_text(yaml.safe_dump({**saved, "steps": saved["steps"] + 1}))
+    with pytest.raises(ConfigError, match=f"'{stage.name}' was interrupted earlier .*steps: {saved['steps'] + 1} -> "):
+        run(load_compare_config(path))
+    assert not (stage.out / "metrics.json").exists()
+
+
 def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     """Every linear probe (scratch's too) chooses its representation on the development split of the
     100%-label fine-tunes, the one the pre-trainings withhold; without a sweep or a 100%-label
