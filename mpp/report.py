@@ -149,6 +149,12 @@ def _pool(run: dict) -> str | None:
     return run["metrics"].get("pool", pool) if pool == "auto" and run["evaluated_on"] == "dev" else pool
 
 
+def _dev_rank(run: dict) -> tuple:
+    """A development-split run's place: the best top-1 first, an exact tie as mpp.compare._ranked
+    breaks it (by folder name)."""
+    return -_accuracy(run["metrics"], "top1", run["dir"]), Path(run["dir"]).name
+
+
 def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -> tuple[list[dict], list[list[dict]]]:
     """A cell's final runs grouped by their values of the swept keys and their representation: the
     group whose values and representation scored best on the development split is the cell (the
@@ -170,7 +176,7 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
         return finals, []
     rank: dict = {}  # best dev top-1 first; an exact tie as the comparison breaks it (mpp.compare._ranked)
     for r in dev_runs:
-        k, mine = key(r), (-_accuracy(r["metrics"], "top1", r["dir"]), Path(r["dir"]).name)
+        k, mine = key(r), _dev_rank(r)
         rank[k] = min(rank.get(k, mine), mine)
     by_values: dict = {}  # the values alone: their finals through another representation come next
     for (values, _), mine in rank.items():
@@ -201,15 +207,18 @@ def _retrained(group: list[dict], varied: list[str], cell: list[dict]) -> dict:
 def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrained: list[dict]) -> dict:
     """The sweep of one cell: each dev run's values of the swept keys and its dev top-1, the values
     (plus finetune.pool and head_init) the final runs used, how finetune.pool=auto chose the pool
-    (`pool_choice`), the chosen value's lead, and the other values that were retrained on all the
-    labels (`retrained`)."""
+    (`pool_choice`: the best dev run's, whose choice decides the comparison's other-representation
+    retrain), the chosen value's lead, and the other values that were retrained on all the labels
+    (`retrained`)."""
     final = flatten(finals[0]["config"]) if finals else {}
     dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
     chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
-    made = next(filter(None, (pool_choice(r["metrics"]) for r in [*dev_runs, *finals]
+    # the best dev run first, ranked as mpp.compare._ranked does: its choice is the one the comparison read
+    ranked = sorted(dev_runs, key=_dev_rank)
+    made = next(filter(None, (pool_choice(r["metrics"]) for r in [*ranked, *finals]
                               if r["metrics"].get("pool") == chosen.get("finetune.pool"))), None)
     return {"dev": dev, "chosen": chosen, "pool_choice": made,
             "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),

@@ -609,6 +609,32 @@ def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):
     assert not (stage.out / "metrics.json").exists()
 
 
+def test_the_report_reads_the_representation_choice_of_the_best_sweep_stage(tmp_path):
+    """Two sweep stages of one representation recorded different choices of it (a swept key that
+    changes the probe's fit): the report shows the best stage's, which the comparison acted on."""
+    import yaml
+
+    from mpp.report import write_report
+    labels, cell = np.arange(500) % 10, tmp_path / "finetune_scratch_10pct"
+    for lr, top1, token in ((0.003, 0.40, 0.30), (0.03, 0.45, 0.10)):  # the better stage sorts last by name
+        out = cell / f"sweep_lr{lr}"
+        out.mkdir(parents=True)
+        (out / "config.yaml").write_text(yaml.safe_dump({"objective": "classify", "optim": {"lr": lr}, "finetune": {
+            "init": "none", "label_fraction": 0.1, "dev_fraction": 0.1, "pool": "auto"}}))
+        hits = np.arange(500) < int(top1 * 500)
+        (out / "metrics.json").write_text(json.dumps({
+            "top1": top1, "evaluated_on": "dev", "pool": "avg", "outcomes": outcomes.record(hits, labels),
+            "pool_dev_top1": {"avg": 0.35, "token": token}}))
+    for seed in (0, 1):
+        out = cell / f"seed{seed}"
+        out.mkdir()
+        (out / "config.yaml").write_text(yaml.safe_dump({"objective": "classify", "seed": seed, "optim": {"lr": 0.03},
+                                                         "finetune": {"init": "none", "label_fraction": 0.1, "pool": "avg"}}))
+        (out / "metrics.json").write_text(json.dumps({"top1": 0.4, "evaluated_on": "val", "pool": "avg"}))
+    recipe = write_report(sorted(cell.iterdir()), tmp_path)["recipes"]["scratch"]["0.1"]
+    assert recipe["chosen"]["optim.lr"] == 0.03 and recipe["pool_choice"]["top1"]["token"] == 0.10
+
+
 def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     """Every linear probe (scratch's too) chooses its representation on the development split of the
     100%-label fine-tunes, the one the pre-trainings withhold; without a sweep or a 100%-label
