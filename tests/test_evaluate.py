@@ -633,3 +633,35 @@ def test_fewshot_bias_column_matters_with_unbalanced_shots():
     got = fewshot_correct(x[keep], y[keep], xt, yt, 4, 1.0)
     assert np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0))
     assert not np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0, bias=False))  # it matters here
+
+
+def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):
+    """A test set with a corrupt image and a corrupt shard: the classify evaluation scores every
+    readable image exactly once (no repeated batch filling the rank's short tail) and records the
+    images it could not score by kind."""
+    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
+    from shardutil import write_shards
+    manifest, source = write_shards(tmp_path / "test", [6, 6],
+                                    extra=lambda s, j: {"png": b"junk"} if (s, j) == (0, 2) else {})
+    tar = tmp_path / "test" / "000001.tar"  # a malformed header: that whole shard is lost
+    data = bytearray(tar.read_bytes())
+    data[100] ^= 0xFF  # its first header
+    tar.write_bytes(bytes(data))
+    cfg = build_config({"model": "vit_micro4_32", "objective": "classify", "batch_size": 4,
+                        "data": {"train": manifest, "val": manifest, "num_workers": 0, "eval_crop_pct": 1.0}})
+    seen = []
+
+    class Classifier(torch.nn.Module):  # remembers the images it was given
+        def __init__(self):
+            super().__init__()
+            self.encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+
+        def logits(self, images):
+            seen.extend(img.tobytes() for img in images.permute(0, 2, 3, 1).numpy())
+            return torch.zeros(len(images), 3)
+
+    m = ClassifyEvaluator(cfg, "cpu").run(Classifier())
+    readable = {px.tobytes() for key, (_, px) in source.items() if key.startswith("s0_") and key != "s0_2"}
+    assert len(seen) == len(set(seen)) == m["val_samples"] < 12 and readable <= set(seen)
+    assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1}
+    assert "padded" not in m["val_skipped_samples"]

@@ -68,12 +68,11 @@ def test_bad_samples_skipped_and_counted(tmp_path, caplog):
                          data_cfg=DataConfig(num_workers=2, eval_crop_pct=1.0, max_pixels=1000))
     for epoch in (0, 1):
         batches = list(loader.epoch(epoch))
-        assert len(batches) == loader.batches_per_epoch
+        assert len(batches) < loader.batches_per_epoch  # the evaluation ends short: it repeats nothing
     table = {px.tobytes(): key for key, (_, px) in source.items()}
     keys = [table[img.permute(1, 2, 0).numpy().tobytes()] for b in batches for img in b["image"]]
     good = {k for k in source if not k.startswith(("s1_", "s2_"))} | {f"s1_{j}" for j in (6, 7)}
-    padded = loader.counters().get("padded", 0) // 2
-    assert good <= set(keys) and len(keys) - padded == len(set(keys))
+    assert good <= set(keys) and len(keys) == len(set(keys)) and "padded" not in loader.counters()
     assert {k for k in keys if k.startswith("s2_")} < {f"s2_{j}" for j in range(8)}
     c = loader.counters()
     assert (c["corrupt_image"], c["missing_image"], c["bad_label"], c["truncated_tar"]) == (6, 2, 4, 2)
@@ -94,8 +93,8 @@ def test_unreadable_shard_url_counted(tmp_path):
     loader = make_loader([f"pipe:cat {tmp_path}/000000.tar", f"pipe:cat {tmp_path}/missing.tar"],
                          batch_size=5, img_size=8, train=False, labeled=True, num_samples=10,
                          data_cfg=DataConfig(num_workers=0))
-    batches = list(loader.epoch(0))
-    assert len(batches) == 2 and loader.counters()["unreadable_shard"] == 1
+    batches = list(loader.epoch(0))  # an evaluation: the readable shard's 5 images, none twice
+    assert [len(b["image"]) for b in batches] == [5] and loader.counters() == {"unreadable_shard": 1}
 
 
 def test_manifest_cannot_run_commands(tmp_path):

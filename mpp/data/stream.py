@@ -25,7 +25,9 @@ computation on every rank and worker):
    worker batch that already has the planned size is passed through untouched. If a rank still
    runs dry (a truncated or unreadable shard, counts that were only estimated), its last batch is
    repeated (counted as `padded`); a surplus beyond its count is `dropped`. So no rank ever waits
-   for another at an epoch end.
+   for another at an epoch end. An evaluation loader (`train=False`) repeats nothing, since a
+   repeat would score its images twice: it ends short, its skips counted, and its evaluator
+   scores the images it read.
 Resampled mode: each worker draws shards with replacement, forever; the epoch ends after K batches
 of the fixed `data.epoch_samples / world_size` samples per rank.
 `epoch(e, start_batch=k)` replays epoch e and discards its first k batches, so resuming yields
@@ -421,10 +423,12 @@ class ShardLoader:
                 if have >= k - i:
                     size = first_batch(have, k - i, self.batch_size)
                 elif have > 0:
-                    size = have  # the leftovers, then repeats of them
+                    size = have  # the leftovers, then (training only) repeats of them
                 elif last is None:
                     raise DataError(f"rank {self.rank} decoded no samples in epoch {epoch}: all were "
                                     f"skipped ({self.counters()}); check the shards")
+                elif not self.stream.train:  # an evaluation scores each image once
+                    return
                 else:
                     self._count("padded", len(last["image"]))
                     yield last

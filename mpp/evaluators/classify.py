@@ -2,7 +2,8 @@
 `finetune.dev_fraction` > 0 on the development split held out of the training labels
 (`evaluated_on` says which). Every rank evaluates its own part; the counts are summed over ranks.
 Each evaluation also records which images it got right (mpp.outcomes), gathered in rank order,
-so the gap report can show the noise of the test images and of the choice made on the development split.
+so the gap report can show the noise of the test images and of the choice made on the development split,
+and the images it could not score (`val_skipped_samples`, by kind: each image is scored once at most).
 """
 from __future__ import annotations
 
@@ -57,7 +58,13 @@ class Evaluator:
         top5 = reduce(top5_hits.round(), "sum").item()
         # every rank takes part in the gather, also one that had no batch
         mine = [torch.cat(x).cpu().numpy() if x else np.zeros(0, np.int64) for x in (hits, seen)]
-        correct, labels = (np.concatenate(p) for p in zip(*gather_object([mine])))  # rank order
+        ranks = gather_object([(mine, loader.counters())])  # rank order
+        correct, labels = (np.concatenate(p) for p in zip(*(m for m, _ in ranks)))
+        skipped: dict[str, int] = {}  # images it could not score (corrupt or lost shard data), by kind
+        for _, counts in ranks:
+            for kind, k in counts.items():
+                skipped[kind] = skipped.get(kind, 0) + k
         n = len(correct)
         return {"top1": float(correct.sum()) / max(n, 1), "top5": top5 / max(n, 1), "val_samples": n,
-                "evaluated_on": "dev" if dev else "val", "outcomes": outcomes.record(correct, labels)}
+                "val_skipped_samples": skipped, "evaluated_on": "dev" if dev else "val",
+                "outcomes": outcomes.record(correct, labels)}
