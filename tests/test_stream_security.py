@@ -132,3 +132,23 @@ def test_manifest_cannot_run_commands(tmp_path):
     user = make_loader([f"pipe:cat {shard}"], batch_size=3, img_size=8, train=False, labeled=False,
                        data_cfg=DataConfig(num_workers=0), num_samples=3)
     assert sum(len(b["image"]) for b in user.epoch(0)) == 3
+
+
+def test_resampled_shards_that_never_decode_fail_instead_of_hanging(tmp_path):
+    """Resampled mode draws shards forever: where none gives a sample that decodes (here every shard
+    is random bytes), the loader raises a DataError instead of waiting for its first batch forever;
+    one readable shard among bad ones keeps it going."""
+    import pytest
+
+    from mpp.data.decode import DataError
+    for i in range(2):
+        (tmp_path / f"bad{i}.tar").write_bytes(os.urandom(4096))
+    data = DataConfig(num_workers=0, resampled=True, epoch_samples=8, shuffle_buffer=0)
+    loader = make_loader(str(tmp_path / "bad{0..1}.tar"), batch_size=4, img_size=8, train=True, labeled=True,
+                         data_cfg=data, num_samples=8)
+    with pytest.raises(DataError, match="shard draws in a row gave no sample that decodes.*corrupt_tar"):
+        next(iter(loader.epoch(0)))
+    write_shards(tmp_path / "good", [4])
+    mixed = [str(tmp_path / "good" / "000000.tar")] + [str(tmp_path / f"bad{i}.tar") for i in range(2)]
+    loader = make_loader(mixed, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=data, num_samples=8)
+    assert [len(b["image"]) for b in loader.epoch(0)] == [4, 4] and loader.counters()["corrupt_tar"] > 0

@@ -29,7 +29,9 @@ computation on every rank and worker):
    repeat would score its images twice: it ends short, its skips counted, and its evaluator
    scores the images it read.
 Resampled mode: each worker draws shards with replacement, forever; the epoch ends after K batches
-of the fixed `data.epoch_samples / world_size` samples per rank.
+of the fixed `data.epoch_samples / world_size` samples per rank. A worker whose draws stop giving
+samples that decode (100 + 10 per shard + the shuffle buffer's size of them in a row) raises a
+DataError rather than wait forever.
 `epoch(e, start_batch=k)` replays epoch e and discards its first k batches, so resuming yields
 exactly what an uninterrupted epoch would (the run is deterministic given seed, epoch, rank and
 worker count: the loader takes an epoch's worker batches in the round-robin order of a fresh
@@ -123,6 +125,10 @@ class _ShardStream(IterableDataset):
         # raw samples by shard id, kept by each persistent worker across epochs (see _keep)
         self.cache: dict[int, list[dict]] | None = {} if cache_bytes > 0 else None
         self.cache_limit, self.cache_bytes = cache_bytes, 0
+        # resampled mode draws forever: shard draws since a sample last decoded, and how many in a
+        # row mean that none will (every shard corrupt, unreadable or without labels), an error then
+        # instead of a run that waits forever for its first batch
+        self.dry, self.dry_limit = 0, 100 + 10 * len(shards.urls) + shuffle_buffer
 
     def plan(self, epoch: int) -> _EpochPlan:
         return _EpochPlan(self.shards, epoch, seed=self.seed, train=self.train, rank=self.rank,
@@ -137,6 +143,11 @@ class _ShardStream(IterableDataset):
     def _raw(self, epoch: int, worker: int, skips: dict) -> Iterator[dict]:
         rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:order")
         for s in self._shard_ids(epoch, worker, rng):
+            if self.resampled:
+                self.dry += 1
+                if self.dry > self.dry_limit:
+                    raise DataError(f"{self.dry_limit} shard draws in a row gave no sample that decodes ({skips}); "
+                                    "check the shards")
             if self.cache is not None and s in self.cache:
                 yield from self.cache[s]
                 continue
@@ -202,6 +213,7 @@ class _ShardStream(IterableDataset):
                                    max_pixels=self.max_pixels, skips=skips)
                 images += got[0]
                 labels += got[1]
+                self.dry = 0 if got[0] else self.dry
                 if len(images) == self.batch_size:
                     yield self._batch(images, labels, worker, epoch, skips)
                     images, labels, sent = [], [], sent + 1
