@@ -112,7 +112,8 @@ def test_manifest_cannot_run_commands(tmp_path):
     canary = tmp_path / "ran.txt"
     shard = str(tmp_path / "shards" / "000000.tar")
     for field, name in (("shard", f"pipe:touch {canary}; cat {shard}"), ("labels", f"pipe:touch {canary}"),
-                        ("shard", f"gs://bucket/{shard}"), ("shard", "PIPE:true")):
+                        ("shard", f"gs://bucket/{shard}"), ("shard", "PIPE:true"),
+                        ("shard", f" gs://bucket/{shard}"), ("shard", f"\tscp://host/{shard}")):
         m = json.loads(json.dumps(good))
         if field == "shard":
             m["shards"][0]["name"] = name

@@ -118,10 +118,11 @@ def _check_sizes(manifest: str, shards: ShardSet, sizes: list[int | None]) -> No
 
 
 def _check_manifest_name(manifest: str, name) -> None:
-    """A manifest names files, never commands: a plain path or an http(s)/file URL."""
+    """A manifest names files, never commands: a plain path or an http(s)/file URL, without the
+    surrounding spaces or control characters that URL parsers strip before reading the scheme."""
     scheme = SCHEME.match(name) if isinstance(name, str) else None
-    if not isinstance(name, str) or not name or "\0" in name or (
-            scheme and scheme.group(1).lower() not in MANIFEST_SCHEMES):
+    if not isinstance(name, str) or not name or name != name.strip() or any(c < " " or c == "\x7f" for c in name) \
+            or (scheme and scheme.group(1).lower() not in MANIFEST_SCHEMES):
         raise DataError(f"manifest '{manifest}' names {name!r}: a manifest may name only paths and "
                         f"{'/'.join(MANIFEST_SCHEMES)} URLs, never a command; if you trust a pipe: "
                         "source, write it in data.train yourself")
