@@ -220,6 +220,17 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     monkeypatch.setattr(mpp.evaluators.features, "code_version", lambda: "other code")  # an upgrade
     extract_features(enc_a, shards["test"], **kw)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 5
+    # another count of data workers orders the images otherwise: its own entry
+    extract_features(enc_a, shards["test"], **{**kw, "cfg": _cfg(shards, tmp_path / "run", data={"num_workers": 2})})
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 6
+    # the same shards named as file: URLs are the same files (a hit), fingerprinted by size and
+    # mtime too: rewritten, they miss
+    urls = [f"file:{p}" for p in sorted(Path(shards["test"]).parent.glob("*.tar"))]
+    extract_features(enc_a, urls, **kw, num_samples=80)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 6
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    extract_features(enc_a, urls, **kw, num_samples=80)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 7
 
 
 def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path, monkeypatch):

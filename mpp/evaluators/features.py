@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from mpp.config import Config
 from mpp.data import make_loader, normalize, to_float01
-from mpp.data.sources import resolve
+from mpp.data.sources import local_path, resolve
 from mpp.fileio import atomic_path
 from mpp.models import POOLS
 from mpp.runtime import autocast
@@ -98,7 +98,7 @@ def _data_fingerprint(spec, num_samples: int) -> list:
     shards = resolve(spec, num_samples)
     out = []
     for url, count in zip(shards.urls, shards.counts):
-        p = Path(url)
+        p = Path(local_path(url) or url)  # a file: URL is a local file too
         out.append([str(p.resolve()), count, p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [url, count])
     return out
 
@@ -119,12 +119,14 @@ def read_cached(path: Path, read: Callable[[Path], T]) -> T | None:
 def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
                       precision: str, subset: tuple | None = None) -> str:
     """Hash of everything the features depend on: architecture, weights, data (and the subset of
-    it), transform, pooling, precision, code."""
+    it), transform, pooling, precision, code, and the data workers' count, which orders the images
+    (and with them a probe's held-out split and few-shot draws)."""
     d = cfg.data
     key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder), code=code_version(),
                data=_data_fingerprint(spec, num_samples), subset=list(subset) if subset else None,
                img_size=img_size, pools=list(pools), precision=precision,
-               mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels)
+               mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels,
+               num_workers=d.num_workers)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
