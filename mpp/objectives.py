@@ -224,7 +224,9 @@ def sample_corruption(B: int, N: int, ratio: float = 0.5, mask: float = 0.8, ran
         raise ValueError(f"mpp.ratio={ratio} chooses {K} of {N} patches; it must choose at least one")
     if random > 0 and N < 2:
         raise ValueError("mpp.random > 0 needs at least 2 patches per image (a random OTHER patch)")
-    shares = [f * K / (mask + random + keep) for f in (mask, random, keep)]
+    # rounded: a sum like 0.7 + 0.2 + 0.1 = 0.9999999999999999 would leave a whole share (7) a hair
+    # above itself, and a draw of u = 0 would then give it one patch more than its ceiling
+    shares = [round(f * K / (mask + random + keep), 9) for f in (mask, random, keep)]
     base = [math.floor(s) for s in shares]
     cum = [0.0]
     for s, b in zip(shares, base):

@@ -66,6 +66,18 @@ def test_corruption_exact_counts_per_image(N, ratio):
         assert ((count == math.floor(frac * K)) | (count == math.ceil(frac * K))).all()
 
 
+@pytest.mark.parametrize("u", [0.0, 1 - 2 ** -24])  # the ends of torch.rand's range
+def test_corruption_counts_hold_at_the_ends_of_the_leftover_draw(monkeypatch, u):
+    """Fractions whose sum is not exactly 1 in floating point (0.7 + 0.2 + 0.1) still give each
+    part the floor or ceiling of its share when the leftover draw lands on an end of its range."""
+    real = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.full(size, u) if size[-1] == 1 else real(*size, **kw))
+    c = sample_corruption(4, 20, 0.5, 0.7, 0.2, 0.1)
+    swapped = c.src != torch.arange(20)
+    kept = c.chosen & ~c.masked & ~swapped
+    assert (c.masked.sum(1) == 7).all() and (swapped.sum(1) == 2).all() and (kept.sum(1) == 1).all()
+
+
 def test_corruption_split_over_many_draws():
     g = torch.Generator().manual_seed(1)
     c = sample_corruption(4000, 64, 0.5, 0.8, 0.1, 0.1, generator=g)
