@@ -598,6 +598,13 @@ def render_markdown(rep: dict) -> str:
                    f"lead {_lead_cell(pool['lead'])})" if pool else "")
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
+    if rep.get("skipped"):
+        lines += ["", "## Data skipped", "",
+                  "These runs trained or were scored on fewer samples than their data holds (corrupt or "
+                  "unreadable data, by kind; training's `padded` samples were repeated to fill a rank):", ""]
+        lines += [f"- `{d}`: " + "; ".join(f"{'evaluation' if k.startswith('val_') else 'training'} "
+                                           + ", ".join(f"{kind} {n}" for kind, n in sorted(v.items()))
+                                           for k, v in skipped.items()) for d, skipped in rep["skipped"].items()]
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
     other = {d: "representation" if x["kind"] == "pool" else "value"
              for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}
@@ -731,6 +738,12 @@ def _previous_repeats(out: Path) -> list[dict]:
     return [read_repeat(out / d) for d in across["repeats"]]
 
 
+def _skipped(metrics: dict) -> dict:
+    """What a run could not use, by kind: samples its training skipped, repeated or dropped
+    (`skipped_samples`) and images its evaluation could not score (`val_skipped_samples`)."""
+    return {k: metrics[k] for k in ("skipped_samples", "val_skipped_samples") if metrics.get(k)}
+
+
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                  repeats: list[dict] | None = None) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
@@ -744,6 +757,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     rep = collect(runs)
     rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction", "seed", "evaluated_on")}
                    for r in runs]
+    rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
     if repeats is None:
         repeats = _previous_repeats(out)

@@ -82,6 +82,21 @@ def test_paper_figures_give_a_third(tmp_path):
     assert (tmp_path / "out" / "report.png").stat().st_size > 1000
 
 
+def test_data_a_run_could_not_use_is_reported(tmp_path):
+    """A run that skipped training samples or test images says so in the report; clean runs add nothing."""
+    runs = _paper_runs(tmp_path / "runs")
+    assert write_report(runs, tmp_path / "clean")["skipped"] == {}
+    assert "Data skipped" not in (tmp_path / "clean" / "report.md").read_text()
+    m = json.loads((runs[2] / "metrics.json").read_text())
+    (runs[2] / "metrics.json").write_text(json.dumps({**m, "skipped_samples": {"corrupt_image": 3},
+                                                      "val_skipped_samples": {"corrupt_tar": 1}}))
+    rep = write_report(runs, tmp_path / "out")
+    assert rep["skipped"] == {str(runs[2]): {"skipped_samples": {"corrupt_image": 3},
+                                             "val_skipped_samples": {"corrupt_tar": 1}}}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"- `{runs[2]}`: training corrupt_image 3; evaluation corrupt_tar 1" in md
+
+
 def test_undefined_share_is_explained():
     assert derive(0.5, 0.6, 0.5)["recovered_share"] is None
     assert "does not beat scratch" in derive(0.5, 0.6, 0.5)["note"]
