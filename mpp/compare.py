@@ -56,12 +56,14 @@ from typing import Callable
 import yaml
 
 from mpp import outcomes
-from mpp.config import (RESULT_NEUTRAL, CompareConfig, ConfigError, as_list, build_config, flatten, load_config,
-                        parse_overrides, to_dict)
+from mpp.config import (RESULT_NEUTRAL, CompareConfig, Config, ConfigError, as_list, build_config, flatten,
+                        load_config, parse_overrides, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
+from mpp.tools.finetune import DEFAULTS as FINETUNE_DEFAULTS
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
+TOOL_DEFAULTS = {"finetune": FINETUNE_DEFAULTS}  # the overrides a tool applies before its arguments
 
 
 @dataclass
@@ -100,6 +102,11 @@ class Stage:
 
     def command(self, launcher: list[str], resolved: bool = True) -> list[str]:
         return launcher + ["-m", f"{TOOLS}.{self.tool}", "--config", self.config] + self.args(resolved)
+
+    def settings(self, resolved: bool = True) -> Config:
+        """The config its tool will run with: the tool's own defaults (mpp-finetune's objective=classify)
+        under the stage's arguments."""
+        return load_config(self.config, TOOL_DEFAULTS.get(self.tool, []) + self.args(resolved))
 
 
 def _value(v) -> str:
@@ -280,7 +287,7 @@ def _dev_splits(cfg: CompareConfig) -> set[tuple]:
     common, splits = as_list(cfg.overrides), set()
     for frac in cfg.label_fractions:
         for point in grid_points(cfg.sweep) if cfg.sweep else []:
-            f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, []) + [
+            f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, []) + [
                 f"finetune.label_fraction={frac}"] + point + [f"finetune.dev_fraction={cfg.dev_fraction}"])
             splits.add((data_key(f.data.train), f.finetune.label_fraction, f.finetune.split_seed,
                         f.finetune.dev_fraction))
@@ -323,14 +330,25 @@ STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": 
 
 
 def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
-    """Resolve every stage config now, so a bad key fails before hours of work, and check that each
-    probe and fine-tune normalises its inputs as its encoder's pre-training did."""
+    """Resolve every stage config now as its tool will (mpp-finetune's defaults included), so a bad
+    key fails before hours of work; check that each pre-training trains its arm's objective, that
+    each fine-tune has test images, and that each probe and fine-tune normalises its inputs as its
+    encoder's pre-training did."""
     resolved = {}
     for s in stages:
         try:
-            resolved[s.out] = load_config(s.config, s.args(resolved=False))
+            resolved[s.out] = s.settings(resolved=False)
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
+    for s in stages:  # each stage trains what its arm needs, and a fine-tune has test images
+        c, need = resolved[s.out], {"pretrain": s.arm, "finetune": "classify"}.get(s.tool)
+        if need and c.objective != need:
+            raise ConfigError(f"stage '{s.name}' ({s.config}) resolves to objective={c.objective}, not {need}; give "
+                              f"the compare config's '{s.arm if s.tool == 'pretrain' else 'finetune'}' a config of "
+                              f"objective {need}, and no objective= in its overrides")
+        if s.tool == "finetune" and not c.data.val:
+            raise ConfigError(f"stage '{s.name}' ({s.config}) has no data.val, the test images its final fine-tunes "
+                              "are scored on; set data.val")
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None
@@ -364,7 +382,7 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
         raise ConfigError(f"stage '{stage.name}': {stage.out} has a {'metrics.json' if finished else 'checkpoint'} "
                           f"but no config.yaml this mpp can read, so what it ran is unknown; delete {stage.out} "
                           "to run it again")
-    now = flatten(to_dict(load_config(stage.config, stage.args())))
+    now = flatten(to_dict(stage.settings()))
     changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
                if k != "output_dir" and k not in RESULT_NEUTRAL and not _same(saved.get(k), now.get(k))]
     if changed:
@@ -389,7 +407,7 @@ def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
         return
     from mpp.models import encoder_digest, encoder_file  # here: mpp.models imports torch, planning does not
     key, recorded = STARTS_FROM[stage.tool]
-    path = flatten(to_dict(load_config(stage.config, stage.args())))[key]
+    path = flatten(to_dict(stage.settings()))[key]
     if path == "none":  # a random init
         return
     metrics = _metrics(stage.out)

@@ -201,6 +201,32 @@ def test_a_stage_normalising_otherwise_than_its_encoder_fails_before_any_work(tm
         validate(cfg, plan(cfg))
 
 
+def test_stages_are_resolved_as_their_tools_run_them_and_checked_for_their_arm(tmp_path):
+    """A fine-tune config without `objective:` runs as mpp-finetune runs it (objective=classify),
+    so validation and a resume's check see what ran; a pre-training config of the other arm, or
+    fine-tunes without test images, fail before any work."""
+    import yaml
+    path = _write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP)
+    plain = yaml.safe_load((ROOT / "configs/synthetic_finetune.yaml").read_text())
+    plain.pop("objective", None)
+    (tmp_path / "finetune.yaml").write_text(yaml.safe_dump(plain))
+    cfg = load_compare_config(path, [f"finetune={tmp_path / 'finetune.yaml'}"])
+    stages = plan(cfg)
+    validate(cfg, stages)
+    ft = next(s for s in stages if s.tool == "finetune")
+    assert ft.settings().objective == "classify"
+    ft.out.mkdir(parents=True)  # as the tool wrote it: a resume finds its settings unchanged
+    (ft.out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(ft.config, ["objective=classify",
+                                                                                      *ft.args()]))))
+    check_unchanged(ft)
+    swapped = load_compare_config(path, [f"supervised={ROOT / 'configs/synthetic_mpp.yaml'}"])
+    with pytest.raises(ConfigError, match="stage 'pre-train supervised'.*objective=mpp, not supervised"):
+        validate(swapped, plan(swapped))
+    untested = load_compare_config(path, ["overrides=[data.val=]"])
+    with pytest.raises(ConfigError, match="stage 'fine-tune .* has no data.val"):
+        validate(untested, plan(untested))
+
+
 def test_a_sweep_override_replaces_the_grid(tmp_path):
     """`sweep=...` on the command line is the whole grid (it was merged into the file's: both keys
     swept; sweep={} could not clear it); `sweep.KEY=...` sets one key's values."""

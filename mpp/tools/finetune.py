@@ -17,9 +17,12 @@ from __future__ import annotations
 from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
 
 
+DEFAULTS = ["objective=classify"]  # before the user's overrides; mpp.compare resolves its stages with them too
+
+
 @one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config_args(__doc__, argv, defaults=["objective=classify"])
+    cfg = parse_config_args(__doc__, argv, defaults=DEFAULTS)
     from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
     from mpp.train import train
     train(cfg)
