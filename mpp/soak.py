@@ -52,13 +52,15 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         ps, start = psutil.Process(proc.pid), time.time()
         life = min(rng.uniform(*kill_after), seconds - (start - t0))
-        while proc.poll() is None and time.time() - start < life:
-            samples.append((time.time() - t0, _tree_rss(ps)))
-            time.sleep(0.5)
-        killed = proc.poll() is None
-        if killed:
-            os.killpg(proc.pid, signal.SIGKILL)  # the run and its data workers (its own session)
-        proc.wait()
+        try:
+            while proc.poll() is None and time.time() - start < life:
+                samples.append((time.time() - t0, _tree_rss(ps)))
+                time.sleep(0.5)
+        finally:  # also when the soak itself is stopped (Ctrl-C): its run, in a session of its own, goes too
+            killed = proc.poll() is None
+            if killed:
+                os.killpg(proc.pid, signal.SIGKILL)  # the run and its data workers
+            proc.wait()
         text = log.read_text(errors="replace")
         reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
         resumed = RESUMED.search(text)

@@ -49,3 +49,29 @@ def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
         main([str(tmp_path), "--minutes", "0"])
     assert e.value.code == f"error: 1 of 3 soak runs failed; the first, run1, said: error: the disk is full " \
                           f"(see {tmp_path / 'run1.log'})"
+
+
+def test_a_stopped_soak_takes_its_run_with_it(tmp_path, monkeypatch):
+    """Ctrl-C in the soak kills the run it started (in a session of its own, so the terminal's
+    signal does not reach it) instead of leaving it to train on, holding its directory's lock."""
+    import subprocess
+    import sys
+    import time
+    import types
+
+    import psutil
+    (tmp_path / "data/train").mkdir(parents=True)
+    (tmp_path / "data/train/manifest.json").write_text("{}")  # the soak makes no data
+    started = []
+
+    def popen(cmd, **kw):  # a stand-in for the run, started the soak's way
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        return started[-1]
+
+    def interrupt(_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mpp.soak, "subprocess", types.SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr(mpp.soak, "time", types.SimpleNamespace(time=time.time, sleep=interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        mpp.soak.soak(tmp_path, 60, (30, 40), [])
+    assert started and started[0].poll() is not None and not psutil.pid_exists(started[0].pid)
