@@ -68,14 +68,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def checkpoint_name(step: int) -> str:
-    """The folder name of checkpoint `step`; names sort as their steps do."""
+    """The folder name of checkpoint `step` (`list_checkpoints` sorts them by step)."""
     return f"{PREFIX}{step:07d}"
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (directories only: a `step_*` file is not one)."""
     root = Path(root)
-    return sorted(p for p in root.glob(PREFIX + "*") if p.is_dir()) if root.is_dir() else []
+    # by length, then name: zero-padded to 7 digits, past step 9,999,999 the names grow a digit
+    return sorted((p for p in root.glob(PREFIX + "*") if p.is_dir()), key=lambda p: (len(p.name), p.name)) \
+        if root.is_dir() else []
 
 
 def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Module,

@@ -227,3 +227,11 @@ def test_a_run_that_diverged_exports_nothing_and_fails(run, tmp_path):
     with pytest.raises(NonFiniteError, match="the last 3 steps had a non-finite"):
         train(load_config(None, items(data, out, **{"optim.lr": 1e30, "optim.clip_grad": 0})))
     assert not (out / "encoder.safetensors").exists() and not (out / "metrics.json").exists()
+
+
+def test_checkpoints_sort_by_step_past_seven_digits(tmp_path):
+    """Names are zero-padded to 7 digits: step 10,000,000 is the newest, not step 9,999,500."""
+    from mpp.checkpoint import checkpoint_name, list_checkpoints
+    for step in (10_000_000, 9_999_500, 500):
+        (tmp_path / checkpoint_name(step)).mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000500", "step_9999500", "step_10000000"]
