@@ -51,3 +51,11 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write `data` (text or bytes) to `path` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def save_figure(fig, path: str | Path, **kw) -> None:
+    """A matplotlib figure as a PNG, through `atomic_path`, then closed."""
+    import matplotlib.pyplot as plt  # here: only what draws figures loads matplotlib
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", **kw)
+    plt.close(fig)

@@ -41,7 +41,7 @@ import yaml
 
 from mpp import outcomes
 from mpp.config import flatten
-from mpp.fileio import write_atomic
+from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
 
 FAMILIES = ("supervised", "mpp", "scratch")
@@ -673,8 +673,7 @@ def plot(rep: dict, path: Path) -> None:
                  fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 FIGURES = {"attention_distance.png": "mean attention distance per head and layer",

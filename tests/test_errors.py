@@ -412,3 +412,21 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def test_a_figure_that_fails_to_draw_leaves_the_old_one(tmp_path):
+    """Figures are written through a temporary file: one cut off mid-write (here an error in
+    matplotlib) leaves the previous figure whole, and nothing beside it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mpp.fileio import save_figure
+    fig = plt.figure()
+    save_figure(fig, tmp_path / "f.png")
+    old = (tmp_path / "f.png").read_bytes()
+    fig = plt.figure()
+    fig.text(0.5, 0.5, "$\\frac{$")  # mathtext that fails while drawing
+    with pytest.raises(ValueError):
+        save_figure(fig, tmp_path / "f.png")
+    assert (tmp_path / "f.png").read_bytes() == old and old.startswith(b"\x89PNG") and os.listdir(tmp_path) == ["f.png"]

@@ -25,6 +25,7 @@ from mpp.figures.attention import attention_distance_sums, patch_distances, reco
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
 from mpp.figures.predictions import load_mpp_task, predict, prediction_grid
+from mpp.fileio import write_atomic
 from mpp.models import MaskedEncoder, create_encoder, load_encoder, read_model_json
 from mpp.objectives import MPPTask
 
@@ -142,7 +143,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     plots.attention_distance(distances, patch, out / "attention_distance.png")
     plots.position_similarity(sims, grids, out / "position_similarity.png")
     plots.filters(comps, out / "filters.png")
-    (out / "inspect.json").write_text(json.dumps(numbers, indent=1) + "\n")
+    write_atomic(out / "inspect.json", json.dumps(numbers, indent=1) + "\n")  # last: the comparison's "figures done"
     return numbers
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mpp.fileio import save_figure
+
 
 def _pyplot():
     import matplotlib
@@ -44,8 +46,7 @@ def attention_distance(distances: dict[str, torch.Tensor], patch_size: dict[str,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(n, 3))  # below: clear of the points
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def position_similarity(sims: dict[str, torch.Tensor], grids: dict[str, tuple[int, int]], path: Path) -> None:
@@ -64,8 +65,7 @@ def position_similarity(sims: dict[str, torch.Tensor], grids: dict[str, tuple[in
         ax.set_yticks([(r + 0.5) * (gh + 1) - 1 for r in range(gh)], range(1, gh + 1), fontsize=6)
     fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03, label="cosine similarity")
     fig.suptitle("Position embedding similarity")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> None:
@@ -82,8 +82,7 @@ def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> N
         ax.axis("off")
     fig.suptitle("RGB embedding filters (first principal components)")
     fig.tight_layout(w_pad=3.0)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def predictions(grid: torch.Tensor, name: str, accuracy: float, path: Path) -> None:
@@ -103,5 +102,4 @@ def predictions(grid: torch.Tensor, name: str, accuracy: float, path: Path) -> N
     ax.set_title(f"{name}: MPP predictions on the chosen patches ({100 * accuracy:.0f}% in the true colour class)",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
