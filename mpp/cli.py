@@ -28,15 +28,24 @@ class ArgumentParser(argparse.ArgumentParser):
         _fail(f"{self.prog}: {message} (see --help)", 2)
 
 
-def count(text: str) -> int:
-    """argparse type of a count that must be >= 1 (a bad one is a usage error, exit 2)."""
+def _at_least(text: str, least: int) -> int:
     try:
         n = int(text)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        n = least - 1
+    if n < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
     return n
+
+
+def count(text: str) -> int:
+    """argparse type of a count that must be >= 1 (a bad one is a usage error, exit 2)."""
+    return _at_least(text, 1)
+
+
+def whole(text: str) -> int:
+    """argparse type of a count that may be 0 (a bad one is a usage error, exit 2)."""
+    return _at_least(text, 0)
 
 
 def parse_config_args(description: str, argv: list[str] | None = None, defaults: list[str] | None = None) -> Config:

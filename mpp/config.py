@@ -394,10 +394,15 @@ def load_yaml(path: str | Path, whole: tuple = (), _seen: tuple = ()) -> dict:
         where = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
         raise ConfigError(f"config file '{path}' does not exist{where}; see configs/ for the shipped ones")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          "give a YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read ({e.strerror}); check its permissions") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
     base = data.pop("base", None)
