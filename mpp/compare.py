@@ -57,7 +57,7 @@ import yaml
 
 from mpp import outcomes
 from mpp.config import (RESULT_NEUTRAL, CompareConfig, Config, ConfigError, as_list, build_config, flatten,
-                        load_config, parse_overrides, to_dict)
+                        load_config, parse_overrides, read_yaml, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
 from mpp.tools.finetune import DEFAULTS as FINETUNE_DEFAULTS
@@ -374,7 +374,7 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
     train.image_every, probe.cache_dir) may differ."""
     state = "finished" if finished else "was interrupted"
     try:
-        data = yaml.safe_load((stage.out / "config.yaml").read_text()) or {}
+        data = read_yaml((stage.out / "config.yaml").read_text()) or {}
         saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
     except (OSError, yaml.YAMLError, ConfigError):
         saved = None

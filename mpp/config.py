@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,8 +259,31 @@ def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     return keys
 
 
+class YamlLoader(yaml.SafeLoader):
+    """YAML with YAML 1.2's core schema for plain scalars: true and false are the only booleans and
+    numbers are written in decimal (or 0x / 0o), so that no, off, 010, 12:30 or 1_000 stay the text
+    written, where YAML 1.1 reads false, false, 8, 750 and 1000 (an output_dir=010 went to '8'), and
+    1e-3 is a number. Configs, overrides and the config.yaml of every run are read with it."""
+
+
+_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float")}
+YamlLoader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in _TAGS]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _rx, _first in (
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("int", r"^[-+]?(?:0|[1-9][0-9]*)$|^0o[0-7]+$|^0x[0-9a-fA-F]+$", "-+0123456789"),
+        ("float", r"^[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?$|^[-+]?[0-9]+[eE][-+]?[0-9]+$"
+                  r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$", "-+0123456789.")):
+    YamlLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_rx), list(_first))
+
+
+def read_yaml(text) -> Any:
+    """`text` (a string or an open file) parsed with `YamlLoader`."""
+    return yaml.load(text, Loader=YamlLoader)
+
+
 def _as_number(value: Any) -> Any:
-    """`value` as a float when it is a string that reads as one (YAML 1.1 reads 1e-3 as a string)."""
+    """`value` as a float when it is a string that reads as one (e.g. a leading zero: 010)."""
     if isinstance(value, str):
         try:
             return float(value)
@@ -297,7 +321,7 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             value[0] = _whole(value[0])
     if kind == "bool" and isinstance(value, bool):
         return value
-    if kind == "str" and value is False:  # YAML 1.1 reads `no` (as in train.precision=no) as false
+    if kind == "str" and value is False:  # train.precision=false: off, as train.precision=no
         return "no"
     if not isinstance(value, bool):
         if kind == "int" and isinstance(value, (int, float)) and float(value).is_integer():
@@ -359,7 +383,9 @@ def parse_overrides(overrides: list[str]) -> dict:
             raise ConfigError(f"override '{item}' is not key=value (e.g. steps=100 or mpp.ratio=0.4)")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = read_yaml(raw) if raw != "" else ""
+            if isinstance(value, str) and not raw.lstrip().startswith(("'", '"')):
+                value = raw.strip()  # all of it: a '#' in an override's value begins no comment
         except yaml.YAMLError:
             value = raw
         node = out
@@ -395,7 +421,7 @@ def load_yaml(path: str | Path, whole: tuple = (), _seen: tuple = ()) -> dict:
         raise ConfigError(f"config file '{path}' does not exist{where}; see configs/ for the shipped ones")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = read_yaml(f) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {' '.join(str(e).split())}") from None
     except UnicodeDecodeError as e:

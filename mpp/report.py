@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from mpp import outcomes
-from mpp.config import flatten
+from mpp.config import flatten, read_yaml
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
 
@@ -73,7 +73,7 @@ def _read_config(run_dir: Path) -> dict:
         raise ReportError(f"{path} is missing; every run directory needs its resolved config.yaml")
     try:
         with open(path) as f:  # a stream names the file in the parser's message
-            cfg = yaml.safe_load(f) or {}
+            cfg = read_yaml(f) or {}
     except yaml.YAMLError as e:
         raise ReportError(f"{path} is not valid YAML ({' '.join(str(e).split())}); rerun that step") from None
     if not isinstance(cfg, dict):

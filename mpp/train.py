@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from mpp import evaluators, rundir
 from mpp.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
-from mpp.config import RESULT_NEUTRAL, Config, ConfigError, save_config, to_dict
+from mpp.config import RESULT_NEUTRAL, Config, ConfigError, read_yaml, save_config, to_dict
 from mpp.data import make_loader
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
@@ -169,7 +169,7 @@ def setup(cfg: Config) -> Run:
     if resume:
         _check_origin(out, state.get("origin", {}), origin)
     if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
-        _warn_changes(yaml.safe_load((out / "config.yaml").read_text()), to_dict(cfg))
+        _warn_changes(read_yaml((out / "config.yaml").read_text()), to_dict(cfg))
     begin_s = 0.0
     if not resume:
         t = time.time()

@@ -27,7 +27,7 @@ def test_auto_on_cuda_and_other_devices(monkeypatch):
 
 
 def test_precision_config_values():
-    assert load_config(None, ["train.precision=no"]).train.precision == "no"  # YAML reads `no` as false
+    assert load_config(None, ["train.precision=no"]).train.precision == "no"  # YAML 1.1 would read false
     assert load_config(None, []).train.precision == "auto"
     with pytest.raises(ConfigError, match="train.precision"):
         load_config(None, ["train.precision=fp8"])
