@@ -132,6 +132,13 @@ def setup(cfg: Config) -> Run:
     if cfg.batch_size % (world * accum):
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by processes x train.grad_accum = "
                           f"{world} x {accum}; choose a multiple of {world * accum}")
+    # lock the run directory before the heavy set-up: a directory another run holds, or one that
+    # train.resume=none may not reuse, stops the run before it loads encoders and data
+    if accelerator.is_main_process:
+        if cfg.train.resume == "none":
+            rundir.check_fresh(out)
+        rundir.lock(out)
+    accelerator.wait_for_everyone()
     # evaluators check their settings and data now, on every rank; they run on the main process
     periodic = evaluators.periodic(cfg, device)
     final = evaluators.create(objective.final_eval, cfg, device) if objective.final_eval else None
@@ -153,13 +160,8 @@ def setup(cfg: Config) -> Run:
     scheduler = create_scheduler(cfg, optimizer, steps)
     model, optimizer = accelerator.prepare(task, optimizer)  # not the loader: it splits by rank itself
 
-    # lock the run directory; resume from the newest checkpoint that loads, or seed this rank's own
-    # RNG stream (corruption, drop path)
-    if accelerator.is_main_process:
-        if cfg.train.resume == "none":
-            rundir.check_fresh(out)
-        rundir.lock(out)
-    accelerator.wait_for_everyone()
+    # resume from the newest checkpoint that loads, or seed this rank's own RNG stream (corruption,
+    # drop path)
     resume, state = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
     if state.get("step", 0) > steps:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "

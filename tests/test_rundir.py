@@ -213,8 +213,14 @@ def test_a_lock_released_while_another_run_locks_has_one_holder(tmp_path, monkey
     assert str(out) not in rundir._held
 
 
-def test_resume_none_refuses_an_earlier_run(run, tmp_path):
+def test_resume_none_refuses_an_earlier_run(run, tmp_path, monkeypatch):
+    """Before the heavy set-up: no encoder or data is loaded for a run the directory refuses."""
+    import mpp.train
     data, done = run
+
+    def no_loader(*a, **k):
+        raise AssertionError("the data was loaded before the run directory was checked")
+    monkeypatch.setattr(mpp.train, "make_loader", no_loader)
     with pytest.raises(ConfigError, match="holds an earlier run .*step_0000004"):
         train(load_config(None, items(data, done, **{"train.resume": "none"})))
 
