@@ -41,7 +41,8 @@ def resolve_precision(precision: str, device_type: str) -> str:
     if precision != "auto":
         return precision
     if device_type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        # native bf16 only (Ampere on): older GPUs emulate it, far slower than their fp16
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if device_type == "cpu" and cpu_has_bf16() else "no"
 
 

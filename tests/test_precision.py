@@ -19,9 +19,11 @@ def test_auto_on_cpu_follows_native_bf16(monkeypatch, native, expected):
 
 
 def test_auto_on_cuda_and_other_devices(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert runtime.resolve_precision("auto", "cuda") == "fp16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    def supported(native):  # a GPU with native bf16 (Ampere on), or one that only emulates it
+        return lambda including_emulation=True: native or including_emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported(False))
+    assert runtime.resolve_precision("auto", "cuda") == "fp16"  # emulated bf16 is far slower than fp16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported(True))
     assert runtime.resolve_precision("auto", "cuda") == "bf16"
     assert runtime.resolve_precision("auto", "mps") == "no"
 
