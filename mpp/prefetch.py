@@ -6,8 +6,8 @@ the loader's host work: receiving worker batches, re-chunking them, pinning. On 
 copies each batch into pinned memory (which frees the loader's shared-memory slot at once) and
 sends it, still uint8 (a quarter of float32's bytes; normalisation runs on the device, in the
 Task), with a non-blocking copy on a side stream; the consumer's stream waits on that batch's copy
-only when it uses the batch (an event, not a host sync). Elsewhere batches pass through
-unchanged: the same look-ahead, no copies. The order of the batches is the source's. `counted` is
+only when it uses the batch (an event, not a host sync). On the CPU batches pass through
+unchanged: the same look-ahead, no copies; another accelerator (mps, xpu) gets a plain copy. The order of the batches is the source's. `counted` is
 the loader's `counters` as they stood when the batch last handed out was read, before the
 look-ahead: skip counts that a checkpoint records must not include a batch the resumed run will
 read again. An error of the source is raised by the `next` that would have returned its batch.
@@ -47,8 +47,8 @@ class _Reader:
         self.stop = threading.Event()
 
     def _stage(self, batch: dict) -> tuple[dict, torch.cuda.Event | None]:
-        if self.stream is None:
-            return batch, None
+        if self.stream is None:  # the CPU's batches as they are; another accelerator's (mps, xpu) copied
+            return (batch if self.device.type == "cpu" else {k: v.to(self.device) for k, v in batch.items()}), None
         with torch.cuda.stream(self.stream):
             batch = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
             return batch, self.stream.record_event()

@@ -42,6 +42,15 @@ def test_prefetcher_reads_depth_batches_ahead_on_a_thread_and_keeps_order():
     batches.close()
 
 
+def test_batches_reach_another_accelerator_on_it():
+    """Devices without CUDA streams (mps, xpu; here the meta device stands in) get each batch on
+    the device, in order, not the host's tensors."""
+    batches = DevicePrefetcher(_source(3, []), "meta")
+    got = list(batches)
+    assert len(got) == 3 and all(v.device.type == "meta" for b in got for v in b.values())
+    assert got[0]["image"].shape == (2, 3, 4, 4) and got[0]["image"].dtype == torch.uint8
+
+
 def test_counted_is_the_counters_when_the_handed_out_batch_was_read():
     pulled: list[int] = []
     batches = DevicePrefetcher(_source(4, pulled), "cpu", counters=lambda: {"read": len(pulled)})
