@@ -287,8 +287,9 @@ def _dev_splits(cfg: CompareConfig) -> set[tuple]:
     common, splits = as_list(cfg.overrides), set()
     for frac in cfg.label_fractions:
         for point in grid_points(cfg.sweep) if cfg.sweep else []:
-            f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, []) + [
-                f"finetune.label_fraction={frac}"] + point + [f"finetune.dev_fraction={cfg.dev_fraction}"])
+            f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, [])
+                            + [f"finetune.label_fraction={frac}"] + point
+                            + [f"finetune.dev_fraction={cfg.dev_fraction}"])
             splits.add((data_key(f.data.train), f.finetune.label_fraction, f.finetune.split_seed,
                         f.finetune.dev_fraction))
     return splits

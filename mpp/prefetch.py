@@ -1,16 +1,17 @@
 """Input overlapped with compute: batches are fetched by a thread and reach the device ahead of use.
 
-`DevicePrefetcher` reads the host batches on a background thread, `depth` batches ahead of the
-step, so the main thread (which on a GPU spends its time queueing the step's kernels) never does
-the loader's host work: receiving worker batches, re-chunking them, pinning. On CUDA the thread
-copies each batch into pinned memory (which frees the loader's shared-memory slot at once) and
-sends it, still uint8 (a quarter of float32's bytes; normalisation runs on the device, in the
-Task), with a non-blocking copy on a side stream; the consumer's stream waits on that batch's copy
-only when it uses the batch (an event, not a host sync). On the CPU batches pass through
-unchanged: the same look-ahead, no copies; another accelerator (mps, xpu) gets a plain copy. The order of the batches is the source's. `counted` is
-the loader's `counters` as they stood when the batch last handed out was read, before the
-look-ahead: skip counts that a checkpoint records must not include a batch the resumed run will
-read again. An error of the source is raised by the `next` that would have returned its batch.
+`DevicePrefetcher` reads the host batches on a background thread, `depth` batches ahead of the step,
+so the main thread (which on a GPU spends its time queueing the step's kernels) never does the
+loader's host work: receiving worker batches, re-chunking them, pinning. On CUDA the thread copies
+each batch into pinned memory (which frees the loader's shared-memory slot at once) and sends it,
+still uint8 (a quarter of float32's bytes; normalisation runs on the device, in the Task), with a
+non-blocking copy on a side stream; the consumer's stream waits on that batch's copy only when it
+uses the batch (an event, not a host sync). On the CPU batches pass through unchanged: the same
+look-ahead, no copies; another accelerator (mps, xpu) gets a plain copy. The order of the batches is
+the source's. `counted` is the loader's `counters` as they stood when the batch last handed out was
+read, before the look-ahead: skip counts that a checkpoint records must not include a batch the
+resumed run will read again. An error of the source is raised by the `next` that would have returned
+its batch.
 """
 from __future__ import annotations
 

@@ -479,8 +479,8 @@ def test_a_chosen_head_l2_reaches_the_finals_to_the_last_digit(tmp_path):
     assert head_l2([out]) == [] and head_l2([out], pool="token") == []
     # a zero head with finetune.pool=auto: the probe chose the representation only, and the finals,
     # whose config refuses a head L2 without head_init=probe, get none
-    (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg", "head_init": "zero",
-                                                  "pool_head_l2": {"avg": 1e-4, "token": 1e-3}}))
+    (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg",
+                                                  "head_init": "zero", "pool_head_l2": {"avg": 1e-4, "token": 1e-3}}))
     assert head_l2([out]) == [] and head_l2([out], pool="token") == []
 
 
@@ -654,8 +654,9 @@ def test_the_report_reads_the_representation_choice_of_the_best_sweep_stage(tmp_
     for seed in (0, 1):
         out = cell / f"seed{seed}"
         out.mkdir()
-        (out / "config.yaml").write_text(yaml.safe_dump({"objective": "classify", "seed": seed, "optim": {"lr": 0.03},
-                                                         "finetune": {"init": "none", "label_fraction": 0.1, "pool": "avg"}}))
+        final = {"objective": "classify", "seed": seed, "optim": {"lr": 0.03},
+                 "finetune": {"init": "none", "label_fraction": 0.1, "pool": "avg"}}
+        (out / "config.yaml").write_text(yaml.safe_dump(final))
         (out / "metrics.json").write_text(json.dumps({"top1": 0.4, "evaluated_on": "val", "pool": "avg"}))
     recipe = write_report(sorted(cell.iterdir()), tmp_path)["recipes"]["scratch"]["0.1"]
     assert recipe["chosen"]["optim.lr"] == 0.03 and recipe["pool_choice"]["top1"]["token"] == 0.10
