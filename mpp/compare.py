@@ -56,14 +56,13 @@ from typing import Callable
 import yaml
 
 from mpp import outcomes
-from mpp.config import (RESULT_NEUTRAL, CompareConfig, Config, ConfigError, as_list, build_config, flatten,
-                        load_config, parse_overrides, read_yaml, to_dict)
+from mpp.config import (RESULT_NEUTRAL, TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, build_config,
+                        flatten, load_config, parse_overrides, read_yaml, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.tools.finetune import DEFAULTS as FINETUNE_DEFAULTS
+from mpp.specs import data_key
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
-TOOL_DEFAULTS = {"finetune": FINETUNE_DEFAULTS}  # the overrides a tool applies before its arguments
 
 
 @dataclass
@@ -265,19 +264,6 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
                                         root / f"finetune_{arm}_{pct}" / f"other_pool_seed{seed}", best + [other],
                                         when=when, pretrain_seed=pretrain_seed, arm=arm))
     return stages
-
-
-def data_key(spec) -> str:
-    """One spelling of a data spec, from its text alone (the comparison plans before it shards the
-    data): local paths (`file:` ones too) absolute and normalised, a shard directory and its
-    manifest.json alike, so that two configs naming the same shards in other words withhold alike."""
-    def one(s):
-        if not isinstance(s, str) or not s or s.startswith("pipe:") or ("://" in s and not s.startswith("file:")):
-            return s
-        path = os.path.normpath(os.path.abspath(re.sub(r"^file:(//)?", "", s)))
-        return path.removesuffix(os.sep + "manifest.json")
-    spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
-    return json.dumps([one(s) for s in spec] if isinstance(spec, (list, tuple)) else one(spec))
 
 
 def _dev_splits(cfg: CompareConfig) -> set[tuple]:

@@ -248,6 +248,10 @@ def _suggest(key: str, valid: list[str]) -> str:
     return f"did you mean '{near[0]}'?" if near else f"valid keys: {', '.join(valid)}"
 
 
+# the overrides a tool applies before its arguments (mpp.compare resolves its stages with them too)
+TOOL_DEFAULTS = {"finetune": ["objective=classify"]}
+
+
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     """All dotted keys of the schema, for error messages and --help."""
     keys = []

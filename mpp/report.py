@@ -602,9 +602,10 @@ def render_markdown(rep: dict) -> str:
         lines += ["", "## Data skipped", "",
                   "These runs trained or were scored on fewer samples than their data holds (corrupt or "
                   "unreadable data, by kind; training's `padded` samples were repeated to fill a rank):", ""]
-        lines += [f"- `{d}`: " + "; ".join(f"{'evaluation' if k.startswith('val_') else 'training'} "
-                                           + ", ".join(f"{kind} {n}" for kind, n in sorted(v.items()))
-                                           for k, v in skipped.items()) for d, skipped in rep["skipped"].items()]
+        for d, skipped in rep["skipped"].items():
+            parts = [f"{'evaluation' if k.startswith('val_') else 'training'} "
+                     + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) for k, counts in skipped.items()]
+            lines.append(f"- `{d}`: " + "; ".join(parts))
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
     other = {d: "representation" if x["kind"] == "pool" else "value"
              for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}

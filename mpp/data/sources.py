@@ -30,6 +30,7 @@ from webdataset.tariterators import base_plus_ext, url_opener
 
 from mpp.data.decode import DataError
 from mpp.data.tarstream import CorruptTar, TruncatedTar, tar_files
+from mpp.specs import is_url, local_path
 
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
 MANIFEST_SCHEMES = ("http", "https", "file")  # what a manifest may name besides plain paths
@@ -54,18 +55,6 @@ class ShardSet:
     @property
     def num_samples(self) -> int:
         return sum(self.counts)
-
-
-def _is_url(s: str) -> bool:
-    return "://" in s or s.startswith(("pipe:", "file:"))
-
-
-def local_path(url: str) -> str | None:
-    if url.startswith("file://"):
-        return url[len("file://"):]
-    if url.startswith("file:"):
-        return url[len("file:"):]
-    return None if _is_url(url) else url
 
 
 def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
@@ -130,7 +119,7 @@ def _check_manifest_name(manifest: str, name) -> None:
 
 def _beside(base: str, name: str) -> str:
     """A file named in a manifest: URLs and absolute paths as they are, others next to it."""
-    return name if (_is_url(name) or os.path.isabs(name)) else f"{base}/{name}"
+    return name if (is_url(name) or os.path.isabs(name)) else f"{base}/{name}"
 
 
 def resolve(spec, num_samples: int = 0) -> ShardSet:

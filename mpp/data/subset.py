@@ -22,7 +22,8 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
 from mpp.data.decode import DataError, read_label
-from mpp.data.sources import ShardSet, local_path, tar_members
+from mpp.data.sources import ShardSet, tar_members
+from mpp.specs import local_path
 
 LABEL_BYTES_PER_SAMPLE = 4096  # a [key, label] pair of the label index: a long key path at most
 

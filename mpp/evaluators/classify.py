@@ -7,6 +7,8 @@ and the images it could not score (`val_skipped_samples`, by kind: each image is
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 from accelerate import PartialState
@@ -60,11 +62,8 @@ class Evaluator:
         mine = [torch.cat(x).cpu().numpy() if x else np.zeros(0, np.int64) for x in (hits, seen)]
         ranks = gather_object([(mine, loader.counters())])  # rank order
         correct, labels = (np.concatenate(p) for p in zip(*(m for m, _ in ranks)))
-        skipped: dict[str, int] = {}  # images it could not score (corrupt or lost shard data), by kind
-        for _, counts in ranks:
-            for kind, k in counts.items():
-                skipped[kind] = skipped.get(kind, 0) + k
+        skipped = sum((Counter(counts) for _, counts in ranks), Counter())  # images it could not score, by kind
         n = len(correct)
         return {"top1": float(correct.sum()) / max(n, 1), "top5": top5 / max(n, 1), "val_samples": n,
-                "val_skipped_samples": skipped, "evaluated_on": "dev" if dev else "val",
+                "val_skipped_samples": dict(skipped), "evaluated_on": "dev" if dev else "val",
                 "outcomes": outcomes.record(correct, labels)}

@@ -20,10 +20,11 @@ from tqdm.auto import tqdm
 
 from mpp.config import Config
 from mpp.data import make_loader, normalize, to_float01
-from mpp.data.sources import local_path, resolve
+from mpp.data.sources import resolve
 from mpp.fileio import atomic_path
 from mpp.models import POOLS
 from mpp.runtime import autocast
+from mpp.specs import local_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

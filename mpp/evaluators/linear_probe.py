@@ -322,7 +322,7 @@ def run_linear_probe(cfg: Config) -> dict:
     encoder_path, out = cfg.probe.encoder, Path(cfg.output_dir)
     if not encoder_path:
         raise ConfigError("no encoder to probe: set probe.encoder to a pre-training run dir, its encoder.safetensors, "
-                         "or none (a randomly initialised model)")
+                          "or none (a randomly initialised model)")
     if str(encoder_path) != "none" and not Path(encoder_path).exists():
         raise ConfigError(f"probe.encoder={str(encoder_path)!r} does not exist; give a pre-training run directory, "
                           "its encoder.safetensors, or none (a randomly initialised model)")

@@ -1,0 +1,30 @@
+"""A data spec read as text, before any shard is opened (the comparison plans with it before it
+shards the data, and without importing torch): which names are local paths, and one spelling per
+set of shards."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def is_url(s: str) -> bool:
+    return "://" in s or s.startswith(("pipe:", "file:"))
+
+
+def local_path(url: str) -> str | None:
+    """The file a name means (a `file:` URL's too); None for any other URL."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if url.startswith("file:"):
+        return url[len("file:"):]
+    return None if is_url(url) else url
+
+
+def data_key(spec) -> str:
+    """One spelling of a data spec: local paths absolute and normalised, a shard directory and its
+    manifest.json alike, so that two configs naming the same shards in other words compare equal."""
+    def one(s):
+        local = local_path(s) if isinstance(s, str) and s else None
+        return s if local is None else os.path.normpath(os.path.abspath(local)).removesuffix(os.sep + "manifest.json")
+    spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
+    return json.dumps([one(s) for s in spec] if isinstance(spec, (list, tuple)) else one(spec))
