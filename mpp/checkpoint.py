@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from mpp.config import ConfigError
-from mpp.fileio import atomic_path
+from mpp.fileio import atomic_path, fsync
 from mpp.models import mismatched
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         elif final.exists():  # a stray file of a checkpoint's name
             final.unlink()
         tmp.rename(final)
+        fsync(root)  # the rename on the disk, not only its files
         # the newest `keep` up to this step; later ones (ones resume=auto skipped as damaged) are
         # neither counted nor removed, so they never push out the checkpoint just written
         for old in [c for c in list_checkpoints(root) if c.name <= final.name][:-keep]:

@@ -4,7 +4,9 @@ A reader (a resumed run, `compare.py` which treats `metrics.json` as "stage fini
 copying results) never sees half a file: the content goes to a temporary name in the same
 directory and is renamed over the target in one step. Files get mode 0666 minus the umask, like
 `open(..., "w")` (safetensors' and `tempfile`'s 0600 otherwise). A write that fails on a (nearly)
-full disk raises OSError(ENOSPC) whatever the writer raised, so the message can say so."""
+full disk raises OSError(ENOSPC) whatever the writer raised, so the message can say so. The content
+is flushed to the disk before the rename and the rename after it (`fsync`), so a power cut leaves
+the old file or the new one, never an empty one."""
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +32,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
+        fsync(tmp)
         os.replace(tmp, path)
+        fsync(path.parent)
     except Exception as e:
         if not (isinstance(e, OSError) and e.errno == errno.ENOSPC) and _nearly_full(path.parent):
             # writers report a full disk their own way (torch.save: "unexpected pos"); say what it is
@@ -38,6 +42,25 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync(path: str | Path) -> None:
+    """Flush a file's content, or a folder's entries (a rename in it), to the disk. Folders that
+    cannot be opened or flushed (Windows, some network filesystems) are left to the OS."""
+    is_dir = os.path.isdir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if is_dir:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not is_dir:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _nearly_full(directory: Path) -> bool:

@@ -241,3 +241,24 @@ def test_checkpoints_sort_by_step_past_seven_digits(tmp_path):
     for step in (10_000_000, 9_999_500, 500):
         (tmp_path / checkpoint_name(step)).mkdir()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000500", "step_9999500", "step_10000000"]
+
+
+def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
+    """Each checkpoint file is flushed before it is renamed into place and the checkpoints folder
+    after the checkpoint's rename: after a power cut resume=auto finds whole checkpoints."""
+    from accelerate import Accelerator
+    from mpp.checkpoint import save_checkpoint
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b)))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    final = save_checkpoint(Accelerator(cpu=True), tmp_path, 3, model, optimizer, scheduler, {})
+    assert sorted(p.name for p in final.iterdir()) == ["model.safetensors", "rng_0.pt", "state.pt"]
+    for name in ("model.safetensors", "rng_0.pt", "state.pt"):  # the content, then the rename, then the folder
+        put = next(i for i, (kind, p) in enumerate(events) if kind == "replace" and p.endswith(name))
+        assert events[put - 1][0] == "fsync" and Path(events[put - 1][1]).name.startswith(f".{name}.tmp")
+        assert events[put + 1] == ("fsync", str((tmp_path / f".tmp_{final.name}").resolve()))
+    assert events[-1] == ("fsync", str(tmp_path.resolve()))  # the checkpoint's own rename

@@ -326,6 +326,26 @@ def test_a_failed_overwrite_leaves_the_old_data_set(folder: Path, tmp_path: Path
     assert sorted(os.listdir(tmp_path)) == ["empty", "out", "src"]
 
 
+def test_shards_manifest_and_their_folder_reach_the_disk_before_the_data_set_counts(folder: Path, tmp_path: Path,
+                                                                                    monkeypatch):
+    """A power cut must not leave a manifest vouching for shards still in the page cache: every
+    shard and the manifest are flushed (fsync) before the manifest is renamed into place, and the
+    folder's entries after it, so a run reading the set after a crash reads the set written."""
+    events, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), rename(a, b)))
+    out = tmp_path / "out"
+    m = write_shards(folder, out, samples_per_shard=8, progress=False)
+    flushed = [Path(p).name for kind, p in events if kind == "fsync"]
+    assert {s["name"] for s in m["shards"]} | {".manifest.json.tmp%d" % os.getpid()} <= set(flushed)
+    manifest_in_place = events.index(("rename", str(out / "manifest.json")))
+    assert all(events.index(("fsync", p)) < manifest_in_place for kind, p in events if kind == "fsync"
+               and Path(p).name.endswith(".tar"))
+    assert events[-1] == ("fsync", str(out.resolve()))  # the renames into OUT, last
+
+
 def test_a_killed_writers_staging_folder_is_no_data_and_goes(folder: Path, tmp_path: Path):
     """kill -9 mid-write leaves the staging folder (no cleanup runs): the next write to OUT removes
     it, OUT with only it counts as empty, and a source that holds one gets no class for it."""

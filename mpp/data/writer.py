@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from mpp.config import DataConfig
 from mpp.data.sources import META
-from mpp.fileio import write_atomic
+from mpp.fileio import fsync, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ def _staged(out: Path) -> Iterator[Path]:
         yield work / "new"
         (work / "old").mkdir()
         _replace(out, work / "new", work / "old")
+        fsync(out)
         done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -234,6 +235,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                 writer.close()
         for shard in shards:  # what the reader checks the shards against (sources.check_shard_sizes)
             shard["bytes"] = (new / shard["name"]).stat().st_size
+            fsync(new / shard["name"])  # on the disk before the manifest that vouches for it
 
         report = {"count": len(skipped), "examples": skipped[:10]}
         if skipped:
