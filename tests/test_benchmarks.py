@@ -93,7 +93,7 @@ def test_probe_blocks_last_block_is_the_encoders_own_output(tmp_path, capsys):
     encoder = create_encoder("vit_micro4_32", attn="math")
     feats, labels = b.block_features(encoder, data, DataConfig())
     assert sorted(feats) == ["block1 avg", "block1 token", "block2 avg", "block2 token"] and len(labels) == 40
-    own, own_labels = extract_features(encoder, data, cfg=build_config({}), pools=("token", "avg"), progress=False,
+    own, own_labels, _ = extract_features(encoder, data, cfg=build_config({}), pools=("token", "avg"), progress=False,
                                        precision="no")  # block_features runs in fp32; auto is bf16 on bf16 CPUs
     assert torch.equal(labels, own_labels)
     torch.testing.assert_close(feats["block2 token"], own["token"])

@@ -195,7 +195,7 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     torch.manual_seed(0)
     enc_a, enc_b = create_encoder("vit_micro4_32", img_size=16), create_encoder("vit_micro4_32", img_size=16)
     kw = dict(cfg=cfg, cache_dir=tmp_path / "cache", progress=False)
-    x1, y1 = extract_features(enc_a, shards["test"], **kw)
+    x1, y1, _ = extract_features(enc_a, shards["test"], **kw)
     assert set(x1) == {"token", "avg"} and len(y1) == 80  # every candidate from one pass, one file
     assert x1["token"].dtype == torch.float32 and x1["avg"].shape == (80, enc_a.embed_dim)
     assert not torch.allclose(x1["token"], x1["avg"])
@@ -204,13 +204,13 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     def no_loader(*a, **k):
         raise AssertionError("a cache hit must not read the shards")
     monkeypatch.setattr(mpp.evaluators.features, "make_loader", no_loader)
-    x2, y2 = extract_features(enc_a, shards["test"], **kw)
+    x2, y2, _ = extract_features(enc_a, shards["test"], **kw)
     assert all(torch.equal(x1[p], x2[p]) for p in x1) and torch.equal(y1, y2)
     monkeypatch.undo()
 
-    x3, y3 = extract_features(enc_b, shards["test"], **kw)
+    x3, y3, _ = extract_features(enc_b, shards["test"], **kw)
     assert torch.equal(y1, y3) and not torch.allclose(x1["token"], x3["token"])
-    x4, _ = extract_features(enc_a, shards["test"], **{**kw, "pools": ("avg",)})
+    x4, _, _ = extract_features(enc_a, shards["test"], **{**kw, "pools": ("avg",)})
     assert set(x4) == {"avg"} and torch.allclose(x1["avg"], x4["avg"])
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
     shard = Path(shards["test"]).parent / "000000.tar"  # a rewritten shard must miss the cache
@@ -676,3 +676,27 @@ def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it
     assert len(seen) == len(set(seen)) == m["val_samples"] < 12 and readable <= set(seen)
     assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1}
     assert "padded" not in m["val_skipped_samples"]
+
+
+def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them(tmp_path):
+    """Corrupt training images (some in the development split) and a corrupt test image and shard:
+    the probe's metrics count them by kind, training and test apart, as the fine-tune's do, and
+    the same figures come back when the features are read from the cache."""
+    from mpp.evaluators.linear_probe import Evaluator as ProbeEvaluator
+    from shardutil import write_shards
+    train, _ = write_shards(tmp_path / "train", [12, 12], extra=lambda s, j: {"png": b"junk"} if j % 4 == 1 else {})
+    test, _ = write_shards(tmp_path / "test", [6, 6], extra=lambda s, j: {"png": b"junk"} if (s, j) == (0, 2) else {})
+    tar = tmp_path / "test" / "000001.tar"  # a malformed header: that whole shard is lost
+    data = bytearray(tar.read_bytes())
+    data[100] ^= 0xFF
+    tar.write_bytes(bytes(data))
+    cfg = build_config({"model": "vit_micro4_32", "img_size": 16, "batch_size": 4, "output_dir": str(tmp_path / "run"),
+                        "probe": {"dev_split": [0, 0.5], "l2_grid": [1e-2]}, "fewshot": {"shots": [1], "seeds": 1},
+                        "data": {"train": train, "val": test, "num_workers": 0}})
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    for _ in range(2):  # features computed, then read from the cache
+        m = ProbeEvaluator(cfg, "cpu").run(encoder)
+        assert m["skipped_samples"] == {"corrupt_image": 6} and m["num_train"] == 18
+        assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1} and m["num_test"] == 5
+    assert len(list((tmp_path / "feature_cache").glob("features-*"))) == 3

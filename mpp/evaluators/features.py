@@ -11,11 +11,11 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mpp.config import Config
@@ -28,6 +28,20 @@ from mpp.specs import local_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Features(NamedTuple):
+    """What `extract_features` read: {pool: features (N, D)}, labels (N,), and the images it could
+    not read, by kind (`ShardLoader.counters()`), for the metrics to report rather than hide."""
+    x: dict[str, torch.Tensor]
+    y: torch.Tensor
+    skipped: dict[str, int]
+
+
+def _read_features(path: Path, pools: tuple[str, ...]) -> Features:
+    with safe_open(str(path), "pt") as f:
+        return Features({p: f.get_tensor(f"features.{p}") for p in pools}, f.get_tensor("labels"),
+                        json.loads(f.metadata()["skipped"]))
 
 
 def encoder_img_size(encoder) -> int:
@@ -134,9 +148,9 @@ def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img
 def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POOLS, num_samples: int = 0,
                      cache_dir: str | Path | None = None, device: torch.device | str = "cpu",
                      precision: str = "auto", progress: bool = True, subset: tuple | None = None,
-                     key: str | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """{pool: features float32 (N, D)} and labels long (N,) of every sample of labeled shards `spec`
-    (or of its `subset`, as `make_loader` takes it).
+                     key: str | None = None) -> Features:
+    """{pool: features float32 (N, D)}, labels long (N,) and skip counts of every sample of labeled
+    shards `spec` (or of its `subset`, as `make_loader` takes it).
 
     Every representation of `pools` comes from one forward pass. The encoder is frozen (eval mode,
     no grad; its mode is restored after); images get the eval transform at the encoder's
@@ -153,8 +167,8 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
         key = key or feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
                                        num_samples=num_samples, precision=precision, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
-        if (cached := read_cached(path, lambda f: load_file(str(f)))) is not None:
-            return {p: cached[f"features.{p}"] for p in pools}, cached["labels"]
+        if (cached := read_cached(path, lambda f: _read_features(f, pools))) is not None:
+            return cached
     loader = make_loader(spec, batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True,
                          data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1, subset=subset)
     feats, labels = [], []
@@ -167,13 +181,15 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     if not feats:
         raise ValueError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
     features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
+    skipped = loader.counters()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
             save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
                       str(tmp),
-                      metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size)})
-    return features, labels
+                      metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size),
+                                "skipped": json.dumps(skipped)})
+    return Features(features, labels, skipped)
 
 
 def feature_stats(train: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -243,8 +244,8 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
             return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), **json.loads(meta["fit"])}
     if (cached := read_cached(path, read)) is not None:
         return cached
-    x, y = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
-                            cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
+    x, y, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
+                               cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
     dev = dev_subset and extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, cache_dir=cache,
                                           num_samples=cfg.data.num_samples, device=device, precision=precision,
                                           subset=dev_subset)
@@ -268,7 +269,9 @@ class Evaluator:
     `pool_heldout_outcomes`), or with `probe.dev_split` on that development split of all the labels,
     fitted on the rest (`pool_dev_top1`, `pool_dev_outcomes`): a comparison's pre-trainings withhold
     it, so no probe chooses on images a supervised pre-training fitted. The few-shot figures use the
-    same representation, recorded as `pool`, and draw their shots from all the training labels."""
+    same representation, recorded as `pool`, and draw their shots from all the training labels.
+    Images the loader could not read are counted by kind: `skipped_samples` (training, development
+    split included) and `val_skipped_samples` (test), as a fine-tune records them."""
 
     def __init__(self, cfg: Config, device: torch.device | str):
         if not cfg.data.train or not cfg.data.val:
@@ -283,13 +286,14 @@ class Evaluator:
         t0 = time.time()
         split, dev = cfg.probe.dev_split, None
         if split:  # the rest, then the split: together every training sample, once
-            tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples,
-                                          subset=(1.0, *split, False), **kw)
+            tr_x, tr_y, skipped = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples,
+                                                   subset=(1.0, *split, False), **kw)
             dev = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples,
                                    subset=(1.0, *split, True), **kw)
+            skipped = dict(Counter(skipped) + Counter(dev.skipped))
         else:
-            tr_x, tr_y = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
-        te_x, te_y = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
+            tr_x, tr_y, skipped = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
+        te_x, te_y, te_skipped = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
         t1 = time.time()
         num_classes = int(max(tr_y.max(), te_y.max())) + 1
         lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
@@ -307,6 +311,7 @@ class Evaluator:
                 "outcomes": lin["outcomes"],
                 "fewshot_l2": cfg.fewshot.l2, "fewshot_seeds": cfg.fewshot.seeds, "num_classes": num_classes,
                 "num_train": len(tr_y), "num_test": len(te_y), "feature_dim": tr_x[pool].shape[1],
+                "skipped_samples": skipped, "val_skipped_samples": te_skipped,
                 "img_size": encoder_img_size(encoder), "seconds_features": round(t1 - t0, 2),
                 "seconds_probe": round(t2 - t1, 2), "seconds_fewshot": round(time.time() - t2, 2)}
 
