@@ -37,6 +37,31 @@ PREFIX = "step_"
 # what a resumed run reads from state.pt, and its types (a checkpoint is untrusted input)
 STATE_KEYS = {"step": int, "world_size": int, "nonfinite_steps": int, "elapsed": (int, float),
               "train_time": (int, float), "data_wait": (int, float), "last": dict}
+# ... and those a checkpoint of an older version may lack
+OPTIONAL_KEYS = {"bad_run": int, "skipped": dict, "begun": dict, "origin": dict}
+
+
+def _plain(x) -> bool:
+    """Only what JSON holds (dicts with string keys, lists, numbers, strings): the figures a resumed
+    run copies into its metrics and compares its inputs with."""
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return all(_plain(v) for v in x)
+    return x is None or isinstance(x, (bool, int, float, str))
+
+
+def _misstated(state: dict) -> list[str]:
+    """The keys of a loaded state.pt that are missing, of the wrong type or out of range."""
+    def fits(v, kind) -> bool:
+        return isinstance(v, kind) and not isinstance(v, bool)
+    bad = [k for k, kind in STATE_KEYS.items() if not fits(state.get(k), kind)]
+    bad += [k for k, kind in OPTIONAL_KEYS.items() if k in state and not fits(state[k], kind)]
+    bad += [k for k in ("last", "skipped", "begun", "origin") if k not in bad and k in state and not _plain(state[k])]
+    bad += [k for k in ("step", "bad_run") if k not in bad and state.get(k, 0) < 0]
+    if "skipped" not in bad and not all(fits(n, int) and n >= 0 for n in state.get("skipped", {}).values()):
+        bad.append("skipped")
+    return bad
 
 
 def rng_state() -> dict:
@@ -126,9 +151,8 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
     resume=auto would find no better one in that run, whose checkpoints are sound."""
     path = Path(path)
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    bad = [k for k, kind in STATE_KEYS.items() if not isinstance(state.get(k), kind) or isinstance(state[k], bool)]
-    if bad or state["step"] < 0:  # untrusted: a damaged or crafted state is refused like a corrupt file
-        raise ValueError(f"state.pt lacks, mistypes or misstates {', '.join(bad) or 'step'}")
+    if bad := _misstated(state):  # untrusted: a damaged or crafted state is refused like a corrupt file
+        raise ValueError(f"state.pt lacks, mistypes or misstates {', '.join(bad)}")
     if state["world_size"] != accelerator.num_processes:
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "

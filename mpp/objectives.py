@@ -452,6 +452,9 @@ class ClassifyTask(LabelTask):
                 raise ConfigError("finetune.pool=auto, but the checkpoint to resume was trained through the pool its "
                                   "run's config.yaml names (finetune.pool); resume with that, or start afresh in "
                                   "another output_dir")
+            if begun["pool"] not in POOLS:  # a checkpoint is untrusted input
+                raise ConfigError(f"the checkpoint to resume names pool {begun['pool']!r}, not one of "
+                                  f"{', '.join(POOLS)}: it is damaged; start afresh in another output_dir")
             self.pool = begun["pool"]
 
     @classmethod

@@ -262,3 +262,50 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
         assert events[put - 1][0] == "fsync" and Path(events[put - 1][1]).name.startswith(f".{name}.tmp")
         assert events[put + 1] == ("fsync", str((tmp_path / f".tmp_{final.name}").resolve()))
     assert events[-1] == ("fsync", str(tmp_path.resolve()))  # the checkpoint's own rename
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda s: s.update(skipped=5), "skipped"),
+    (lambda s: s.update(skipped={"corrupt_image": -1}), "skipped"),
+    (lambda s: s.update(begun={"pool": torch.zeros(2)}), "begun"),
+    (lambda s: s.update(origin=["init_sha256"]), "origin"),
+    (lambda s: s.update(bad_run="3"), "bad_run"),
+    (lambda s: s.update(last={1: 0.5}), "last"),
+    (lambda s: s.pop("elapsed"), "elapsed"),
+])
+def test_a_crafted_state_is_refused_whole_before_the_run_reads_it(tmp_path, edit, key):
+    """Every plain value a resumed run reads from state.pt (counters, start-up figures, inputs) is
+    checked when it loads, so a crafted one is skipped like a corrupt file instead of a traceback
+    steps later."""
+    from accelerate import Accelerator
+    from mpp.checkpoint import load_checkpoint, save_checkpoint
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = {"nonfinite_steps": 0, "elapsed": 1.0, "train_time": 1.0, "data_wait": 0.0, "last": {"loss": 2.0},
+             "skipped": {"corrupt_image": 1}, "begun": {"pool": "avg"}, "origin": {"init_sha256": None}, "bad_run": 0}
+    accelerator = Accelerator(cpu=True)
+    path = save_checkpoint(accelerator, tmp_path, 3, model, optimizer, scheduler, state)
+    assert load_checkpoint(accelerator, path, model, optimizer)["begun"] == {"pool": "avg"}
+    saved = torch.load(path / "state.pt", weights_only=True)
+    edit(saved)
+    torch.save(saved, path / "state.pt")
+    with pytest.raises(ValueError, match=f"state.pt lacks, mistypes or misstates {key}$"):
+        load_checkpoint(accelerator, path, model, optimizer)
+
+
+def test_a_checkpoint_naming_an_unknown_pool_is_refused_in_one_line():
+    """finetune.pool=auto takes the pool the run chose at its start from the checkpoint: one that
+    names no representation stops the resume with a ConfigError, not a KeyError mid-training."""
+    import dataclasses
+    from mpp.config import Config
+    from mpp.models import create_encoder
+    from mpp.objectives import build_task
+    cfg = Config(objective="classify")
+    cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, pool="auto"))
+    task = build_task(cfg, create_encoder("vit_micro4_32", attn="math"), 3)
+    task.restore({"pool": "avg"})
+    assert task.pool == "avg"
+    task = build_task(cfg, create_encoder("vit_micro4_32", attn="math"), 3)
+    with pytest.raises(ConfigError, match="names pool 'rows', not one of token, avg: it is damaged"):
+        task.restore({"pool": "rows"})
