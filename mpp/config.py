@@ -325,8 +325,11 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             value[0] = _whole(value[0])
     if kind == "bool" and isinstance(value, bool):
         return value
-    if kind == "str" and value is False:  # train.precision=false: off, as train.precision=no
-        return "no"
+    if kind == "str" and isinstance(value, bool):
+        if key == "train.precision" and not value:  # train.precision=false: off, as train.precision=no
+            return "no"
+        raise ConfigError(f"config key '{key}' must be a string, got {value!r}; to mean the word, quote it: "
+                          f"{key.rsplit('.', 1)[-1]}: '{str(value).lower()}'")
     if not isinstance(value, bool):
         if kind == "int" and isinstance(value, (int, float)) and float(value).is_integer():
             return int(value)

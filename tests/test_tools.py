@@ -84,3 +84,16 @@ def test_values_are_read_as_written(tmp_path):
     (tmp_path / "c.yaml").write_text("output_dir: 010\nsteps: 2e3\ntrain:\n  precision: no\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert (cfg.output_dir, cfg.steps, cfg.train.precision) == ("010", 2000, "no")
+
+
+
+def test_true_or_false_for_a_string_key_is_refused_but_precision_false_means_off():
+    """YAML reads an unquoted false as a boolean: for train.precision it means off (no), for any
+    other string key it is refused in one line saying how to quote it, never turned into a word."""
+    from mpp.config import ConfigError, load_config
+    assert load_config(None, ["train.precision=false"]).train.precision == "no"
+    for key, value in (("output_dir", "false"), ("model", "true"), ("train.precision", "true")):
+        with pytest.raises(ConfigError, match=f"'{key}' must be a string, got {value.title()}; .* quote it: "
+                                              f"{key.rsplit('.')[-1]}: '{value}'"):
+            load_config(None, [f"{key}={value}"])
+    assert load_config(None, ["output_dir='false'"]).output_dir == "false"
