@@ -158,17 +158,22 @@ def rate_pil_loop(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataCon
     return samples / (time.perf_counter() - start)
 
 
-def rate_mpp_decode(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
-    """Single-process decode + augment + batch stacking of in-memory bytes with the loader's own
-    per-sample code (what one worker does, without reading shards)."""
-    blobs, rng = _blobs(ds, samples), random.Random(0)
-    transform = TrainTransform(ds.img_size, data_cfg.crop_scale, data_cfg.hflip)
+def decode_rate(members: list[dict], img_size: int, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
+    """Samples/s of single-process decode + augment + batch stacking of in-memory image members
+    ({ext: bytes}, cycled to `samples`) with the loader's own per-sample code: what one worker
+    does, without reading shards (benchmarks/loader_rate.py's baseline too)."""
+    rng, transform = random.Random(0), TrainTransform(img_size, data_cfg.crop_scale, data_cfg.hflip)
     start = time.perf_counter()
-    stream = ({"jpg": data} for data in itertools.islice(itertools.cycle(blobs), samples))
+    stream = itertools.islice(itertools.cycle(members), samples)
     while chunk := list(itertools.islice(stream, batch_size)):
         stack(decode_batch(chunk, transform, rng, labeled=False, num_classes=None,
                            max_pixels=data_cfg.max_pixels, skips={})[0])
     return samples / (time.perf_counter() - start)
+
+
+def rate_mpp_decode(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:
+    """`decode_rate` of the set's JPEG bytes."""
+    return decode_rate([{"jpg": data} for data in _blobs(ds, samples)], ds.img_size, samples, batch_size, data_cfg)
 
 
 def rate_shards(ds: BenchSet, samples: int, batch_size: int, data_cfg: DataConfig) -> float:

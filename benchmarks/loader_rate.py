@@ -1,7 +1,9 @@
 """The loader alone, with no step to feed: how many images/s it delivers and how much of the
 consuming thread's CPU each batch costs (receiving the worker's batch, re-chunking, and on a GPU
 pinning and queueing the copy), over the epochs after the first (worker start-up and the first
-pass over the shards left out).
+pass over the shards left out), beside the baseline it is bounded by: the loader's own decode code
+(`decode_batch` + stacking, as a worker runs it) on the same images held in memory, in this
+process on one core, times the workers; the ratio is the share of that limit the loader delivers.
 
   python benchmarks/loader_rate.py --data /tmp/syn32/train/manifest.json --batch-size 1024 --workers 1
   python benchmarks/loader_rate.py --data ... --batch-size 256 --workers 12 --fraction 0.1 --epochs 24 --device cuda
@@ -13,6 +15,8 @@ settings are the synthetic configs' (`configs/synthetic_mpp.yaml`, with `--fract
 """
 from __future__ import annotations
 
+import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -21,14 +25,35 @@ import torch
 from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.config import load_config
 from mpp.data import make_loader
+from mpp.data.decode import IMAGE_EXTS
+from mpp.data.sources import resolve
 from mpp.prefetch import DevicePrefetcher
+from mpp.specs import local_path
+
+sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks beside this one
+from data_loading import decode_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def shard_images(data: str, count: int) -> list[dict]:
+    """The first `count` image members of `data`'s (local) shards, as {ext: bytes}."""
+    members = []
+    for url in resolve(data).urls:
+        with tarfile.open(local_path(url) or url) as tar:
+            for m in tar:
+                ext = m.name.rsplit(".", 1)[-1].lower()
+                if m.isfile() and ext in IMAGE_EXTS:
+                    members.append({ext: tar.extractfile(m).read()})
+                    if len(members) == count:
+                        return members
+    return members
+
+
 def run(data: str, *, batch_size: int, workers: int, epochs: int, fraction: float = 0.0,
         device: str = "cpu") -> dict:
-    """images/s and the consumer's CPU ms per batch over epochs 1.. of `data`."""
+    """images/s and the consumer's CPU ms per batch over epochs 1.. of `data`; the decode limit
+    (`decode_rate` of up to 4,096 of its images on one core, times `workers`) and the share of it."""
     yaml = "finetune" if fraction else "mpp"
     cfg = load_config(ROOT / f"configs/synthetic_{yaml}.yaml", [f"data.num_workers={workers}"])
     loader = make_loader(data, batch_size=batch_size, img_size=32, train=True, labeled=bool(fraction),  # Ti/4's
@@ -51,7 +76,15 @@ def run(data: str, *, batch_size: int, workers: int, epochs: int, fraction: floa
     if device != "cpu":
         batches.close()
     loader.close()
-    return {"images": images, "images_per_s": images / wall, "cpu_ms_per_batch": 1e3 * cpu / ((epochs - 1) * first)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker runs
+    try:
+        one_core = decode_rate(shard_images(data, 4096), 32, min(images, 20_000), batch_size, cfg.data)
+    finally:
+        torch.set_num_threads(threads)
+    rate = images / wall
+    return {"images": images, "images_per_s": rate, "cpu_ms_per_batch": 1e3 * cpu / ((epochs - 1) * first),
+            "decode_limit": one_core * workers, "of_limit": rate / (one_core * workers)}
 
 
 @one_line_errors(extra=(ValueError,))
@@ -74,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"loader alone, batch {a.batch_size}, {a.workers} worker(s)"
           f"{f', {a.fraction:g} of the labels' if a.fraction else ''}, epochs 1-{a.epochs - 1}, "
           f"{'through the prefetcher to ' + a.device if a.device != 'cpu' else 'host batches'}: "
-          f"{r['images_per_s']:.0f} images/s, {r['cpu_ms_per_batch']:.2f} ms of the reading thread's CPU a batch")
+          f"{r['images_per_s']:.0f} images/s, {r['cpu_ms_per_batch']:.2f} ms of the reading thread's CPU a batch; "
+          f"decode limit (one core's decode x {a.workers}) {r['decode_limit']:.0f} images/s: "
+          f"{r['of_limit']:.2f}x of it")
 
 
 if __name__ == "__main__":

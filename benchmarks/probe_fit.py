@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
             pred = {k: (xr @ w.T + b).argmax(1) for k, (w, b, _) in fits.items()}
             print("  refit on all: " + ", ".join(f"from {k} {sec:.2f} s (objective {objective(xr, y, l2, w, b):.6f})"
                                                for k, (w, b, sec) in fits.items())
-                  + f"; {100 * (pred['zeros'] == pred['warm']).float().mean():.1f}% of predictions agree")
+                  + f" ({fits['zeros'][2] / fits['warm'][2]:.1f}x); "
+                  f"{100 * (pred['zeros'] == pred['warm']).float().mean():.1f}% of predictions agree")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,9 @@ def test_loader_rate_times_the_epochs_after_the_first(tmp_path, capsys):
     manifest = str(tmp_path / "train" / "manifest.json")
     r = b.run(manifest, batch_size=16, workers=1, epochs=3)
     assert r["images"] == 2 * 96 and r["images_per_s"] > 0 and r["cpu_ms_per_batch"] > 0
+    # beside its bound: one core's decode of the same images, times the workers
+    assert r["decode_limit"] > 0 and r["of_limit"] == pytest.approx(r["images_per_s"] / r["decode_limit"])
+    assert len(b.shard_images(manifest, 50)) == 50 and set(b.shard_images(manifest, 1)[0]) == {"jpg"}
     subset = make_loader(manifest, batch_size=16, img_size=32, train=True, labeled=True, data_cfg=DataConfig(),
                          subset=(0.5, 0)).num_samples  # half of each class, rounded per class
     assert b.run(manifest, batch_size=16, workers=1, epochs=2, fraction=0.5)["images"] == subset < 96
@@ -181,6 +184,7 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
     out = capsys.readouterr().out
     assert "N=4500: sample-major" in out and "400 samples, 2 representations" in out, out
     assert "-> token," in out and "% of predictions agree" in out, out  # the stronger signal is chosen
+    assert float(re.search(r"\(([\d.]+)x\); [\d.]+% of predictions agree", out)[1]) > 0, out  # zeros / warm
     assert 0 < float(re.search(r"\((\d+)% in its evaluations\)", out)[1]) < 100, out
     with pytest.raises(SystemExit):  # a one-line error, before any fit
         load("probe_fit").main(["--history", "0"])
