@@ -207,3 +207,20 @@ def test_gpu_session_script_parses_and_names_its_parts():
     r = subprocess.run(["bash", script, "tests", "tests/test_models.py", "tests/test_nope.py"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "no test file 'tests/test_nope.py'" in r.stderr, r.stderr
+
+
+def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_difference(tmp_path, capsys):
+    make_synthetic(tmp_path / "data", train=64, test=16, shards=2, progress=False)
+    mixup = load("finetune_mixup")
+    plain = mixup.LabelTask.forward
+    mixup.main(["--alpha", "0.4", "--config", str(ROOT / "configs/synthetic_finetune.yaml"), "steps=3",
+                "model=vit_micro4_32", "batch_size=16", "finetune.head_init=zero", f"output_dir={tmp_path / 'out'}",
+                f"data.train={tmp_path / 'data/train/manifest.json'}", f"data.val={tmp_path / 'data/test/manifest.json'}"])
+    assert mixup.LabelTask.forward is plain  # mixup patched in for its own run only
+    out = capsys.readouterr().out
+    assert re.search(r"plain: top-1 [\d.]+, mixup_0.4: top-1 [\d.]+; mixup - plain [+-][\d.]+ ± [\d.]+ "
+                     r"\(paired over 16 val images\)", out), out
+    assert (tmp_path / "out/plain/metrics.json").is_file() and (tmp_path / "out/mixup_0.4/metrics.json").is_file()
+    with pytest.raises(SystemExit) as stop:
+        mixup.main(["--alpha", "0", "--config", str(ROOT / "configs/synthetic_finetune.yaml")])
+    assert stop.value.code == 2 and "--alpha must be > 0" in capsys.readouterr().err
