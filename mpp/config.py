@@ -111,6 +111,8 @@ class TrainConfig:
     keep_ckpts: int = 2
     resume: str = "auto"       # auto (newest complete checkpoint in output_dir) | none | a path
     max_bad_steps: int = 20    # consecutive non-finite steps before training stops
+    dist_timeout: int = 1800   # seconds a rank waits at a collective for the others (torch's NCCL default, 600,
+                               # is shorter than the main process's probe-head fit on a large set)
     attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
     compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of 4,000+ steps) | always | never
                                # (mpp.compiled)
@@ -223,7 +225,7 @@ WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "di
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
 # train.log_every steps, recorded beside that value in the run's config.yaml.
 RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
-                  "train.image_every", "train.profile", "probe.cache_dir")
+                  "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
 
 
 def choices() -> dict[str, tuple[str, ...]]:
@@ -604,8 +606,9 @@ def validate(cfg: Config) -> None:
           "would rise; give a smaller one")
     t = cfg.train
     check(t.grad_accum >= 1, "config key 'train.grad_accum' must be >= 1")
-    check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1,
-          "config keys train.log_every, train.keep_ckpts, train.max_bad_steps must be >= 1, train.ckpt_every >= 0")
+    check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1 and t.dist_timeout >= 1,
+          "config keys train.log_every, train.keep_ckpts, train.max_bad_steps, train.dist_timeout must be >= 1, "
+          "train.ckpt_every >= 0")
     check(t.image_every >= 0, f"config key 'train.image_every' must be >= 0 (0: off), got {t.image_every}")
     check(len(t.profile) == 2 and all(isinstance(v, int) and v >= 0 for v in t.profile)
           and (t.profile[1] == 0 or t.profile[0] >= 1),

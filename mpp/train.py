@@ -15,6 +15,7 @@ non-finite steps reaches `train.max_bad_steps`, noticed at the next log or check
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
@@ -127,7 +128,8 @@ def setup(cfg: Config) -> Run:
     if on_accelerator:
         check_ranks_fit(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.accelerator.device_count(), device_type)
     precision = resolve_precision(cfg.train.precision, device_type)
-    accelerator = Accelerator(mixed_precision=precision, cpu=not on_accelerator)
+    accelerator = Accelerator(mixed_precision=precision, cpu=not on_accelerator, kwargs_handlers=[
+        InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout))])
     device, world = accelerator.device, accelerator.num_processes
     if cfg.batch_size % (world * accum):
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by processes x train.grad_accum = "

@@ -1,10 +1,13 @@
 """Run by tests/test_dist_faults.py under `torchrun --nproc_per_node N`: each gloo rank pre-trains
 with the settings given (mpp.train.train, as tools/pretrain.py would) and writes to
 OUTPUT_DIR/rank{r}.json the pixel hashes of the samples its loader gave, the steps it took and a
-digest of its final weights (encoder and head)."""
+digest of its final weights (encoder and head). With MPP_TEST_SLOW_BEGIN=S the main rank's
+start-up work (Task.begin, which the other ranks wait for) takes S seconds longer."""
 import hashlib
 import json
+import os
 import sys
+import time
 
 import torch
 
@@ -26,6 +29,10 @@ def main(*overrides: str) -> None:
 
     ShardLoader.epoch = recorded
     mpp.train.build_task = lambda *a: tasks.append(build(*a)) or tasks[-1]
+    slow = float(os.environ.get("MPP_TEST_SLOW_BEGIN", 0))
+    if slow:
+        begin = mpp.train.Task.begin
+        mpp.train.Task.begin = lambda self, *a: time.sleep(slow) or begin(self, *a)
     metrics = mpp.train.train(cfg)
     weights = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in tasks[0].state_dict().values()))
     rank = torch.distributed.get_rank()

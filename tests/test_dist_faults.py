@@ -170,3 +170,17 @@ def test_four_ranks_disjoint_data_equal_steps_identical_weights(tmp_path):
     assert sorted(h for s in seen for h in s) == sorted(hashlib.sha1(px.tobytes()).hexdigest()
                                                         for _, px in source.values())  # disjoint, all once
     assert len({r["weights"] for r in ranks}) == 1
+
+
+def test_a_rank_waits_train_dist_timeout_for_the_main_ones_start_up(tmp_path):
+    """train.dist_timeout reaches the process group: with 2 s, a main rank whose start-up work
+    (a probe-head fit, in a fine-tune) takes 10 s leaves the other rank timed out at the broadcast
+    that waits for it, so the 1,800 s default, not torch's 600 s, is what a long fit gets."""
+    manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
+    started = time.monotonic()
+    done = subprocess.run(torchrun(tmp_path / "run", manifest, 2, "data.num_workers=0", "img_size=16",
+                                   "train.dist_timeout=2", script="tests/dist_train_worker.py"),
+                          cwd=ROOT, env={**ENV, "MPP_TEST_SLOW_BEGIN": "10"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and re.search(r"[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
+    assert time.monotonic() - started < 120
