@@ -232,7 +232,7 @@ def loop(run: Run) -> None:
                       accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
-            micro = []
+            micro, losses = [], []
             for _ in range(accum):
                 t0 = time.perf_counter()
                 with phase("mpp/data"):
@@ -247,11 +247,13 @@ def loop(run: Run) -> None:
                     with phase("mpp/backward"):
                         accelerator.backward(loss * weights[i] / accum)
                 run.win.add_micro(loss, metrics, weights[i])
+                losses.append(loss.detach())
 
             # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
             with phase("mpp/optimizer"):
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
                 finite = torch.isfinite(grad_norm)
+                overflow = _scaler_overflow(accelerator, finite, losses)
                 run.optimizer.optimizer.found_inf = (~finite).float()  # fused kernels skip the update when set
                 run.optimizer.step()
                 run.optimizer.zero_grad(set_to_none=True)
@@ -260,7 +262,7 @@ def loop(run: Run) -> None:
             lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
             run.scheduler.step_update(done)
             run.win.add_step(grad_norm, finite)
-            run.bad.add(finite)
+            run.bad.add(finite, overflow)
             run.bar.update(1)
             _record(run)
 
@@ -307,9 +309,9 @@ def finish(run: Run) -> dict:
         "batch_size": cfg.batch_size, "steps": run.steps,
         "epochs": run.steps * cfg.batch_size / max(run.loader.num_samples, 1), "train_samples": run.loader.num_samples,
         # the last log window: loss and objective metrics (averaged over its steps and all ranks), grad norm
-        **{k: v for k, v in run.last.items() if k not in ("lr", "images_per_s", "data_wait_frac", "nonfinite_steps")
-           and not k.startswith("skipped_")},
-        "nonfinite_steps": totals["nonfinite_steps"],
+        **{k: v for k, v in run.last.items() if k not in ("lr", "images_per_s", "data_wait_frac", "nonfinite_steps",
+                                                          "scaler_skips") and not k.startswith("skipped_")},
+        "nonfinite_steps": totals["nonfinite_steps"], "scaler_skips": totals["scaler_skips"],
         "skipped_samples": _skipped(run),  # all ranks, all resumed segments
         # end to end over the whole run (all resumed segments; checkpoint and few-shot time included)
         "images_per_s": run.steps * cfg.batch_size / totals["train_time"],
@@ -377,6 +379,7 @@ def _log(run: Run, done: int, lr: float) -> None:
     figures["images_per_s"] = run.win.steps * run.cfg.batch_size / (now - run.t_win)
     figures["data_wait_frac"] = run.wait_win / (now - run.t_win)
     figures["nonfinite_steps"] = run.state["nonfinite_steps"] + int(run.bad.total.item())
+    figures["scaler_skips"] = run.state.get("scaler_skips", 0) + int(run.bad.overflows.item())
     run.last = figures
     if run.accelerator.is_main_process:
         for k, v in figures.items():
@@ -418,6 +421,7 @@ def _totals(run: Run) -> dict:
     """Run totals over the checkpointed segments plus this process's (plain values)."""
     s = run.state
     return {"nonfinite_steps": s["nonfinite_steps"] + int(run.bad.total.item()),
+            "scaler_skips": s.get("scaler_skips", 0) + int(run.bad.overflows.item()),
             "elapsed": s["elapsed"] + time.time() - run.t_begin,
             "train_time": s["train_time"] + time.perf_counter() - run.t_loop,
             "data_wait": s["data_wait"] + run.wait_all + run.wait_win, "last": run.last}
@@ -432,16 +436,33 @@ def _skipped(run: Run) -> dict[str, int]:
     return dict(total)
 
 
+def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor, losses: list[torch.Tensor]) -> torch.Tensor:
+    """Whether this step was fp16 loss scaling's overflow: a non-finite gradient norm while every
+    rank's loss was finite. The scaler skips such a step and lowers its scale, as it does a few
+    times at the start of every fp16 run: counted apart (`scaler_skips`), it neither stops a run
+    nor its export as a non-finite step does. Always false without a scaler (bf16, fp32)."""
+    if accelerator.scaler is None:
+        return torch.zeros_like(finite)
+    bad_loss = torch.stack([~torch.isfinite(loss).all() for loss in losses]).any().float()
+    if accelerator.num_processes > 1:  # the same verdict on every rank, as the gradient norm is
+        bad_loss = accelerator.reduce(bad_loss, "sum")
+    return ~finite & (bad_loss == 0)
+
+
 class _BadSteps:
-    """Device-side counters of non-finite steps: the current run of them, its longest, the total."""
+    """Device-side counters of non-finite steps (fp16 overflows apart): the current run of them,
+    its longest, the total, and the overflows."""
 
     def __init__(self, zero: torch.Tensor, run: int):
-        self.zero, self.run, self.max, self.total = zero, zero + run, zero.clone(), zero.clone()
+        self.zero, self.run, self.max = zero, zero + run, zero.clone()
+        self.total, self.overflows = zero.clone(), zero.clone()
 
-    def add(self, finite: torch.Tensor) -> None:
-        self.run = torch.where(finite, self.zero, self.run + 1)
+    def add(self, finite: torch.Tensor, overflow: torch.Tensor) -> None:
+        ok = finite | overflow
+        self.run = torch.where(ok, self.zero, self.run + 1)
         self.max = torch.maximum(self.max, self.run)
-        self.total += (~finite).float()
+        self.total += (~ok).float()
+        self.overflows += overflow.float()
 
 
 class _Window:
