@@ -26,7 +26,9 @@ FLOPs ran at the matmul peak of its precision and everything else were free. The
 (`loader_check`) times the `mpp` step in steady state on batches from `make_loader` over
 generated synthetic shards (through `mpp.prefetch`, as the trainer) against the same step on an
 in-memory batch. `device`: cpu or cuda (CUDA steps are timed with a synchronize after each; peak
-memory is CUDA's allocator peak of one step, with the CUDA graphs' pools, see `peak_memory`).
+memory is each method's own: what it holds between steps plus CUDA's allocator peak above that
+in one step, with the CUDA graphs' pools, see `peak_memory`; the other methods' weights and
+optimiser states, alive beside it, are not counted).
 """
 from __future__ import annotations
 
@@ -252,15 +254,25 @@ def step_flops(step: Callable, images: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-def peak_memory(step: Callable, images: torch.Tensor, graphs: bool = False) -> int | None:
-    """CUDA allocator peak bytes of one step (None elsewhere). A CUDA-graph step (`graphs`)
-    allocates nothing when it replays: its activations live in the graphs' private pools, reserved
-    at capture, so the pools' unallocated part counts too."""
+def allocated(device: torch.device) -> int:
+    """CUDA's allocated bytes on `device` (0 elsewhere)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_memory(step: Callable, images: torch.Tensor, held: int, graphs: bool = False) -> int | None:
+    """Peak bytes of one step of a method that holds `held` bytes between steps (its weights,
+    optimiser state, compiled buffers: what building it and its first step left allocated): that
+    plus CUDA's allocator peak above what was allocated before the step, so the other methods
+    alive at the same time do not count (None off CUDA). A CUDA-graph step (`graphs`) allocates
+    nothing when it replays: its activations live in the graphs' private pools, reserved at
+    capture, so the pools' unallocated part counts too."""
     if images.device.type != "cuda":
         return None
+    _sync(images.device)
+    before = allocated(images.device)
     torch.cuda.reset_peak_memory_stats(images.device)
     step(images)
-    peak = torch.cuda.max_memory_allocated(images.device)
+    peak = held + torch.cuda.max_memory_allocated(images.device) - before
     if graphs:
         pools = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)]
         peak += sum(s["total_size"] - s["allocated_size"] for s in pools)
@@ -280,18 +292,22 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
         img = _arch(preset)[2]["img"]
         images = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8, device=device)
         for prec in precisions:
-            built = {}
+            built, held = {}, {}
             for method in methods:
                 progress(f"{key} {prec} {method}: building")
                 torch.manual_seed(0)
+                before = allocated(device)
                 built[method] = BUILDERS[method](preset, PRECISIONS[prec], device=device)[0]
+                built[method](images)  # the first step makes the optimiser state, compiled code, graphs
+                _sync(device)
+                held[method] = allocated(device) - before
             progress(f"{key} {prec}: timing {', '.join(methods)} in turn")
             seconds = time_interleaved(built, images, warmup, steps)
             group = []
             for method, sec in seconds.items():
                 row = dict(model=key, preset=preset, batch=B, precision=prec, method=method,
-                           step_s=sec, images_per_s=B / sec, peak_bytes=peak_memory(built[method], images,
-                                                                          method.endswith("cudagraphs")))
+                           step_s=sec, images_per_s=B / sec,
+                           peak_bytes=peak_memory(built[method], images, held[method], method.endswith("cudagraphs")))
                 progress(f"{key} {prec} {method}: {B / sec:.1f} images/s")
                 group.append(row)
             flops = step_flops(built["mpp"] if "mpp" in built else BUILDERS["mpp"](preset, PRECISIONS[prec],

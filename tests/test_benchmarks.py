@@ -55,21 +55,25 @@ def test_train_step_benchmark_times_every_method_and_counts_flops(monkeypatch):
 
 
 
-def test_peak_memory_of_a_cuda_graph_step_counts_its_pools(monkeypatch):
-    """A replayed CUDA graph allocates nothing: the allocator's peak misses its activations, which
-    sit in the graph's private pool (pool id other than (0, 0)); a plain step's peak is the allocator's."""
+def test_peak_memory_of_a_step_is_its_own_and_counts_a_cuda_graphs_pools(monkeypatch):
+    """A method's peak is what it holds between steps plus the allocator's peak above what was
+    allocated before its step: the other methods alive beside it (1,000 bytes here, with its own)
+    do not count. A replayed CUDA graph allocates nothing: the allocator's peak misses its
+    activations, which sit in the graph's private pool (pool id other than (0, 0))."""
     b = load("train_step")
     segments = [dict(segment_pool_id=(0, 0), total_size=900, allocated_size=100),  # the default pool
                 dict(segment_pool_id=(1, 3), total_size=700, allocated_size=200)]  # a graph's pool
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 300)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 1300)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     images = SimpleNamespace(device=torch.device("cuda"))  # a batch on a GPU, as far as peak_memory looks
     steps = []
-    assert b.peak_memory(steps.append, images) == 300
-    assert b.peak_memory(steps.append, images, graphs=True) == 300 + 500
+    assert b.peak_memory(steps.append, images, held=150) == 150 + 300
+    assert b.peak_memory(steps.append, images, held=150, graphs=True) == 150 + 300 + 500
     assert steps == [images, images]
-    assert b.peak_memory(steps.append, torch.zeros(1)) is None
+    assert b.peak_memory(steps.append, torch.zeros(1), held=0) is None and b.allocated(torch.device("cpu")) == 0
 
 @pytest.mark.slow
 def test_data_benchmark_rates_every_method(tmp_path):
