@@ -14,6 +14,7 @@ CPU autocast would run it in bf16, which destabilised training (docs/benchmarks.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import re
 from pathlib import Path
@@ -284,6 +285,12 @@ def read_model_json(spec_file: Path) -> tuple[str, dict, dict]:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{spec_file} is not a model.json ({{\"name\", \"kwargs\"}}): "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    # create_model's own options (pretrained, checkpoint_path, cache_dir, ...) load or fetch files:
+    # untrusted input, which an exported model.json never holds; kwargs are the architecture's alone
+    loaders = sorted(set(kwargs) & (set(inspect.signature(timm.create_model).parameters) - {"kwargs"}))
+    if loaders:
+        raise ConfigError(f"{spec_file} sets {', '.join(loaders)}, which would make timm load or fetch other files; "
+                          "an exported model.json has only the architecture's kwargs: remove them")
     return name, kwargs, norm
 
 

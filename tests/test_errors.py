@@ -86,6 +86,16 @@ class _Payload:
         return os.system, ("touch /tmp/owned",)
 
 
+def _encoder_loading_a_pickle(tmp: Path) -> Path:
+    """An exported encoder whose model.json also asks timm to load a pickle (`checkpoint_path`)."""
+    out = _encoder(tmp)
+    (tmp / "evil.pth").write_bytes(_pickle())
+    spec = json.loads((out / "model.json").read_text())
+    spec["kwargs"]["checkpoint_path"] = str(tmp / "evil.pth")
+    (out / "model.json").write_text(json.dumps(spec))
+    return out
+
+
 def _pickle() -> bytes:
     """A torch.save file that would run a shell command if it were unpickled."""
     buf = io.BytesIO()
@@ -214,6 +224,8 @@ CASES = [
      lambda t: _encoder(t, {"name": "vit_nonexistent", "kwargs": {}})),
     ("malformed encoder model.json", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
      lambda t: _encoder(t, "{\"name\": ")),
+    ("encoder model.json whose kwargs make timm load another file (a pickle)", "finetune",
+     lambda t: [*FT(t), f"finetune.init={t}/enc"], _encoder_loading_a_pickle),
     ("truncated encoder.safetensors", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
      lambda t: _encoder(t, weights=(_encoder(t) / "encoder.safetensors").read_bytes()[:300])),
     ("pickled encoder.safetensors", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
