@@ -12,8 +12,9 @@ draws; unpaired where the two scored other images), less the run-by-image varian
 draws pair). A gap under t times its noise is marked not significant, t being Student's two-sided
 95% quantile at the Welch-Satterthwaite degrees of freedom of those parts (`outcomes.critical`):
 1.96 where thousands of test images dominate the noise, up to 12.7 where one pair of seeds does. One
-whose seed noise is unknown (single fine-tunes) or, for a probe, whose runs recorded no outcomes,
-has unknown noise.
+whose seed noise is unknown (single fine-tunes) has unknown noise; one whose arms did not both
+record their per-image results gets the seeds' part alone (`noise_test` None; its `t` that part's)
+and no verdict: its test images' part is unknown, and seeds that tie would make any gap look certain.
 """
 from __future__ import annotations
 
@@ -62,11 +63,13 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             if test:  # the seed-by-image variance both parts hold, counted once
                 both = _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None and same)
                 test = math.sqrt(max(0.0, test ** 2 - 1e4 * both))
-            noise, df = outcomes.combine(*seeds, (test or 0.0, len(per_image[a][1]) - 1 if test else math.inf))
+            images = 0 if test is None else len(per_image[a][1]) if same else min(len(per_image[a][1]),
+                                                                                  len(per_image[b][1]))
+            noise, df = outcomes.combine(*seeds, (test or 0.0, images - 1 if test else math.inf))
             noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["t"][gap], out["dof"][gap] = t, None if df is None or math.isinf(df) else round(df, 4)
-        out["significant"][gap] = None if noise is None else significant(out[gap], noise, t)
+        out["significant"][gap] = None if noise is None or test is None else significant(out[gap], noise, t)
     out["recovered_share"] = out["share_noise"] = None
     gain = out["supervised_minus_scratch"]
     if gain is None or out["mpp_minus_scratch"] is None:
@@ -77,6 +80,7 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
         out["share_noise"] = _share_noise(acc, sem, per_run, per_image, draws)
+        out["share_noise_seeds_only"] = out["share_noise"] is not None and not all(per_image.get(f) for f in acc)
     return out
 
 
@@ -115,7 +119,8 @@ def _share_noise(acc: dict, sem: dict, per_run: dict, per_image: dict, draws: di
     s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
     from each arm's own standard error: the seeds' part, and the test images' part where all three
     arms recorded their per-image results (`per_image`: `_mean_images` of `per_run`; less the
-    seed-by-image variance the seeds' part holds too, as in `derive`). None when an arm's seed
+    seed-by-image variance the seeds' part holds too, as in `derive`; the seeds' part alone where
+    an arm recorded none: `derive` then sets `share_noise_seeds_only`). None when an arm's seed
     noise is unknown."""
     if any(sem.get(f) is None for f in acc):
         return None
@@ -145,17 +150,18 @@ def added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: li
     mean(start), and the t its significance needs (as `derive`'s): the spread of the per-seed
     gains and, where start and end were scored image by image on the same images (`outcomes.read`
     of each seed's), the test images' paired sampling, less the seed-by-image variance of the
-    gains that the spread holds too. None for a single seed."""
+    gains that the spread holds too; the spread's part alone and t None (no verdict) where they
+    were not (the test images' part unknown). None for a single seed."""
     sd = mean_std([e - s for e, s in zip(ends, starts)])[1]
     if sd is None:
         return None
-    test = (0.0, math.inf)
     end, start = runs_images(end_outcomes), runs_images(start_outcomes)
-    if end and start and end[0] == start[0]:
-        gains = end[1] - start[1]  # seeds x images
-        paired = math.sqrt(max(0.0, (outcomes.sem(gains.mean(0)) or 0.0) ** 2 - outcomes.seed_image_overlap(gains)))
-        test = (100.0 * paired, gains.shape[1] - 1)
-    noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1), test)
+    if not (end and start and end[0] == start[0]):
+        return round(100.0 * sd / math.sqrt(len(ends)), 4), None
+    gains = end[1] - start[1]  # seeds x images
+    paired = math.sqrt(max(0.0, (outcomes.sem(gains.mean(0)) or 0.0) ** 2 - outcomes.seed_image_overlap(gains)))
+    noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1),
+                                 (100.0 * paired, gains.shape[1] - 1))
     return round(noise, 4), round(outcomes.critical(df), 4)
 
 
@@ -166,9 +172,10 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
     what the repeats share, whose noise their spread cannot show: the same test images, shot
     draws and fine-tune seeds in every repeat, taken as each repeat's own ± (root mean square, at
     the fewest degrees of freedom among them). Where the spread holds some of the latter too, it
-    counts twice: the ± errs large, never small. t and the verdict as `derive`'s. The share
-    recovered gets its mean and the standard error of its spread, without a verdict. {} for
-    fewer than two repeats."""
+    counts twice: the ± errs large, never small. Where a repeat's own ± is unknown, so is the
+    mean's (no ±, no verdict): the spread alone cannot show what they share. t and the verdict as
+    `derive`'s. The share recovered gets its mean and a ± built alike from its spread and the
+    repeats' own `share_noise`, without a verdict. {} for fewer than two repeats."""
     if len(reps) < 2:
         return {}
 
@@ -180,16 +187,19 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
                 continue
             mean, sd = mean_std(values)
             spread = (sd / math.sqrt(len(values)), len(values) - 1)
-            if gap == "recovered_share":
-                out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(spread[0], 4)}
+            share = gap == "recovered_share"
+            own = [g.get("share_noise") if share else g["noise"].get(gap) for g in gs]
+            if None in own:
+                out[gap] = {"values": values, "mean": round(mean, 4), "noise": None,
+                            **({} if share else {"t": None, "significant": None})}
                 continue
-            own = [g["noise"].get(gap) for g in gs]
-            shared = (0.0, math.inf) if None in own else (
-                math.sqrt(sum(x * x for x in own) / len(own)), min(g["dof"].get(gap) or math.inf for g in gs))
+            shared = (math.sqrt(sum(x * x for x in own) / len(own)),
+                      math.inf if share else min(g["dof"].get(gap) or math.inf for g in gs))
             noise, df = outcomes.combine(spread, shared)
-            t = outcomes.critical(df)
-            out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(noise, 4), "t": round(t, 4),
-                        "significant": significant(mean, noise, t)}
+            out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(noise, 4)}
+            if not share:
+                t = outcomes.critical(df)
+                out[gap].update(t=round(t, 4), significant=significant(mean, noise, t))
         return out
 
     ds = [r["derived"] for r in reps]

@@ -437,7 +437,12 @@ def _with_noise(v: float | None, noise: float | None, t: float | None) -> str:
 
 
 def _gap(g: dict, name: str) -> str:
-    return _with_noise(g[name], g["noise"].get(name), g["t"].get(name))
+    """A gap with its noise and verdict; '+9.3 ± 1.2 (seeds only)', with no verdict, where an arm
+    recorded no per-image results (`gaps.derive`: the test images' part unknown)."""
+    noise = g["noise"].get(name)
+    if noise is not None and g["noise_test"].get(name) is None:
+        return _pm(g[name], noise) + " (seeds only)"
+    return _with_noise(g[name], noise, g["t"].get(name))
 
 
 def _range_cell(r: list | None, fmt: str) -> str:
@@ -501,8 +506,9 @@ def render_markdown(rep: dict) -> str:
               "quantile at the Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images "
               "dominate the noise, 4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread "
               "dominates); a gap without ± has unknown noise "
-              "(single fine-tunes, or runs that recorded no per-image results); arms scored on other test "
-              "images count them as two independent samples. "
+              "(single fine-tunes); a ± marked (seeds only) counts the seeds alone and gives no verdict: an arm "
+              "recorded no per-image results, so the test images' part is unknown; arms scored on other "
+              "test images count them as two independent samples. "
               "Share = (MPP - scratch) / (supervised - scratch), "
               f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
               "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "
@@ -517,7 +523,8 @@ def render_markdown(rep: dict) -> str:
     notes, marked, ranged, pooled = [], False, False, False
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
-            "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}")
+            "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}"
+            + (" (seeds only)" if g.get("share_noise_seeds_only") else ""))
         if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
             notes.append(f"- {name}: {g['note']}")
             share = "undefined"
@@ -573,8 +580,9 @@ def render_markdown(rep: dict) -> str:
                   "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
         for f, fr in starts:
             start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
-            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr],
-                                t[f]["finetune_added_t"][fr])
+            noise, t_added = t[f]["finetune_added_noise"][fr], t[f]["finetune_added_t"][fr]
+            added = (_pm(100 * (end - start), noise) + " (seeds only)" if noise is not None and t_added is None
+                     else _with_noise(100 * (end - start), noise, t_added))
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:
@@ -626,7 +634,8 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
              "touches, shared); each gap over the repeats, their mean ± its standard error: the repeats' spread "
              "(at their count less one degree of freedom) and what every repeat shares, the same test images, "
              "shot draws and fine-tune seeds, as each repeat's own ± (which errs large where the spread holds "
-             "some of it too). The share's ± is the standard error of its spread alone."
+             "some of it too); a mean without ± has a repeat whose own noise is unknown, which the spread alone "
+             "cannot stand in for. The share's ± is built alike, without a verdict."
              + (" The repeats' own reports: " + ", ".join(f"`{d}`" for d in across["repeats"]) + "."
                 if across.get("repeats") else ""), "",
              "| evaluation | gap | per pre-training seed | mean over seeds |", "|---|---|---|---|"]
@@ -637,8 +646,8 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
     for name, g in rows:
         for gap, x in g.items():
             fmt = "{:.2f}" if gap == "recovered_share" else "{:+.1f}"
-            mean = (f"{x['mean']:.2f} ± {x['noise']:.2f}" if gap == "recovered_share"
-                    else _with_noise(x["mean"], x["noise"], x["t"]))
+            mean = (f"{x['mean']:.2f}" + ("" if x["noise"] is None else f" ± {x['noise']:.2f}")
+                    if gap == "recovered_share" else _with_noise(x["mean"], x["noise"], x["t"]))
             lines.append(f"| {name} | {names[gap]} | {', '.join(fmt.format(v) for v in x['values'])} | {mean} |")
     return lines
 

@@ -109,9 +109,10 @@ def test_critical_is_students_t_and_combine_weighs_parts_by_their_degrees_of_fre
 
 
 def test_a_gap_resting_on_two_seeds_needs_students_t_not_twice_its_noise(tmp_path):
-    """MPP 50/52, scratch 47/49 over two seeds each, no per-image results: a 3-point gap ± 1.41,
-    over twice its noise but under Student's 4.30 at its 2 degrees of freedom: not significant.
-    The same spreads over six seeds each (10 degrees) make it significant."""
+    """MPP 50/52, scratch 47/49 over two seeds each, every run right on the same test images (the
+    test images' part 0): a 3-point gap ± 1.41, over twice its noise but under Student's 4.30 at
+    its 2 degrees of freedom: not significant. The same spreads over six seeds each (10 degrees)
+    make it significant. Without per-image results the same ± gets no verdict."""
     root = tmp_path / "runs"
     mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
     runs = [mpp]
@@ -120,7 +121,7 @@ def test_a_gap_resting_on_two_seeds_needs_students_t_not_twice_its_noise(tmp_pat
             for seed in range(n_seeds):
                 runs.append(_run(root, f"{name}/{fam}/seed{seed}", {
                     "objective": "classify", "seed": seed, "finetune": {"init": init, "label_fraction": 0.1}},
-                    {"top1": tops[seed % 2]}))
+                    {"top1": tops[seed % 2], "outcomes": outcomes.record(np.arange(50) < 25, np.arange(50) % 10)}))
     two = write_report(runs[:5], tmp_path / "out")["derived"]["finetune"]["0.1"]
     assert two["mpp_minus_scratch"] == pytest.approx(3.0) and two["noise"]["mpp_minus_scratch"] == pytest.approx(
         2 ** 0.5, abs=1e-3)
@@ -130,19 +131,28 @@ def test_a_gap_resting_on_two_seeds_needs_students_t_not_twice_its_noise(tmp_pat
     six = write_report([mpp, *runs[5:]], tmp_path / "out6")["derived"]["finetune"]["0.1"]
     assert six["t"]["mpp_minus_scratch"] == pytest.approx(2.228, abs=1e-2)  # 2 x 5 degrees, equal spreads: 10
     assert six["significant"]["mpp_minus_scratch"] is True
+    for r in runs[1:5]:
+        m = json.loads((r / "metrics.json").read_text())
+        (r / "metrics.json").write_text(json.dumps({k: v for k, v in m.items() if k != "outcomes"}))
+    unknown = write_report(runs[:5], tmp_path / "out_none")["derived"]["finetune"]["0.1"]
+    assert unknown["noise"]["mpp_minus_scratch"] == pytest.approx(2 ** 0.5, abs=1e-3)
+    assert unknown["significant"]["mpp_minus_scratch"] is None
+    assert "| +3.0 ± 1.4 (seeds only) |" in (tmp_path / "out_none" / "report.md").read_text()
 
 
 def test_gaps_between_equal_arms_are_called_significant_at_most_5_percent_of_the_time():
     """Calibration: two arms with the same true accuracy, two seeds each, the seed spread the only
-    noise. The report's verdict flags about 2% of such null gaps (Welch's t is conservative with so
-    few degrees), within the 5% it aims at; the fixed twice-the-noise rule of earlier versions
-    flagged 19%."""
+    noise (both right on the same test images). The report's verdict flags about 2% of such null
+    gaps (Welch's t is conservative with so few degrees), within the 5% it aims at; the fixed
+    twice-the-noise rule of earlier versions flagged 19%."""
     rng = np.random.default_rng(0)
     flagged, twice = 0, 0
+    same = ("d", np.ones((2, 20)))
     for _ in range(2000):
         a, b = rng.normal(0.5, 0.01, 2), rng.normal(0.5, 0.02, 2)
         g = derive(a.mean(), b.mean(), None, sem={"supervised": a.std(ddof=1) / 2 ** 0.5,
-                                                  "mpp": b.std(ddof=1) / 2 ** 0.5}, dof={"supervised": 1, "mpp": 1})
+                                                  "mpp": b.std(ddof=1) / 2 ** 0.5}, dof={"supervised": 1, "mpp": 1},
+                   per_run={"supervised": same, "mpp": same})
         flagged += g["significant"]["supervised_minus_mpp"]
         twice += abs(g["supervised_minus_mpp"]) >= 2 * g["noise"]["supervised_minus_mpp"]
     assert 0.01 < flagged / 2000 < 0.06 and twice / 2000 > 0.12
@@ -264,7 +274,8 @@ def test_what_fine_tuning_added_on_few_images_takes_their_degrees_of_freedom():
 def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
     """Few-shot figures of a probe that recorded no draws (written before they were) are a mean over
     `fewshot_seeds` draws with their population std: a gap's noise is the two means' standard
-    errors combined, each of n - 1 degrees of freedom; without the draw count it is unknown."""
+    errors combined, each of n - 1 degrees of freedom, with no verdict (the test images' part is
+    unknown without per-image results); without the draw count it is unknown."""
     root = tmp_path / "runs"
     mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 1})
     sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
@@ -276,7 +287,7 @@ def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
     g = write_report(runs, tmp_path / "out")["derived"]["fewshot"]["5"]
     assert g["noise"]["supervised_minus_mpp"] == pytest.approx(100 * np.hypot(0.02 / 2, 0.04 / 2), abs=1e-3)
     assert g["t"]["supervised_minus_mpp"] == pytest.approx(outcomes.critical(25 / 4.25), abs=1e-3)  # Welch: 5.9
-    assert g["significant"]["supervised_minus_mpp"] is True  # 6 points against 2.45 x 2.24
+    assert g["significant"]["supervised_minus_mpp"] is None  # 6 points against 2.45 x 2.24, but the images unknown
     for r in runs[2:]:
         m = json.loads((r / "metrics.json").read_text())
         (r / "metrics.json").write_text(json.dumps({**m, "fewshot_seeds": "5"}))  # not a count: unknown
@@ -575,3 +586,15 @@ def test_a_share_range_skips_combinations_without_a_supervised_gain():
     assert "recovered_share" not in _ranges({"supervised": [0.5, 0.6], "mpp": [0.45], "scratch": [0.5]})
     assert _ranges({"supervised": [0.6, 0.7], "mpp": [0.55], "scratch": [0.5]})["recovered_share"] == pytest.approx(
         [0.25, 0.5])
+
+
+def test_arms_scored_on_other_test_sets_take_the_smaller_ones_degrees_whichever_comes_first():
+    """Unpaired test parts: the gap's degrees of freedom come from the smaller test set, not from
+    whichever arm the gap names first (12 images against 10,000: 11 degrees both ways)."""
+    rng = np.random.default_rng(0)
+    big, small = ("a", rng.random((1, 10_000)) < 0.6), ("b", rng.random((1, 12)) < 0.5)
+    sem = {"supervised": 0.0, "mpp": 0.0}
+    one = derive(0.6, 0.5, None, sem=sem, per_run={"supervised": big, "mpp": small})
+    two = derive(0.5, 0.6, None, sem=sem, per_run={"supervised": small, "mpp": big})
+    assert one["dof"]["supervised_minus_mpp"] == two["dof"]["supervised_minus_mpp"] == pytest.approx(11)
+    assert one["t"]["supervised_minus_mpp"] == pytest.approx(outcomes.critical(11), abs=1e-4)
