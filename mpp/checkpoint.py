@@ -144,6 +144,24 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     return final
 
 
+def _check_optimizer_state(optimizer, saved) -> None:
+    """Refuse (ValueError) a saved optimiser state whose per-parameter tensors do not have their
+    parameter's shape (a scalar `step` aside): torch does not check, and the fused kernels index
+    them by the parameter's size, reading and writing past a smaller tensor's end."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    per_param = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(per_param, dict) or not isinstance(saved.get("param_groups"), list):
+        raise ValueError("state.pt's optimizer state is malformed")
+    for i, st in per_param.items():
+        if not isinstance(i, int) or not 0 <= i < len(params) or not isinstance(st, dict):
+            raise ValueError(f"state.pt's optimizer state names parameter {i!r} of {len(params)}")
+        for k, v in st.items():
+            want = () if k == "step" else params[i].shape
+            if isinstance(v, torch.Tensor) and (v.numel() != 1 if k == "step" else v.shape != want):
+                raise ValueError(f"state.pt's optimizer state {k} of parameter {i} has shape {tuple(v.shape)}, "
+                                 f"its parameter {tuple(params[i].shape)}")
+
+
 def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer) -> dict:
     """Restore a checkpoint written by `save_checkpoint` into `model` (unwrapped), optimizer,
     grad scaler and this rank's RNGs; returns the saved plain state (step, ...). Weights of other
@@ -168,6 +186,7 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
                           f"missing, extra or of another shape, e.g. {odd[0]}); resume it with the settings it was "
                           f"trained with ({path.parent.parent / 'config.yaml'}), or start this run afresh "
                           "(train.resume=auto) in an output_dir of its own") from None
+    _check_optimizer_state(optimizer, state["optimizer"])
     optimizer.load_state_dict(state.pop("optimizer"))
     scaler = state.pop("scaler")
     if accelerator.scaler is not None and scaler is not None:

@@ -309,3 +309,31 @@ def test_a_checkpoint_naming_an_unknown_pool_is_refused_in_one_line():
     task = build_task(cfg, create_encoder("vit_micro4_32", attn="math"), 3)
     with pytest.raises(ConfigError, match="names pool 'rows', not one of token, avg: it is damaged"):
         task.restore({"pool": "rows"})
+
+
+@pytest.mark.parametrize("edit", [
+    lambda o: o["state"][0].update(exp_avg=torch.zeros(3)),  # a fused kernel would write past its end
+    lambda o: o["state"][0].update(step=torch.zeros(2)),
+    lambda o: o["state"].update({7: o["state"][0]}),
+    lambda o: o.pop("param_groups"),
+])
+def test_an_optimizer_state_of_other_shapes_is_refused_before_torch_loads_it(tmp_path, edit):
+    """torch's load_state_dict takes optimiser state tensors of any shape, and the fused AdamW
+    kernel indexes them by the parameter's size: a damaged or crafted state.pt corrupted the heap.
+    Each is now refused like a corrupt file (resume=auto goes on to an older checkpoint)."""
+    from accelerate import Accelerator
+    from mpp.checkpoint import load_checkpoint, save_checkpoint
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = {"nonfinite_steps": 0, "elapsed": 1.0, "train_time": 1.0, "data_wait": 0.0, "last": {}}
+    accelerator = Accelerator(cpu=True)
+    path = save_checkpoint(accelerator, tmp_path, 1, model, optimizer, scheduler, state)
+    load_checkpoint(accelerator, path, model, optimizer)  # the state as written loads
+    saved = torch.load(path / "state.pt", weights_only=True)
+    edit(saved["optimizer"])
+    torch.save(saved, path / "state.pt")
+    with pytest.raises(ValueError, match="state.pt's optimizer state"):
+        load_checkpoint(accelerator, path, model, optimizer)
