@@ -66,10 +66,12 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
         names = [s["name"] for s in shards]
         counts = [int(s["num_samples"]) for s in shards]
         sizes = [None if s.get("bytes") is None else int(s["bytes"]) for s in shards]
+        if min(counts, default=0) < 0 or min((b for b in sizes if b is not None), default=0) < 0:
+            raise ValueError("a shard's num_samples or bytes is negative")
         classes = m.get("classes") or None
         if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
             raise TypeError("'classes' is not a list of names")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
         raise DataError(f"manifest '{path}' is unreadable or lacks 'shards' [{{name, num_samples}}] "
                         f"({type(e).__name__}: {e}); rewrite it with tools/make_shards.py") from e
     base = path.rsplit("/", 1)[0] if "/" in path else "."
