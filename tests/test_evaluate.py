@@ -700,3 +700,36 @@ def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them
         assert m["skipped_samples"] == {"corrupt_image": 6} and m["num_train"] == 18
         assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1} and m["num_test"] == 5
     assert len(list((tmp_path / "feature_cache").glob("features-*"))) == 3
+
+
+def test_a_cache_entry_of_other_shapes_is_a_miss_not_a_crash(shards, tmp_path, caplog):
+    """Cache entries are files anyone with write access may have changed: labels of another length
+    than the features, a label past the data's classes (a 2**40 one asked for a 285 TB one-hot)
+    and a head of another shape are refused as unreadable, computed again, and the same."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from mpp.evaluators.linear_probe import probe_head
+    cfg = _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-1]})
+    torch.manual_seed(0)
+    enc = create_encoder("vit_micro4_32", img_size=16)
+    kw = dict(pool="avg", subset=(0.5, 0, 0.0, False), num_classes=4, device=torch.device("cpu"), precision="no")
+    first = probe_head(enc, cfg, **kw)
+    feats, head = sorted((tmp_path / "feature_cache").glob("*.safetensors"))
+
+    def rewrite(path, **changed):
+        with safe_open(str(path), "pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        save_file({**tensors, **{k: edit(tensors[k]).contiguous() for k, edit in changed.items()}}, str(path),
+                  metadata=meta)
+    for features_edit, head_edit in (({"labels": lambda y: y[:3]}, {"weight": lambda w: w[:, :3]}),
+                                     ({"labels": lambda y: torch.cat([y[:-1], torch.tensor([2**40])])}, {})):
+        rewrite(feats, **features_edit)
+        if head_edit:
+            rewrite(head, **head_edit)
+        else:
+            head.unlink()
+        caplog.clear()
+        again = probe_head(enc, cfg, **kw)
+        assert all(torch.equal(first[k], again[k]) for k in ("weight", "bias"))
+        warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+        assert any(str(feats) in w for w in warned) and (not head_edit or any(str(head) in w for w in warned))

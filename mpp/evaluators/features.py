@@ -39,9 +39,18 @@ class Features(NamedTuple):
 
 
 def _read_features(path: Path, pools: tuple[str, ...]) -> Features:
+    """A cache entry, checked (it is a file on disk: damaged, or written by someone else): 2-D float
+    features with one row per label, integer labels in [0, the data's class count), skip counts
+    >= 0. ValueError otherwise, which `read_cached` turns into a miss."""
     with safe_open(str(path), "pt") as f:
-        return Features({p: f.get_tensor(f"features.{p}") for p in pools}, f.get_tensor("labels"),
-                        json.loads(f.metadata()["skipped"]))
+        x, y = {p: f.get_tensor(f"features.{p}") for p in pools}, f.get_tensor("labels")
+        skipped, classes = json.loads(f.metadata()["skipped"]), int(f.metadata()["num_classes"])
+    if y.dim() != 1 or y.dtype != torch.int64 or (len(y) and not 0 <= int(y.min()) <= int(y.max()) < classes) or any(
+            v.dim() != 2 or len(v) != len(y) or not v.is_floating_point() for v in x.values()):
+        raise ValueError("features and labels of other shapes or types than extract_features writes")
+    if not isinstance(skipped, dict) or not all(isinstance(n, int) and n >= 0 for n in skipped.values()):
+        raise ValueError("skip counts that are not counts")
+    return Features(x, y, skipped)
 
 
 def encoder_img_size(encoder) -> int:
@@ -188,7 +197,8 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
             save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
                       str(tmp),
                       metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size),
-                                "skipped": json.dumps(skipped)})
+                                "skipped": json.dumps(skipped), "num_classes": str(len(loader.classes) if loader.classes
+                                                                      else int(labels.max()) + 1)})
     return Features(features, labels, skipped)
 
 

@@ -241,7 +241,10 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     def read(file: Path) -> dict:
         with safe_open(str(file), "pt") as f:
             meta = f.metadata()
-            return {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), **json.loads(meta["fit"])}
+            head = {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), **json.loads(meta["fit"])}
+        if head["weight"].shape != (num_classes, encoder.embed_dim) or head["bias"].shape != (num_classes,):
+            raise ValueError(f"a head of shape {tuple(head['weight'].shape)} for {num_classes} classes")
+        return head
     if (cached := read_cached(path, read)) is not None:
         return cached
     x, y, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
