@@ -125,6 +125,8 @@ def describe_run(run_dir: str | Path) -> dict:
     if kind == "pretrain" and family == "scratch":
         raise ReportError(f"{run_dir}: a pre-training run cannot have role 'scratch'")
     fraction = float((cfg.get("finetune") or {}).get("label_fraction", 1.0)) if kind == "finetune" else None
+    if not isinstance(cfg.get("seed", 0), int) or isinstance(cfg.get("seed"), bool):
+        raise ReportError(f"{run_dir}/config.yaml: seed {cfg['seed']!r} is not a whole number; rerun that step")
     return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics,
             "seed": cfg.get("seed", 0), "evaluated_on": metrics.get("evaluated_on", "val"), "config": cfg}
 
@@ -334,7 +336,12 @@ def collect(runs: list[dict]) -> dict:
             per_run[r["family"], "probe"] = runs_images([outcomes.read(m.get("outcomes"))])
             row["fewshot_seeds"] = m.get("fewshot_seeds") if isinstance(m.get("fewshot_seeds"), int) else None
             row["probe_pool"], row["probe_pool_choice"] = m.get("pool"), pool_choice(m)
-            row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), sorted(map(float, m.get("probe_val_top1") or {}))
+            try:
+                grid = sorted(map(float, m.get("probe_val_top1") or {}))
+            except (TypeError, ValueError):
+                raise ReportError(f"{r['dir']}/metrics.json: probe_val_top1 is not a mapping of L2 strengths to "
+                                  "scores; rerun that probe") from None
+            row["probe_l2"], row["probe_l2_grid"] = m.get("probe_l2"), grid
             for k, v in m.items():
                 if k.endswith("shot_mean"):
                     shots = k[: -len("shot_mean")]

@@ -595,3 +595,27 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     assert unknown["recovered_share"]["noise"] is None and unknown["mpp_minus_scratch"]["mean"] == 5.0
     three = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["finetune"]["0.1"]["mpp_minus_scratch"]
     assert three["significant"] is True  # three steady repeats: the spread's 2 degrees of freedom suffice
+
+
+def test_run_directories_from_elsewhere_cannot_blow_up_or_crash_the_report(tmp_path):
+    """A run directory is a file tree anyone may hand over: a config.yaml of nested aliases (each
+    level ten times the last: 355 bytes made a 294 MB report), a seed that is no number, a probe's
+    L2 grid that is no grid: each a one-line ReportError naming the file, nothing built."""
+    runs = _paper_runs(tmp_path / "runs")
+    cfg = runs[2] / "config.yaml"
+    good = cfg.read_text()
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdef", "bcdefg")) + "seed: *g\n"
+    for text, match in ((bomb, r"config.yaml is not valid YAML .*\*a stands for a list or mapping"),
+                        (good + "seed: [1, 2]\n", "seed \\[1, 2\\] is not a whole number")):
+        cfg.write_text(text)
+        with pytest.raises(ReportError, match=match):
+            write_report(runs, tmp_path / "out")
+    cfg.write_text(good)
+    probe = next(r for r in runs if (r / "metrics.json").read_text().count("linear_probe"))
+    m = json.loads((probe / "metrics.json").read_text())
+    (probe / "metrics.json").write_text(json.dumps({**m, "probe_val_top1": {"abc": 0.5}}))
+    with pytest.raises(ReportError, match="probe_val_top1 is not a mapping of L2 strengths"):
+        write_report(runs, tmp_path / "out")
+    from mpp.config import read_yaml
+    assert read_yaml("lr: &lr 0.1\nmin_lr: *lr\n") == {"lr": 0.1, "min_lr": 0.1}  # a scalar's alias stays fine
