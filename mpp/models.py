@@ -22,6 +22,7 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from timm.layers.attention import Attention
@@ -315,18 +316,31 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     if data is not None:
         _check_normalisation(weights, norm, data)
     old_img = kwargs.get("img_size", 224)
+    try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
+        with safe_open(str(weights), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:
+        raise ConfigError(f"{weights} is not a readable safetensors file ({' '.join(str(e).split())[:80]}); "
+                          "export it again") from None
+    # built first on the meta device (no memory): a model.json timm cannot build, or one of other
+    # shapes than its weights (a small file asking for a huge model), stops here
+    try:
+        with torch.device("meta"):
+            odd = mismatched(MaskedEncoder(name, kwargs, attn=attn).vit, shapes)
+    except Exception as e:  # timm's own errors on odd kwargs: TypeError, AttributeError, ZeroDivisionError, ...
+        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    if odd:
+        raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
+                          f"of another shape, e.g. {odd[0]}); give the model.json it was exported with")
     if img_size:
         kwargs["img_size"] = img_size
     try:
         encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
-    except (TypeError, ValueError, AssertionError) as e:
+    except Exception as e:  # at another img_size
         raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
-                          f"{' '.join(str(e).split())[:100]}") from None
-    try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
-        state = load_file(str(weights))
-    except Exception as e:
-        raise ConfigError(f"{weights} is not a readable safetensors file ({' '.join(str(e).split())[:80]}); "
-                          "export it again") from None
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    state = load_file(str(weights))
     try:
         pos = state.get("pos_embed")
         if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
