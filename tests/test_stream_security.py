@@ -153,3 +153,24 @@ def test_resampled_shards_that_never_decode_fail_instead_of_hanging(tmp_path):
     mixed = [str(tmp_path / "good" / "000000.tar")] + [str(tmp_path / f"bad{i}.tar") for i in range(2)]
     loader = make_loader(mixed, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=data, num_samples=8)
     assert [len(b["image"]) for b in loader.epoch(0)] == [4, 4] and loader.counters()["corrupt_tar"] > 0
+
+
+def test_members_decoding_never_reads_are_not_held_in_memory(tmp_path):
+    """A shard whose samples carry large members that are neither an image nor a label (a 2 MiB
+    .npy each, highly compressible in a .tar.gz): up to a shuffle buffer of raw samples waits in
+    memory, so those members keep their name (a sample of nothing else still counts as
+    missing_image) but no bytes; the images and labels come through whole."""
+    from mpp.data.sources import read_shard
+    big = bytes(2 << 20)
+    only_npy = {"png": None, "cls": None}  # the first sample: nothing else
+    manifest, source = write_shards(tmp_path / "shards", [3, 3],
+                                    extra=lambda s, j: {"npy": big, **(only_npy if (s, j) == (0, 0) else {})})
+    skips: dict = {}
+    samples = [x for url in sorted((tmp_path / "shards").glob("*.tar")) for x in read_shard(str(url), skips)]
+    assert len(samples) == 6 and not skips
+    assert all(x["npy"] == b"" for x in samples) and sum(len(v) for x in samples for v in x.values()
+                                                         if isinstance(v, bytes)) < 6 * 4096
+    assert all(x["png"] == encode(source[x["__key__"]][1], "png") for x in samples if "png" in x)
+    loader = make_loader(manifest, batch_size=5, img_size=8, train=False, labeled=True,
+                         data_cfg=DataConfig(num_workers=0))
+    assert sum(len(b["image"]) for b in loader.epoch(0)) == 5 and loader.counters() == {"missing_image": 1}

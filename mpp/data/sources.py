@@ -28,11 +28,12 @@ import braceexpand
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, url_opener
 
-from mpp.data.decode import DataError
+from mpp.data.decode import IMAGE_EXTS, DataError
 from mpp.data.tarstream import CorruptTar, TruncatedTar, tar_files
 from mpp.specs import is_url, local_path
 
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
+USED = frozenset((*IMAGE_EXTS, "cls"))  # the members decoding reads; others are kept empty
 MANIFEST_SCHEMES = ("http", "https", "file")  # what a manifest may name besides plain paths
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 log = logging.getLogger(__name__)
@@ -235,7 +236,9 @@ def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     one sample, their lower-cased extensions its fields, as webdataset's group_by_keys does (here
     without its per-member dicts and handler calls). A truncated, unreadable or
     malformed (e.g. a member twice in a sample) shard ends there, is counted in `skips` and its
-    last (possibly incomplete) sample dropped; no retry, no sleep."""
+    last (possibly incomplete) sample dropped; no retry, no sleep. Members decoding never reads
+    (not an image, not 'cls') keep their name but no bytes: up to a shuffle buffer of samples
+    waits in memory, and those would hold any size for nothing."""
     errors: list[Exception] = []
     members = tar_members(url, errors)
     sample: dict | None = None
@@ -252,7 +255,7 @@ def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
             errors.append(ValueError(f"{name}: member twice in sample '{key}' of {url}"))
             members.close()
             break
-        sample[ext] = data
+        sample[ext] = data if ext in USED else b""
     if errors:
         kind = _error_kind(errors)
         skips[kind] = skips.get(kind, 0) + 1
