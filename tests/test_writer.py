@@ -422,3 +422,28 @@ def test_folder_to_shards_to_batches(tmp_path: Path):
            for b in loader.epoch(0) for img, lab in zip(b["image"], b["label"])]
     assert loader.num_samples == m["num_samples"] == 21 and loader.classes == CLASS_NAMES
     assert sorted(got) == sorted(source)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_archive_member_past_the_members_limit_is_skipped_unread(folder: Path, tmp_path: Path, monkeypatch,
+                                                                     compressed: bool):
+    """A source archive's member larger than a shard member may be (or a sparse one: a 10 KB tar
+    can declare any size) is skipped and counted like an unreadable file, never read into memory;
+    the rest are written."""
+    import mpp.data.writer
+    monkeypatch.setattr(mpp.data.writer, "MAX_MEMBER", 4096)
+    src = tmp_path / ("src.tar.gz" if compressed else "src.tar")
+    mode = "w:gz" if compressed else "w"
+    with tarfile.open(src, mode) as tar:
+        tar.add(folder, arcname="src")
+    before = write_shards(src, tmp_path / "before", progress=False)
+    (folder / "a_cls" / "big.jpg").write_bytes(_image_bytes(7, size=(200, 200)) + bytes(8192))  # readable
+    with tarfile.open(src, mode) as tar:
+        tar.add(folder, arcname="src")
+    read = []
+    real = tarfile.TarFile.extractfile
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", lambda self, m: read.append(m.name) or real(self, m))
+    m = write_shards(src, tmp_path / "out", progress=False)
+    assert any("big.jpg" in e and "past the 0 MiB a shard member may hold" in e for e in m["skipped"]["examples"])
+    assert not any(n.endswith("big.jpg") for n in read) and read
+    assert m["num_samples"] == before["num_samples"] and m["skipped"]["count"] == before["skipped"]["count"] + 1

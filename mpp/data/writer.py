@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import importlib.metadata
 import io
@@ -40,6 +41,7 @@ from tqdm import tqdm
 
 from mpp.config import DataConfig
 from mpp.data.sources import META
+from mpp.data.tarstream import MAX_MEMBER
 from mpp.fileio import fsync, write_atomic
 
 log = logging.getLogger(__name__)
@@ -296,7 +298,9 @@ def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
 def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
     """Member names (without a single common top folder) and readers for any order: seeks in a
     plain tar; a compressed one is read once into memory (random access into a compressed stream
-    would decompress from the start every time)."""
+    would decompress from the start every time). A member past `MAX_MEMBER` (the most the loader
+    reads) or a sparse one (a 10 KB archive can declare any size) is never read: its reader
+    raises, and the file is skipped and counted."""
     members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
     tops = {n.split("/", 1)[0] for n in names}
@@ -305,10 +309,17 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     if (len(tops) == 1 and any(n.count("/") >= 2 for n in names)
             and not any(n.count("/") == 1 and _image_name(n) for n in names)):
         names = [n.split("/", 1)[1] for n in names]
+    big = {m.name for m in members if m.issparse() or m.size > MAX_MEMBER}  # never read: refused per file
     if isinstance(tar.fileobj, io.BufferedReader):
-        return names, [lambda m=m: tar.extractfile(m).read() for m in members]
-    data = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
-    return names, [lambda d=data[m.name]: d for m in members]
+        return names, [functools.partial(_too_big, m) if m.name in big else lambda m=m: tar.extractfile(m).read()
+                       for m in members]
+    data = {m.name: tar.extractfile(m).read() for m in members if m.name not in big}
+    return names, [functools.partial(_too_big, m) if m.name in big else lambda d=data[m.name]: d for m in members]
+
+
+def _too_big(m: tarfile.TarInfo) -> bytes:
+    raise ValueError(f"{m.size} bytes{' (a sparse file)' if m.issparse() else ''}, past the "
+                     f"{MAX_MEMBER >> 20} MiB a shard member may hold")
 
 
 def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
