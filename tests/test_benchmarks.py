@@ -219,7 +219,8 @@ def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_differ
     plain = mixup.LabelTask.forward
     mixup.main(["--alpha", "0.4", "--config", str(ROOT / "configs/synthetic_finetune.yaml"), "steps=3",
                 "model=vit_micro4_32", "batch_size=16", "finetune.head_init=zero", f"output_dir={tmp_path / 'out'}",
-                f"data.train={tmp_path / 'data/train/manifest.json'}", f"data.val={tmp_path / 'data/test/manifest.json'}"])
+                f"data.train={tmp_path / 'data/train/manifest.json'}",
+                f"data.val={tmp_path / 'data/test/manifest.json'}"])
     assert mixup.LabelTask.forward is plain  # mixup patched in for its own run only
     out = capsys.readouterr().out
     assert re.search(r"plain: top-1 [\d.]+, mixup_0.4: top-1 [\d.]+; mixup - plain [+-][\d.]+ ± [\d.]+ "

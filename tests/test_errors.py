@@ -231,8 +231,8 @@ CASES = [
      lambda t: _encoder(t, {"name": "vit_tiny_patch16_224", "kwargs": {"img_size": 32, "patch_size": 4}})),
     ("encoder model.json asking for a model far larger than its weights (built on no memory first)", "finetune",
      lambda t: [*FT(t), f"finetune.init={t}/enc"],
-     lambda t: _encoder(t, {"name": "vit_tiny_patch16_224", "kwargs": {"img_size": 32, "patch_size": 4,
-                                                                     "embed_dim": 8192, "depth": 100, "num_heads": 8}})),
+     lambda t: _encoder(t, {"name": "vit_tiny_patch16_224", "kwargs": {
+         "img_size": 32, "patch_size": 4, "embed_dim": 8192, "depth": 100, "num_heads": 8}})),
     ("encoder model.json naming a timm model that is no ViT", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
      lambda t: _encoder(t, {"name": "resnet18", "kwargs": {}})),
     ("encoder model.json naming an unknown timm model", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],

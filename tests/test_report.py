@@ -591,7 +591,8 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     assert a["linear_top1"]["recovered_share"]["noise"] == pytest.approx(outcomes.combine(
         (np.std([1 / 21, 9 / 29], ddof=1) / np.sqrt(2), 1), (0.02, np.inf))[0], abs=1e-4)
     unknown = across_pretrain_seeds([rep(1.0), rep(9.0, None)])["finetune"]["0.1"]
-    assert all(unknown[g]["noise"] is None and unknown[g]["significant"] is None for g in unknown if g != "recovered_share")
+    assert all(unknown[g]["noise"] is None and unknown[g]["significant"] is None
+               for g in unknown if g != "recovered_share")
     assert unknown["recovered_share"]["noise"] is None and unknown["mpp_minus_scratch"]["mean"] == 5.0
     three = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["finetune"]["0.1"]["mpp_minus_scratch"]
     assert three["significant"] is True  # three steady repeats: the spread's 2 degrees of freedom suffice
