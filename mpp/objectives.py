@@ -59,7 +59,7 @@ def quantize(colors: torch.Tensor, bits: int = 3) -> torch.Tensor:
     return _pack(_color_levels(colors, bits), bits)
 
 
-def _exact(x: torch.Tensor) -> torch.Tensor:
+def exact(x: torch.Tensor) -> torch.Tensor:
     """float64 where the device has it: means of float32 pixels are then exact (no class flips at
     level boundaries such as a mean of exactly 1/8)."""
     return x.double() if x.device.type != "mps" else x.float()
@@ -69,7 +69,7 @@ def mean_color_targets(images01: torch.Tensor, patch_size: int, bits: int = 3) -
     """The paper's MPP target: images (B, 3, H, W) in [0, 1] -> long (B, N), each patch's mean
     colour quantised to `bits` per channel (512 classes at 3 bits), row-major patch order."""
     with torch.autocast(images01.device.type, enabled=False):
-        return quantize(_exact(patches(images01, patch_size)).mean((-1, -2)), bits)
+        return quantize(exact(patches(images01, patch_size)).mean((-1, -2)), bits)
 
 
 def _level_centres(levels: torch.Tensor, bits: int) -> torch.Tensor:
@@ -362,11 +362,12 @@ class MPPTask(Task):
             # the head and loss in fp32 (B, K, out): with bf16 logits the colour task learns less (docs/results.md)
             pred = self.head(chosen.float())
             pix = patches(images01, self.encoder.patch_size)
-            pix = _exact(torch.gather(pix, 1, index.view(B, -1, 1, 1, 1).expand(-1, -1, *pix.shape[2:])))
+            pix = exact(torch.gather(pix, 1, index.view(B, -1, 1, 1, 1).expand(-1, -1, *pix.shape[2:])))
             loss, guess, classes = self.target.loss(pred, pix, c.bits)
         with torch.no_grad():
             metrics = {"loss": loss.detach(), "acc": (guess == classes).float().mean(),
-                       "baseline": _batch_mode_accuracy(classes, self.num_colors)}
+                       # hog's classes are its 36 bins, more than the colours at mpp.bits=1
+                       "baseline": _batch_mode_accuracy(classes, max(self.num_colors, HOG_CELLS ** 2 * HOG_BINS))}
         return loss, metrics
 
 

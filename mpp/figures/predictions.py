@@ -22,7 +22,7 @@ from mpp.config import load_config
 from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
 from mpp.models import load_encoder, take_rows
-from mpp.objectives import MPPTask, patches, quantize, sample_corruption
+from mpp.objectives import MPPTask, exact, patches, quantize, sample_corruption
 
 HEAD_FILE = "mpp_head.safetensors"
 MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
@@ -98,7 +98,7 @@ def predict(task: MPPTask, images: torch.Tensor, seed: int = 0) -> Prediction:
     own = torch.arange(N, device=images.device)
     return Prediction(images01=images01, corrupted=_unpatch(seen, enc.grid_size), masked=corruption.masked,
                       swapped=corruption.src != own, chosen=corruption.chosen, predicted=predicted,
-                      true=pix.mean((-1, -2)))
+                      true=exact(pix).mean((-1, -2)).float())  # as training averages: in float64
 
 
 def _unpatch(x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
