@@ -97,11 +97,17 @@ def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:07d}"
 
 
+def checkpoint_order(name: str) -> tuple[int, str]:
+    """The sort key of a checkpoint folder's name, oldest first: by length, then name (zero-padded
+    to 7 digits, past step 9,999,999 the names grow a digit, and 'step_10000000' < 'step_9999999'
+    as text). Every comparison of checkpoints goes through it."""
+    return len(name), name
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (directories only: a `step_*` file is not one)."""
     root = Path(root)
-    # by length, then name: zero-padded to 7 digits, past step 9,999,999 the names grow a digit
-    return sorted((p for p in root.glob(PREFIX + "*") if p.is_dir()), key=lambda p: (len(p.name), p.name)) \
+    return sorted((p for p in root.glob(PREFIX + "*") if p.is_dir()), key=lambda p: checkpoint_order(p.name)) \
         if root.is_dir() else []
 
 
@@ -138,7 +144,8 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         fsync(root)  # the rename on the disk, not only its files
         # the newest `keep` up to this step; later ones (ones resume=auto skipped as damaged) are
         # neither counted nor removed, so they never push out the checkpoint just written
-        for old in [c for c in list_checkpoints(root) if c.name <= final.name][:-keep]:
+        newest = checkpoint_order(final.name)
+        for old in [c for c in list_checkpoints(root) if checkpoint_order(c.name) <= newest][:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final

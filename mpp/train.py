@@ -37,7 +37,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from mpp import evaluators, rundir
-from mpp.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint, save_checkpoint
+from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
 from mpp.config import RESULT_NEUTRAL, Config, ConfigError, read_yaml, save_config, to_dict
 from mpp.data import make_loader
@@ -258,7 +258,9 @@ def loop(run: Run) -> None:
                 run.optimizer.step()
                 run.optimizer.zero_grad(set_to_none=True)
             done = step + 1
-            log_now = done % cfg.train.log_every == 0 or done == run.steps
+            checkpoint_now = (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == run.steps
+            # a checkpoint closes the log window too: a run resumed there averages the same windows
+            log_now = done % cfg.train.log_every == 0 or checkpoint_now
             lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
             run.scheduler.step_update(done)
             run.win.add_step(grad_norm, finite)
@@ -277,7 +279,7 @@ def loop(run: Run) -> None:
                 log_predictions(run.writer, run.task, shown, done)
 
             # -- checkpoint (also at the end, so a finished run resumes to nothing)
-            if (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == run.steps:
+            if checkpoint_now:
                 _checkpoint(run, done)
 
             # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
@@ -346,7 +348,8 @@ def _record(run: Run) -> None:
     always holds the settings the run last trained with, never those of an attempt that trained
     nothing, which the next resume would warn against (and a fresh run's directory is removed)."""
     if run.accelerator.is_main_process and run.writer is None:
-        save_config(run.cfg, run.out / "config.yaml")
+        if run.start < run.steps or not (run.out / "config.yaml").is_file():  # not a resume that trained nothing
+            save_config(run.cfg, run.out / "config.yaml")
         run.writer = SummaryWriter(str(run.out / "tensorboard"), purge_step=run.start)
 
 
@@ -406,7 +409,8 @@ def _check_finite(run: Run, step: int) -> None:
     if run.bad.max.item() >= limit:
         # one before this step, not a newer one (or this step's, not written yet) that a resume skipped
         # as damaged, which stays on disk
-        good = [c for c in list_checkpoints(run.out / "checkpoints") if c.name < checkpoint_name(step)]
+        good = [c for c in list_checkpoints(run.out / "checkpoints")
+                if checkpoint_order(c.name) < checkpoint_order(checkpoint_name(step))]
         run.bar.close()
         if run.writer:
             run.writer.close()  # keep the logged scalars that show what happened
@@ -549,7 +553,8 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
         whys = [w for w in gather_object([why]) if w]
         if not whys:
             if cfg.train.resume != "auto" and (newer := [
-                    c.name for c in list_checkpoints(root) if c.name > checkpoint_name(state["step"])]):
+                    c.name for c in list_checkpoints(root)
+                    if checkpoint_order(c.name) > checkpoint_order(checkpoint_name(state["step"]))]):
                 raise ConfigError(f"train.resume={cfg.train.resume!r} (step {state['step']}) is older than "
                                   f"{', '.join(newer)} in {root}: going on here would mix two runs' checkpoints; "
                                   "resume into another output_dir, or delete those")

@@ -337,3 +337,19 @@ def test_an_optimizer_state_of_other_shapes_is_refused_before_torch_loads_it(tmp
     torch.save(saved, path / "state.pt")
     with pytest.raises(ValueError, match="state.pt's optimizer state"):
         load_checkpoint(accelerator, path, model, optimizer)
+
+
+def test_checkpoints_past_seven_digits_rotate_and_order_as_steps(tmp_path):
+    """Past step 9,999,999 the names grow a digit: rotation keeps the newest by step (not by text,
+    where 'step_10000000' < 'step_9999999'), so the 7-digit ones go."""
+    from accelerate import Accelerator
+    from mpp.checkpoint import checkpoint_order, list_checkpoints, save_checkpoint
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = {"nonfinite_steps": 0, "elapsed": 1.0, "train_time": 1.0, "data_wait": 0.0, "last": {}}
+    accelerator = Accelerator(cpu=True)
+    for step in (9_999_998, 9_999_999, 10_000_001, 10_000_002):
+        save_checkpoint(accelerator, tmp_path, step, model, optimizer, scheduler, state, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_10000001", "step_10000002"]
+    assert checkpoint_order("step_9999999") < checkpoint_order("step_10000000")

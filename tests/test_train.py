@@ -603,3 +603,42 @@ def test_a_run_ends_when_the_prefetch_thread_is_stuck_in_the_loader(data, tmp_pa
     finally:
         gate.set()
     assert results["steps"] == 2 and (out / "metrics.json").is_file()
+
+
+def test_a_run_resumed_at_any_checkpoint_reports_what_the_whole_run_reports(tmp_path):
+    """Shards named by a brace pattern with a smaller num_samples (inexact counts: the surplus is
+    dropped at each epoch's end), 1 sample in 5 corrupt, an epoch of 15 steps, checkpoints every 5
+    and logs every 8 (checkpoint 20 inside the last log window, 17-24): resumed from each
+    checkpoint, the epoch boundary's one included, a run reports the whole run's skip counts and
+    last-window loss (a checkpoint closes a log window)."""
+    from shardutil import write_shards
+    bad = lambda s, j: {"png": b"not an image"} if j % 5 == 2 else {}  # noqa: E731
+    write_shards(tmp_path / "data", [40, 40, 40, 40], extra=bad)
+    out = tmp_path / "run"
+    items = settings(tmp_path, out, **{"data.train": f"{tmp_path}/data/{{000000..000003}}.tar",
+                                       "data.num_samples": 120, "batch_size": 8, "steps": 24,
+                                       "train.ckpt_every": 5, "train.log_every": 8, "train.keep_ckpts": 6})
+    whole = train(config(items))
+    assert whole["skipped_samples"].get("dropped", 0) > 0  # the surplus counted at the epoch's end
+    saved = out.with_name("saved")
+    shutil.copytree(out, saved)
+    for step in (5, 10, 15, 20):
+        shutil.rmtree(out)
+        shutil.copytree(saved, out)
+        for ckpt in (out / "checkpoints").iterdir():
+            if int(ckpt.name.split("_")[1]) > step:
+                shutil.rmtree(ckpt)
+        (out / "metrics.json").unlink()
+        resumed = train(config(items))
+        assert resumed["skipped_samples"] == whole["skipped_samples"], step
+        assert resumed["loss"] == whole["loss"], step
+
+
+def test_a_run_resumed_at_its_last_step_keeps_the_config_it_trained_with(tmp_path, data):
+    """A finished run started again with other settings trains nothing: its config.yaml keeps the
+    settings the steps ran with (the report reads it), not the new attempt's."""
+    out = tmp_path / "run"
+    train(config(settings(data, out, steps=4)))
+    (out / "metrics.json").unlink()
+    train(config(settings(data, out, steps=4, **{"optim.lr": 5e-3})))
+    assert build_config(yaml.safe_load((out / "config.yaml").read_text())).optim.lr == 2e-3

@@ -443,13 +443,22 @@ class ShardLoader:
                     return
                 else:
                     self._count("padded", len(last["image"]))
+                    if i == k - 1:
+                        self._end_counts(items, have)
                     yield last
                     continue
             last = _take(pieces, size, keys)
             have -= size
             expected -= size
+            if i == k - 1:
+                self._end_counts(items, have)
             yield last
-        if not self.resampled:  # read the workers' final counters; count any surplus samples
+
+    def _end_counts(self, items: Iterator[dict], have: int) -> None:
+        """Before an epoch's last batch goes out: the workers' final counters read and any surplus
+        samples counted (`dropped`), so a checkpoint taken at the epoch's end holds them; after it,
+        a run resumed there would never count them (it starts at the next epoch)."""
+        if not self.resampled:
             self._count("dropped", have + sum(len(item["image"]) for item in items))
 
 
