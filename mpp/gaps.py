@@ -118,7 +118,8 @@ def _share_noise(acc: dict, sem: dict, per_run: dict, per_image: dict, draws: di
     first order (the delta method), from the influence of each unit on R, ((m_i - s_i) - R (u_i -
     s_i)) / (u - s), where a unit is shared by all three arms (a test image, a draw of shots), else
     from each arm's own standard error: the seeds' part, and the test images' part where all three
-    arms recorded their per-image results (`per_image`: `_mean_images` of `per_run`; less the
+    arms recorded their per-image results (arms that scored the same images paired image by image,
+    the groups of other images independent) (`per_image`: `_mean_images` of `per_run`; less the
     seed-by-image variance the seeds' part holds too, as in `derive`; the seeds' part alone where
     an arm recorded none: `derive` then sets `share_noise_seeds_only`). None when an arm's seed
     noise is unknown."""
@@ -135,12 +136,11 @@ def _share_noise(acc: dict, sem: dict, per_run: dict, per_image: dict, draws: di
     test = 0.0
     images = [per_image.get(f) for f in weights]
     if all(images):
-        scores = [v for _, v in images]  # float64 means (`_mean_images`)
-        same = len({d for d, _ in images}) == 1
-        if same:
-            test = outcomes.sem(sum(w * x for w, x in zip(weights.values(), scores))) or 0.0
-        else:  # scored on other images: three independent samples
-            test = math.hypot(*(w * (outcomes.sem(x) or 0.0) for w, x in zip(weights.values(), scores)))
+        groups: dict[str, list] = {}  # arms scored on the same images pair image by image; groups are independent
+        for w, (digest, x) in zip(weights.values(), images):  # x: float64 means (`_mean_images`)
+            groups.setdefault(digest, []).append(w * x)
+        test = math.hypot(*((outcomes.sem(sum(parts)) or 0.0) for parts in groups.values()))
+        same = len(groups) == 1
         test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None and same)))
     return round(math.hypot(seeds, test), 4)
 

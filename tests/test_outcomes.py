@@ -539,20 +539,22 @@ def test_share_noise_of_arms_scored_on_other_images_weighs_each_arm():
                                                              (r - 1) * se["scratch"] / gain]), abs=2e-4)
 
 
-def test_share_noise_takes_the_arms_as_independent_unless_all_three_share_the_images():
-    """Supervised and MPP probes on the same 1,000 images, scratch's on other ones: no unit is
-    shared by all three arms, so the share's test part is each arm's own sampling error through
-    the delta method, as for three different test sets, not a per-image influence that would
-    pair scratch's images with the others' by position."""
+def test_share_noise_pairs_the_arms_that_share_images_and_takes_the_others_as_independent():
+    """Supervised and MPP probes on the same 1,000 images, scratch's on other ones: the share's
+    test part pairs supervised and MPP image by image (their covariance counts) and adds scratch's
+    own sampling error, never pairing scratch's images with the others' by position."""
     rng = np.random.default_rng(4)
     latent = rng.random(1000)
     per = {"supervised": ("A", latent < 0.7), "mpp": ("A", latent < 0.5), "scratch": ("B", rng.random(1000) < 0.4)}
     u, m, s = (per[f][1].mean() for f in ARMS)
     g = derive(u, m, s, sem=dict.fromkeys(ARMS, 0.0), per_run=one_run(per))
     r, gain = (m - s) / (u - s), u - s
-    se = {f: np.std(per[f][1], ddof=1) / np.sqrt(1000) for f in ARMS}
-    assert g["share_noise"] == pytest.approx(np.linalg.norm([se["mpp"] / gain, r * se["supervised"] / gain,
-                                                             (r - 1) * se["scratch"] / gain]), abs=2e-4)
+    paired = per["mpp"][1] / gain - r * per["supervised"][1] / gain  # the per-image influence of the pair
+    own = (r - 1) / gain * np.std(per["scratch"][1], ddof=1) / np.sqrt(1000)
+    assert g["share_noise"] == pytest.approx(np.hypot(np.std(paired, ddof=1) / np.sqrt(1000), own), abs=2e-4)
+    independent = np.linalg.norm([np.std(per[f][1], ddof=1) / np.sqrt(1000) * w for f, w in
+                                  (("mpp", 1 / gain), ("supervised", r / gain), ("scratch", (r - 1) / gain))])
+    assert g["share_noise"] < independent - 0.005  # the pair's positive covariance lowers it here
 
 
 def test_draws_of_other_counts_are_not_paired():
