@@ -223,7 +223,8 @@ WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "di
 # Not data.num_workers: the workers' shard split orders the batches and the test images; nor
 # train.compile (compiled code draws its own random numbers) or train.compile_mode, train.attn and
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
-# train.log_every steps, recorded beside that value in the run's config.yaml.
+# log window (train.log_every steps, fewer where a checkpoint closed it: train.ckpt_every not a
+# multiple of it), recorded beside those values in the run's config.yaml.
 RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
                   "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
 

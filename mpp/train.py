@@ -199,7 +199,7 @@ def setup(cfg: Config) -> Run:
         writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
         t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"],
-        win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0)))
+        win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0), cfg.train.max_bad_steps))
 
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
@@ -444,7 +444,10 @@ def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor, losses: lis
     """Whether this step was fp16 loss scaling's overflow: a non-finite gradient norm while every
     rank's loss was finite. The scaler skips such a step and lowers its scale, as it does a few
     times at the start of every fp16 run: counted apart (`scaler_skips`), it neither stops a run
-    nor its export as a non-finite step does. Always false without a scaler (bf16, fp32)."""
+    nor its export as a non-finite step does, unless train.max_bad_steps of them come in a row
+    (`_BadSteps`: a gradient that stays non-finite is no overflow). Always false without a scaler
+    (bf16, fp32). The ranks' losses are summed in one all-reduce (fp16 on several processes only),
+    so every rank takes the same verdict."""
     if accelerator.scaler is None:
         return torch.zeros_like(finite)
     bad_loss = torch.stack([~torch.isfinite(loss).all() for loss in losses]).any().float()
@@ -455,13 +458,17 @@ def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor, losses: lis
 
 class _BadSteps:
     """Device-side counters of non-finite steps (fp16 overflows apart): the current run of them,
-    its longest, the total, and the overflows."""
+    its longest, the total, and the overflows. From the `limit`-th overflow in a row on, an
+    overflow counts as a non-finite step: the scale has then halved `limit` times and the
+    gradient is still not finite, so something other than the scale is wrong."""
 
-    def __init__(self, zero: torch.Tensor, run: int):
-        self.zero, self.run, self.max = zero, zero + run, zero.clone()
-        self.total, self.overflows = zero.clone(), zero.clone()
+    def __init__(self, zero: torch.Tensor, run: int, limit: int):
+        self.zero, self.run, self.max, self.limit = zero, zero + run, zero.clone(), limit
+        self.total, self.overflows, self.overflow_run = zero.clone(), zero.clone(), zero.clone()
 
     def add(self, finite: torch.Tensor, overflow: torch.Tensor) -> None:
+        self.overflow_run = torch.where(overflow, self.overflow_run + 1, self.zero)
+        overflow = overflow & (self.overflow_run < self.limit)
         ok = finite | overflow
         self.run = torch.where(ok, self.zero, self.run + 1)
         self.max = torch.maximum(self.max, self.run)

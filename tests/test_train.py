@@ -367,10 +367,15 @@ def test_an_fp16_overflow_is_the_scalers_skip_not_a_failed_step():
     assert not _scaler_overflow(fp16, torch.isfinite(inf), [one, nan])  # one micro-batch's loss is NaN
     assert not _scaler_overflow(fp16, torch.isfinite(one), [one])
     assert not _scaler_overflow(bf16, torch.isfinite(inf), [one])
-    bad = _BadSteps(torch.zeros(()), 0)
+    bad = _BadSteps(torch.zeros(()), 0, limit=20)
     for norm, loss in ((inf, one), (inf, one), (one, one), (inf, nan), (inf, nan), (inf, one)):
         bad.add(torch.isfinite(norm), _scaler_overflow(fp16, torch.isfinite(norm), [loss]))
     assert (bad.run.item(), bad.max.item(), bad.total.item(), bad.overflows.item()) == (0, 2, 2, 3)
+    # a gradient that stays non-finite is no overflow: from the limit-th in a row on, each is a failed step
+    bad = _BadSteps(torch.zeros(()), 0, limit=3)
+    for _ in range(6):
+        bad.add(torch.isfinite(inf), _scaler_overflow(fp16, torch.isfinite(inf), [one]))
+    assert (bad.overflows.item(), bad.total.item(), bad.run.item()) == (2, 4, 4)
 
 
 def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path, monkeypatch):
