@@ -15,8 +15,8 @@ settings are the synthetic configs' (`configs/synthetic_mpp.yaml`, with `--fract
 """
 from __future__ import annotations
 
+import itertools
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -26,9 +26,8 @@ from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.config import load_config
 from mpp.data import make_loader
 from mpp.data.decode import IMAGE_EXTS
-from mpp.data.sources import resolve
+from mpp.data.sources import read_shard, resolve
 from mpp.prefetch import DevicePrefetcher
-from mpp.specs import local_path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks beside this one
 from data_loading import decode_rate  # noqa: E402
@@ -37,17 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def shard_images(data: str, count: int) -> list[dict]:
-    """The first `count` image members of `data`'s (local) shards, as {ext: bytes}."""
-    members = []
-    for url in resolve(data).urls:
-        with tarfile.open(local_path(url) or url) as tar:
-            for m in tar:
-                ext = m.name.rsplit(".", 1)[-1].lower()
-                if m.isfile() and ext in IMAGE_EXTS:
-                    members.append({ext: tar.extractfile(m).read()})
-                    if len(members) == count:
-                        return members
-    return members
+    """The image members of the first `count` samples of `data`'s shards, as {ext: bytes}."""
+    samples = (s for url in resolve(data).urls for s in read_shard(url, {}))
+    return [{k: v for k, v in s.items() if k in IMAGE_EXTS} for s in itertools.islice(samples, count)]
 
 
 def run(data: str, *, batch_size: int, workers: int, epochs: int, fraction: float = 0.0,

@@ -163,8 +163,7 @@ def _check_optimizer_state(optimizer, saved) -> None:
         if not isinstance(i, int) or not 0 <= i < len(params) or not isinstance(st, dict):
             raise ValueError(f"state.pt's optimizer state names parameter {i!r} of {len(params)}")
         for k, v in st.items():
-            want = () if k == "step" else params[i].shape
-            if isinstance(v, torch.Tensor) and (v.numel() != 1 if k == "step" else v.shape != want):
+            if isinstance(v, torch.Tensor) and (v.numel() != 1 if k == "step" else v.shape != params[i].shape):
                 raise ValueError(f"state.pt's optimizer state {k} of parameter {i} has shape {tuple(v.shape)}, "
                                  f"its parameter {tuple(params[i].shape)}")
 

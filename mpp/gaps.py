@@ -63,9 +63,9 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             if test:  # the seed-by-image variance both parts hold, counted once
                 both = _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None and same)
                 test = math.sqrt(max(0.0, test ** 2 - 1e4 * both))
-            images = 0 if test is None else len(per_image[a][1]) if same else min(len(per_image[a][1]),
-                                                                                  len(per_image[b][1]))
-            noise, df = outcomes.combine(*seeds, (test or 0.0, images - 1 if test else math.inf))
+            # degrees of freedom of the test part: the smaller test set's (the same images: one set)
+            images = min(len(per_image[a][1]), len(per_image[b][1])) if test else 0
+            noise, df = outcomes.combine(*seeds, (test, images - 1) if test else (0.0, math.inf))
             noise, t = round(noise, 4), round(outcomes.critical(df), 4)
         out["noise"][gap], out["noise_test"][gap] = noise, None if test is None else round(test, 4)
         out["t"][gap], out["dof"][gap] = t, None if df is None or math.isinf(df) else round(df, 4)

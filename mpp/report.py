@@ -436,20 +436,18 @@ def _pm(v: float | None, noise: float | None) -> str:
     return _pp(v) if v is None or noise is None else f"{v:+.1f} ± {noise:.1f}"
 
 
-def _with_noise(v: float | None, noise: float | None, t: float | None) -> str:
+def _with_noise(v: float | None, noise: float | None, t: float | None, seeds_only: bool = False) -> str:
     """'+9.3 ± 1.2', with 'not significant' when under t times its noise; '+9.3' when it is unknown
-    (no verdict without t)."""
+    (no verdict without t); '+9.3 ± 1.2 (seeds only)', with no verdict, where the noise counts the
+    seeds alone (`gaps`: an arm recorded no per-image results, the test images' part unknown)."""
+    if seeds_only and noise is not None:
+        return _pm(v, noise) + " (seeds only)"
     flag = v is not None and noise is not None and t is not None and not significant(v, noise, t)
     return _pm(v, noise) + (" not significant" if flag else "")
 
 
 def _gap(g: dict, name: str) -> str:
-    """A gap with its noise and verdict; '+9.3 ± 1.2 (seeds only)', with no verdict, where an arm
-    recorded no per-image results (`gaps.derive`: the test images' part unknown)."""
-    noise = g["noise"].get(name)
-    if noise is not None and g["noise_test"].get(name) is None:
-        return _pm(g[name], noise) + " (seeds only)"
-    return _with_noise(g[name], noise, g["t"].get(name))
+    return _with_noise(g[name], g["noise"].get(name), g["t"].get(name), seeds_only=g["noise_test"].get(name) is None)
 
 
 def _range_cell(r: list | None, fmt: str) -> str:
@@ -587,9 +585,9 @@ def render_markdown(rep: dict) -> str:
                   "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
         for f, fr in starts:
             start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
-            noise, t_added = t[f]["finetune_added_noise"][fr], t[f]["finetune_added_t"][fr]
-            added = (_pm(100 * (end - start), noise) + " (seeds only)" if noise is not None and t_added is None
-                     else _with_noise(100 * (end - start), noise, t_added))
+            t_added = t[f]["finetune_added_t"][fr]  # None beside a noise: the seeds' part alone (`added_noise`)
+            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr], t_added,
+                                seeds_only=t_added is None)
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
     if recipes:

@@ -440,16 +440,17 @@ def _skipped(run: Run) -> dict[str, int]:
     return dict(total)
 
 
-def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor, losses: list[torch.Tensor]) -> torch.Tensor:
+def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor,
+                     losses: list[torch.Tensor]) -> torch.Tensor | None:
     """Whether this step was fp16 loss scaling's overflow: a non-finite gradient norm while every
     rank's loss was finite. The scaler skips such a step and lowers its scale, as it does a few
     times at the start of every fp16 run: counted apart (`scaler_skips`), it neither stops a run
     nor its export as a non-finite step does, unless train.max_bad_steps of them come in a row
-    (`_BadSteps`: a gradient that stays non-finite is no overflow). Always false without a scaler
-    (bf16, fp32). The ranks' losses are summed in one all-reduce (fp16 on several processes only),
-    so every rank takes the same verdict."""
+    (`_BadSteps`: a gradient that stays non-finite is no overflow). None without a scaler (bf16,
+    fp32): the step then does no work for it. The ranks' losses are summed in one all-reduce (fp16
+    on several processes only), so every rank takes the same verdict."""
     if accelerator.scaler is None:
-        return torch.zeros_like(finite)
+        return None
     bad_loss = torch.stack([~torch.isfinite(loss).all() for loss in losses]).any().float()
     if accelerator.num_processes > 1:  # the same verdict on every rank, as the gradient norm is
         bad_loss = accelerator.reduce(bad_loss, "sum")
@@ -466,14 +467,16 @@ class _BadSteps:
         self.zero, self.run, self.max, self.limit = zero, zero + run, zero.clone(), limit
         self.total, self.overflows, self.overflow_run = zero.clone(), zero.clone(), zero.clone()
 
-    def add(self, finite: torch.Tensor, overflow: torch.Tensor) -> None:
-        self.overflow_run = torch.where(overflow, self.overflow_run + 1, self.zero)
-        overflow = overflow & (self.overflow_run < self.limit)
-        ok = finite | overflow
+    def add(self, finite: torch.Tensor, overflow: torch.Tensor | None = None) -> None:
+        ok = finite
+        if overflow is not None:  # fp16 loss scaling only
+            self.overflow_run = torch.where(overflow, self.overflow_run + 1, self.zero)
+            overflow = overflow & (self.overflow_run < self.limit)
+            self.overflows += overflow.float()
+            ok = finite | overflow
         self.run = torch.where(ok, self.zero, self.run + 1)
         self.max = torch.maximum(self.max, self.run)
         self.total += (~ok).float()
-        self.overflows += overflow.float()
 
 
 class _Window:

@@ -309,12 +309,13 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     if (len(tops) == 1 and any(n.count("/") >= 2 for n in names)
             and not any(n.count("/") == 1 and _image_name(n) for n in names)):
         names = [n.split("/", 1)[1] for n in names]
-    big = {m.name for m in members if m.issparse() or m.size > MAX_MEMBER}  # never read: refused per file
+    fits = [m for m in tar.getmembers()  # archive order: a compressed stream is read front to back once
+            if m.isfile() and not m.issparse() and m.size <= MAX_MEMBER]  # the others are never read
     if isinstance(tar.fileobj, io.BufferedReader):
-        return names, [functools.partial(_too_big, m) if m.name in big else lambda m=m: tar.extractfile(m).read()
-                       for m in members]
-    data = {m.name: tar.extractfile(m).read() for m in members if m.name not in big}
-    return names, [functools.partial(_too_big, m) if m.name in big else lambda d=data[m.name]: d for m in members]
+        read = {m.name: functools.partial(lambda m: tar.extractfile(m).read(), m) for m in fits}
+    else:
+        read = {m.name: functools.partial(lambda d: d, tar.extractfile(m).read()) for m in fits}
+    return names, [read.get(m.name, functools.partial(_too_big, m)) for m in members]
 
 
 def _too_big(m: tarfile.TarInfo) -> bytes:

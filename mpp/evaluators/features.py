@@ -191,14 +191,14 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
         raise ValueError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
     features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
     skipped = loader.counters()
+    num_classes = len(loader.classes) if loader.classes else int(labels.max()) + 1  # the cache's label bound
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
             save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
                       str(tmp),
                       metadata={"spec": json.dumps(spec), "pools": ",".join(pools), "img_size": str(img_size),
-                                "skipped": json.dumps(skipped), "num_classes": str(len(loader.classes) if loader.classes
-                                                                      else int(labels.max()) + 1)})
+                                "skipped": json.dumps(skipped), "num_classes": str(num_classes)})
     return Features(features, labels, skipped)
 
 
