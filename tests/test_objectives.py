@@ -169,10 +169,10 @@ def test_each_target_trains(target):
 
 def test_baseline_is_batch_mode_accuracy():
     task = task_for()
-    img = torch.zeros(2, 3, 32, 32, dtype=torch.uint8)
-    img[1] = 255  # one black and one white image: mode class covers half the chosen patches
+    img = torch.zeros(4, 3, 32, 32, dtype=torch.uint8)
+    img[3] = 255  # three black images and one white: the mode class covers three quarters of the chosen patches
     _, metrics = task(img)
-    assert metrics["baseline"].item() == pytest.approx(0.5)
+    assert metrics["baseline"].item() == pytest.approx(0.75)
 
 
 def test_supervised_head_and_training():
@@ -290,22 +290,28 @@ def test_mpp_targets_are_the_true_pixels_of_the_chosen_patches():
 
 
 def test_mpp_forward_uses_configured_random_and_keep():
-    """mpp.random and mpp.keep reach the corruption in the right places (keep 0: every chosen patch changes)."""
-    task = task_for(mpp={"mask": 0.5, "random": 0.5, "keep": 0.0})
+    """mpp.mask, mpp.random and mpp.keep reach the corruption in the right places (keep 0: every chosen
+    patch changes; unequal mask and random fractions, so swapping the two would show)."""
+    task = task_for(mpp={"mask": 0.75, "random": 0.25, "keep": 0.0})
     plan = spy_plan(task)
     task(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8))
     c = plan["plan"]
     swapped = c.src != torch.arange(64)
     assert torch.equal(c.masked | swapped, c.chosen)  # keep = 0: every chosen patch is corrupted
-    assert (swapped.sum(1) == 16).all()
+    assert (c.masked.sum(1) == 24).all() and (swapped.sum(1) == 8).all()  # of round(0.5 * 64) = 32
 
 
 def test_mean_color_guess_is_the_argmax():
+    """The guess is the prediction's argmax, not the true class: a prediction wrong on some patches
+    gives guesses wrong on exactly those."""
     pix = torch.rand(2, 3, 3, 4, 4, dtype=torch.float64)
     classes = quantize(pix.mean((-1, -2)), 3)
-    pred = F.one_hot(classes, 512).float() * 5
+    wrong = torch.tensor([[True, False, True], [False, False, True]])
+    picked = torch.where(wrong, (classes + 7) % 512, classes)
+    pred = F.one_hot(picked, 512).float() * 5
     _, guess, true = TARGETS["mean_color"].loss(pred, pix, 3)
-    assert torch.equal(guess, true)
+    assert torch.equal(true, classes) and torch.equal(guess, picked)
+    assert torch.equal(guess != true, wrong)
 
 
 def test_class_colors_are_level_centres_in_rgb_order():
@@ -388,10 +394,15 @@ def test_pixels_and_regression_colors():
 
 
 def test_random_other_patch_offsets_uniform():
-    """The other patch of a random replacement can be any patch of the image but itself."""
+    """The other patch of a random replacement is any patch of the image but itself, each equally likely."""
     c = sample_corruption(4000, 8, 0.5, 0.0, 1.0, 0.0, generator=torch.Generator().manual_seed(0))
     off = (c.src - torch.arange(8)) % 8
-    assert set(off[c.chosen].unique().tolist()) == set(range(1, 8))
+    counts = torch.bincount(off[c.chosen], minlength=8).double()
+    assert counts[0] == 0  # never itself
+    n = counts.sum()
+    expect = n / 7
+    sigma = (n * (1 / 7) * (6 / 7)) ** 0.5
+    assert ((counts[1:] - expect).abs() < 4 * sigma).all(), counts  # 16,000 draws: each offset 2,286 ± 44
 
 
 def test_the_hog_target_runs_at_any_bits():
