@@ -89,6 +89,10 @@ def test_attention_distance_by_hand():
     assert sums.shape == (2, 2)
     assert sums[0, 0].item() == pytest.approx(8 + 4 * math.sqrt(2))
     assert sums[1, 1].item() == pytest.approx(8 + 4 * math.sqrt(2))
+    a[:, 0, 2] = 0  # query 1 of head 0: every bit of its weight on the [class] token (an underflow)
+    a[:, 0, 2, 0] = 1.0
+    sums = attention_distance_sums([a], dist, num_prefix=1)
+    assert sums[0, 0].item() == pytest.approx(8 + 4 * math.sqrt(2) - 4)  # that query counts 0, not NaN
 
 
 def test_position_similarity_and_filter_components():
@@ -108,6 +112,11 @@ def test_position_similarity_and_filter_components():
     comps, share = filter_components(vit, k=5)
     assert comps.shape == (5, 3, 4, 4) and share[0].item() == pytest.approx(1.0, abs=1e-5)
     assert abs(torch.nn.functional.cosine_similarity(comps[0].flatten(), pattern.flatten(), 0).item()) > 0.9999
+    # trained on inputs normalised by a per-channel std: the filters on raw RGB are the weights / std
+    std = (0.25, 0.5, 1.0)
+    comps, share = filter_components(vit, std, k=5)
+    raw = pattern / torch.tensor(std).view(3, 1, 1)
+    assert abs(torch.nn.functional.cosine_similarity(comps[0].flatten(), raw.flatten(), 0).item()) > 0.9999
 
 
 def test_class_colors_are_inside_their_class():
@@ -152,6 +161,41 @@ def test_tool_side_by_side(data, tmp_path):
     assert len(mpp["mean_attention_distance_px"]) == 2 and len(mpp["mean_attention_distance_px"][0]) == 2
     assert 0 <= mpp["mpp_chosen_color_accuracy"] <= 1 and "mpp_chosen_color_accuracy" not in rand
     assert all(0 < d < 32 * math.sqrt(2) for row in rand["mean_attention_distance_px"] for d in row)
+
+
+def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, tmp_path):
+    """A brace pattern (no manifest) is read with --num-samples; two labels that clean up to the same
+    file name get two prediction figures; --grid-images 0 draws none."""
+    saved_mpp_run(tmp_path / "r1")
+    saved_mpp_run(tmp_path / "r2", seed=1)
+    shards = str(data.parent / "{000000..000001}.tar")
+    tool = [sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", f"mpp a={tmp_path / 'r1'}",
+            "--encoder", f"mpp_a={tmp_path / 'r2'}", "--data", shards, "--images", "4", "--batch-size", "4"]
+    r = subprocess.run(tool + ["--num-samples", "16", "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                       env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    numbers = json.loads((tmp_path / "o" / "inspect.json").read_text())["encoders"]
+    files = [numbers[n]["predictions_png"] for n in ("mpp a", "mpp_a")]
+    assert files == ["predictions_mpp_a.png", "predictions_mpp_a_2.png"]
+    assert all((tmp_path / "o" / f).stat().st_size > 1000 for f in files)
+    r = subprocess.run(tool + ["--num-samples", "16", "--grid-images", "0", "--out", str(tmp_path / "g")],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not list((tmp_path / "g").glob("predictions_*.png")) and (tmp_path / "g" / "filters.png").is_file()
+    r = subprocess.run(tool + ["--out", str(tmp_path / "n")], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 1 and "not a manifest.json" in r.stderr.strip().splitlines()[-1]
+
+
+def test_compare_figures_read_data_val_with_its_count(data, tmp_path):
+    """A comparison whose data.val is a brace pattern draws its figures with data.val_num_samples (it
+    failed at the comparison's last step)."""
+    from mpp.figures.inspection import write_compare_figures
+    shards = str(data.parent / "{000000..000001}.tar")
+    saved_mpp_run(tmp_path / "pretrain_mpp")
+    cfg = load_config(tmp_path / "pretrain_mpp" / "config.yaml", [f"data.val='{shards}'", "data.val_num_samples=16"])
+    save_config(cfg, tmp_path / "pretrain_mpp" / "config.yaml")
+    numbers = write_compare_figures([tmp_path / "pretrain_mpp"], out=tmp_path / "figures", images=4, grid_images=2)
+    assert numbers["data"] == shards and list(numbers["encoders"]) == ["pretrain_mpp", "random init"]
 
 
 def test_tool_rejects_a_missing_encoder(data, tmp_path):

@@ -51,6 +51,7 @@ def attention_distance_sums(maps: list[torch.Tensor], distances: torch.Tensor, n
     out = []
     for a in maps:
         w = a[:, :, num_prefix:, num_prefix:]
-        w = w / w.sum(-1, keepdim=True)
+        # a query whose patch weights all underflow (every bit on the [class] token) counts as distance 0, not NaN
+        w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
         out.append((w * distances.to(w)).sum(-1).sum((0, 2)))
     return torch.stack(out)

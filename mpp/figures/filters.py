@@ -6,10 +6,13 @@ import torch
 from torch import nn
 
 
-def filter_components(vit: nn.Module, k: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
+def filter_components(vit: nn.Module, std=(1.0, 1.0, 1.0), k: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
     """The top `k` principal components of the patch-embedding filters, (k, 3, p, p), and the
-    share of the filters' variance each explains (k,). A component's sign is arbitrary."""
+    share of the filters' variance each explains (k,). A component's sign is arbitrary. The
+    filters act on pixels normalised by the per-channel `std` the encoder trained with; divided by
+    it they are the filters on raw RGB, whose colours the figure shows."""
     w = vit.patch_embed.proj.weight.detach().float()  # (D, 3, p, p)
+    w = w / torch.tensor(std, dtype=w.dtype).view(1, -1, 1, 1)
     flat = w.flatten(1)
     flat = flat - flat.mean(0, keepdim=True)
     _, s, vh = torch.linalg.svd(flat, full_matrices=False)

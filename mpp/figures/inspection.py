@@ -59,11 +59,12 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     return Inspected(name or run.name, encoder, data, task)
 
 
-def read_images(data, img_size: int, count: int, data_cfg: DataConfig) -> torch.Tensor:
-    """The first `count` images of `data` (shard order, evaluation crop), uint8 (B, 3, H, W)."""
+def read_images(data, img_size: int, count: int, data_cfg: DataConfig, num_samples: int = 0) -> torch.Tensor:
+    """The first `count` images of `data` (shard order, evaluation crop), uint8 (B, 3, H, W);
+    `num_samples`: the data's sample count where it is no manifest (a shard list or pattern)."""
     cfg = dataclasses.replace(data_cfg, num_workers=0)
     loader = make_loader(data, batch_size=min(count, 64), img_size=img_size, train=False, labeled=False,
-                         data_cfg=cfg, rank=0, world_size=1)
+                         data_cfg=cfg, rank=0, world_size=1, num_samples=num_samples)
     got = []
     for batch in loader.epoch(0):
         got.append(batch["image"])
@@ -90,19 +91,30 @@ def mean_attention_distance(encoder: MaskedEncoder, images: torch.Tensor, data: 
     return total / (len(images) * encoder.num_patches)
 
 
-def _unique(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
+def _unique(names: list[str], form: str = "{} ({})") -> list[str]:
+    """`names` made distinct, in order, by a suffix `form.format(name, 2)`, 3, ... on repeats."""
+    seen: set[str] = set()
     out = []
     for n in names:
-        seen[n] = seen.get(n, 0) + 1
-        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+        name, i = n, 1
+        while name in seen:
+            i += 1
+            name = form.format(n, i)
+        seen.add(name)
+        out.append(name)
     return out
 
 
+def _file_stems(names: list[str]) -> list[str]:
+    """Distinct file-name-safe stems of `names` ("mpp a" and "mpp_a" would otherwise share one)."""
+    return _unique([re.sub(r"[^A-Za-z0-9_.-]+", "_", n) for n in names], "{}_{}")
+
+
 def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, grid_images: int = 6,
-                     batch_size: int = 32, seed: int = 0) -> dict:
+                     batch_size: int = 32, seed: int = 0, num_samples: int = 0) -> dict:
     """Write the figures of every encoder in `specs` on the same images of `data` to `out`;
-    returns (and writes to OUT/inspect.json) the numbers behind them."""
+    returns (and writes to OUT/inspect.json) the numbers behind them. `num_samples`: the data's
+    sample count where `data` is a shard list or pattern, not a manifest."""
     if not specs:
         raise ValueError("no encoders given; pass --encoder RUN_DIR (or ENCODER.safetensors, or none:PRESET)")
     if images < 1 or grid_images < 0 or batch_size < 1:
@@ -112,19 +124,19 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     for m, name in zip(models, _unique([m.name for m in models])):
         m.name = name
     first = encoder_img_size(models[0].encoder)  # the data is read before anything is written
-    cache = {first: read_images(data, first, max(images, grid_images), models[0].data)}
+    cache = {first: read_images(data, first, max(images, grid_images), models[0].data, num_samples)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     numbers: dict = {"data": str(data), "specs": list(specs), "images": images, "encoders": {}}
     distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
-    for spec, m in zip(specs, models):
+    for spec, m, stem in zip(specs, models, _file_stems([m.name for m in models])):
         size = encoder_img_size(m.encoder)
         if size not in cache:  # the first encoder's evaluation crop for all: the same images
-            cache[size] = read_images(data, size, max(images, grid_images), models[0].data)
+            cache[size] = read_images(data, size, max(images, grid_images), models[0].data, num_samples)
         batch = cache[size]
         distances[m.name] = mean_attention_distance(m.encoder, batch[:images], m.data, batch_size, desc=m.name)
         sims[m.name] = position_similarity(m.encoder.vit)
-        comps[m.name], share = filter_components(m.encoder.vit)
+        comps[m.name], share = filter_components(m.encoder.vit, m.data.std)
         grids[m.name], patch[m.name] = m.encoder.grid_size, m.encoder.patch_size
         entry = {"spec": spec, "model": m.encoder.model_spec(),
                  "mean_attention_distance_px": distances[m.name].tolist(),
@@ -135,7 +147,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
             pred = predict(m.task, batch, seed=seed)
             entry["mpp_chosen_color_accuracy"] = pred.accuracy(m.task.cfg.bits)
             shown = dataclasses.replace(pred, **{k: v[:grid_images] for k, v in vars(pred).items()})
-            file = out / f"predictions_{re.sub(r'[^A-Za-z0-9_.-]+', '_', m.name)}.png"
+            file = out / f"predictions_{stem}.png"
             plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
                               entry["mpp_chosen_color_accuracy"], file)
             entry["predictions_png"] = file.name
@@ -157,7 +169,9 @@ def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path
         raise ValueError(f"none of {[str(d) for d in run_dirs]} holds an encoder.safetensors")
     cfg = load_config(runs[0] / "config.yaml")
     specs = [str(r) for r in runs] + [f"random init=none:{cfg.model}"]
-    data = data or cfg.data.val or cfg.data.train
+    if data is None:  # with the count a shard list or pattern needs
+        data, kw["num_samples"] = ((cfg.data.val, cfg.data.val_num_samples) if cfg.data.val
+                                   else (cfg.data.train, cfg.data.num_samples))
     done = Path(out) / "inspect.json"
     if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
         kept = json.loads(done.read_text())

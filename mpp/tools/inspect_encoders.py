@@ -9,7 +9,7 @@ MPP run, and OUT/inspect.json with the numbers behind them.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors
+from mpp.cli import ArgumentParser, count, one_line_errors, whole
 
 
 @one_line_errors(extra=(ValueError,))  # bad sources or data (DataError is a ValueError)
@@ -18,16 +18,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--encoder", action="append", required=True, metavar="[LABEL=]SOURCE",
                    help="a run dir, an encoder.safetensors with model.json beside it, or none:PRESET "
                         "(random init); repeat to compare encoders on the same images and axes")
-    p.add_argument("--data", required=True, help="shards to draw images from: a manifest.json or shard list")
+    p.add_argument("--data", required=True, help="shards to draw images from: a manifest.json, or a shard list "
+                                                 "or brace pattern with --num-samples")
+    p.add_argument("--num-samples", type=whole, default=0,
+                   help="the sample count of a --data that is no manifest.json (a shard list or pattern)")
     p.add_argument("--out", required=True, help="output folder for the PNGs and inspect.json")
     p.add_argument("--images", type=count, default=64, help="images averaged over (default 64)")
-    p.add_argument("--grid-images", type=count, default=6, help="rows of the MPP prediction grid (default 6)")
+    p.add_argument("--grid-images", type=whole, default=6,
+                   help="rows of the MPP prediction grid (default 6; 0: no grid)")
     p.add_argument("--batch-size", type=count, default=32)
     p.add_argument("--seed", type=int, default=0, help="seeds random init and the MPP corruption")
     a = p.parse_args(argv)
     from mpp.figures.inspection import inspect_encoders
     inspect_encoders(a.encoder, a.data, a.out, images=a.images, grid_images=a.grid_images,
-                     batch_size=a.batch_size, seed=a.seed)
+                     batch_size=a.batch_size, seed=a.seed, num_samples=a.num_samples)
     print(f"figures: {a.out}")
 
 
