@@ -318,15 +318,30 @@ STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": 
 
 def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
     """Resolve every stage config now as its tool will (mpp-finetune's defaults included), so a bad
-    key fails before hours of work; check that each pre-training trains its arm's objective, that
-    each fine-tune has test images, and that each probe and fine-tune normalises its inputs as its
-    encoder's pre-training did."""
-    resolved = {}
+    key fails before hours of work; check that no two stages share a folder, what each trainer
+    would check at its start (`_check_training`), that each pre-training trains its arm's
+    objective, that each fine-tune has test images, and that each probe and fine-tune normalises
+    its inputs as its encoder's pre-training did. The data are checked once made (`check_data`)."""
+    for key in ("overrides", "pretrain_overrides"):
+        unparsed = next((o for o in as_list(getattr(cfg, key)) if o.lstrip().startswith(("[", "{"))), None)
+        if unparsed is not None:
+            raise ConfigError(f"compare config key '{key}' did not read as a YAML list ({unparsed!r}); quote each item "
+                              f"that holds braces or commas, e.g. '{key}=[\"data.val=d/{{000000..000009}}.tar\"]'")
+        try:
+            parse_overrides(as_list(getattr(cfg, key)))
+        except ConfigError as e:
+            raise ConfigError(f"compare config key '{key}': {e}") from None
+    resolved, named = {}, {}
     for s in stages:
+        if s.out in named:
+            raise ConfigError(f"stages '{named[s.out]}' and '{s.name}' would both write to {s.out}; give label_fractions "
+                              "and sweep values that differ (in the folder names they give too)")
+        named[s.out] = s.name
         try:
             resolved[s.out] = s.settings(resolved=False)
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
+    _check_training(cfg, stages, resolved)
     for s in stages:  # each stage trains what its arm needs, and a fine-tune has test images
         c, need = resolved[s.out], {"pretrain": s.arm, "finetune": "classify"}.get(s.tool)
         if need and c.objective != need:
@@ -343,11 +358,83 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             raise ConfigError(f"stage '{s.name}' ({s.config}) normalises its inputs with data.mean={list(c.data.mean)} "
                               f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
                               f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
-    for key in ("overrides", "pretrain_overrides"):
+
+
+def _processes(launcher: str) -> int:
+    """The processes a launcher starts per stage, where its words say (torchrun's --nnodes and
+    --nproc_per_node as numbers); 1 otherwise (this Python, or counts it decides at run time)."""
+    words, n = shlex.split(launcher), 1
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if not value and i + 1 < len(words):
+            value = words[i + 1]
+        if flag in ("--nnodes", "--nproc_per_node", "--nproc-per-node") and value.isdigit():
+            n *= int(value)
+    return max(n, 1)
+
+
+def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path, Config]) -> None:
+    """What each trained stage's trainer checks at its own start, checked before the first: a run
+    length, a batch that splits over the launcher's processes and train.grad_accum, fp16 only with a
+    GPU; and the scratch arm built as the pre-trained encoders are (else it is no baseline for them).
+    A warmup as long as a stage's run is worth a warning (`mpp.optim.warmup_note`)."""
+    procs = _processes(cfg.launcher)
+    models = {}
+    for s in stages:
+        c = resolved[s.out]
+        if s.tool == "pretrain":
+            models.setdefault(s.pretrain_seed, (s.name, c.model))
+        if s.tool not in ("pretrain", "finetune"):
+            continue
+        if not c.steps and not c.epochs:
+            raise ConfigError(f"stage '{s.name}' ({s.config}) has no run length; set steps=N or epochs=E")
+        if c.batch_size % (procs * c.train.grad_accum):
+            raise ConfigError(f"stage '{s.name}' ({s.config}): batch_size={c.batch_size} is not divisible by processes x "
+                              f"train.grad_accum = {procs} x {c.train.grad_accum}; choose a multiple of "
+                              f"{procs * c.train.grad_accum}")
+        if c.train.precision == "fp16":
+            import torch  # here: planning does not import it otherwise
+            if not torch.cuda.is_available():
+                raise ConfigError(f"stage '{s.name}' ({s.config}): train.precision=fp16 needs a GPU (loss scaling); "
+                                  "use bf16 or no on CPU")
+    for s in stages:
+        first, model = models.get(s.pretrain_seed, ("", resolved[s.out].model))
+        if resolved[s.out].model != model and (s.tool == "pretrain" or s.arm == "scratch"):
+            raise ConfigError(f"stage '{s.name}' ({s.config}) builds model={resolved[s.out].model}, but '{first}' "
+                              f"pre-trains model={model}; every arm must train the same encoder: give the stage "
+                              "configs the same model")
+    late = next(((s, c) for s in stages if s.tool in ("pretrain", "finetune")
+                 and 1 <= (c := resolved[s.out]).steps <= c.optim.warmup_steps), None)
+    if late is not None:
+        from mpp.optim import warmup_note  # here: it imports torch
+        print(f"warning: stage '{late[0].name}': {warmup_note(late[1], late[1].steps)}", file=sys.stderr)
+
+
+def check_data(stages: list[Stage]) -> None:
+    """After the data are made and before the first stage: every data set a stage will read
+    resolves (it exists, a shard list or pattern has its count), and each fine-tune's label subset
+    and development split can be drawn, so that a typo in a probe's or fine-tune's data fails now,
+    not after the pre-trainings."""
+    from mpp.data.decode import DataError
+    from mpp.data.sources import resolve
+    from mpp.data.subset import select_subset
+    sets, subsets = {}, set()
+    for s in stages:
+        c = s.settings(resolved=False)
+        specs = [(c.data.train, c.data.num_samples)] + ([(c.data.val, c.data.val_num_samples)] if c.data.val else [])
         try:
-            parse_overrides(as_list(getattr(cfg, key)))
-        except ConfigError as e:
-            raise ConfigError(f"compare config key '{key}': {e}") from None
+            for spec, n in specs:
+                key = (json.dumps(spec), n)
+                if key not in sets:
+                    sets[key] = resolve(spec, n)
+            f = c.finetune
+            split = (json.dumps(c.data.train), c.data.num_samples, f.label_fraction, f.split_seed, f.dev_fraction)
+            if s.tool == "finetune" and (f.label_fraction < 1 or f.dev_fraction) and split not in subsets:
+                select_subset(sets[json.dumps(c.data.train), c.data.num_samples], f.label_fraction, f.split_seed,
+                              f.dev_fraction)
+                subsets.add(split)
+        except DataError as e:
+            raise DataError(f"stage '{s.name}' ({s.config}): {e}") from None
 
 
 def check_unchanged(stage: Stage, finished: bool = True) -> None:
@@ -519,6 +606,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
+    check_data(stages)
     for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
         if (s.out / "metrics.json").exists() and not s.choices:
             check_unchanged(s)

@@ -10,6 +10,8 @@ import dataclasses
 import difflib
 import math
 import re
+import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -476,6 +478,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 # the stage config keys the comparison sets itself, per stage
 SET_BY_COMPARE = ("output_dir", "seed", "finetune.init", "finetune.label_fraction", "finetune.dev_fraction",
                   "finetune.split_seed")
+# those it sets after the comparison's `overrides` (which would set them for some stages only)
+OVERRIDDEN_BY_COMPARE = ("output_dir", "seed", "finetune.init", "finetune.label_fraction", "finetune.dev_fraction",
+                         "probe.encoder")
+# key prefixes only a pre-training reads (a fine-tune ignores them)
+PRETRAIN_ONLY = ("mpp.", "supervised.")
 
 
 def load_compare_config(path: str | Path, overrides: list[str] | None = None) -> CompareConfig:
@@ -493,6 +500,15 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if decided:
         raise ConfigError(f"compare config key 'sweep' names {', '.join(sorted(decided))}, which the comparison "
                           "sets itself; sweep recipe keys such as optim.lr")
+    unread = sorted(k for k in cfg.sweep if k.startswith(PRETRAIN_ONLY) or k in RESULT_NEUTRAL)
+    if unread:
+        raise ConfigError(f"compare config key 'sweep' names {', '.join(unread)}, which no fine-tune's result depends "
+                          "on (a pre-training key, or one of speed or logging alone): its stages would differ in "
+                          "nothing; sweep recipe keys such as optim.lr")
+    taken = {o.split("=", 1)[0].strip() for o in as_list(cfg.overrides)} & set(OVERRIDDEN_BY_COMPARE)
+    if taken:
+        raise ConfigError(f"compare config key 'overrides' sets {', '.join(sorted(taken))}, which the comparison sets "
+                          "itself for its stages (seeds: 'seeds' and 'pretrain_seeds'); override other keys")
     cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
     for frac, extra in cfg.fraction_overrides.items():
         if not all(isinstance(o, str) for o in extra):
@@ -512,7 +528,25 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     src, out = as_list(p.shards_src), as_list(p.shards_out)
     if len(src) != len(out):
         raise ConfigError("compare config keys prepare.shards_src and prepare.shards_out must have the same length")
+    if p.synthetic and (p.synthetic_train < 0 or p.synthetic_test < 0 or p.synthetic_train + p.synthetic_test == 0):
+        raise ConfigError(f"compare config keys prepare.synthetic_train and prepare.synthetic_test must be >= 0, not "
+                          f"both 0, got {p.synthetic_train} and {p.synthetic_test}")
+    _check_launcher(cfg.launcher)
     return cfg
+
+
+def _check_launcher(launcher: str) -> None:
+    """A launcher is a command on PATH, as a shell would split it ('' runs this Python)."""
+    if not launcher:
+        return
+    try:
+        words = shlex.split(launcher)
+    except ValueError as e:
+        raise ConfigError(f"compare config key 'launcher' ({launcher!r}) does not split into words ({e}); "
+                          "close its quotes") from None
+    if not words or shutil.which(words[0]) is None:
+        raise ConfigError(f"compare config key 'launcher' names {words[0] if words else 'nothing'!r}, which is no "
+                          "command on PATH; give one such as 'torchrun --nproc_per_node 2', or '' for this Python")
 
 
 def _fraction(key: Any, fractions: tuple) -> float:

@@ -75,6 +75,15 @@ def create_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimiz
     return optimizer
 
 
+def warmup_note(cfg: Config, total_steps: int) -> str:
+    """What a warmup of at least the run's length does to the schedule (a warning, not an error:
+    short smoke runs of a recipe keep its warmup)."""
+    o = cfg.optim
+    peak = o.lr * (total_steps - 1) / o.warmup_steps  # the last step's (the first is step 0)
+    return (f"optim.warmup_steps={o.warmup_steps} is not below the run's {total_steps} steps: the learning rate "
+            f"rises to {peak:.3g}, not optim.lr={o.lr:g}, and never decays; give fewer warmup steps")
+
+
 def create_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
     """timm scheduler stepped per optimiser step (`step_update(n)`): linear warmup from 0 over
     `optim.warmup_steps`, then cosine / linear decay to `optim.min_lr` over the remaining steps,

@@ -47,7 +47,7 @@ from mpp.fileio import write_atomic
 from mpp.launcher import die_with_launcher
 from mpp.models import save_encoder
 from mpp.objectives import OBJECTIVES, Task, build_task
-from mpp.optim import create_optimizer, create_scheduler
+from mpp.optim import create_optimizer, create_scheduler, warmup_note
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
 from mpp.runtime import check_ranks_fit, deterministic, resolve_precision
@@ -157,6 +157,8 @@ def setup(cfg: Config) -> Run:
         raise ConfigError(f"objective={cfg.objective} needs labeled shards whose manifest.json lists "
                           f"'classes'; data.train={cfg.data.train!r} has none")
     steps = cfg.steps or math.ceil(cfg.epochs * loader.batches_per_epoch / accum)
+    if 1 <= steps <= cfg.optim.warmup_steps and accelerator.is_main_process:
+        print(f"warning: {warmup_note(cfg, steps)}", file=sys.stderr)
     task = build_task(cfg, encoder, len(loader.classes) if objective.labeled else None).to(device)
     optimizer = create_optimizer(cfg, task)
     scheduler = create_scheduler(cfg, optimizer, steps)

@@ -263,6 +263,72 @@ def test_bad_stage_key_fails_before_any_work(tmp_path):
     assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()  # nothing started
 
 
+def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys):
+    """A config audit's list: what a trainer, the sweep or the figures would refuse only when its
+    stage starts (after both pre-trainings, for a fine-tune) is refused before the first stage."""
+    path = _write_configs(tmp_path, tmp_path / "d")
+
+    def refused(match, *overrides, compare=False):
+        with pytest.raises(ConfigError, match=match):
+            cfg = load_compare_config(path, list(overrides))
+            if not compare:
+                validate(cfg, plan(cfg))
+
+    refused("fine-tune scratch, 50% labels.*would both write to", "label_fractions=[0.5,0.5]")
+    refused("would both write to .*sweep_lr0.01", "sweep.optim.lr=[0.01,1.0e-2]")
+    refused("'sweep' names mpp.ratio, which no fine-tune", "sweep.mpp.ratio=[0.3,0.5]", compare=True)
+    refused("'sweep' names train.log_every", "sweep.train.log_every=[1,2]", compare=True)
+    refused("'overrides' sets finetune.init, seed, which the comparison sets itself",
+            "overrides=[seed=3,finetune.init=x]", compare=True)
+    refused("'launcher' names 'torchrn', which is no command on PATH", "launcher=torchrn", compare=True)
+    refused("'launcher' .* does not split into words", "launcher=torchrun '--x", compare=True)
+    refused("prepare.synthetic_train and prepare.synthetic_test must be >= 0", "prepare.synthetic_train=-5",
+            compare=True)
+    refused("'overrides' did not read as a YAML list .*quote each item", "overrides=[data.val=d/{0..1}.tar]")
+    refused("fine-tune scratch, 50% labels.* has no run length", "fraction_overrides={0.5: [steps=0]}")
+    refused("fine-tune scratch, 50% labels.*batch_size=32 is not divisible by processes x train.grad_accum = 1 x 3",
+            "fraction_overrides={0.5: [train.grad_accum=3]}")
+    refused("pre-train mpp.*batch_size=32 is not divisible by processes x train.grad_accum = 6 x 1",
+            "launcher=torchrun --nnodes=2 --nproc_per_node 3")
+    refused("fine-tune scratch, 50% labels.*builds model=vit_mini8_32, but 'pre-train mpp' pre-trains "
+            "model=vit_micro4_32", "fraction_overrides={0.5: [model=vit_mini8_32]}")
+    refused("linear probe scratch.*builds model=vit_micro4_32, but 'pre-train mpp' pre-trains model=vit_mini8_32",
+            "pretrain_overrides=[model=vit_mini8_32]")  # both pre-trainings one way, the scratch arm another
+    if not __import__("torch").cuda.is_available():
+        refused("pre-train mpp.*fp16 needs a GPU", "pretrain_overrides=[train.precision=fp16]")
+    capsys.readouterr()
+    short = ["pretrain_overrides=[optim.warmup_steps=1]", "fraction_overrides.0.5=[optim.warmup_steps=1]"]
+    for last, warned in (("1", ""), ("2", "warning: stage 'fine-tune scratch, 100% labels, seed 0': optim.warmup_steps"
+                                          "=2 is not below the run's 2 steps: the learning rate rises to 0.015, not "
+                                          "optim.lr=0.03, and never decays")):
+        cfg = load_compare_config(path, short + [f"fraction_overrides.1.0=[optim.warmup_steps={last}]"])
+        validate(cfg, plan(cfg))  # a warmup as long as the run is warned about, not refused
+        assert warned in capsys.readouterr().err and (warned or "warning" not in capsys.readouterr().err)
+
+
+def test_data_a_stage_reads_is_checked_once_made(tmp_path):
+    """After the data are made, before the first stage: a probe's missing test set, a pattern without
+    its count and a label subset too small for its development split fail, naming the stage."""
+    from mpp.compare import check_data, prepare_data
+    from mpp.data.decode import DataError
+    path = _write_configs(tmp_path, tmp_path / "d")
+    cfg = load_compare_config(path)
+    prepare_data(cfg)
+    check_data(plan(cfg))  # the shipped way: fine
+    for overrides, match in (
+            (["pretrain_overrides=[data.val=/nowhere/manifest.json]"],
+             "pre-train mpp.*'/nowhere/manifest.json' does not exist"),
+            ([f"fraction_overrides.0.5=[\"data.val={tmp_path}/d/test/{{000000..000001}}.tar\"]"],
+             "fine-tune scratch, 50% labels.*not a manifest.json: give its total sample count"),
+            (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5"],
+             "fine-tune scratch, 2% labels, sweep.*would take them all")):
+        cfg = load_compare_config(path, overrides)
+        stages = plan(cfg)
+        validate(cfg, stages)
+        with pytest.raises(DataError, match=match):
+            check_data(stages)
+
+
 def test_compare_config_errors_are_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("mpp: a.yaml\nsupervised: b.yaml\nfinetune: c.yaml\nprobe: d.yaml\n"
                                      "label_fractions: [0, 1]\n")

@@ -204,7 +204,7 @@ def test_tool_rejects_a_missing_encoder(data, tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: --encoder")
 
 
-def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path):
+def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from mpp.train import train
@@ -213,6 +213,8 @@ def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path):
         "train.image_every=1", "train.attn=math", "train.precision='no'", "data.num_workers=0",
         f"data.train={data}", "data.shuffle_buffer=0"])
     train(cfg)
+    # the shipped config's 30 warmup steps in a 2-step run: said, as a compare stage's would be
+    assert "warning: optim.warmup_steps=30 is not below the run's 2 steps" in capsys.readouterr().err
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [e.step for e in events.Images("mpp/predictions")] == [1, 2]
     assert load_mpp_task(tmp_path) is not None and (tmp_path / HEAD_FILE).is_file()
