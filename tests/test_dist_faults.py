@@ -184,3 +184,5 @@ def test_a_rank_waits_train_dist_timeout_for_the_main_ones_start_up(tmp_path):
                           timeout=300)
     assert done.returncode != 0 and re.search(r"[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
     assert time.monotonic() - started < 120
+    from mpp.config import Config
+    assert Config().train.dist_timeout > 600  # the default outwaits torch's own time-out, as the docstring says

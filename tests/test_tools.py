@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package (the dev extra installs it there)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
