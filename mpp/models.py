@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from timm.layers.attention import Attention
 from timm.models import checkpoint_seq
-from timm.models.vision_transformer import Block
+from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from mpp.config import ConfigError
@@ -121,6 +121,9 @@ class MaskedEncoder(nn.Module):
             raise ValueError(f"attn={attn!r}; choose one of {', '.join(ATTENTION)}")
         self.spec = {"name": name, "kwargs": {**kwargs, "num_classes": 0}}
         self.vit = timm.create_model(name, pretrained=False, drop_path_rate=drop_path, **self.spec["kwargs"])
+        if not isinstance(self.vit, VisionTransformer):
+            raise ConfigError(f"{name} is a {type(self.vit).__name__}, not a timm VisionTransformer; mpp's encoders "
+                              "are ViTs (a preset of mpp.models.PRESETS, or a timm vit_* model)")
         if self.vit.cls_token is None or self.vit.pos_embed is None or self.vit.no_embed_class:
             raise ValueError(f"{name} {kwargs}: the encoder needs a [class] token and position embeddings "
                              "that include it (timm defaults: class_token=True, no_embed_class=False)")
@@ -327,6 +330,8 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     try:
         with torch.device("meta"):
             odd = mismatched(MaskedEncoder(name, kwargs, attn=attn).vit, shapes)
+    except ConfigError as e:  # built, but no ViT
+        raise ConfigError(f"{spec_file}: {e}") from None
     except Exception as e:  # timm's own errors on odd kwargs: TypeError, AttributeError, ZeroDivisionError, ...
         raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None

@@ -59,6 +59,15 @@ def _made(tmp: Path, shard: bytes = b"", manifest=None, labels=None) -> None:
             (tmp / "m" / name).write_text(json.dumps(data))
 
 
+def _compare(tmp: Path) -> None:
+    """A comparison over copies of the shipped synthetic stage configs (their paths under TMP)."""
+    for k in ("mpp", "supervised", "finetune", "probe"):
+        shutil.copy(ROOT / "configs" / f"synthetic_{k}.yaml", tmp)
+    (tmp / "c.yaml").write_text("".join(f"{k}: {tmp / f'synthetic_{k}.yaml'}\n"
+                                        for k in ("mpp", "supervised", "finetune", "probe"))
+                                + f"output_dir: {tmp / 'runs'}\nlabel_fractions: [1.0]\n")
+
+
 def _synthetic(tmp: Path, manifest: str | None = None) -> None:
     """TMP/syn: a synthetic set of 10 training images in one shard (`--train 10 --test 0 --shards 1`),
     its manifest's text replaced when given."""
@@ -280,6 +289,10 @@ CASES = [
     ("make_synthetic over a split whose manifest is not a JSON object", "make_synthetic",
      lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "1"], lambda t: _synthetic(t, "[1, 2]")),
     ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
+    ("comparison launcher that is no command", "compare", lambda t: ["--config", f"{t}/c.yaml", "launcher=torchrn"],
+     lambda t: _compare(t)),
+    ("comparison whose scratch arm builds another model than the pre-trainings", "compare",
+     lambda t: ["--config", f"{t}/c.yaml", "fraction_overrides={1.0: [model=vit_micro4_32]}"], lambda t: _compare(t)),
     ("soak setting that is not a config key", "soak", lambda t: [f"{t}/soak", "--minutes", "1", "stepz=3"], None),
     ("inspect an encoder that does not exist", "inspect_encoders",
      lambda t: ["--encoder", f"{t}/nope", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),
