@@ -123,7 +123,8 @@ class MaskedEncoder(nn.Module):
         self.vit = timm.create_model(name, pretrained=False, drop_path_rate=drop_path, **self.spec["kwargs"])
         if not isinstance(self.vit, VisionTransformer):
             raise ConfigError(f"{name} is a {type(self.vit).__name__}, not a timm VisionTransformer; mpp's encoders "
-                              "are ViTs (a preset of mpp.models.PRESETS, or a timm vit_* model)")
+                              "are ViTs (a preset of mpp.models.PRESETS, or a timm VisionTransformer such as "
+                              "vit_base_patch16_224)")
         if self.vit.cls_token is None or self.vit.pos_embed is None or self.vit.no_embed_class:
             raise ValueError(f"{name} {kwargs}: the encoder needs a [class] token and position embeddings "
                              "that include it (timm defaults: class_token=True, no_embed_class=False)")

@@ -171,8 +171,8 @@ def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, 
     shards = str(data.parent / "{000000..000001}.tar")
     tool = [sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", f"mpp a={tmp_path / 'r1'}",
             "--encoder", f"mpp_a={tmp_path / 'r2'}", "--data", shards, "--images", "4", "--batch-size", "4"]
-    r = subprocess.run(tool + ["--num-samples", "16", "--out", str(tmp_path / "o")], capture_output=True, text=True,
-                       env=ENV)
+    r = subprocess.run(tool + ["--num-samples", "16", "--grid-images", "4", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
     numbers = json.loads((tmp_path / "o" / "inspect.json").read_text())["encoders"]
     files = [numbers[n]["predictions_png"] for n in ("mpp a", "mpp_a")]
@@ -182,6 +182,8 @@ def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, 
                        capture_output=True, text=True, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
     assert not list((tmp_path / "g").glob("predictions_*.png")) and (tmp_path / "g" / "filters.png").is_file()
+    kept = json.loads((tmp_path / "g" / "inspect.json").read_text())["encoders"]  # no grid, the accuracy still
+    assert kept["mpp a"]["mpp_chosen_color_accuracy"] == numbers["mpp a"]["mpp_chosen_color_accuracy"]
     r = subprocess.run(tool + ["--out", str(tmp_path / "n")], capture_output=True, text=True, env=ENV)
     assert r.returncode == 1 and "not a manifest.json" in r.stderr.strip().splitlines()[-1]
 
@@ -235,6 +237,11 @@ def test_compare_figures_add_a_random_init(data, tmp_path):
     (tmp_path / "figures/filters.png").unlink()
     assert write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures") == numbers
     assert not (tmp_path / "figures/filters.png").exists()  # up to date: a resumed comparison redraws nothing
+    kept = json.loads((tmp_path / "figures/inspect.json").read_text())
+    (tmp_path / "figures/inspect.json").write_text(json.dumps({k: v for k, v in kept.items() if k != "filters"}))
+    write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)
+    assert (tmp_path / "figures/filters.png").exists()  # drawn before filters were shown on raw RGB: drawn again
+    (tmp_path / "figures/filters.png").unlink()
     save_encoder(create_encoder("vit_micro4_32"), sup)  # a newer encoder: drawn again
     write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)
     assert (tmp_path / "figures/filters.png").exists()

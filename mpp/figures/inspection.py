@@ -30,6 +30,10 @@ from mpp.models import MaskedEncoder, create_encoder, load_encoder, read_model_j
 from mpp.objectives import MPPTask
 
 
+# how filters.png shows the filters (inspect.json records it: figures drawn otherwise are drawn again)
+FILTERS = "raw RGB (weights / data.std)"
+
+
 @dataclass
 class Inspected:
     name: str
@@ -127,7 +131,8 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     cache = {first: read_images(data, first, max(images, grid_images), models[0].data, num_samples)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    numbers: dict = {"data": str(data), "specs": list(specs), "images": images, "encoders": {}}
+    numbers: dict = {"data": str(data), "num_samples": num_samples, "specs": list(specs), "images": images,
+                     "filters": FILTERS, "encoders": {}}
     distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
     for spec, m, stem in zip(specs, models, _file_stems([m.name for m in models])):
         size = encoder_img_size(m.encoder)
@@ -142,15 +147,16 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
                  "mean_attention_distance_px": distances[m.name].tolist(),
                  "position_similarity": sims[m.name].tolist(),
                  "filter_pc_variance_share": share.tolist()}
-        if m.task is not None and m.task.target.colors is not None and grid_images:
-            # the colour accuracy over all images read, the grid of the first few
+        if m.task is not None and m.task.target.colors is not None:
+            # the colour accuracy over all images read, the grid (grid_images > 0) of the first few
             pred = predict(m.task, batch, seed=seed)
             entry["mpp_chosen_color_accuracy"] = pred.accuracy(m.task.cfg.bits)
-            shown = dataclasses.replace(pred, **{k: v[:grid_images] for k, v in vars(pred).items()})
-            file = out / f"predictions_{stem}.png"
-            plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
-                              entry["mpp_chosen_color_accuracy"], file)
-            entry["predictions_png"] = file.name
+            if grid_images:
+                shown = dataclasses.replace(pred, **{k: v[:grid_images] for k, v in vars(pred).items()})
+                file = out / f"predictions_{stem}.png"
+                plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
+                                  entry["mpp_chosen_color_accuracy"], file)
+                entry["predictions_png"] = file.name
         numbers["encoders"][m.name] = entry
     plots.attention_distance(distances, patch, out / "attention_distance.png")
     plots.position_similarity(sims, grids, out / "position_similarity.png")
@@ -175,6 +181,7 @@ def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path
     done = Path(out) / "inspect.json"
     if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
         kept = json.loads(done.read_text())
-        if kept.get("specs") == specs and kept.get("data") == str(data):  # the same encoders on the same images
+        same = {"specs": specs, "data": str(data), "num_samples": kw.get("num_samples", 0), "filters": FILTERS}
+        if all(kept.get(k) == v for k, v in same.items()):  # the same encoders on the same images, drawn alike
             return kept
     return inspect_encoders(specs, data, out, **kw)
