@@ -44,6 +44,7 @@ import os
 import re
 import runpy
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,12 +317,14 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
 STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": ("finetune.init", "init_sha256")}
 
 
-def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
+def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> None:
     """Resolve every stage config now as its tool will (mpp-finetune's defaults included), so a bad
     key fails before hours of work; check that no two stages share a folder, what each trainer
     would check at its start (`_check_training`), that each pre-training trains its arm's
     objective, that each fine-tune has test images, and that each probe and fine-tune normalises
-    its inputs as its encoder's pre-training did. The data are checked once made (`check_data`)."""
+    its inputs as its encoder's pre-training did. The data are checked once made (`check_data`).
+    `machine` False (a dry run, which may plan for another machine) leaves out what this machine
+    must offer: the launcher's command, a GPU for fp16."""
     for key in ("overrides", "pretrain_overrides"):
         unparsed = next((o for o in as_list(getattr(cfg, key)) if o.lstrip().startswith(("[", "{"))), None)
         if unparsed is not None:
@@ -341,7 +344,7 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
             resolved[s.out] = s.settings(resolved=False)
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
-    _check_training(cfg, stages, resolved)
+    _check_training(cfg, stages, resolved, machine)
     for s in stages:  # each stage trains what its arm needs, and a fine-tune has test images
         c, need = resolved[s.out], {"pretrain": s.arm, "finetune": "classify"}.get(s.tool)
         if need and c.objective != need:
@@ -360,43 +363,54 @@ def validate(cfg: CompareConfig, stages: list[Stage]) -> None:
                               f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
 
 
-def _processes(launcher: str) -> int:
-    """The processes a launcher starts per stage, where its words say (torchrun's --nnodes and
-    --nproc_per_node as numbers); 1 otherwise (this Python, or counts it decides at run time)."""
-    words, n = shlex.split(launcher), 1
+def launcher_words(launcher: str, machine: bool = True) -> list[str]:
+    """The command a stage runs under ([] for this Python): `launcher` split as a shell would;
+    one that does not split, or (`machine`) whose command is not on this machine's PATH, is a
+    ConfigError."""
+    try:
+        words = shlex.split(launcher)
+    except ValueError as e:
+        raise ConfigError(f"compare config key 'launcher' ({launcher!r}) does not split into words ({e}); "
+                          "close its quotes") from None
+    if machine and words and shutil.which(words[0]) is None:
+        raise ConfigError(f"compare config key 'launcher' names {words[0]!r}, which is no command on PATH; give one "
+                          "such as 'torchrun --nproc_per_node 2', or '' for this Python")
+    return words
+
+
+def _processes(words: list[str]) -> int:
+    """The processes a launcher's `words` start per stage, where they say as numbers (torchrun's
+    --nnodes x --nproc_per_node, accelerate launch's --num_processes, all machines together); 1
+    otherwise (this Python, or counts the launcher decides at run time)."""
+    given = {}
     for i, word in enumerate(words):
         flag, _, value = word.partition("=")
         if not value and i + 1 < len(words):
             value = words[i + 1]
-        if flag in ("--nnodes", "--nproc_per_node", "--nproc-per-node") and value.isdigit():
-            n *= int(value)
-    return max(n, 1)
+        if value.isdigit():
+            given[flag.lstrip("-").replace("-", "_")] = int(value)
+    if "num_processes" in given:
+        return max(given["num_processes"], 1)
+    return max(given.get("nnodes", 1) * given.get("nproc_per_node", 1), 1)
 
 
-def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path, Config]) -> None:
-    """What each trained stage's trainer checks at its own start, checked before the first: a run
-    length, a batch that splits over the launcher's processes and train.grad_accum, fp16 only with a
-    GPU; and the scratch arm built as the pre-trained encoders are (else it is no baseline for them).
-    A warmup as long as a stage's run is worth a warning (`mpp.optim.warmup_note`)."""
-    procs = _processes(cfg.launcher)
+def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path, Config], machine: bool) -> None:
+    """What each trained stage's trainer checks at its own start (`mpp.runtime.check_run_settings`,
+    over the launcher's processes; `machine`: with what this machine offers), checked before the
+    first; and the scratch arm built as the pre-trained encoders are (else it is no baseline for
+    them). A warmup as long as a stage's run is worth a warning (`mpp.optim.warmup_note`)."""
+    from mpp.runtime import check_run_settings  # here: it imports torch, planning does not
+    procs = _processes(launcher_words(cfg.launcher, machine))
     models = {}
     for s in stages:
         c = resolved[s.out]
         if s.tool == "pretrain":
             models.setdefault(s.pretrain_seed, (s.name, c.model))
-        if s.tool not in ("pretrain", "finetune"):
-            continue
-        if not c.steps and not c.epochs:
-            raise ConfigError(f"stage '{s.name}' ({s.config}) has no run length; set steps=N or epochs=E")
-        if c.batch_size % (procs * c.train.grad_accum):
-            raise ConfigError(f"stage '{s.name}' ({s.config}): batch_size={c.batch_size} is not divisible by processes x "
-                              f"train.grad_accum = {procs} x {c.train.grad_accum}; choose a multiple of "
-                              f"{procs * c.train.grad_accum}")
-        if c.train.precision == "fp16":
-            import torch  # here: planning does not import it otherwise
-            if not torch.cuda.is_available():
-                raise ConfigError(f"stage '{s.name}' ({s.config}): train.precision=fp16 needs a GPU (loss scaling); "
-                                  "use bf16 or no on CPU")
+        if s.tool in ("pretrain", "finetune"):
+            try:
+                check_run_settings(c, procs, machine)
+            except ConfigError as e:
+                raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
     for s in stages:
         first, model = models.get(s.pretrain_seed, ("", resolved[s.out].model))
         if resolved[s.out].model != model and (s.tool == "pretrain" or s.arm == "scratch"):
@@ -412,27 +426,28 @@ def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path
 
 def check_data(stages: list[Stage]) -> None:
     """After the data are made and before the first stage: every data set a stage will read
-    resolves (it exists, a shard list or pattern has its count), and each fine-tune's label subset
-    and development split can be drawn, so that a typo in a probe's or fine-tune's data fails now,
-    not after the pre-trainings."""
+    resolves (it exists, a shard list or pattern has its count), and each trained stage's samples
+    can be drawn as its loader will draw them (a fine-tune's label subset and development split, a
+    pre-training's withheld splits), so that a typo in a probe's or fine-tune's data fails now, not
+    after the pre-trainings."""
     from mpp.data.decode import DataError
-    from mpp.data.sources import resolve
-    from mpp.data.subset import select_subset
-    sets, subsets = {}, set()
+    from mpp.data.stream import select_shards
+    from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
+    done = set()
     for s in stages:
         c = s.settings(resolved=False)
-        specs = [(c.data.train, c.data.num_samples)] + ([(c.data.val, c.data.val_num_samples)] if c.data.val else [])
+        trained = OBJECTIVES[c.objective] if s.tool in ("pretrain", "finetune") else None
+        reads = [(c.data.train, c.data.num_samples, trained is not None and trained.labeled,
+                  trained.subset(c) if trained else None, c.data.withhold if trained else ())]
+        # data.val: the test images of probes and fine-tunes, and the figures' images (the first MPP pre-training's)
+        if c.data.val and (s.tool != "pretrain" or (s.arm == "mpp" and s.pretrain_seed == 0)):
+            reads.append((c.data.val, c.data.val_num_samples, False, None, ()))
         try:
-            for spec, n in specs:
-                key = (json.dumps(spec), n)
-                if key not in sets:
-                    sets[key] = resolve(spec, n)
-            f = c.finetune
-            split = (json.dumps(c.data.train), c.data.num_samples, f.label_fraction, f.split_seed, f.dev_fraction)
-            if s.tool == "finetune" and (f.label_fraction < 1 or f.dev_fraction) and split not in subsets:
-                select_subset(sets[json.dumps(c.data.train), c.data.num_samples], f.label_fraction, f.split_seed,
-                              f.dev_fraction)
-                subsets.add(split)
+            for spec, n, labeled, subset, withhold in reads:
+                key = json.dumps([spec, n, labeled, subset, withhold])
+                if key not in done:
+                    select_shards(spec, n, labeled, subset, withhold)
+                    done.add(key)
         except DataError as e:
             raise DataError(f"stage '{s.name}' ({s.config}): {e}") from None
 
@@ -593,8 +608,8 @@ def _seconds(took: float, split: list[float] | None) -> str:
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     """Run (or resume) the comparison; returns the report path."""
     stages = plan(cfg)
-    validate(cfg, stages)
-    launcher = shlex.split(cfg.launcher) if cfg.launcher else [sys.executable]
+    validate(cfg, stages, machine=not dry_run)
+    launcher = launcher_words(cfg.launcher, machine=False) or [sys.executable]
     total = len(stages) + 2
     if dry_run:
         for i, s in enumerate(stages, 2):

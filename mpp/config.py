@@ -10,8 +10,6 @@ import dataclasses
 import difflib
 import math
 import re
-import shlex
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -509,6 +507,9 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if taken:
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(sorted(taken))}, which the comparison sets "
                           "itself for its stages (seeds: 'seeds' and 'pretrain_seeds'); override other keys")
+    if cfg.pretrain_seeds > 1 and "seed" in {o.split("=", 1)[0].strip() for o in as_list(cfg.pretrain_overrides)}:
+        raise ConfigError("compare config key 'pretrain_overrides' sets seed, which would give pre-training seed 0 the "
+                          "seed of another repeat; with pretrain_seeds > 1 the repeats take seeds 0..N-1 themselves")
     cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
     for frac, extra in cfg.fraction_overrides.items():
         if not all(isinstance(o, str) for o in extra):
@@ -531,22 +532,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if p.synthetic and (p.synthetic_train < 0 or p.synthetic_test < 0 or p.synthetic_train + p.synthetic_test == 0):
         raise ConfigError(f"compare config keys prepare.synthetic_train and prepare.synthetic_test must be >= 0, not "
                           f"both 0, got {p.synthetic_train} and {p.synthetic_test}")
-    _check_launcher(cfg.launcher)
     return cfg
-
-
-def _check_launcher(launcher: str) -> None:
-    """A launcher is a command on PATH, as a shell would split it ('' runs this Python)."""
-    if not launcher:
-        return
-    try:
-        words = shlex.split(launcher)
-    except ValueError as e:
-        raise ConfigError(f"compare config key 'launcher' ({launcher!r}) does not split into words ({e}); "
-                          "close its quotes") from None
-    if not words or shutil.which(words[0]) is None:
-        raise ConfigError(f"compare config key 'launcher' names {words[0] if words else 'nothing'!r}, which is no "
-                          "command on PATH; give one such as 'torchrun --nproc_per_node 2', or '' for this Python")
 
 
 def _fraction(key: Any, fractions: tuple) -> float:

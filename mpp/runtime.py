@@ -26,6 +26,20 @@ def cpu_has_bf16() -> bool:
     return bool(check and check())
 
 
+def check_run_settings(cfg, processes: int = 1, machine: bool = True) -> None:
+    """The settings a training run checks before any work (and a comparison for each trained stage
+    before its first): a run length, a batch that splits over `processes` x train.grad_accum, and,
+    `machine`, what this machine must offer (a GPU for fp16's loss scaling)."""
+    if not cfg.steps and not cfg.epochs:
+        raise ConfigError("set the run length: steps=N (optimiser steps) or epochs=E (passes over data.train)")
+    accum = cfg.train.grad_accum
+    if cfg.batch_size % (processes * accum):
+        raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by processes x train.grad_accum = "
+                          f"{processes} x {accum}; choose a multiple of {processes * accum}")
+    if machine and cfg.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.precision=fp16 needs a GPU (loss scaling); use bf16 or no on CPU")
+
+
 def check_ranks_fit(local_ranks: int, devices: int, device_type: str) -> None:
     """One rank per device: NCCL refuses two ranks on one GPU, but only at the first collective and
     in words about NCCL ("invalid usage"), after the run has built everything. Say it before."""

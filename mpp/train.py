@@ -50,7 +50,7 @@ from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler, warmup_note
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
-from mpp.runtime import check_ranks_fit, deterministic, resolve_precision
+from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, resolve_precision
 
 
 class NonFiniteError(RuntimeError):
@@ -131,9 +131,7 @@ def setup(cfg: Config) -> Run:
     accelerator = Accelerator(mixed_precision=precision, cpu=not on_accelerator, kwargs_handlers=[
         InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout))])
     device, world = accelerator.device, accelerator.num_processes
-    if cfg.batch_size % (world * accum):
-        raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by processes x train.grad_accum = "
-                          f"{world} x {accum}; choose a multiple of {world * accum}")
+    check_run_settings(cfg, world)
     # lock the run directory before the heavy set-up: a directory another run holds, or one that
     # train.resume=none may not reuse, stops the run before it loads encoders and data
     if accelerator.is_main_process:
@@ -519,12 +517,9 @@ class _Window:
 def _check_settings(cfg: Config) -> None:
     """Checks of settings the trainer itself needs, before any work (the Task and the evaluators
     check their own when built)."""
-    if not cfg.steps and not cfg.epochs:
-        raise ConfigError("set the run length: steps=N (optimiser steps) or epochs=E (passes over data.train)")
+    check_run_settings(cfg)
     if not cfg.data.train:
         raise ConfigError("config key 'data.train' is empty; give a manifest.json, a shard list or a brace pattern")
-    if cfg.train.precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("train.precision=fp16 needs a GPU (loss scaling); use bf16 or no on CPU")
     rundir.check_output_dir(cfg.output_dir)
     resolve(cfg.data.train, cfg.data.num_samples)
 

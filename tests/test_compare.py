@@ -287,22 +287,29 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
     refused("'sweep' names train.log_every", "sweep.train.log_every=[1,2]", compare=True)
     refused("'overrides' sets finetune.init, seed, which the comparison sets itself",
             "overrides=[seed=3,finetune.init=x]", compare=True)
-    refused("'launcher' names 'torchrn', which is no command on PATH", "launcher=torchrn", compare=True)
-    refused("'launcher' .* does not split into words", "launcher=torchrun '--x", compare=True)
+    refused("'launcher' names 'torchrn', which is no command on PATH", "launcher=torchrn")
+    refused("'launcher' .* does not split into words", f"launcher={sys.executable} '--x")
+    refused("'pretrain_overrides' sets seed, which would give pre-training seed 0 the seed of another repeat",
+            "pretrain_overrides=[seed=1]", "pretrain_seeds=2", compare=True)
     refused("prepare.synthetic_train and prepare.synthetic_test must be >= 0", "prepare.synthetic_train=-5",
             compare=True)
     refused("'overrides' did not read as a YAML list .*quote each item", "overrides=[data.val=d/{0..1}.tar]")
-    refused("fine-tune scratch, 50% labels.* has no run length", "fraction_overrides={0.5: [steps=0]}")
+    refused("fine-tune scratch, 50% labels.*: set the run length", "fraction_overrides={0.5: [steps=0]}")
     refused("fine-tune scratch, 50% labels.*batch_size=32 is not divisible by processes x train.grad_accum = 1 x 3",
             "fraction_overrides={0.5: [train.grad_accum=3]}")
     refused("pre-train mpp.*batch_size=32 is not divisible by processes x train.grad_accum = 6 x 1",
-            "launcher=torchrun --nnodes=2 --nproc_per_node 3")
+            f"launcher={sys.executable} -m torch.distributed.run --nnodes=2 --nproc_per_node 3")
+    refused("pre-train mpp.*batch_size=32 is not divisible by processes x train.grad_accum = 5 x 1",
+            f"launcher={sys.executable} -m accelerate.commands.launch --num_machines 2 --num-processes=5")
     refused("fine-tune scratch, 50% labels.*builds model=vit_mini8_32, but 'pre-train mpp' pre-trains "
             "model=vit_micro4_32", "fraction_overrides={0.5: [model=vit_mini8_32]}")
     refused("linear probe scratch.*builds model=vit_micro4_32, but 'pre-train mpp' pre-trains model=vit_mini8_32",
             "pretrain_overrides=[model=vit_mini8_32]")  # both pre-trainings one way, the scratch arm another
     if not __import__("torch").cuda.is_available():
         refused("pre-train mpp.*fp16 needs a GPU", "pretrain_overrides=[train.precision=fp16]")
+    # a dry run plans for any machine: a command or a GPU this one lacks is no error there
+    run(load_compare_config(path, ["launcher=torchrn", "pretrain_overrides=[train.precision=fp16]"]), dry_run=True)
+    assert "torchrn -m mpp.tools.pretrain" in capsys.readouterr().out
     capsys.readouterr()
     short = ["pretrain_overrides=[optim.warmup_steps=1]", "fraction_overrides.0.5=[optim.warmup_steps=1]"]
     for last, warned in (("1", ""), ("2", "warning: stage 'fine-tune scratch, 100% labels, seed 0': optim.warmup_steps"
@@ -310,12 +317,14 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
                                           "optim.lr=0.03, and never decays")):
         cfg = load_compare_config(path, short + [f"fraction_overrides.1.0=[optim.warmup_steps={last}]"])
         validate(cfg, plan(cfg))  # a warmup as long as the run is warned about, not refused
-        assert warned in capsys.readouterr().err and (warned or "warning" not in capsys.readouterr().err)
+        err = capsys.readouterr().err
+        assert (warned in err) if warned else "warning" not in err, err
 
 
 def test_data_a_stage_reads_is_checked_once_made(tmp_path):
-    """After the data are made, before the first stage: a probe's missing test set, a pattern without
-    its count and a label subset too small for its development split fail, naming the stage."""
+    """After the data are made, before the first stage: a missing test set, a pattern without its
+    count, and a label subset too small for its development split (withheld by a pre-training, or
+    drawn by a fine-tune) fail, naming the stage."""
     from mpp.compare import check_data, prepare_data
     from mpp.data.decode import DataError
     path = _write_configs(tmp_path, tmp_path / "d")
@@ -328,6 +337,9 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
             ([f"fraction_overrides.0.5=[\"data.val={tmp_path}/d/test/{{000000..000001}}.tar\"]"],
              "fine-tune scratch, 50% labels.*not a manifest.json: give its total sample count"),
             (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5"],
+             "pre-train mpp.*would take them all"),  # the splits it withholds cannot be drawn
+            (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5",
+              'pretrain_overrides=["data.withhold=[]"]'],
              "fine-tune scratch, 2% labels, sweep.*would take them all")):
         cfg = load_compare_config(path, overrides)
         stages = plan(cfg)
@@ -918,4 +930,4 @@ def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_
     assert json.loads((tmp_path / "re" / "report.json").read_text())["pretrain_seeds"] == across
     bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs), "--out", str(tmp_path / "re"),
                           "--repeat", str(tmp_path / "nope")], capture_output=True, text=True, env=ENV)
-    assert bad.returncode != 0 and _one_error(bad.stderr) and "pretrain_seedN" in bad.stderr, bad.stderr
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "pretrain_seedN" in bad.stderr, bad.stderr

@@ -507,6 +507,16 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if batch_size < 1 or img_size < 1:
         raise ValueError(f"batch_size and img_size must be >= 1, got {batch_size} and {img_size}")
+    shards = select_shards(spec, num_samples, labeled, subset, withhold)
+    return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
+                       data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)
+
+
+def select_shards(spec, num_samples: int = 0, labeled: bool = False, subset: tuple | None = None,
+                  withhold=()) -> ShardSet:
+    """The shards and samples a loader over `spec` reads (`make_loader`'s arguments of the same
+    names): resolved, labeled where asked, restricted to a label subset or with withheld
+    development splits left out. DataError where they cannot be."""
     shards = resolve(spec, num_samples)
     if labeled and shards.exact and not shards.classes:
         raise DataError(f"data {spec!r} has no 'classes' in its manifest, but a labeled loader was asked "
@@ -517,5 +527,4 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
         if subset is not None:
             raise ValueError("a loader takes a label subset or withheld development splits, not both")
         shards = withhold_splits(shards, withhold)
-    return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
-                       data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)
+    return shards
