@@ -317,14 +317,15 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
 STARTS_FROM = {"linear_probe": ("probe.encoder", "encoder_sha256"), "finetune": ("finetune.init", "init_sha256")}
 
 
-def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> None:
+def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> dict[Path, Config]:
     """Resolve every stage config now as its tool will (mpp-finetune's defaults included), so a bad
     key fails before hours of work; check that no two stages share a folder, what each trainer
     would check at its start (`_check_training`), that each pre-training trains its arm's
     objective, that each fine-tune has test images, and that each probe and fine-tune normalises
     its inputs as its encoder's pre-training did. The data are checked once made (`check_data`).
     `machine` False (a dry run, which may plan for another machine) leaves out what this machine
-    must offer: the launcher's command, a GPU for fp16."""
+    must offer: the launcher's command, a GPU for fp16. Returns each stage's resolved config, by
+    its folder (run-time choices as their placeholders)."""
     for key in ("overrides", "pretrain_overrides"):
         unparsed = next((o for o in as_list(getattr(cfg, key)) if o.lstrip().startswith(("[", "{"))), None)
         if unparsed is not None:
@@ -361,6 +362,7 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> N
             raise ConfigError(f"stage '{s.name}' ({s.config}) normalises its inputs with data.mean={list(c.data.mean)} "
                               f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
                               f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
+    return resolved
 
 
 def launcher_words(launcher: str, machine: bool = True) -> list[str]:
@@ -424,18 +426,18 @@ def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path
         print(f"warning: stage '{late[0].name}': {warmup_note(late[1], late[1].steps)}", file=sys.stderr)
 
 
-def check_data(stages: list[Stage]) -> None:
+def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:
     """After the data are made and before the first stage: every data set a stage will read
     resolves (it exists, a shard list or pattern has its count), and each trained stage's samples
     can be drawn as its loader will draw them (a fine-tune's label subset and development split, a
     pre-training's withheld splits), so that a typo in a probe's or fine-tune's data fails now, not
-    after the pre-trainings."""
+    after the pre-trainings. `resolved`: `validate`'s configs of the stages."""
     from mpp.data.decode import DataError
     from mpp.data.stream import select_shards
     from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
     done = set()
     for s in stages:
-        c = s.settings(resolved=False)
+        c = resolved[s.out]
         trained = OBJECTIVES[c.objective] if s.tool in ("pretrain", "finetune") else None
         reads = [(c.data.train, c.data.num_samples, trained is not None and trained.labeled,
                   trained.subset(c) if trained else None, c.data.withhold if trained else ())]
@@ -608,7 +610,7 @@ def _seconds(took: float, split: list[float] | None) -> str:
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     """Run (or resume) the comparison; returns the report path."""
     stages = plan(cfg)
-    validate(cfg, stages, machine=not dry_run)
+    resolved = validate(cfg, stages, machine=not dry_run)
     launcher = launcher_words(cfg.launcher, machine=False) or [sys.executable]
     total = len(stages) + 2
     if dry_run:
@@ -621,7 +623,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
-    check_data(stages)
+    check_data(stages, resolved)
     for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
         if (s.out / "metrics.json").exists() and not s.choices:
             check_unchanged(s)

@@ -330,7 +330,8 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "d")
     cfg = load_compare_config(path)
     prepare_data(cfg)
-    check_data(plan(cfg))  # the shipped way: fine
+    stages = plan(cfg)
+    check_data(stages, validate(cfg, stages))  # the shipped way: fine
     for overrides, match in (
             (["pretrain_overrides=[data.val=/nowhere/manifest.json]"],
              "pre-train mpp.*'/nowhere/manifest.json' does not exist"),
@@ -343,9 +344,9 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
              "fine-tune scratch, 2% labels, sweep.*would take them all")):
         cfg = load_compare_config(path, overrides)
         stages = plan(cfg)
-        validate(cfg, stages)
+        resolved = validate(cfg, stages)
         with pytest.raises(DataError, match=match):
-            check_data(stages)
+            check_data(stages, resolved)
 
 
 def test_compare_config_errors_are_one_line(tmp_path):
@@ -819,7 +820,7 @@ def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
 
     monkeypatch.setattr(mpp.compare, "run_stage", run_stage)
     monkeypatch.setattr(mpp.compare, "prepare_data", lambda cfg: None)
-    monkeypatch.setattr(mpp.compare, "check_data", lambda stages: None)
+    monkeypatch.setattr(mpp.compare, "check_data", lambda stages, resolved: None)
     monkeypatch.setattr(mpp.figures.inspection, "write_compare_figures", lambda *a, **k: None)
     monkeypatch.setattr(mpp.report, "write_report", lambda *a, **k: None)
     return ran
