@@ -93,8 +93,10 @@ ea.Reload()
 ips = [e.value for e in ea.Scalars("perf/images_per_s")]
 wait = [e.value for e in ea.Scalars("perf/data_wait_frac")]
 m = json.load(open(run + "/metrics.json"))
-print(f"{what}: windows after the first (compile): median {statistics.median(ips[1:]):.0f} images/s, "
-      f"data wait median {100 * statistics.median(wait[1:]):.1f}%, max {100 * max(wait[1:]):.1f}%; "
+mid = slice(1, -1) if len(ips) > 2 else slice(1, None)  # not the compile's window, nor the profile's and the end's
+print(f"{what}: windows after the first (compile) and before the last (profile, end): median "
+      f"{statistics.median(ips[mid]):.0f} images/s ({min(ips[mid]):.0f}-{max(ips[mid]):.0f}), "
+      f"data wait median {100 * statistics.median(wait[mid]):.1f}%, max {100 * max(wait[mid]):.1f}%; "
       f"whole run {m['images_per_s']:.0f} images/s, wait {100 * m['data_wait_frac']:.1f}%, {m['wall_time_s']:.0f} s")
 print("  per window images/s:", " ".join(f"{x:.0f}" for x in ips))
 print("  per window wait %:  ", " ".join(f"{100 * x:.1f}" for x in wait))

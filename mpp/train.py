@@ -101,6 +101,7 @@ class Run:
     t_win: float = field(default_factory=time.perf_counter)
     wait_win: float = 0.0      # seconds waiting for data in this log window / before it
     wait_all: float = 0.0
+    images: int = 0            # trained on in this segment's closed log windows, all ranks
     last: dict = field(default_factory=dict)  # the latest log window's figures
     win: _Window = None
     bad: _BadSteps = None
@@ -246,7 +247,7 @@ def loop(run: Run) -> None:
                         loss, metrics = run.forward(images, batch.get("label"))
                     with phase("mpp/backward"):
                         accelerator.backward(loss * weights[i] / accum)
-                run.win.add_micro(loss, metrics, weights[i])
+                run.win.add_micro(loss, metrics, weights[i], len(images))
                 losses.append(loss.detach())
 
             # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
@@ -309,14 +310,14 @@ def finish(run: Run) -> dict:
         "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size,
         "precision": run.precision,  # train.precision as resolved for this device (auto decides)
         "batch_size": cfg.batch_size, "steps": run.steps,
-        "epochs": run.steps * cfg.batch_size / max(run.loader.num_samples, 1), "train_samples": run.loader.num_samples,
+        "epochs": totals["images"] / max(run.loader.num_samples, 1), "train_samples": run.loader.num_samples,
         # the last log window: loss and objective metrics (averaged over its steps and all ranks), grad norm
         **{k: v for k, v in run.last.items() if k not in ("lr", "images_per_s", "data_wait_frac", "nonfinite_steps",
                                                           "scaler_skips") and not k.startswith("skipped_")},
         "nonfinite_steps": totals["nonfinite_steps"], "scaler_skips": totals["scaler_skips"],
         "skipped_samples": _skipped(run),  # all ranks, all resumed segments
         # end to end over the whole run (all resumed segments; checkpoint and few-shot time included)
-        "images_per_s": run.steps * cfg.batch_size / totals["train_time"],
+        "images_per_s": totals["images"] / totals["train_time"],  # an epoch's tail batch counts its own size
         "data_wait_frac": totals["data_wait"] / totals["train_time"],
     }
     t_final = time.perf_counter()
@@ -379,7 +380,9 @@ def _log(run: Run, done: int, lr: float) -> None:
     figures = run.win.read(run.accelerator)
     figures.update({"skipped_" + k: n for k, n in _skipped(run).items()})
     figures["lr"] = lr
-    figures["images_per_s"] = run.win.steps * run.cfg.batch_size / (now - run.t_win)
+    images = figures.pop("images")
+    run.images += images
+    figures["images_per_s"] = images / (now - run.t_win)
     figures["data_wait_frac"] = run.wait_win / (now - run.t_win)
     figures["nonfinite_steps"] = run.state["nonfinite_steps"] + int(run.bad.total.item())
     figures["scaler_skips"] = run.state.get("scaler_skips", 0) + int(run.bad.overflows.item())
@@ -428,7 +431,9 @@ def _totals(run: Run) -> dict:
             "scaler_skips": s.get("scaler_skips", 0) + int(run.bad.overflows.item()),
             "elapsed": s["elapsed"] + time.time() - run.t_begin,
             "train_time": s["train_time"] + time.perf_counter() - run.t_loop,
-            "data_wait": s["data_wait"] + run.wait_all + run.wait_win, "last": run.last}
+            "data_wait": s["data_wait"] + run.wait_all + run.wait_win, "last": run.last,
+            # a checkpoint from before images were counted: its steps as full batches
+            "images": s.get("images", s["step"] * run.cfg.batch_size) + run.images}
 
 
 def _skipped(run: Run) -> dict[str, int]:
@@ -489,28 +494,33 @@ class _Window:
     def reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.micro = 0
-        self.steps = 0
+        self.images = 0  # this rank's, counted on the host (an epoch's tail batch is smaller)
         self.norm, self.finite = self.zero.clone(), self.zero.clone()
 
-    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight) -> None:
-        """`weight`: the micro-batch's sample weight (`_sample_weights`), 1.0 for a full one."""
+    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight, images: int) -> None:
+        """`weight`: the micro-batch's sample weight (`_sample_weights`), 1.0 for a full one;
+        `images`: its size."""
         for k, v in {"loss": loss, **metrics}.items():
             self.sums[k] = self.sums.get(k, self.zero) + v.detach().float() * weight
         self.micro += 1
+        self.images += images
 
     def add_step(self, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
         self.norm = self.norm + torch.where(finite, grad_norm.float(), self.zero)
         self.finite = self.finite + finite.float()
-        self.steps += 1
 
     def read(self, accelerator: Accelerator) -> dict[str, float]:
         """Means over the window's samples (micro-batches and ranks, by their sample weights); the
-        gradient norm (the same on every rank) over the window's finite steps."""
+        gradient norm (the same on every rank) over the window's finite steps; `images`: the
+        window's images on all ranks."""
         names = sorted(self.sums)
-        row = torch.stack([self.sums[k] / self.micro for k in names] + [self.norm, self.finite])
-        mean = accelerator.gather(row[None]).mean(0).tolist()
-        figures = dict(zip(names, mean[:-2]))
-        figures["grad_norm"] = mean[-2] / mean[-1] if mean[-1] else float("nan")
+        images = torch.full((), float(self.images), device=self.zero.device)  # a fill: no copy from the host
+        rows = accelerator.gather(torch.stack([self.sums[k] / self.micro for k in names]
+                                              + [self.norm, self.finite, images])[None])
+        mean = rows.mean(0).tolist()
+        figures = dict(zip(names, mean[:-3]))
+        figures["grad_norm"] = mean[-3] / mean[-2] if mean[-2] else float("nan")
+        figures["images"] = round(mean[-1] * len(rows))
         return figures
 
 

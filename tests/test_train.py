@@ -29,6 +29,7 @@ import mpp.train
 from colours import write_colours
 from cpuonly import cpu_env, cpu_only
 from mpp import outcomes
+from mpp.checkpoint import list_checkpoints
 from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
@@ -637,6 +638,19 @@ def test_a_run_resumed_at_any_checkpoint_reports_what_the_whole_run_reports(tmp_
         resumed = train(config(items))
         assert resumed["skipped_samples"] == whole["skipped_samples"], step
         assert resumed["loss"] == whole["loss"], step
+
+
+def test_images_a_second_and_epochs_count_an_epochs_smaller_tail_batch(tmp_path, data):
+    """256 images in batches of 24: an epoch is 10 full batches and a tail of 16, so 14 steps
+    train 328 images, not 14 x 24; the count survives a resume from the checkpoint past the tail."""
+    out = tmp_path / "run"
+    items = settings(data, out, batch_size=24, steps=14, **{"train.ckpt_every": 12})
+    whole = train(config(items))
+    assert whole["epochs"] == (10 * 24 + 16 + 3 * 24) / 256
+    for ckpt in list_checkpoints(out / "checkpoints")[1:]:  # "crash" after step 12
+        shutil.rmtree(ckpt)
+    (out / "metrics.json").unlink()
+    assert train(config(items))["epochs"] == whole["epochs"]
 
 
 def test_a_run_resumed_at_its_last_step_keeps_the_config_it_trained_with(tmp_path, data):
