@@ -666,10 +666,12 @@ def validate(cfg: Config) -> None:
     check(cfg.supervised.hidden_dim >= 0, "config key 'supervised.hidden_dim' must be >= 0 (0: the encoder width)")
     check(d.max_pixels > 0, f"config key 'data.max_pixels' must be > 0, got {d.max_pixels}")
     fs = cfg.fewshot
-    check(len(fs.shots) > 0 and all(int(s) == s and s >= 1 for s in fs.shots) and fs.seeds >= 1 and fs.l2 >= 0
+    check(len(fs.shots) > 0 and all(int(s) == s and s >= 1 for s in fs.shots) and fs.seeds >= 1
           and fs.every >= 0 and fs.max_test >= 1,
-          "config keys fewshot.shots (a non-empty list of whole numbers >= 1), fewshot.seeds (>= 1), fewshot.l2 "
-          "(>= 0), fewshot.every (>= 0, 0: off), fewshot.max_test (>= 1)")
+          "config keys fewshot.shots (a non-empty list of whole numbers >= 1), fewshot.seeds (>= 1), "
+          "fewshot.every (>= 0, 0: off), fewshot.max_test (>= 1)")
+    check(fs.l2 > 0, f"config key 'fewshot.l2' must be > 0, the ridge term (without it the standardised features' "
+                     f"equations are singular; big_vision's is 1024), got {fs.l2}")
     check(0 < cfg.probe.val_fraction < 1, "config key 'probe.val_fraction' must be in (0, 1)")
     split = cfg.probe.dev_split
     check(not split or (len(split) == 2 and float(split[0]).is_integer() and 0 <= split[0] < 2**32

@@ -175,6 +175,7 @@ CASES = [
      lambda t: [*FS(t), f"fewshot.test={t}/data/unlabeled"], None),
     ("few-shot sets with other classes", "pretrain", lambda t: [*FS(t), f"fewshot.test={t}/data/other"], None),
     ("no few-shot shots", "pretrain", lambda t: [*TRAIN(t), "fewshot.shots=[]"], None),
+    ("few-shot without its ridge term", "pretrain", lambda t: [*TRAIN(t), "fewshot.l2=0"], None),
     ("data.withhold not a list of triples", "pretrain", lambda t: [*TRAIN(t), "data.withhold=[0.1,0,0.1]"], None),
     ("data.withhold of unlabeled shards", "pretrain",
      lambda t: [*TRAIN(t), f"data.train={t}/data/unlabeled", "data.withhold=[[0.5,0,0.1]]"], None),

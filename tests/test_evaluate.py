@@ -10,6 +10,7 @@ import random
 import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -221,16 +222,21 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
     extract_features(enc_a, shards["test"], **kw)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 5
     # another count of data workers orders the images otherwise: its own entry
-    extract_features(enc_a, shards["test"], **{**kw, "cfg": _cfg(shards, tmp_path / "run", data={"num_workers": 2})})
+    two = extract_features(enc_a, shards["test"], **{**kw, "cfg": _cfg(shards, tmp_path / "run",
+                                                                        data={"num_workers": 2})})
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 6
+    # ... and so does another batch, where several workers hand out whole batches in turn
+    other = extract_features(enc_a, shards["test"], **{**kw, "cfg": _cfg(shards, tmp_path / "run", batch_size=8,
+                                                                          data={"num_workers": 2})})
+    assert not torch.equal(two.y, other.y) and len(list((tmp_path / "cache").glob("*.safetensors"))) == 7
     # the same shards named as file: URLs are the same files (a hit), fingerprinted by size and
     # mtime too: rewritten, they miss
     urls = [f"file:{p}" for p in sorted(Path(shards["test"]).parent.glob("*.tar"))]
     extract_features(enc_a, urls, **kw, num_samples=80)
-    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 6
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 7
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     extract_features(enc_a, urls, **kw, num_samples=80)
-    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 7
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 8
 
 
 def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path, monkeypatch):
@@ -644,6 +650,20 @@ def test_fewshot_bias_column_matters_with_unbalanced_shots():
     got = fewshot_correct(x[keep], y[keep], xt, yt, 4, 1.0)
     assert np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0))
     assert not np.array_equal(got, _ref_correct(x[keep], y[keep], xt, yt, 4, 1.0, bias=False))  # it matters here
+
+
+def test_a_class_short_of_the_shots_is_named_and_the_rest_are_not():
+    """k-shot figures of a class with fewer than k training images use what it has: a warning says
+    which class and how many, and nothing is said when every class fills the shots."""
+    x, y = _noisy(4, n=400)
+    keep = torch.cat([torch.nonzero(y == c).flatten()[:n] for c, n in enumerate((3, 12, 12, 12))])
+    xt, yt = _noisy(5, n=100)
+    with pytest.warns(UserWarning, match=r"1 of 4 classes have fewer training images than 5 shots "
+                                         r"\(class: images 0: 3\)"):
+        fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 5), seeds=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 3), seeds=1)
 
 
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):

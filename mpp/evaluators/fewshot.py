@@ -5,6 +5,7 @@ seeds. `Evaluator` is the same figure during pre-training (`fewshot.every`), wit
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import numpy as np
 import torch
@@ -53,16 +54,23 @@ def fewshot_eval(train_x, train_y, test_x, test_y, *, shots=(1, 5, 10, 25), seed
 
     As big_vision: seed s permutes each class's indices with numpy's default_rng(s), the k shots
     are the first k of that permutation (nested across k); a class with fewer than k samples
-    contributes all it has. Uses only its own generators. With `draws`, also each draw's accuracy
-    (`{k}shot_draws`) and test outcomes (`{k}shot_outcomes`, mpp.outcomes records), and the digest
-    of the training labels the draws came from (`fewshot_train_labels`): two encoders' figures with
-    equal digests used the same shots draw by draw, so the report pairs them.
+    contributes all it has, with a warning naming it. Uses only its own generators. With `draws`,
+    also each draw's accuracy (`{k}shot_draws`) and test outcomes (`{k}shot_outcomes`,
+    mpp.outcomes records), and the digest of the training labels the draws came from
+    (`fewshot_train_labels`): two encoders' figures with equal digests used the same shots draw by
+    draw, so the report pairs them.
     """
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
         num_classes = int(max(train_y.max(), test_y.max())) + 1
     labels = train_y.numpy()
     correct: dict[int, list[np.ndarray]] = {int(k): [] for k in shots}
+    counts = np.bincount(labels, minlength=num_classes)
+    if short := {c: int(counts[c]) for c in range(num_classes) if counts[c] < max(correct)}:
+        named = ", ".join(f"{c}: {n}" for c, n in list(short.items())[:10]) + (", ..." if len(short) > 10 else "")
+        warnings.warn(f"few-shot: {len(short)} of {num_classes} classes have fewer training images than "
+                      f"{max(correct)} shots (class: images {named}); their k-shot figures take what they have",
+                      stacklevel=2)
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
         perms = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
