@@ -173,9 +173,12 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
     draws and fine-tune seeds in every repeat, taken as each repeat's own ± (root mean square, at
     the fewest degrees of freedom among them). Where the spread holds some of the latter too, it
     counts twice: the ± errs large, never small. Where a repeat's own ± is unknown, so is the
-    mean's (no ±, no verdict): the spread alone cannot show what they share. t and the verdict as
-    `derive`'s. The share recovered gets its mean and a ± built alike from its spread and the
-    repeats' own `share_noise`, without a verdict. {} for fewer than two repeats."""
+    mean's (no ±, no verdict): the spread alone cannot show what they share; where a repeat's own ±
+    counts its seeds alone (`noise_test` None, `share_noise_seeds_only`), the mean's is marked
+    `seeds_only`, with no verdict, as `derive` marks it. t and the verdict as `derive`'s. The share
+    recovered gets its mean and a ± built alike from its spread and the repeats' own
+    `share_noise`, without a verdict. A figure some repeat lacks (or, for the share, could not
+    define) keeps its values, None among them, with mean and ± None. {} for fewer than two repeats."""
     if len(reps) < 2:
         return {}
 
@@ -183,23 +186,29 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
         out = {}
         for gap in (*GAPS, "recovered_share"):
             values = [g.get(gap) for g in gs]
-            if any(v is None for v in values):
+            share = gap == "recovered_share"
+            unknown = {"noise": None, **({} if share else {"t": None, "significant": None})}
+            if not any(v is not None for v in values):
+                continue
+            if None in values:
+                out[gap] = {"values": values, "mean": None, **unknown}
                 continue
             mean, sd = mean_std(values)
             spread = (sd / math.sqrt(len(values)), len(values) - 1)
-            share = gap == "recovered_share"
             own = [g.get("share_noise") if share else g["noise"].get(gap) for g in gs]
             if None in own:
-                out[gap] = {"values": values, "mean": round(mean, 4), "noise": None,
-                            **({} if share else {"t": None, "significant": None})}
+                out[gap] = {"values": values, "mean": round(mean, 4), **unknown}
                 continue
             shared = (math.sqrt(sum(x * x for x in own) / len(own)),
                       math.inf if share else min(g["dof"].get(gap) or math.inf for g in gs))
             noise, df = outcomes.combine(spread, shared)
-            out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(noise, 4)}
+            seeds_only = any(g.get("share_noise_seeds_only") if share else (g.get("noise_test") or {}).get(gap) is None
+                             for g in gs)
+            out[gap] = {"values": values, "mean": round(mean, 4), "noise": round(noise, 4),
+                        **({"seeds_only": True} if seeds_only else {})}
             if not share:
                 t = outcomes.critical(df)
-                out[gap].update(t=round(t, 4), significant=significant(mean, noise, t))
+                out[gap].update(t=round(t, 4), significant=None if seeds_only else significant(mean, noise, t))
         return out
 
     ds = [r["derived"] for r in reps]

@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from mpp import outcomes
-from mpp.config import flatten, read_yaml
+from mpp.config import RESULT_NEUTRAL, ConfigError, build_config, flatten, read_yaml, to_dict
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
 
@@ -128,26 +128,38 @@ def describe_run(run_dir: str | Path) -> dict:
     if not isinstance(cfg.get("seed", 0), int) or isinstance(cfg.get("seed"), bool):
         raise ReportError(f"{run_dir}/config.yaml: seed {cfg['seed']!r} is not a whole number; rerun that step")
     return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics,
-            "seed": cfg.get("seed", 0), "evaluated_on": metrics.get("evaluated_on", "val"), "config": cfg}
+            "seed": cfg.get("seed", 0), "evaluated_on": metrics.get("evaluated_on", "val"), "config": cfg,
+            "settings": _settings(cfg)}
+
+
+def _settings(cfg: dict) -> dict:
+    """A run's flattened settings read through the schema, as mpp.compare.check_unchanged reads them:
+    a key written by an older mpp, or left out, takes its default, as it did then; a config this
+    mpp cannot read is taken as written."""
+    try:
+        return flatten(to_dict(build_config(cfg)))
+    except ConfigError:
+        return flatten(cfg)
 
 
 def _varied(dev_runs: list[dict]) -> list[str]:
-    """The config keys in which a cell's development-split runs differ (the swept keys)."""
-    flats = [flatten(r["config"]) for r in dev_runs]
-    return sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed")
+    """The config keys in which a cell's development-split runs differ (the swept keys), but for
+    the output folder, the seed and keys of speed and logging (RESULT_NEUTRAL), which a comparison
+    lets a resumed stage change."""
+    flats = [r["settings"] for r in dev_runs]
+    return sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed", *RESULT_NEUTRAL)
                   and len({json.dumps(f.get(k)) for f in flats}) > 1)
 
 
 def _values(run: dict, varied: list[str]) -> dict:
     """A run's values of the keys its cell's sweep varied."""
-    flat = flatten(run["config"])
-    return {k: flat.get(k) for k in varied}
+    return {k: run["settings"].get(k) for k in varied}
 
 
 def _pool(run: dict) -> str | None:
     """The representation a fine-tune used: its finetune.pool, or for a development-split run set
     to auto the one it chose (a comparison's finals set the best sweep stage's choice explicitly)."""
-    pool = flatten(run["config"]).get("finetune.pool")
+    pool = run["settings"].get("finetune.pool")
     return run["metrics"].get("pool", pool) if pool == "auto" and run["evaluated_on"] == "dev" else pool
 
 
@@ -212,10 +224,11 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     (`pool_choice`: the best dev run's, whose choice decides the comparison's other-representation
     retrain), the chosen value's lead, and the other values that were retrained on all the labels
     (`retrained`)."""
-    final = flatten(finals[0]["config"]) if finals else {}
+    final = _values(finals[0], varied) if finals else {}
+    written = flatten(finals[0]["config"]) if finals else {}  # the recipe's other keys, as its config gives them
     dev = [{"values": _values(r, varied), "dev_top1": _accuracy(r["metrics"], "top1", r["dir"])} for r in dev_runs]
     images = [outcomes.read(r["metrics"].get("outcomes")) for r in dev_runs]
-    chosen = {k: final.get(k) for k in varied + ["finetune.pool", "finetune.head_init"] if k in final}
+    chosen = {**final, **{k: written[k] for k in ("finetune.pool", "finetune.head_init") if k in written}}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
     # the best dev run first, ranked as mpp.compare._ranked does: its choice is the one the comparison read
@@ -223,7 +236,8 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     made = next(filter(None, (pool_choice(r["metrics"]) for r in [*ranked, *finals]
                               if r["metrics"].get("pool") == chosen.get("finetune.pool"))), None)
     return {"dev": dev, "chosen": chosen, "pool_choice": made,
-            "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen}),
+            "lead": _lead(dev, images, {k: chosen[k] for k in varied if k in chosen},
+                          [_dev_rank(r) for r in dev_runs]),
             "retrained": retrained}
 
 
@@ -255,14 +269,16 @@ def pool_choice(m: dict) -> dict | None:
     return {"top1": top1, "on": on, "n": (records.get(pool) or {}).get("n"), "other": other, "lead": lead}
 
 
-def _lead(dev: list[dict], images: list, chosen: dict) -> dict | None:
-    """The chosen value's lead (`choice_lead`) over the best other value of the sweep. None unless
-    exactly one dev run has the chosen values and another exists."""
+def _lead(dev: list[dict], images: list, chosen: dict, ranks: list[tuple]) -> dict | None:
+    """The chosen value's lead (`choice_lead`) over the best other value of the sweep, an exact tie
+    for it broken as the comparison breaks it (`ranks`: each dev run's `_dev_rank`), so the lead is
+    over the runner-up it retrained. None unless exactly one dev run has the chosen values and
+    another exists."""
     mine = [i for i, x in enumerate(dev) if x["values"] == chosen]
     others = [i for i, x in enumerate(dev) if x["values"] != chosen]
     if len(mine) != 1 or not others:
         return None
-    a, b = mine[0], max(others, key=lambda i: dev[i]["dev_top1"])
+    a, b = mine[0], min(others, key=lambda i: ranks[i])
     return choice_lead(dev[a]["dev_top1"], dev[b]["dev_top1"], images[a], images[b])
 
 
@@ -606,8 +622,9 @@ def render_markdown(rep: dict) -> str:
                               for x in r["retrained"]) or "—"
             pool = r.get("pool_choice")
             scored = ("development top-1" if pool.get("on") == "dev" else "held-out top-1") if pool else ""
+            images = f" on {pool['n']} images" if pool and pool["n"] is not None else ""
             how = (f" (pool by a probe of its training labels, {scored} "
-                   f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())} on {pool['n']} images: "
+                   f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())}{images}: "
                    f"lead {_lead_cell(pool['lead'])})" if pool else "")
             lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
                          f"{_lead_cell(r.get('lead'))} | {again} |")
@@ -650,10 +667,18 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
              "supervised_minus_scratch": "supervised - scratch", "recovered_share": "share recovered"}
     for name, g in rows:
         for gap, x in g.items():
-            fmt = "{:.2f}" if gap == "recovered_share" else "{:+.1f}"
-            mean = (f"{x['mean']:.2f}" + ("" if x["noise"] is None else f" ± {x['noise']:.2f}")
-                    if gap == "recovered_share" else _with_noise(x["mean"], x["noise"], x["t"]))
-            lines.append(f"| {name} | {names[gap]} | {', '.join(fmt.format(v) for v in x['values'])} | {mean} |")
+            share = gap == "recovered_share"
+            fmt = "{:.2f}" if share else "{:+.1f}"
+            values = ", ".join("undefined" if v is None and share else "—" if v is None else fmt.format(v)
+                               for v in x["values"])
+            if x["mean"] is None:  # a repeat lacks it, or could not define the share
+                mean = "— (not in every repeat)"
+            elif share:
+                mean = (f"{x['mean']:.2f}" + ("" if x["noise"] is None else f" ± {x['noise']:.2f}")
+                        + (" (seeds only)" if x.get("seeds_only") else ""))
+            else:
+                mean = _with_noise(x["mean"], x["noise"], x["t"], seeds_only=x.get("seeds_only", False))
+            lines.append(f"| {name} | {names[gap]} | {values} | {mean} |")
     return lines
 
 

@@ -497,6 +497,49 @@ def test_a_leads_verdict_takes_students_t_at_one_less_degree_than_the_images():
     assert lead["t"] == pytest.approx(3.182, abs=1e-3) and lead["clear"] is False
 
 
+def test_the_lead_is_over_the_runner_up_the_comparison_retrained_when_two_tie_for_it(tmp_path):
+    """lr 0.0003 wins (55); lr 0.001 and lr 0.0001 tie for second (50), given in grid order. The
+    comparison breaks the tie by folder name and retrains sweep_lr0.0001, which disagrees with the
+    winner on most images (a toss-up); the lead is over that one, not over lr 0.001 (nested in the
+    winner: a clear lead), whichever order the runs come in."""
+    idx, labels = np.arange(400), np.arange(400) % 10
+    dev = [(f"sweep_lr{lr}", lr, 0, None, {"top1": float(h.mean()), "outcomes": outcomes.record(h, labels)})
+           for lr, h in ((0.001, idx < 200), (0.0003, idx < 220), (0.0001, idx >= 200))]
+    runs = _cell(tmp_path / "runs", dev, [("seed0", 0.0003, 0, None, {"top1": 0.6}),
+                                          ("runner_up_seed0", 0.0001, 0, None, {"top1": 0.58})])
+    for order in (runs, sorted(runs)):
+        rep = write_report(order, tmp_path / "out")
+        lead = rep["recipes"]["supervised"]["0.1"]["lead"]
+        assert lead["points"] == pytest.approx(5.0) and lead["clear"] is False
+        assert rep["derived"]["finetune"]["0.1"]["recipe_toss_ups"] == ["supervised"]
+
+
+def test_a_setting_of_speed_or_logging_or_a_default_left_out_is_no_swept_key(tmp_path):
+    """Sweep stages that differ in train.log_every (a resumed stage may change it) and in a key one
+    config leaves at its default and the other writes out (an older mpp's config.yaml) still differ
+    only in the learning rate: the finals are the cell, the lead a toss-up."""
+    root, idx, labels = tmp_path / "runs", np.arange(400), np.arange(400) % 10
+    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 1})
+    ft = {"init": str(sup), "label_fraction": 0.1}
+
+    def run(name, lr, extra, metrics):
+        return _run(root, name, {"objective": "classify", "seed": 0, "optim": {"lr": lr, **extra.get("optim", {})},
+                                 "train": extra.get("train", {}),
+                                 "finetune": {**ft, **({} if metrics["evaluated_on"] == "val" else
+                                                       {"dev_fraction": 0.1})}}, metrics)
+    runs = [sup, run("sweep_lr0.01", 0.01, {"train": {"log_every": 10}, "optim": {"momentum": 0.9}},
+                     {"evaluated_on": "dev", "top1": 0.55, "outcomes": outcomes.record(idx < 220, labels)}),
+            run("sweep_lr0.03", 0.03, {"train": {"log_every": 50}},
+                {"evaluated_on": "dev", "top1": 0.5, "outcomes": outcomes.record(idx >= 200, labels)}),
+            run("seed0", 0.01, {"train": {"log_every": 50}}, {"evaluated_on": "val", "top1": 0.6}),
+            run("runner_up_seed0", 0.03, {"train": {"log_every": 10}}, {"evaluated_on": "val", "top1": 0.58})]
+    rep = write_report(runs, tmp_path / "out")
+    recipe = rep["recipes"]["supervised"]["0.1"]
+    assert [x["values"] for x in recipe["dev"]] == [{"optim.lr": 0.01}, {"optim.lr": 0.03}]
+    assert rep["table"]["supervised"]["finetune"]["0.1"] == pytest.approx(0.6)
+    assert recipe["lead"]["clear"] is False and rep["derived"]["finetune"]["0.1"]["recipe_toss_ups"] == ["supervised"]
+
+
 def _cell(root: Path, dev: list[tuple], finals: list[tuple]) -> list[Path]:
     """A supervised encoder and one 10%-label cell: `dev` (name, lr, seed, pool, metrics) runs on
     the development split, `finals` (name, lr, seed, pool, metrics) scored on test."""
@@ -577,6 +620,8 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
         g = {"supervised_minus_mpp": 20.0, "mpp_minus_scratch": moving, "supervised_minus_scratch": 20.0 + moving,
              "recovered_share": moving / (20.0 + moving), "share_noise": None if own is None else own / 25,
              "noise": dict.fromkeys(("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch"), own),
+             "noise_test": dict.fromkeys(("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch"),
+                                         own),
              "dof": {"supervised_minus_mpp": dof, "mpp_minus_scratch": None, "supervised_minus_scratch": None}}
         return {"derived": {"finetune": {"0.1": g}, "linear_top1": g, "fewshot": {}}}
     assert across_pretrain_seeds([rep(1.0)]) == {}
@@ -599,6 +644,37 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     assert unknown["recovered_share"]["noise"] is None and unknown["mpp_minus_scratch"]["mean"] == 5.0
     three = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["finetune"]["0.1"]["mpp_minus_scratch"]
     assert three["significant"] is True  # three steady repeats: the spread's 2 degrees of freedom suffice
+
+
+def test_across_pretrain_seeds_marks_noise_of_the_seeds_alone_and_keeps_a_figure_a_repeat_lacks(tmp_path):
+    """A repeat whose gap's ± counts its seeds alone (no per-image results: `noise_test` None, the
+    share's `share_noise_seeds_only`) makes the mean's ± seeds-only: marked so, with no verdict, as
+    the main table marks it. A share one repeat could not define stays in the section, said so."""
+    from mpp.gaps import across_pretrain_seeds
+    from mpp.report import render_markdown
+
+    def rep(moving: float, test_part: float | None, share: float | None = 0.3) -> dict:
+        gaps = ("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch")
+        g = {"supervised_minus_mpp": 20.0, "mpp_minus_scratch": moving, "supervised_minus_scratch": 20.0 + moving,
+             "recovered_share": share, "share_noise": 0.02, "share_noise_seeds_only": test_part is None,
+             "noise": dict.fromkeys(gaps, 0.1), "noise_test": dict.fromkeys(gaps, test_part),
+             "dof": dict.fromkeys(gaps, 40.0)}
+        return {"derived": {"finetune": {"0.1": g}, "linear_top1": g, "fewshot": {}}}
+    known = across_pretrain_seeds([rep(9.8, 0.1), rep(10.0, 0.1)])["finetune"]["0.1"]["mpp_minus_scratch"]
+    assert known["significant"] is True and "seeds_only" not in known
+    a = across_pretrain_seeds([rep(9.8, 0.1), rep(10.0, None)])
+    seeds = a["finetune"]["0.1"]["mpp_minus_scratch"]
+    assert seeds["seeds_only"] is True and seeds["significant"] is None and seeds["noise"] is not None
+    assert a["finetune"]["0.1"]["recovered_share"]["seeds_only"] is True
+    undefined = across_pretrain_seeds([rep(9.8, 0.1), rep(10.0, 0.1, share=None)])["linear_top1"]["recovered_share"]
+    assert undefined["values"] == [0.3, None] and undefined["mean"] is None
+    report = write_report(_paper_runs(tmp_path / "runs"), tmp_path / "out")
+    for across, want in ((a, "| fine-tune @ 10% labels | MPP - scratch | +9.8, +10.0 | +9.9 ± "),
+                         (across_pretrain_seeds([rep(9.8, 0.1), rep(10.0, 0.1, share=None)]),
+                          "| linear probe | share recovered | 0.30, undefined | — (not in every repeat) |")):
+        md = render_markdown({**report, "pretrain_seeds": {**across, "repeats": []}})
+        line = next(x for x in md.splitlines() if x.startswith(want))
+        assert line.endswith("(seeds only) |") if "MPP - scratch" in want else "not significant" not in line
 
 
 def test_run_directories_from_elsewhere_cannot_blow_up_or_crash_the_report(tmp_path):
