@@ -430,8 +430,9 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:
     """After the data are made and before the first stage: every data set a stage will read
     resolves (it exists, a shard list or pattern has its count), and each trained stage's samples
     can be drawn as its loader will draw them (a fine-tune's label subset and development split, a
-    pre-training's withheld splits), so that a typo in a probe's or fine-tune's data fails now, not
-    after the pre-trainings. `resolved`: `validate`'s configs of the stages."""
+    pre-training's withheld splits), so that a typo in a probe's or fine-tune's data, or in the
+    few-shot sets a trained stage watches (fewshot.every), fails now, not after the pre-trainings.
+    `resolved`: `validate`'s configs of the stages."""
     from mpp.data.decode import DataError
     from mpp.data.stream import select_shards
     from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
@@ -444,6 +445,9 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:
         # data.val: the test images of probes and fine-tunes, and the figures' images (the first MPP pre-training's)
         if c.data.val and (s.tool != "pretrain" or (s.arm == "mpp" and s.pretrain_seed == 0)):
             reads.append((c.data.val, c.data.val_num_samples, False, None, ()))
+        if trained and c.fewshot.every:  # the trainer's few-shot evaluator reads these at its start
+            reads += [(spec, n, True, None, ()) for spec, n in ((c.fewshot.train, c.fewshot.train_num_samples),
+                                                                (c.fewshot.test, c.fewshot.test_num_samples)) if spec]
         try:
             for spec, n, labeled, subset, withhold in reads:
                 key = json.dumps([spec, n, labeled, subset, withhold])

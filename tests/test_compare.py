@@ -322,9 +322,9 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
 
 
 def test_data_a_stage_reads_is_checked_once_made(tmp_path):
-    """After the data are made, before the first stage: a missing test set, a pattern without its
-    count, and a label subset too small for its development split (withheld by a pre-training, or
-    drawn by a fine-tune) fail, naming the stage."""
+    """After the data are made, before the first stage: a missing test set or few-shot set, a
+    pattern without its count, and a label subset too small for its development split (withheld by
+    a pre-training, or drawn by a fine-tune) fail, naming the stage."""
     from mpp.compare import check_data, prepare_data
     from mpp.data.decode import DataError
     path = _write_configs(tmp_path, tmp_path / "d")
@@ -335,6 +335,9 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     for overrides, match in (
             (["pretrain_overrides=[data.val=/nowhere/manifest.json]"],
              "pre-train mpp.*'/nowhere/manifest.json' does not exist"),
+            ([f"pretrain_overrides=[fewshot.every=2,fewshot.train=/nowhere/fs.json,"
+              f"fewshot.test={tmp_path}/d/test/manifest.json]"],
+             "pre-train mpp.*'/nowhere/fs.json' does not exist"),  # the few-shot sets a pre-training watches
             ([f"fraction_overrides.0.5=[\"data.val={tmp_path}/d/test/{{000000..000001}}.tar\"]"],
              "fine-tune scratch, 50% labels.*not a manifest.json: give its total sample count"),
             (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5"],
