@@ -435,6 +435,7 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:
     `resolved`: `validate`'s configs of the stages."""
     from mpp.data.decode import DataError
     from mpp.data.stream import select_shards
+    from mpp.evaluators.fewshot import Evaluator as FewshotEvaluator
     from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
     done = set()
     for s in stages:
@@ -445,16 +446,15 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:
         # data.val: the test images of probes and fine-tunes, and the figures' images (the first MPP pre-training's)
         if c.data.val and (s.tool != "pretrain" or (s.arm == "mpp" and s.pretrain_seed == 0)):
             reads.append((c.data.val, c.data.val_num_samples, False, None, ()))
-        if trained and c.fewshot.every:  # the trainer's few-shot evaluator reads these at its start
-            reads += [(spec, n, True, None, ()) for spec, n in ((c.fewshot.train, c.fewshot.train_num_samples),
-                                                                (c.fewshot.test, c.fewshot.test_num_samples)) if spec]
         try:
             for spec, n, labeled, subset, withhold in reads:
                 key = json.dumps([spec, n, labeled, subset, withhold])
                 if key not in done:
                     select_shards(spec, n, labeled, subset, withhold)
                     done.add(key)
-        except DataError as e:
+            if trained and c.fewshot.every:  # the trainer's few-shot evaluator: its sets, as it checks them
+                FewshotEvaluator(c, "cpu")
+        except (DataError, ValueError) as e:
             raise DataError(f"stage '{s.name}' ({s.config}): {e}") from None
 
 

@@ -468,6 +468,18 @@ def build_config(data: dict) -> Config:
     return cfg
 
 
+def settings(data: dict) -> dict:
+    """The flattened settings of a run's config.yaml (`data`) as the schema reads them, unvalidated:
+    a key it leaves out, or written by an older mpp, takes its default, as it did then; a config
+    the schema cannot read is taken as written over the defaults."""
+    cfg = Config()
+    try:
+        _apply(cfg, data)
+    except ConfigError:
+        return {**flatten(to_dict(Config())), **flatten(data)}
+    return flatten(to_dict(cfg))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     data = load_yaml(path) if path else {}
     return build_config(_merge(data, parse_overrides(overrides or [])))

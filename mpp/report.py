@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from mpp import outcomes
-from mpp.config import RESULT_NEUTRAL, ConfigError, build_config, flatten, read_yaml, to_dict
+from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
 
@@ -129,17 +129,7 @@ def describe_run(run_dir: str | Path) -> dict:
         raise ReportError(f"{run_dir}/config.yaml: seed {cfg['seed']!r} is not a whole number; rerun that step")
     return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics,
             "seed": cfg.get("seed", 0), "evaluated_on": metrics.get("evaluated_on", "val"), "config": cfg,
-            "settings": _settings(cfg)}
-
-
-def _settings(cfg: dict) -> dict:
-    """A run's flattened settings read through the schema, as mpp.compare.check_unchanged reads them:
-    a key written by an older mpp, or left out, takes its default, as it did then; a config this
-    mpp cannot read is taken as written."""
-    try:
-        return flatten(to_dict(build_config(cfg)))
-    except ConfigError:
-        return flatten(cfg)
+            "settings": settings(cfg)}
 
 
 def _varied(dev_runs: list[dict]) -> list[str]:
@@ -669,8 +659,7 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
         for gap, x in g.items():
             share = gap == "recovered_share"
             fmt = "{:.2f}" if share else "{:+.1f}"
-            values = ", ".join("undefined" if v is None and share else "—" if v is None else fmt.format(v)
-                               for v in x["values"])
+            values = ", ".join("—" if v is None else fmt.format(v) for v in x["values"])
             if x["mean"] is None:  # a repeat lacks it, or could not define the share
                 mean = "— (not in every repeat)"
             elif share:

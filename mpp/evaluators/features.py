@@ -143,15 +143,15 @@ def read_cached(path: Path, read: Callable[[Path], T]) -> T | None:
 def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
                       precision: str, subset: tuple | None = None) -> str:
     """Hash of everything the features depend on: architecture, weights, data (and the subset of
-    it), transform, pooling, precision, code, and the data workers' count and the batch, which order
-    the images (workers hand out whole batches in turn), and with them a probe's held-out split and
-    few-shot draws."""
+    it), transform, pooling, precision, code, and the data workers' count and, with several, the
+    batch, which order the images (workers hand out whole batches in turn), and with them a probe's
+    held-out split and few-shot draws."""
     d = cfg.data
     key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder), code=code_version(),
                data=_data_fingerprint(spec, num_samples), subset=list(subset) if subset else None,
                img_size=img_size, pools=list(pools), precision=precision,
                mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels,
-               num_workers=d.num_workers, batch=eval_batch_size(cfg))
+               num_workers=d.num_workers, batch=eval_batch_size(cfg) if d.num_workers > 1 else None)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
