@@ -188,7 +188,7 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
             values = [g.get(gap) for g in gs]
             share = gap == "recovered_share"
             unknown = {"noise": None, **({} if share else {"t": None, "significant": None})}
-            if not any(v is not None for v in values):
+            if all(v is None for v in values):
                 continue
             if None in values:
                 out[gap] = {"values": values, "mean": None, **unknown}
