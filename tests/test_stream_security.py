@@ -135,6 +135,37 @@ def test_manifest_cannot_run_commands(tmp_path):
     assert sum(len(b["image"]) for b in user.epoch(0)) == 3
 
 
+def test_a_manifest_read_through_pipe_cannot_extend_the_command(tmp_path):
+    """The user may read a manifest through a pipe: command of their own (`pipe:curl -s
+    https://host/d/manifest.json`); its relative names are appended to that command to open the
+    shards, so a name holding shell syntax stops the run before anything is opened, while plain
+    names still read their shards through the user's command."""
+    import json
+
+    import pytest
+
+    from mpp.data.decode import DataError
+    manifest, _ = write_shards(tmp_path / "shards", [3, 3])
+    canary = tmp_path / "ran.txt"
+    good = json.loads(open(manifest).read())
+    for field, name in (("shard", f"000000.tar; touch {canary}; #"), ("shard", f"$(touch {canary})"),
+                        ("labels", f"x`touch {canary}`"), ("shard", "0 0.tar")):
+        m = json.loads(json.dumps(good))
+        if field == "shard":
+            m["shards"][0]["name"] = name
+        else:
+            m["labels"] = name
+        (tmp_path / "shards" / "bad.json").write_text(json.dumps(m))
+        with pytest.raises(DataError, match="part of its pipe: command"):
+            make_loader(f"pipe:cat {tmp_path}/shards/bad.json", batch_size=2, img_size=8, train=False, labeled=True,
+                        data_cfg=DataConfig(num_workers=0))
+        assert not canary.exists()
+    loader = make_loader(f"pipe:cat {manifest}", batch_size=3, img_size=8, train=False, labeled=True,
+                         data_cfg=DataConfig(num_workers=0))
+    assert loader.shards.urls[0] == f"pipe:cat {tmp_path}/shards/000000.tar"
+    assert sum(len(b["image"]) for b in loader.epoch(0)) == 6
+
+
 def test_resampled_shards_that_never_decode_fail_instead_of_hanging(tmp_path):
     """Resampled mode draws shards forever: where none gives a sample that decodes (here every shard
     is random bytes), the loader raises a DataError instead of waiting for its first batch forever;

@@ -7,7 +7,8 @@ total `num_samples` must be given and is assumed spread evenly over the shards (
 fallback; a rank's surplus is then dropped or its shortfall padded, both counted). URLs are opened
 with webdataset's gopen: local paths, `file:`, `http(s)://`, and `pipe:` where the user wrote it.
 A manifest is data from elsewhere: the names it lists may only be paths or http(s)/file URLs
-(`MANIFEST_SCHEMES`), never a command or another opener. Before any work a manifest is checked
+(`MANIFEST_SCHEMES`), never a command or another opener; read through a pipe: command, its relative
+names (appended to that command) may hold no shell syntax. Before any work a manifest is checked
 against itself and its local shards: its total count against the shards', its classes for
 duplicates, and each shard's size against the one recorded when it was written (`_check_sizes`);
 the label index is checked where it is read (`subset.read_label_index`).
@@ -36,6 +37,8 @@ META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not sampl
 USED = frozenset((*IMAGE_EXTS, "cls"))  # the members decoding reads; others are kept empty
 MANIFEST_SCHEMES = ("http", "https", "file")  # what a manifest may name besides plain paths
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+# a relative name that a manifest read through pipe: may give: it is appended to that command
+SHELL_PLAIN = re.compile(r"[A-Za-z0-9._+%/-]+")
 log = logging.getLogger(__name__)
 _unchecked: set[str] = set()  # manifests without shard sizes, warned about once per process
 
@@ -111,13 +114,21 @@ def _check_sizes(manifest: str, shards: ShardSet, sizes: list[int | None]) -> No
 
 def _check_manifest_name(manifest: str, name) -> None:
     """A manifest names files, never commands: a plain path or an http(s)/file URL, without the
-    surrounding spaces or control characters that URL parsers strip before reading the scheme."""
+    surrounding spaces or control characters that URL parsers strip before reading the scheme. A
+    manifest the user reads through a pipe: command (or another opener) has its relative names
+    appended to that command (`_beside`), so they may hold no shell syntax either."""
     scheme = SCHEME.match(name) if isinstance(name, str) else None
     if not isinstance(name, str) or not name or name != name.strip() or any(c < " " or c == "\x7f" for c in name) \
             or (scheme and scheme.group(1).lower() not in MANIFEST_SCHEMES):
         raise DataError(f"manifest '{manifest}' names {name!r}: a manifest may name only paths and "
                         f"{'/'.join(MANIFEST_SCHEMES)} URLs, never a command; if you trust a pipe: "
                         "source, write it in data.train yourself")
+    opener = SCHEME.match(manifest.strip())
+    if opener and opener.group(1).lower() not in MANIFEST_SCHEMES and not (scheme or os.path.isabs(name)) \
+            and not SHELL_PLAIN.fullmatch(name):
+        raise DataError(f"manifest '{manifest}' names {name!r}, which would become part of its pipe: command: "
+                        "a manifest read through pipe: may name relative files with letters, digits and . _ + % - / "
+                        "only; rename the shards (tools/make_shards.py) or list them in data.train yourself")
 
 
 def _beside(base: str, name: str) -> str:
