@@ -433,6 +433,37 @@ def test_workers_cache_a_small_set_and_replay_it_unchanged(tmp_path):
         list(small.epoch(2))
 
 
+def test_a_worker_holds_no_more_raw_samples_than_its_cache_allows(tmp_path):
+    """A worker reads its shards sample by sample: with the cache off (cache_mb=0, as in every
+    evaluation) or outgrown, it holds about one raw sample at a time, not a whole shard (here 32
+    members of 1 MiB); with room, it keeps the shard."""
+    import tarfile
+    import tracemalloc
+    path = tmp_path / "big.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(32):
+            info = tarfile.TarInfo(f"{i:06d}.jpg")
+            info.size = 1 << 20
+            tar.addfile(info, io.BytesIO(np.random.default_rng(i).bytes(info.size)))
+
+    def peak_mib(cache_mb):
+        loader = make_loader(str(path), batch_size=4, img_size=8, train=True, labeled=False,
+                             data_cfg=cfg(cache_mb=cache_mb, shuffle_buffer=0), num_samples=32)
+        tracemalloc.start()
+        try:
+            assert sum(1 for _ in loader.stream._raw(0, 0, {})) == 32
+            return tracemalloc.get_traced_memory()[1] / 2 ** 20, loader.stream.cache
+        finally:
+            tracemalloc.stop()
+
+    off, cache = peak_mib(0)
+    assert cache is None and off < 8
+    outgrown, cache = peak_mib(16)  # the 32 MiB shard does not fit 16 MiB
+    assert cache is None and outgrown < 16 + 8
+    kept, cache = peak_mib(64)
+    assert len(cache[0]) == 32 and kept > 32
+
+
 def test_workers_read_the_next_epoch_ahead_and_a_restart_reads_the_same(tmp_path):
     """Training workers run on into the next epoch before it is asked for (no stall at an epoch
     start); the batches are still those of a loader that starts at that epoch (a resumed run),

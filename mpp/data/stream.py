@@ -122,7 +122,7 @@ class _ShardStream(IterableDataset):
         # the epoch to start from: set by ShardLoader before it (re)starts its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
-        # raw samples by shard id, kept by each persistent worker across epochs (see _keep)
+        # raw samples by shard id, kept by each persistent worker across epochs (see _read_keep)
         self.cache: dict[int, list[dict]] | None = {} if cache_bytes > 0 else None
         self.cache_limit, self.cache_bytes = cache_bytes, 0
         # resampled mode draws forever: shard draws since a sample last decoded, and how many in a
@@ -151,16 +151,12 @@ class _ShardStream(IterableDataset):
             if self.cache is not None and s in self.cache:
                 yield from self.cache[s]
                 continue
-            kept, before = [], dict(skips)
-            for sample in self._read(s, skips):
-                kept.append(sample)
-                yield sample
-            self._keep(s, kept, clean=skips == before)
+            yield from self._read_keep(s, skips)
         if self.cache is not None:  # the rank's other shards too, as the shuffle hands them to every
             for s in itertools.chain(*self.plan(epoch).bins):  # worker in turn (first epoch's end only)
                 if self.cache is not None and s not in self.cache:
-                    fill_skips: dict[str, int] = {}
-                    self._keep(s, list(self._read(s, fill_skips)), clean=not fill_skips)
+                    for _ in self._read_keep(s, {}):
+                        pass
 
     def _read(self, shard: int, skips: dict) -> Iterator[dict]:
         """The raw samples of a shard that belong to the subset (all without one)."""
@@ -169,18 +165,24 @@ class _ShardStream(IterableDataset):
             if keys is None or sample["__key__"] in keys:
                 yield sample
 
-    def _keep(self, shard: int, samples: list[dict], clean: bool) -> None:
-        """Cache a completely read shard's kept raw samples in this worker while the worker's total
-        stays within data.cache_mb; a set that outgrows it is not cached at all (the cache is for
-        small sets read many times, where each epoch would re-read the shards: a 10% label subset
-        reads all of them). A shard that counted a skip is read again next time, so its counters
-        repeat."""
-        if self.cache is None or not clean:
-            return
-        self.cache_bytes += sum(len(v) for x in samples for v in x.values() if isinstance(v, bytes))
-        self.cache[shard] = samples
-        if self.cache_bytes > self.cache_limit:
-            self.cache = None  # the set does not fit: free what was kept, stop caching
+    def _read_keep(self, shard: int, skips: dict) -> Iterator[dict]:
+        """`_read`, caching a completely read shard's raw samples in this worker while the worker's
+        total stays within data.cache_mb; a set that outgrows it is not cached at all (the cache is
+        for small sets read many times, where each epoch would re-read the shards: a 10% label
+        subset reads all of them), and what it held is freed at once, so that a worker holds no
+        more than the cache's limit on top of its shuffle buffer. A shard that counted a skip is
+        read again next time, so its counters repeat."""
+        kept, size, before = [], 0, dict(skips)
+        for sample in self._read(shard, skips):
+            if self.cache is not None:
+                kept.append(sample)
+                size += sum(len(v) for v in sample.values() if isinstance(v, bytes))
+                if self.cache_bytes + size > self.cache_limit:
+                    self.cache, kept = None, []  # the set does not fit: free what was kept, stop caching
+            yield sample
+        if self.cache is not None and skips == before:
+            self.cache[shard] = kept
+            self.cache_bytes += size
 
     def __iter__(self):
         """This worker's items from the epoch set in `self.epoch` on: its batches, then an end item
