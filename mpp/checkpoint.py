@@ -104,10 +104,17 @@ def checkpoint_order(name: str) -> tuple[int, str]:
     return len(name), name
 
 
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint folder: a directory named as `checkpoint_name` names one; a user's copy such
+    as `step_0000004.bak` is not one (it would sort as the newest and be resumed from)."""
+    step = path.name[len(PREFIX):]
+    return path.is_dir() and step.isascii() and step.isdigit() and len(path.name) >= len(checkpoint_name(0))
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (directories only: a `step_*` file is not one)."""
+    """Complete checkpoints under `root`, oldest first (`is_checkpoint`: a `step_*` file is not one)."""
     root = Path(root)
-    return sorted((p for p in root.glob(PREFIX + "*") if p.is_dir()), key=lambda p: checkpoint_order(p.name)) \
+    return sorted((p for p in root.glob(PREFIX + "*") if is_checkpoint(p)), key=lambda p: checkpoint_order(p.name)) \
         if root.is_dir() else []
 
 

@@ -23,7 +23,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from mpp.checkpoint import PREFIX, list_checkpoints
+from mpp.checkpoint import PREFIX, is_checkpoint, list_checkpoints
 from mpp.config import ConfigError
 
 RUN_FILES = ("metrics.json", "encoder.safetensors")  # what a finished run leaves besides checkpoints
@@ -117,6 +117,6 @@ def candidates(root: str | Path) -> tuple[list[Path], list[str]]:
     """`resume=auto` candidates newest first, and the `step_*` entries that cannot be one (why)."""
     root = Path(root)
     found = list_checkpoints(root)
-    bad = [f"{p.name} (not a directory)" for p in sorted(root.glob(PREFIX + "*")) if not p.is_dir()] \
-        if root.is_dir() else []
+    bad = [f"{p.name} ({'not a directory' if not p.is_dir() else 'not a checkpoint name: step_ and 7 or more digits'})"
+           for p in sorted(root.glob(PREFIX + "*")) if not is_checkpoint(p)] if root.is_dir() else []
     return found[::-1], bad

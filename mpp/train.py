@@ -576,7 +576,8 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
                                   f"{', '.join(newer)} in {root}: going on here would mix two runs' checkpoints; "
                                   "resume into another output_dir, or delete those")
             if skipped:
-                accelerator.print(f"warning: resume skipped checkpoints that do not load: {'; '.join(skipped)}",
+                accelerator.print(f"warning: resume skipped checkpoints that do not load (and step_* entries that are "
+                                  f"none): {'; '.join(skipped)}",
                                   file=sys.stderr)
             accelerator.print(f"resumed from {path} (step {state['step']})")
             return path, state
