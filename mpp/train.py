@@ -351,7 +351,9 @@ def _record(run: Run) -> None:
     if run.accelerator.is_main_process and run.writer is None:
         if run.start < run.steps or not (run.out / "config.yaml").is_file():  # not a resume that trained nothing
             save_config(run.cfg, run.out / "config.yaml")
-        run.writer = SummaryWriter(str(run.out / "tensorboard"), purge_step=run.start)
+        # TensorBoard hides an earlier attempt's events from purge_step on: those after the checkpoint
+        # resumed from, whose own step closed a log window before it was saved
+        run.writer = SummaryWriter(str(run.out / "tensorboard"), purge_step=run.start + 1 if run.start else 0)
 
 
 def _sample_weights(accelerator, micro: list[dict]) -> list:

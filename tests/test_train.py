@@ -642,7 +642,8 @@ def test_a_run_resumed_at_any_checkpoint_reports_what_the_whole_run_reports(tmp_
 
 def test_images_a_second_and_epochs_count_an_epochs_smaller_tail_batch(tmp_path, data):
     """256 images in batches of 24: an epoch is 10 full batches and a tail of 16, so 14 steps
-    train 328 images, not 14 x 24; the count survives a resume from the checkpoint past the tail."""
+    train 328 images, not 14 x 24; the count survives a resume from the checkpoint past the tail,
+    and TensorBoard keeps the log window that checkpoint closed (step 12) with the resumed run's."""
     out = tmp_path / "run"
     items = settings(data, out, batch_size=24, steps=14, **{"train.ckpt_every": 12})
     whole = train(config(items))
@@ -651,6 +652,9 @@ def test_images_a_second_and_epochs_count_an_epochs_smaller_tail_batch(tmp_path,
         shutil.rmtree(ckpt)
     (out / "metrics.json").unlink()
     assert train(config(items))["epochs"] == whole["epochs"]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [4, 8, 12, 14]
 
 
 def test_a_run_resumed_at_its_last_step_keeps_the_config_it_trained_with(tmp_path, data):
