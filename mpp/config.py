@@ -682,6 +682,9 @@ def validate(cfg: Config) -> None:
           and fs.every >= 0 and fs.max_test >= 1,
           "config keys fewshot.shots (a non-empty list of whole numbers >= 1), fewshot.seeds (>= 1), "
           "fewshot.every (>= 0, 0: off), fewshot.max_test (>= 1)")
+    check(not fs.every or (fs.train and fs.test),
+          "config key 'fewshot.every' > 0 needs labeled shards in fewshot.train and fewshot.test (e.g. the "
+          "synthetic train/ and test/ manifests); set both, or fewshot.every=0")
     check(fs.l2 > 0, f"config key 'fewshot.l2' must be > 0, the ridge term (without it the standardised features' "
                      f"equations are singular; big_vision's is 1024), got {fs.l2}")
     check(0 < cfg.probe.val_fraction < 1, "config key 'probe.val_fraction' must be in (0, 1)")

@@ -152,9 +152,9 @@ def setup(cfg: Config) -> Run:
                          data_cfg=cfg.data, seed=cfg.seed, rank=accelerator.process_index, world_size=world,
                          num_samples=cfg.data.num_samples, subset=objective.subset(cfg),
                          withhold=cfg.data.withhold)
-    if objective.labeled and not loader.classes:
-        raise ConfigError(f"objective={cfg.objective} needs labeled shards whose manifest.json lists "
-                          f"'classes'; data.train={cfg.data.train!r} has none")
+    if objective.labeled and len(loader.classes or ()) < 2:
+        raise ConfigError(f"objective={cfg.objective} needs labeled shards whose manifest.json lists 2 or more "
+                          f"'classes'; data.train={cfg.data.train!r} lists {len(loader.classes or ())}")
     steps = cfg.steps or math.ceil(cfg.epochs * loader.batches_per_epoch / accum)
     if 1 <= steps <= cfg.optim.warmup_steps and accelerator.is_main_process:
         print(f"warning: {warmup_note(cfg, steps)}", file=sys.stderr)

@@ -338,8 +338,6 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
             ([f"pretrain_overrides=[fewshot.every=2,fewshot.train=/nowhere/fs.json,"
               f"fewshot.test={tmp_path}/d/test/manifest.json]"],
              "pre-train mpp.*'/nowhere/fs.json' does not exist"),  # the few-shot sets a pre-training watches
-            (["pretrain_overrides=[fewshot.every=2,fewshot.train=]"],
-             "pre-train mpp.*fewshot.every > 0 needs labeled shards"),
             ([f"fraction_overrides.0.5=[\"data.val={tmp_path}/d/test/{{000000..000001}}.tar\"]"],
              "fine-tune scratch, 50% labels.*not a manifest.json: give its total sample count"),
             (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5"],
@@ -352,6 +350,9 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
         resolved = validate(cfg, stages)
         with pytest.raises(DataError, match=match):
             check_data(stages, resolved)
+    cfg = load_compare_config(path, ["pretrain_overrides=[fewshot.every=2,fewshot.train=]"])
+    with pytest.raises(ConfigError, match="pre-train mpp.*'fewshot.every' > 0 needs labeled shards"):
+        validate(cfg, plan(cfg))  # no few-shot set at all: refused with the stage's settings, earlier still
 
 
 def test_compare_config_errors_are_one_line(tmp_path):

@@ -38,6 +38,7 @@ def _data(tmp: Path) -> Path:
     write_shards(tmp / "data/val", [4, 4], classes=3)
     write_shards(tmp / "data/other", [4, 4], classes=4)
     write_shards(tmp / "data/unlabeled", [4, 4], classes=None)
+    write_shards(tmp / "data/oneclass", [4, 4], classes=1)
     from mpp.data.writer import write_samples
     from shardutil import encode
     pixels = np.random.default_rng(0).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
@@ -174,6 +175,9 @@ CASES = [
     ("unlabeled few-shot test set (checked before training)", "pretrain",
      lambda t: [*FS(t), f"fewshot.test={t}/data/unlabeled"], None),
     ("few-shot sets with other classes", "pretrain", lambda t: [*FS(t), f"fewshot.test={t}/data/other"], None),
+    ("few-shot on without its sets", "pretrain", lambda t: [*TRAIN(t), "fewshot.every=1"], None),
+    ("supervised pre-training on shards of one class", "pretrain",
+     lambda t: [*TRAIN(t), "objective=supervised", f"data.train={t}/data/oneclass"], None),
     ("no few-shot shots", "pretrain", lambda t: [*TRAIN(t), "fewshot.shots=[]"], None),
     ("few-shot without its ridge term", "pretrain", lambda t: [*TRAIN(t), "fewshot.l2=0"], None),
     ("data.withhold not a list of triples", "pretrain", lambda t: [*TRAIN(t), "data.withhold=[0.1,0,0.1]"], None),
