@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import signal
 import sys
 
 from mpp.config import Config, ConfigError, load_config, valid_keys
@@ -63,14 +64,15 @@ def parse_config_args(description: str, argv: list[str] | None = None, defaults:
     return load_config(args.config, (defaults or []) + args.overrides)
 
 
-def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], type]:
     """The errors whose message is meant for the user: bad arguments (exit 2), bad data, a diverged
-    run (exit 1). Imported late: tools that need only the config skip torch."""
+    run (exit 1), a run stopped by SIGTERM after its checkpoint (exit 143, as a shell reports a
+    process SIGTERM ended). Imported late: tools that need only the config skip torch."""
     from mpp.data.decode import DataError
     from mpp.data.writer import ShardError
     from mpp.report import ReportError
-    from mpp.train import NonFiniteError
-    return (ConfigError, ReportError, UsageError), (DataError, ShardError, NonFiniteError)
+    from mpp.train import NonFiniteError, Terminated
+    return (ConfigError, ReportError, UsageError), (DataError, ShardError, NonFiniteError), Terminated
 
 
 def os_message(e: OSError) -> str:
@@ -102,9 +104,11 @@ def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupte
     except KeyboardInterrupt:
         _fail(interrupted, 130)
     except Exception as e:
-        bad_args, bad_run = _user_errors()
+        bad_args, bad_run, terminated = _user_errors()
         if isinstance(e, bad_args):
             _fail(str(e), 2)
+        if isinstance(e, terminated):
+            _fail(str(e), 128 + signal.SIGTERM)
         if isinstance(e, (*bad_run, *extra)):
             _fail(str(e), 1)
         if isinstance(e, OSError):

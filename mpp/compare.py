@@ -36,6 +36,7 @@ first stage starts.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -571,21 +572,42 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     """Run one stage's command in a process of its own; its exit code. Without a launcher the
     process is forked from a server that imported the training and evaluation code once (Python's
     forkserver), so a stage does not pay the seconds of importing torch, timm and accelerate again;
-    the server runs no torch operation, so each stage still starts from a clean state."""
+    the server runs no torch operation, so each stage still starts from a clean state. A SIGTERM to
+    the comparison goes on to the stage, whose trainer saves a checkpoint and stops (`mpp.train`)."""
     if launcher:  # the launcher (torchrun) gets SIGTERM when the comparison dies, and stops its ranks
-        return subprocess.run(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM)).returncode
+        with subprocess.Popen(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM)) as proc, _passing_sigterm(proc):
+            try:
+                return proc.wait()
+            except BaseException:
+                proc.kill()
+                raise
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
     proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...
     proc.start()
     try:
-        proc.join()
+        with _passing_sigterm(proc):
+            proc.join()
     except KeyboardInterrupt:  # the stage got Ctrl-C too: it ends first, so its last lines come first
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
         raise
     return proc.exitcode
+
+
+@contextlib.contextmanager
+def _passing_sigterm(proc):
+    """While the stage `proc` runs, a SIGTERM to the comparison is sent on to it (the comparison
+    waits for it to end, instead of ending at once and taking it down before its checkpoint)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(proc.pid, signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
 
 
 SPLIT = ("set-up", "begin", "training loop", "final evaluation", "export", "process start and exit")
@@ -655,6 +677,10 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             print(f"error: interrupted during stage '{s.name}'; run the same command again to resume "
                   "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
+        if code == 128 + signal.SIGTERM:  # the stage's trainer saved a checkpoint and stopped (mpp.train)
+            print(f"error: SIGTERM during stage '{s.name}', which saved its checkpoint; run the same command "
+                  "again to resume", file=sys.stderr, flush=True)
+            raise SystemExit(code)
         if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")

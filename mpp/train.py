@@ -11,6 +11,10 @@ non-finite counters stay device tensors and are read every `train.log_every` ste
 before checkpoints and at the end. A non-finite step is skipped by the fused optimiser kernel
 (`optimizer.found_inf`, see mpp.optim); the run stops when the longest run of consecutive
 non-finite steps reaches `train.max_bad_steps`, noticed at the next log or checkpoint step.
+
+SIGTERM (a scheduler's preemption or time limit, torchrun passing it on) saves a checkpoint and
+stops the run (`Terminated`): on one process after the step it arrives in, on several at the next
+log window, where the ranks agree on it, so that all save the same step.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import json
 import math
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,6 +61,38 @@ from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, reso
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient: training stopped."""
+
+
+class Terminated(RuntimeError):
+    """SIGTERM: the run saved a checkpoint and stopped; the same command resumes it."""
+
+
+class _Sigterm:
+    """While the loop runs (`with`), SIGTERM is noted instead of ending the process at once (its
+    data workers ignore it: `mpp.data.stream`); `now` says whether to stop after this step: on one
+    process as soon as one came, on several only at a log window (a point that waits for the device
+    anyway) and when one came to any rank (one all-reduce there)."""
+
+    def __init__(self):
+        self.got, self.old = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.old = signal.signal(signal.SIGTERM, self._note) or signal.SIG_DFL  # None: not set from Python
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.got = True
+
+    def __exit__(self, *exc) -> None:
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+
+    def now(self, accelerator, window: bool) -> bool:
+        if accelerator.num_processes == 1:
+            return self.got
+        return window and accelerator.reduce(
+            torch.full((), float(self.got), device=accelerator.device), "max").item() > 0
 
 
 def train(cfg: Config) -> dict:
@@ -230,7 +268,8 @@ def loop(run: Run) -> None:
     shown = None  # the images of the MPP prediction grid (train.image_every)
     model.train()
     with StepProfiler(cfg.train.profile, run.start, run.steps, accelerator.device, run.out / "profile",
-                      accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler:
+                      accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler, \
+            _Sigterm() as sigterm:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
             micro, losses = [], []
@@ -262,6 +301,8 @@ def loop(run: Run) -> None:
             checkpoint_now = (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == run.steps
             # a checkpoint closes the log window too: a run resumed there averages the same windows
             log_now = done % cfg.train.log_every == 0 or checkpoint_now
+            stop = sigterm.now(accelerator, log_now)
+            checkpoint_now, log_now = checkpoint_now or stop, log_now or stop
             lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
             run.scheduler.step_update(done)
             run.win.add_step(grad_norm, finite)
@@ -282,6 +323,11 @@ def loop(run: Run) -> None:
             # -- checkpoint (also at the end, so a finished run resumes to nothing)
             if checkpoint_now:
                 _checkpoint(run, done)
+            if stop:
+                if run.writer:
+                    run.writer.close()  # keep what was logged
+                raise Terminated(f"SIGTERM: stopped after step {done} of {run.steps} and saved its checkpoint "
+                                 f"({checkpoint_name(done)}); run the same command again to resume")
 
             # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
             for name, every, evaluator in run.periodic:

@@ -530,6 +530,26 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
     assert err.strip().splitlines()[-1].startswith("error: interrupted during stage 'pre-train mpp'; run the same")
 
 
+def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path):
+    """SIGTERM to the comparison alone (a scheduler's, or `kill`) mid pre-training: it passes it on
+    to the stage, whose trainer saves its step as a checkpoint, and stops with one line naming the
+    stage (exit 143); the stage's run directory is left unlocked for the resume."""
+    import signal
+    import time
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra="pretrain_overrides: [steps=100000]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mpp.tools.compare", "--config", str(path)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "runs/pretrain_mpp/config.yaml").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: SIGTERM during stage 'pre-train mpp', which saved its")
+    assert list((tmp_path / "runs/pretrain_mpp/checkpoints").glob("step_*"))
+    assert not (tmp_path / "runs/pretrain_mpp/.lock").exists()
+
+
 def test_a_stage_dies_with_the_comparison(tmp_path):
     """A stage is the forkserver's child, not the comparison's: a kill -9 of the comparison must
     still end it (it trained on, orphaned, holding its run directory against the next run); so

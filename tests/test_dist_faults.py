@@ -154,6 +154,41 @@ def test_killing_a_rank_ends_the_run_and_it_resumes(tmp_path):
           f"resumed at step {newest}")
 
 
+def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_it_resumes(tmp_path):
+    """SIGTERM to rank 1 alone (rank 0 never gets one): at the next log window the ranks agree to
+    stop, save that step as a checkpoint together (none is due by train.ckpt_every) and exit 143,
+    saying so; the run resumes from it."""
+    manifest, _ = write_shards(tmp_path / "data", [16, 16, 16, 16], classes=None)
+    out = tmp_path / "run"
+    small = ("data.num_workers=0", "img_size=16", "train.ckpt_every=1000")
+    launcher = subprocess.Popen(torchrun(out, manifest, 10_000, *small), cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ranks = []
+    try:
+        deadline = time.time() + 240
+        while not (out / "config.yaml").exists() and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.1)  # config.yaml: written after the first step
+        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        victim = [p for p in ranks if p.environ().get("RANK") == "1"]
+        assert len(ranks) == 2 and len(victim) == 1 and launcher.poll() is None, ranks
+        victim[0].send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=240)
+    finally:  # clean up before failing
+        for p in ranks:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode != 0
+    stopped = {int(m) for m in re.findall(r"error: SIGTERM: stopped after step (\d+) of 10000", err)}
+    assert len(stopped) == 1 and _checkpoints(out) == list(stopped) and min(stopped) % 2 == 0, (stopped, err[-3000:])
+    step = _checkpoints(out)[0]
+    done = subprocess.run(torchrun(out, manifest, step + 2, *small), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"(step {step})" in re.search(r"resumed from \S+ \(step \d+\)", done.stdout + done.stderr).group()
+
+
 def test_four_ranks_disjoint_data_equal_steps_identical_weights(tmp_path):
     """Four gloo ranks, one epoch of 64 samples in 8 uneven shards (greedy bins of 16 per rank),
     no augmentation: each rank's samples are its own, together every sample once; every rank

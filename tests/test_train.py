@@ -6,6 +6,7 @@ any work."""
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import mpp.train
 from colours import write_colours
 from cpuonly import cpu_env, cpu_only
 from mpp import outcomes
-from mpp.checkpoint import list_checkpoints
+from mpp.checkpoint import checkpoint_name, list_checkpoints
 from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
@@ -194,6 +195,28 @@ def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
     step = int(sorted((out / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
     done = run_tool(["tools/pretrain.py", *settings(data, out, steps=step)])  # the newest checkpoint: finished
     assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_weights(data, mpp_run, tmp_path):
+    """SIGTERM to the run and its data workers (a scheduler's preemption) after its first step:
+    the run saves the step it is in as a checkpoint (none is due before step 8), says so in one
+    line and exits 143; the same command resumes there and ends bit-identical to `mpp_run`."""
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "tools/pretrain.py", *settings(data, out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=cpu_env(PYTHONPATH=str(ROOT)))
+    deadline = time.time() + 120
+    while not (out / "config.yaml").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)  # config.yaml: written after the first step
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    step = int(re.search(r"stopped after step (\d+) of 24", err.splitlines()[-1]).group(1))
+    assert step < 24 and [p.name for p in list_checkpoints(out / "checkpoints")][-1] == checkpoint_name(step)
+    assert not (out / ".lock").exists() and not (out / "metrics.json").exists()
+    done = run_tool(["tools/pretrain.py", *settings(data, out)], env=cpu_env())
+    assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
+    assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
 
 
 def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):

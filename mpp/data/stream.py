@@ -50,6 +50,7 @@ import logging
 import math
 import multiprocessing
 import random
+import signal
 import sys
 import warnings
 import weakref
@@ -193,6 +194,9 @@ class _ShardStream(IterableDataset):
         worker = info.id if info is not None else 0
         if info is not None:  # a worker process: corrupt images are counted, not warned about by PIL
             warnings.filterwarnings("ignore", module="PIL")
+            # and a SIGTERM to the whole process group (a scheduler's) is the trainer's to handle: a
+            # worker it ended would stop the trainer before it saved its checkpoint (mpp.train)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.slots is not None:  # what this worker sent in an abandoned epoch was dropped unread
             self.slots.reclaim(worker)
         epoch = self.epoch.value
