@@ -465,9 +465,8 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
     finished stages before it); else resuming would report a result of other settings, or train on
     from weights trained with them. Its config.yaml is read through the schema (a key added since
     takes its default, as it did then), output_dir is the stage's folder however spelled, and two
-    paths to the same file are equal. Keys of speed and logging alone (mpp.config.RESULT_NEUTRAL:
-    data.cache_mb, train.log_every, train.ckpt_every, train.keep_ckpts, train.resume,
-    train.image_every, probe.cache_dir) may differ."""
+    paths to the same file are equal. Keys of speed and logging alone (mpp.config.RESULT_NEUTRAL)
+    may differ."""
     state = "finished" if finished else "was interrupted"
     try:
         data = read_yaml((stage.out / "config.yaml").read_text()) or {}

@@ -35,7 +35,7 @@ from mpp.fileio import atomic_path, write_atomic
 from mpp.runtime import ATTENTION
 
 # name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
-# small-image presets (patch 4 at 32 px) for CIFAR-scale work on CPU.
+# small-image presets (patch 4 or 8 at 32 px) for CIFAR-scale work on CPU.
 PRESETS: dict[str, tuple[str, dict]] = {
     "vit_ti16": ("vit_tiny_patch16_224", dict()),
     "vit_s16": ("vit_small_patch16_224", dict()),

@@ -69,7 +69,7 @@ def mean_color_targets(images01: torch.Tensor, patch_size: int, bits: int = 3) -
     """The paper's MPP target: images (B, 3, H, W) in [0, 1] -> long (B, N), each patch's mean
     colour quantised to `bits` per channel (512 classes at 3 bits), row-major patch order."""
     with torch.autocast(images01.device.type, enabled=False):
-        return quantize(exact(patches(images01, patch_size)).mean((-1, -2)), bits)
+        return _mean_classes(exact(patches(images01, patch_size)), bits)  # the MPP task's own
 
 
 def _level_centres(levels: torch.Tensor, bits: int) -> torch.Tensor:
@@ -114,7 +114,8 @@ def _regression_loss(pred, pix, bits):
 
 
 def _cells(pix):
-    """The mean colour of each cell of the downsized patch: (B, K, 3, p, p) -> (B, K, 16, 3)."""
+    """The mean colour of each cell of the downsized patch: (B, K, 3, p, p) -> (B, K, 16, 3). At a
+    patch size that 4 does not divide (vit_h14) adaptive pooling's cells overlap by a pixel."""
     cells = F.adaptive_avg_pool2d(pix.flatten(0, 1), DOWNSAMPLED_CELLS)  # (B*K, 3, 4, 4)
     return cells.flatten(2).transpose(1, 2).view(*pix.shape[:2], DOWNSAMPLED_CELLS ** 2, 3)
 
@@ -231,7 +232,6 @@ def sample_corruption(B: int, N: int, ratio: float = 0.5, mask: float = 0.8, ran
     cum = [0.0]
     for s, b in zip(shares, base):
         cum.append(cum[-1] + max(s - b, 0.0))
-    cum[-1] = float(K - sum(base))  # the whole number of leftover units, free of float error
     # generator only when given: torch.compile fails on generator=None with a symbolic batch size
     rng = {"device": device} | ({"generator": generator} if generator is not None else {})
     # systematic sampling: leftover units at u, u+1, ... land in share j with probability frac_j

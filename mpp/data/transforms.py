@@ -8,8 +8,9 @@ decode (`_load`): a JPEG at least twice as large as the crop needs decodes at a 
 1/2, 1/4 or 1/8 scale IDCT costs a fraction of a full decode), PIL decodes what is no `Jpeg`. The
 crop, antialiased bilinear resize and flip run in torch on the decoded HWC (= channels-last)
 pixels, in PIL for PIL-decoded images below 64 px (`resized_crop`). A transform works on a list
-of images in phases (`batch`: every crop drawn, then every image decoded, then every crop
-resized), not image by image: the same work, with each phase's code kept hot in the CPU's caches.
+of images (`batch`): every crop drawn first (in list order, so augmentation is reproducible),
+then each image decoded, cropped and closed before the next, so a batch holds one decoded image
+at a time.
 """
 from __future__ import annotations
 

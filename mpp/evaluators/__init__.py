@@ -2,8 +2,8 @@
 settings and data when built, before any training; `run(model) -> {name: figure}`.
 
 Pre-training runs those whose period key (e.g. `fewshot.every`) is > 0 every that many steps on
-the encoder; a Task names the one run on it at the end (`Task.final_eval`); the tools build theirs
-the same way (tools/linear_probe.py: `linear_probe`). Adding one: a module with an `Evaluator`
+the encoder; a Task names the one run on it at the end (`Task.final_eval`, by its name here); the
+probe tool builds its own directly (`linear_probe.run_linear_probe`). Adding one: a module with an `Evaluator`
 class and a row here. Modules are imported only when a run uses them.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 layer, position-embedding similarity and patch-embedding filters, several encoders side by side.
 
   mpp-inspect --encoder mpp=runs/synthetic/mpp --encoder sup=runs/synthetic/supervised \\
-      --encoder none:vit_mini4_32 --data data/synthetic/test/manifest.json --out runs/synthetic/figures
+      --encoder none:vit_mini8_32 --data data/synthetic/test/manifest.json --out runs/synthetic/figures
 
 Writes OUT/{attention_distance,position_similarity,filters}.png, OUT/predictions_NAME.png for each
 MPP run, and OUT/inspect.json with the numbers behind them.
