@@ -108,6 +108,15 @@ def test_killing_the_launcher_ends_its_ranks(tmp_path):
     assert not alive, f"{len(alive)} rank processes outlived their launcher"
 
 
+def _end(launcher: subprocess.Popen, ranks: list) -> None:
+    """Kill what is left of a launched run: its ranks, then the launcher."""
+    for p in ranks:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    launcher.kill()
+    launcher.wait()
+
+
 def _checkpoints(out: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*")) \
         if (out / "checkpoints").is_dir() else []
@@ -138,11 +147,7 @@ def test_killing_a_rank_ends_the_run_and_it_resumes(tmp_path):
         code = launcher.wait(timeout=240)  # 1.3 s seen, 83 s on a CPU-starved machine; a hang is 30 min
         launcher_ended = time.time() - t0
     finally:  # clean up before failing
-        for p in ranks:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        launcher.kill()
-        launcher.wait()
+        _end(launcher, ranks)
     assert code != 0
     newest = _checkpoints(out)[-1]
     done = subprocess.run(torchrun(out, manifest, newest + 2, *small), cwd=ROOT, env=ENV, capture_output=True,
@@ -174,11 +179,7 @@ def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_it_resumes(tmp_pat
         victim[0].send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=240)
     finally:  # clean up before failing
-        for p in ranks:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        launcher.kill()
-        launcher.wait()
+        _end(launcher, ranks)
     assert launcher.returncode != 0
     stopped = {int(m) for m in re.findall(r"error: SIGTERM: stopped after step (\d+) of 10000", err)}
     assert len(stopped) == 1 and _checkpoints(out) == list(stopped) and min(stopped) % 2 == 0, (stopped, err[-3000:])
