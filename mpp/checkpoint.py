@@ -108,7 +108,7 @@ def is_checkpoint(path: Path) -> bool:
     """A checkpoint folder: a directory named as `checkpoint_name` names one; a user's copy such
     as `step_0000004.bak` is not one (it would sort as the newest and be resumed from)."""
     step = path.name[len(PREFIX):]
-    return path.is_dir() and step.isascii() and step.isdigit() and len(path.name) >= len(checkpoint_name(0))
+    return path.is_dir() and step.isascii() and step.isdigit() and path.name == checkpoint_name(int(step))
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -572,39 +572,61 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     process is forked from a server that imported the training and evaluation code once (Python's
     forkserver), so a stage does not pay the seconds of importing torch, timm and accelerate again;
     the server runs no torch operation, so each stage still starts from a clean state. A SIGTERM to
-    the comparison goes on to the stage, whose trainer saves a checkpoint and stops (`mpp.train`)."""
+    the comparison goes on to the stage, whose trainer saves a checkpoint and stops (`mpp.train`);
+    the stage's end then raises `StageTerminated`."""
     if launcher:  # the launcher (torchrun) gets SIGTERM when the comparison dies, and stops its ranks
-        with subprocess.Popen(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM)) as proc, _passing_sigterm(proc):
+        with subprocess.Popen(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM)) as proc, \
+                _passing_sigterm(proc) as passed:
             try:
-                return proc.wait()
+                code = proc.wait()
             except BaseException:
                 proc.kill()
                 raise
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
-    proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...
-    proc.start()
-    try:
-        with _passing_sigterm(proc):
-            proc.join()
-    except KeyboardInterrupt:  # the stage got Ctrl-C too: it ends first, so its last lines come first
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-        raise
-    return proc.exitcode
+    else:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
+        proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...
+        proc.start()
+        try:
+            with _passing_sigterm(proc) as passed:
+                proc.join()
+        except KeyboardInterrupt:  # the stage got Ctrl-C too: it ends first, so its last lines come first
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+            raise
+        code = proc.exitcode
+    if passed:
+        raise StageTerminated(code)
+    return code
+
+
+class StageTerminated(Exception):
+    """The comparison got a SIGTERM, passed it on to its stage, and the stage ended (`code`: 143
+    when its trainer saved a checkpoint, `mpp.train.Terminated`)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 @contextlib.contextmanager
 def _passing_sigterm(proc):
     """While the stage `proc` runs, a SIGTERM to the comparison is sent on to it (the comparison
-    waits for it to end, instead of ending at once and taking it down before its checkpoint)."""
+    waits for it to end, instead of ending at once and taking it down before its checkpoint);
+    yields a list that records each one passed on."""
+    passed: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
+        yield passed
         return
-    old = signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(proc.pid, signal.SIGTERM))
+
+    def pass_on(signum, frame):
+        passed.append(signum)
+        proc.terminate()  # SIGTERM; nothing once the stage has ended
+
+    old = signal.signal(signal.SIGTERM, pass_on)
     try:
-        yield
+        yield passed
     finally:
         signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
 
@@ -676,9 +698,15 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             print(f"error: interrupted during stage '{s.name}'; run the same command again to resume "
                   "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
-        if code == 128 + signal.SIGTERM:  # the stage's trainer saved a checkpoint and stopped (mpp.train)
+        except StageTerminated as e:  # the comparison's own SIGTERM, passed on
+            saved = e.code == 128 + signal.SIGTERM
+            ended = "which saved its checkpoint" if saved else f"which ended with exit {e.code}"
+            print(f"error: SIGTERM during stage '{s.name}', {ended}; run the same command again to resume "
+                  "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        if code == 128 + signal.SIGTERM:  # the stage's alone: its trainer saved a checkpoint (mpp.train)
             print(f"error: SIGTERM during stage '{s.name}', which saved its checkpoint; run the same command "
-                  "again to resume", file=sys.stderr, flush=True)
+                  "again to resume (finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
             raise SystemExit(code)
         if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "

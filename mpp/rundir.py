@@ -117,6 +117,6 @@ def candidates(root: str | Path) -> tuple[list[Path], list[str]]:
     """`resume=auto` candidates newest first, and the `step_*` entries that cannot be one (why)."""
     root = Path(root)
     found = list_checkpoints(root)
-    bad = [f"{p.name} ({'not a directory' if not p.is_dir() else 'not a checkpoint name: step_ and 7 or more digits'})"
+    bad = [f"{p.name} ({'not a directory' if not p.is_dir() else 'not a checkpoint name such as step_0000001'})"
            for p in sorted(root.glob(PREFIX + "*")) if not is_checkpoint(p)] if root.is_dir() else []
     return found[::-1], bad

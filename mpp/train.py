@@ -68,17 +68,20 @@ class Terminated(RuntimeError):
 
 
 class _Sigterm:
-    """While the loop runs (`with`), SIGTERM is noted instead of ending the process at once (its
-    data workers ignore it: `mpp.data.stream`); `now` says whether to stop after this step: on one
-    process as soon as one came, on several only at a log window (a point that waits for the device
-    anyway) and when one came to any rank (one all-reduce there)."""
+    """While the loop runs (`with`), SIGTERM is noted instead of ending the process at once, and the
+    data workers leave it to this process (`ShardLoader.shield`); `now` says whether to stop after
+    this step: on one process as soon as one came, on several only at a log window (a point that
+    waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
+    blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it, 30 s
+    after the SIGTERM that used to."""
 
-    def __init__(self):
-        self.got, self.old = False, None
+    def __init__(self, loader):
+        self.got, self.old, self.loader = False, None, loader
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             self.old = signal.signal(signal.SIGTERM, self._note) or signal.SIG_DFL  # None: not set from Python
+            self.loader.shield(True)
         return self
 
     def _note(self, signum, frame) -> None:
@@ -86,6 +89,7 @@ class _Sigterm:
 
     def __exit__(self, *exc) -> None:
         if self.old is not None:
+            self.loader.shield(False)
             signal.signal(signal.SIGTERM, self.old)
 
     def now(self, accelerator, window: bool) -> bool:
@@ -269,7 +273,7 @@ def loop(run: Run) -> None:
     model.train()
     with StepProfiler(cfg.train.profile, run.start, run.steps, accelerator.device, run.out / "profile",
                       accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler, \
-            _Sigterm() as sigterm:
+            _Sigterm(run.loader) as sigterm:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
             micro, losses = [], []
@@ -324,10 +328,7 @@ def loop(run: Run) -> None:
             if checkpoint_now:
                 _checkpoint(run, done)
             if stop:
-                if run.writer:
-                    run.writer.close()  # keep what was logged
-                raise Terminated(f"SIGTERM: stopped after step {done} of {run.steps} and saved its checkpoint "
-                                 f"({checkpoint_name(done)}); run the same command again to resume")
+                _terminated(run, done)
 
             # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
             for name, every, evaluator in run.periodic:
@@ -335,6 +336,17 @@ def loop(run: Run) -> None:
                     for k, v in evaluator.run(run.task.encoder).items():
                         run.writer.add_scalar(f"{name}/{k}", v, done)
             profiler.step()
+        # one that came during the last step's checkpoint or evaluators: that checkpoint is the run's last
+        if run.start < run.steps and sigterm.now(accelerator, window=True):
+            _terminated(run, run.steps)
+
+
+def _terminated(run: Run, done: int) -> None:
+    """Stop the run after the checkpoint of step `done` that a SIGTERM asked for."""
+    if run.writer:
+        run.writer.close()  # keep what was logged
+    raise Terminated(f"SIGTERM: stopped after step {done} of {run.steps} and saved its checkpoint "
+                     f"({checkpoint_name(done)}); run the same command again to resume")
 
 
 def finish(run: Run) -> dict:
@@ -636,6 +648,9 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
     if order:
         raise ConfigError(f"no checkpoint in '{root}' loads ({'; '.join(skipped)}); delete them to start afresh, "
                           "or give a good one as train.resume=PATH")
+    if skipped:
+        accelerator.print(f"warning: no checkpoint to resume from, starting afresh; skipped: {'; '.join(skipped)}",
+                          file=sys.stderr)
     return None, {}
 
 

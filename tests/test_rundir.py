@@ -73,13 +73,15 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, ca
     (ck / "step_0000003/model.safetensors").write_bytes(b"")
     (ck / "step_0000009").write_text("not a checkpoint")
     shutil.copytree(ck / "step_0000001", ck / "step_0000001.bak")
+    shutil.copytree(ck / "step_0000001", ck / "step_00000001")  # a longer name sorted as the newest too
     with cpu_only():
         train(load_config(None, items(data, out)))
     err = capfd.readouterr()
     assert "resumed from" in err.out + err.err and "step_0000002 (step 2)" in err.out + err.err
     warning = [line for line in err.err.splitlines() if "resume skipped" in line]
     assert len(warning) == 1 and all(s in warning[0] for s in ("step_0000009", "step_0000004", "step_0000003",
-                                                               "step_0000001.bak (not a checkpoint name"))
+                                                               "step_0000001.bak (not a checkpoint name",
+                                                               "step_00000001 (not a checkpoint name"))
     a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -7,7 +7,9 @@ import http.server
 import io
 import json
 import multiprocessing
+import os
 import shutil
+import signal
 import threading
 import time
 from collections import Counter
@@ -462,6 +464,33 @@ def test_a_worker_holds_no_more_raw_samples_than_its_cache_allows(tmp_path):
     assert cache is None and outgrown < 16 + 8
     kept, cache = peak_mib(64)
     assert len(cache[0]) == 32 and kept > 32
+
+
+def test_a_data_worker_leaves_sigterm_to_the_trainer_only_while_shielded():
+    """A worker's SIGTERM handler (`ShardLoader.shield`): shielded, the worker lives on (the
+    trainer handles a process group's SIGTERM and saves a checkpoint first); unshielded, it ends
+    of it as by default, as torch's shutdown expects of a worker that does not stop."""
+    from mpp.data.stream import _worker_sigterm
+    shield, ready = multiprocessing.RawValue("b", 1), multiprocessing.get_context("fork").Event()
+
+    def worker():
+        signal.signal(signal.SIGTERM, functools.partial(_worker_sigterm, shield))
+        ready.set()
+        time.sleep(60)
+
+    proc = multiprocessing.get_context("fork").Process(target=worker)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(1)
+        assert proc.is_alive()
+        shield.value = 0
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(30)
+        assert proc.exitcode == -signal.SIGTERM
+    finally:
+        proc.kill()
 
 
 def test_workers_read_the_next_epoch_ahead_and_a_restart_reads_the_same(tmp_path):

@@ -219,6 +219,27 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_wei
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
 
 
+def test_a_sigterm_during_the_last_checkpoint_stops_before_the_export(data, tmp_path, monkeypatch):
+    """A SIGTERM that comes after the last step was judged (here during its checkpoint) still
+    stops the run before its export and final work, and leaves SIGTERM's handler as it found it;
+    the same command then finishes from that checkpoint."""
+    real, before = mpp.train._checkpoint, signal.getsignal(signal.SIGTERM)
+
+    def checkpoint_then_sigterm(run, done):
+        real(run, done)
+        if done == run.steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
+    out = tmp_path / "run"
+    with pytest.raises(mpp.train.Terminated, match="stopped after step 4 of 4"):
+        train(config(settings(data, out, steps=4)))
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert not (out / "metrics.json").exists() and not (out / "encoder.safetensors").exists()
+    monkeypatch.undo()
+    assert train(config(settings(data, out, steps=4)))["steps"] == 4
+
+
 def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
     """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
     for name in ("a", "b"):

@@ -49,6 +49,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import os
 import random
 import signal
 import sys
@@ -74,6 +75,17 @@ log = logging.getLogger(__name__)
 # a forked worker inherits the imported modules and the batch slots' mapping, while one started
 # from a server imports torch again and sends every batch through a fresh shared-memory segment
 WORKER_START = "fork" if sys.platform == "linux" else None
+
+def _worker_sigterm(shield, signum, frame) -> None:
+    """A data worker's SIGTERM: left to the trainer while its loop handles it (`ShardLoader.shield`:
+    a scheduler signals the whole process group, and a worker it ended would stop the trainer
+    before its checkpoint, mpp.train); otherwise the worker ends of it as by default (torch stops a
+    worker that does not finish with SIGTERM). A handler, not SIG_IGN, so that the commands a
+    worker starts (pipe:, curl) get the default back."""
+    if not shield.value:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
 
 # batch slots per worker: DataLoader's 2 prefetched batches, 1 being filled, and up to 4 held by the
 # consumer (the trainer's prefetcher off CUDA: the step's batch, 2 queued, 1 being staged; on CUDA
@@ -122,6 +134,8 @@ class _ShardStream(IterableDataset):
         self.follow = train and not resampled and shards.exact
         # the epoch to start from: set by ShardLoader before it (re)starts its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
+        # set while the trainer's loop handles SIGTERM: its workers then leave it to the trainer
+        self.shield = multiprocessing.RawValue("b", 0)
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
         # raw samples by shard id, kept by each persistent worker across epochs (see _read_keep)
         self.cache: dict[int, list[dict]] | None = {} if cache_bytes > 0 else None
@@ -175,15 +189,18 @@ class _ShardStream(IterableDataset):
         read again next time, so its counters repeat."""
         kept, size, before = [], 0, dict(skips)
         for sample in self._read(shard, skips):
-            if self.cache is not None:
+            if kept is not None and self.cache is not None:
                 kept.append(sample)
                 size += sum(len(v) for v in sample.values() if isinstance(v, bytes))
-                if self.cache_bytes + size > self.cache_limit:
-                    self.cache, kept = None, []  # the set does not fit: free what was kept, stop caching
+                if self.cache_bytes + size > self.cache_limit or skips != before:
+                    kept = None  # not cached: free what was kept now
             yield sample
         if self.cache is not None and skips == before:
-            self.cache[shard] = kept
-            self.cache_bytes += size
+            if kept is None:
+                self.cache = None  # the set does not fit: free what was kept, stop caching
+            else:
+                self.cache[shard] = kept
+                self.cache_bytes += size
 
     def __iter__(self):
         """This worker's items from the epoch set in `self.epoch` on: its batches, then an end item
@@ -194,9 +211,7 @@ class _ShardStream(IterableDataset):
         worker = info.id if info is not None else 0
         if info is not None:  # a worker process: corrupt images are counted, not warned about by PIL
             warnings.filterwarnings("ignore", module="PIL")
-            # and a SIGTERM to the whole process group (a scheduler's) is the trainer's to handle: a
-            # worker it ended would stop the trainer before it saved its checkpoint (mpp.train)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, functools.partial(_worker_sigterm, self.shield))
         if self.slots is not None:  # what this worker sent in an abandoned epoch was dropped unread
             self.slots.reclaim(worker)
         epoch = self.epoch.value
@@ -325,6 +340,10 @@ class ShardLoader:
 
     def __len__(self) -> int:
         return self.batches_per_epoch
+
+    def shield(self, on: bool) -> None:
+        """While on, the workers ignore SIGTERM (`_worker_sigterm`): the trainer's loop handles it."""
+        self.stream.shield.value = int(on)
 
     def close(self) -> None:
         """End the epoch being streamed and stop the workers now (they persist across epochs until
