@@ -37,7 +37,8 @@
 #                                                  the whole suite on the GPU machine, its K-th of N parts
 #                                                  (every N-th test file, in C-locale order), or the files or tests named:
 #                                                  it outlasts one call there, each stage process starting CUDA
-#                                                  (`tests 1/2`: 271 s on an H200; `tests 2/2`: over 340 s)
+#                                                  (its times: docs/benchmarks.md)
+#   bash benchmarks/gpu_session.sh --help          this text
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
@@ -46,6 +47,7 @@ parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | grap
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac

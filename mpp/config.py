@@ -272,7 +272,7 @@ class YamlLoader(yaml.SafeLoader):
     written, where YAML 1.1 reads false, false, 8, 750 and 1000 (an output_dir=010 went to '8'), and
     1e-3 is a number. Configs, overrides and the config.yaml of every run are read with it. An alias
     (*name) may stand for a scalar, not for a list or mapping: nested ones grow tenfold a level (a
-    355-byte file became a 294 MB report), and a config needs none."""
+    file of a few hundred bytes becomes a report of hundreds of megabytes), and a config needs none."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):

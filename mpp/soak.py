@@ -30,6 +30,11 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+# the soak's pre-training (a tool's key=value settings come after these)
+SETTINGS = ["model=vit_micro4_32", "batch_size=32", "steps=1000000", "train.ckpt_every=20", "train.log_every=10",
+            "data.num_workers=2", "train.attn=math"]
+
+
 def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: list[str], seed: int = 0,
          window: float = 30.0) -> dict:
     """Run `mpp.tools.pretrain` in `out/run` again and again until `seconds` have passed, each run

@@ -660,10 +660,10 @@ def test_a_class_short_of_the_shots_is_named_and_the_rest_are_not():
     xt, yt = _noisy(5, n=100)
     with pytest.warns(UserWarning, match=r"1 of 4 classes have fewer training images than 5 shots "
                                          r"\(class: images 0: 3\)"):
-        fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 5), seeds=1)
+        fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 5), seeds=1, l2=1024.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 3), seeds=1)
+        fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 3), seeds=1, l2=1024.0)
 
 
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):

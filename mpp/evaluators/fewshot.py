@@ -47,8 +47,8 @@ def fewshot_correct(train_x, train_y, test_x, test_y, num_classes: int, l2: floa
     return (_with_bias(te) @ w).argmax(1).eq(test_y).numpy()
 
 
-def fewshot_eval(train_x, train_y, test_x, test_y, *, shots=(1, 5, 10, 25), seeds: int = 3,
-                 l2: float = 1.0, num_classes: int | None = None, draws: bool = False) -> dict:
+def fewshot_eval(train_x, train_y, test_x, test_y, *, shots, seeds: int, l2: float,
+                 num_classes: int | None = None, draws: bool = False) -> dict:
     """`{k}shot_mean` / `{k}shot_std` accuracy over `seeds` draws of k training samples per class
     (sample std; 0 for one draw).
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--images", type=count, default=64, help="images averaged over (default 64)")
     p.add_argument("--grid-images", type=whole, default=6,
                    help="rows of the MPP prediction grid (default 6; 0: no grid)")
-    p.add_argument("--batch-size", type=count, default=32)
+    p.add_argument("--batch-size", type=count, default=32, help="images per forward pass (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seeds random init and the MPP corruption")
     a = p.parse_args(argv)
     from mpp.figures.inspection import inspect_encoders

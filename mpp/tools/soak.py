@@ -12,10 +12,6 @@ from pathlib import Path
 
 from mpp.cli import ArgumentParser, one_line_errors
 
-SETTINGS = ["model=vit_micro4_32", "batch_size=32", "steps=1000000", "train.ckpt_every=20", "train.log_every=10",
-            "data.num_workers=2", "train.attn=math"]
-
-
 @one_line_errors()
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
@@ -25,10 +21,10 @@ def main(argv: list[str] | None = None) -> None:
                         "at the end, so the report covers exactly this time")
     p.add_argument("--kill-after", type=float, nargs=2, default=(15.0, 60.0), metavar=("MIN", "MAX"),
                    help="seconds before each kill -9, drawn uniformly (default 15 60)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the kill times (default 0)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="pre-training settings (after the defaults)")
     a = p.parse_intermixed_args(argv)  # overrides after the options too, as in the usage above
-    from mpp.soak import soak, write_report
+    from mpp.soak import SETTINGS, soak, write_report
     report = soak(Path(a.out), a.minutes * 60, tuple(a.kill_after), SETTINGS + a.overrides, seed=a.seed)
     write_report(report, Path(a.out) / "soak.json")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
