@@ -211,6 +211,8 @@ def test_gpu_session_script_parses_and_names_its_parts():
     r = subprocess.run(["bash", script, "tests", "tests/test_models.py", "tests/test_nope.py"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "no test file 'tests/test_nope.py'" in r.stderr, r.stderr
+    r = subprocess.run(["bash", script, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Every GPU figure") and "tests [K/N" in r.stdout, r.stdout
 
 
 def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_difference(tmp_path, capsys):
