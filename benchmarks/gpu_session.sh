@@ -47,7 +47,7 @@ parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | grap
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$self" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac

@@ -46,7 +46,7 @@ from mpp import evaluators, rundir
 from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
 from mpp.config import RESULT_NEUTRAL, Config, ConfigError, read_yaml, save_config, to_dict
-from mpp.data import make_loader
+from mpp.data import make_loader, shield_workers
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
@@ -69,19 +69,19 @@ class Terminated(RuntimeError):
 
 class _Sigterm:
     """While the loop runs (`with`), SIGTERM is noted instead of ending the process at once, and the
-    data workers leave it to this process (`ShardLoader.shield`); `now` says whether to stop after
-    this step: on one process as soon as one came, on several only at a log window (a point that
-    waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
+    data workers leave it to this process (`mpp.data.shield_workers`); `now` says whether to stop
+    after this step: on one process as soon as one came, on several only at a log window (a point
+    that waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
     blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it, 30 s
     after the SIGTERM that used to."""
 
-    def __init__(self, loader):
-        self.got, self.old, self.loader = False, None, loader
+    def __init__(self):
+        self.got, self.old = False, None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             self.old = signal.signal(signal.SIGTERM, self._note) or signal.SIG_DFL  # None: not set from Python
-            self.loader.shield(True)
+            shield_workers(True)
         return self
 
     def _note(self, signum, frame) -> None:
@@ -89,7 +89,7 @@ class _Sigterm:
 
     def __exit__(self, *exc) -> None:
         if self.old is not None:
-            self.loader.shield(False)
+            shield_workers(False)
             signal.signal(signal.SIGTERM, self.old)
 
     def now(self, accelerator, window: bool) -> bool:
@@ -273,7 +273,7 @@ def loop(run: Run) -> None:
     model.train()
     with StepProfiler(cfg.train.profile, run.start, run.steps, accelerator.device, run.out / "profile",
                       accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler, \
-            _Sigterm(run.loader) as sigterm:
+            _Sigterm() as sigterm:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
             micro, losses = [], []

@@ -466,12 +466,16 @@ def test_a_worker_holds_no_more_raw_samples_than_its_cache_allows(tmp_path):
     assert len(cache[0]) == 32 and kept > 32
 
 
-def test_a_data_worker_leaves_sigterm_to_the_trainer_only_while_shielded():
-    """A worker's SIGTERM handler (`ShardLoader.shield`): shielded, the worker lives on (the
-    trainer handles a process group's SIGTERM and saves a checkpoint first); unshielded, it ends
-    of it as by default, as torch's shutdown expects of a worker that does not stop."""
+def test_a_data_worker_leaves_sigterm_to_the_trainer_only_while_shielded(tmp_path):
+    """A worker's SIGTERM handler: while the trainer shields its process's workers (any loader's,
+    also one forked before), a worker lives on (the trainer handles a process group's SIGTERM and
+    saves a checkpoint first); unshielded, it ends of it as by default, as torch's shutdown
+    expects of a worker that does not stop."""
+    from mpp.data import shield_workers
     from mpp.data.stream import _worker_sigterm
-    shield, ready = multiprocessing.RawValue("b", 1), multiprocessing.get_context("fork").Event()
+    manifest, _ = write_shards(tmp_path, [4])
+    shield = make_loader(manifest, batch_size=2, img_size=8, train=False, labeled=True, data_cfg=cfg()).stream.shield
+    ready = multiprocessing.get_context("fork").Event()
 
     def worker():
         signal.signal(signal.SIGTERM, functools.partial(_worker_sigterm, shield))
@@ -482,14 +486,16 @@ def test_a_data_worker_leaves_sigterm_to_the_trainer_only_while_shielded():
     proc.start()
     try:
         assert ready.wait(30)
+        shield_workers(True)  # after the fork, as for a loader made before the trainer's loop
         os.kill(proc.pid, signal.SIGTERM)
         proc.join(1)
         assert proc.is_alive()
-        shield.value = 0
+        shield_workers(False)
         os.kill(proc.pid, signal.SIGTERM)
         proc.join(30)
         assert proc.exitcode == -signal.SIGTERM
     finally:
+        shield_workers(False)
         proc.kill()
 
 

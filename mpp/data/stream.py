@@ -76,12 +76,23 @@ log = logging.getLogger(__name__)
 # from a server imports torch again and sends every batch through a fresh shared-memory segment
 WORKER_START = "fork" if sys.platform == "linux" else None
 
+# set while a trainer's loop handles SIGTERM: every data worker of this process (the training
+# loader's, an evaluator's) then leaves it to the trainer (`_worker_sigterm`)
+_SHIELD = multiprocessing.RawValue("b", 0)
+
+
+def shield_workers(on: bool) -> None:
+    """While on, this process's data workers ignore SIGTERM: the trainer's loop handles it."""
+    _SHIELD.value = int(on)
+
+
 def _worker_sigterm(shield, signum, frame) -> None:
-    """A data worker's SIGTERM: left to the trainer while its loop handles it (`ShardLoader.shield`:
-    a scheduler signals the whole process group, and a worker it ended would stop the trainer
+    """A data worker's SIGTERM: left to the trainer while its loop handles it (`shield_workers`: a
+    scheduler signals the whole process group, and a worker it ended would stop the trainer
     before its checkpoint, mpp.train); otherwise the worker ends of it as by default (torch stops a
-    worker that does not finish with SIGTERM). A handler, not SIG_IGN, so that the commands a
-    worker starts (pipe:, curl) get the default back."""
+    worker that does not finish with SIGTERM). A handler, not SIG_IGN, which would outlast the
+    loop; so the commands a worker starts (pipe:, curl) have the default action: a group's
+    SIGTERM ends them, and the shards they were reading count as cut short."""
     if not shield.value:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
@@ -134,8 +145,7 @@ class _ShardStream(IterableDataset):
         self.follow = train and not resampled and shards.exact
         # the epoch to start from: set by ShardLoader before it (re)starts its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
-        # set while the trainer's loop handles SIGTERM: its workers then leave it to the trainer
-        self.shield = multiprocessing.RawValue("b", 0)
+        self.shield = _SHIELD  # shared with the workers, set by `shield_workers`
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
         # raw samples by shard id, kept by each persistent worker across epochs (see _read_keep)
         self.cache: dict[int, list[dict]] | None = {} if cache_bytes > 0 else None
@@ -340,10 +350,6 @@ class ShardLoader:
 
     def __len__(self) -> int:
         return self.batches_per_epoch
-
-    def shield(self, on: bool) -> None:
-        """While on, the workers ignore SIGTERM (`_worker_sigterm`): the trainer's loop handles it."""
-        self.stream.shield.value = int(on)
 
     def close(self) -> None:
         """End the epoch being streamed and stop the workers now (they persist across epochs until
