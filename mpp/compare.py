@@ -692,22 +692,20 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         cmd = s.command(launcher)
         chosen = [o for c in s.choices for o in c.pick()]
         print(f"[{i}/{total}] {s.name} -> {s.out}" + (f" (chosen: {' '.join(chosen)})" if chosen else ""), flush=True)
+        passed = False  # a SIGTERM of the comparison's own, passed on to the stage
         try:
             code = run_stage(cmd, cfg.launcher)
         except KeyboardInterrupt:  # exit 130, as every tool's Ctrl-C (mpp.cli.one_line_errors)
             print(f"error: interrupted during stage '{s.name}'; run the same command again to resume "
                   "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
-        except StageTerminated as e:  # the comparison's own SIGTERM, passed on
-            saved = e.code == 128 + signal.SIGTERM
-            ended = "which saved its checkpoint" if saved else f"which ended with exit {e.code}"
+        except StageTerminated as e:
+            code, passed = e.code, True
+        if passed or code == 128 + signal.SIGTERM:  # 143: the stage's trainer saved a checkpoint (mpp.train)
+            ended = "which saved its checkpoint" if code == 128 + signal.SIGTERM else f"which ended with exit {code}"
             print(f"error: SIGTERM during stage '{s.name}', {ended}; run the same command again to resume "
                   "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
-            raise SystemExit(128 + signal.SIGTERM) from None
-        if code == 128 + signal.SIGTERM:  # the stage's alone: its trainer saved a checkpoint (mpp.train)
-            print(f"error: SIGTERM during stage '{s.name}', which saved its checkpoint; run the same command "
-                  "again to resume (finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
-            raise SystemExit(code)
+            raise SystemExit(128 + signal.SIGTERM)
         if code != 0:
             raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
                                f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
