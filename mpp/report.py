@@ -722,13 +722,36 @@ def _figures_section(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plan(path: Path) -> list[Path] | None:
+    """The run directories a comparison wrote the report in folder `path` from (its report.json's
+    `plan`, relative to `path`); None where no comparison wrote one there. Re-rendering a
+    comparison's output_dir reads those, not the stages of an earlier plan still below it."""
+    file = path / "report.json"
+    if (path / "metrics.json").exists() or not file.is_file():
+        return None
+    plan = _read_json(file).get("plan")
+    if plan is not None and not (isinstance(plan, list) and all(isinstance(d, str) for d in plan)):
+        raise ReportError(f"{file} holds a 'plan' that is not a list of run directories; rerun the comparison, "
+                          "or name the run directories to report")
+    return None if plan is None else [path / d for d in plan]
+
+
 def find_runs(paths: list[str | Path]) -> list[Path]:
     """The run directories among `paths`: one holding metrics.json is a run; a directory without
-    it stands for every run directory below it (a comparison's output_dir, a cell's seeds)."""
+    it stands for every run directory below it (a cell's seeds), or for a comparison's output_dir
+    the stages of its plan (`_plan`; those it leaves out are named)."""
     found = []
     for path in map(Path, paths):
         below = [] if (path / "metrics.json").exists() or not path.is_dir() else \
             sorted(m.parent for m in path.rglob("metrics.json") if (m.parent / "config.yaml").is_file())
+        planned = _plan(path)
+        if planned is not None:
+            named = {d.resolve() for d in planned}
+            if left := [str(d.relative_to(path)) for d in below if d.resolve() not in named]:
+                print(f"[report] {path}: left out {len(left)} run directories below it that the comparison's plan "
+                      f"(its report.json) does not name, stages of an earlier plan: {', '.join(left)}; "
+                      "name them to report them", flush=True)
+            below = planned
         found += below or [path]  # a path with no run below: describe_run says what is missing
     return found
 
@@ -773,13 +796,16 @@ def _skipped(metrics: dict) -> dict:
 
 
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
-                 repeats: list[dict] | None = None) -> dict:
+                 repeats: list[dict] | None = None, plan: bool = False) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
     (default: the runs' common parent directory) and return the report dict. `repeats`: the
     reports of the same comparison with other pre-training seeds (`read_repeat`), summed up with
-    this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names."""
+    this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names.
+    `plan`: the runs are a comparison's plan, recorded in report.json (`_plan`), as they are again
+    when its output_dir alone is re-rendered."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
+    plan = plan or (len(run_dirs) == 1 and _plan(Path(run_dirs[0])) is not None)
     run_dirs = find_runs(run_dirs)
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)
@@ -787,6 +813,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                    for r in runs]
     rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
+    if plan:
+        rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)
     if repeats:

@@ -408,6 +408,8 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     stages = plan(load_compare_config(path))
     for stage in stages:  # every stage ran, a runner-up's finals exactly where its cell's choice was a toss-up
         assert (stage.out / "metrics.json").is_file() == (stage.when is None or stage.when.holds()), stage.name
+    assert sorted(report["plan"]) == sorted(str(s.out.relative_to(runs)) for s in stages  # what it reported
+                                            if (s.out / "metrics.json").is_file())
     ran = [s for s in stages if (s.out / "metrics.json").is_file()]
     ft = json.loads((runs / "finetune_mpp_50pct" / "seed1" / "metrics.json").read_text())
     assert 0.0 <= ft["top1"] <= 1.0 and ft["label_fraction"] == 0.5 and ft["evaluated_on"] == "val"
@@ -928,6 +930,8 @@ def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_
     runs, repeat = tmp_path / "runs", tmp_path / "runs_pretrain_seed1"
     reps = [json.loads((d / "report.json").read_text()) for d in (runs, repeat)]
     assert "pretrain_seeds" not in reps[1]
+    assert [d for d in reps[1]["plan"] if d.startswith("..")] == [  # a repeat's report names the shared scratch runs
+        f"../runs/{d}" for d in reps[0]["plan"] if "scratch" in d]
     for rep in reps:  # each repeat's own report, the scratch runs shared
         assert rep["table"]["scratch"]["finetune"]["1"] == reps[0]["table"]["scratch"]["finetune"]["1"]
         assert rep["table"]["mpp"]["finetune"]["1"] is not None

@@ -282,6 +282,8 @@ CASES = [
     ("report re-rendered where the report names a repeat that is gone", "report", lambda t: [f"{t}/run"],
      lambda t: (_run_dir(t, '{"kind": "linear_probe", "top1": 0.4}', "objective: mpp\nprobe: {encoder: none}\n"),
                 (t / "report.json").write_text('{"pretrain_seeds": {"seeds": 2, "repeats": ["gone"]}}'))),
+    ("report of a comparison's folder whose report.json holds a damaged plan", "report", lambda t: [f"{t}/cmp"],
+     lambda t: ((t / "cmp").mkdir(), (t / "cmp" / "report.json").write_text('{"plan": 3}'))),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
     ("make_shards with shards of 0 samples", "make_shards",

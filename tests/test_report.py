@@ -710,3 +710,35 @@ def test_run_directories_from_elsewhere_cannot_blow_up_or_crash_the_report(tmp_p
         write_report(runs, tmp_path / "out")
     from mpp.config import read_yaml
     assert read_yaml("lr: &lr 0.1\nmin_lr: *lr\n") == {"lr": 0.1, "min_lr": 0.1}  # a scalar's alias stays fine
+
+
+def test_a_comparisons_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_out(tmp_path):
+    """A comparison records the stages it reported (`plan`): re-rendering its output_dir reads those,
+    not a stage of an earlier plan left below it (here a fine-tune that would move the MPP cell),
+    and a repeat's report keeps the scratch runs that live in the main folder."""
+    runs = _paper_runs(tmp_path / "cmp")
+    first = write_report(runs, tmp_path / "cmp", [], plan=True)
+    assert first["plan"] == [p.name for p in runs]
+    _run(tmp_path / "cmp", "ft_mpp_0.1_old_lr", {"objective": "classify", "seed": 1,
+                                                 "finetune": {"init": str(runs[0]), "label_fraction": 0.1}},
+         {"top1": 0.10, "top5": 0.5})
+    scratch = [r for r in runs if r.name.startswith("ft_scratch")]
+    write_report([runs[0], runs[1], *scratch], tmp_path / "cmp_seed1", [], plan=True)
+    tool = [sys.executable, str(ROOT / "tools/report.py")]
+    for _ in range(2):  # the re-render records the plan again
+        again = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+        assert "left out 1 run directories" in again.stdout and "ft_mpp_0.1_old_lr" in again.stdout
+        rep = json.loads((tmp_path / "cmp" / "report.json").read_text())
+        assert rep["table"] == first["table"] and rep["plan"] == first["plan"]
+    seed1 = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
+    assert seed1.returncode == 0, seed1.stderr
+    table = json.loads((tmp_path / "cmp_seed1" / "report.json").read_text())["table"]
+    assert table["scratch"]["finetune"] == first["table"]["scratch"]["finetune"]
+    every = subprocess.run([*tool, str(tmp_path / "cmp"), str(tmp_path / "cmp" / "ft_mpp_0.1_old_lr"),
+                            "--out", str(tmp_path / "all")], capture_output=True, text=True)
+    assert every.returncode == 0, every.stderr  # named, it counts (a seed of the MPP cell)
+    assert json.loads((tmp_path / "all" / "report.json").read_text())["table"]["mpp"] != first["table"]["mpp"]
+    (tmp_path / "cmp" / "report.json").write_text(json.dumps({"plan": "ft_mpp_1"}))
+    bad = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "plan" in bad.stderr

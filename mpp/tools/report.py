@@ -1,6 +1,6 @@
 """The gap report of MPP vs supervised pre-training vs scratch from finished run directories.
 
-  mpp-report runs/compare_cifar10                      # every run below a comparison's output_dir
+  mpp-report runs/compare_cifar10                      # the runs of a comparison's plan
   mpp-report runs/cmp/mpp runs/cmp/sup runs/cmp/ft_mpp_10 ... --out runs/cmp
   mpp-report runs/compare_cifar10 --repeat runs/compare_cifar10_pretrain_seed1   # pretrain_seeds: 2
 """
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
                                             "metrics.json; see mpp/report.py.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories holding metrics.json and config.yaml, or directories "
-                             "to search for them (e.g. a comparison's output_dir)")
+                             "to search for them (a comparison's output_dir: the runs its report.json's plan names)")
     parser.add_argument("--out", help="where report.md/.json/.png go (default: the runs' common parent)")
     parser.add_argument("--repeat", action="append", default=[], metavar="REPORT_DIR",
                         help="the output_dir of the same comparison with another pre-training seed (its report.json; "
