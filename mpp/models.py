@@ -220,6 +220,18 @@ def create_encoder(preset: str, img_size: int = 0, drop_path: float = 0.0, attn:
     return MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
 
 
+def encoder_from(source, key: str, cfg, drop_path: float = 0.0) -> MaskedEncoder:
+    """The encoder config key `key` names (`source`): `none` a fresh `cfg.model` (the from-scratch
+    baseline, seeded by the caller), else a pre-training run directory or an encoder.safetensors
+    with its model.json, refused if trained on inputs normalised otherwise than `cfg.data`."""
+    if str(source) == "none":
+        return create_encoder(cfg.model, img_size=cfg.img_size, drop_path=drop_path, attn=cfg.train.attn)
+    if not Path(source).exists():
+        raise ConfigError(f"{key}={str(source)!r} does not exist; give a pre-training run directory, its "
+                          "encoder.safetensors (with model.json beside it), or none (a randomly initialised model)")
+    return load_encoder(source, img_size=cfg.img_size, drop_path=drop_path, attn=cfg.train.attn, data=cfg.data)
+
+
 def save_encoder(encoder: MaskedEncoder, out_dir: str | Path, data=None) -> Path:
     """Write `encoder.safetensors` (timm keys) and `model.json` ({"name", "kwargs"}, and with `data`,
     the run's DataConfig, the input normalisation it trained on: "mean", "std") to `out_dir`."""

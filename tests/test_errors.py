@@ -268,6 +268,7 @@ CASES = [
     ("probe: unlabeled data.val (checked before the features)", "linear_probe",
      lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled", "probe.encoder=none"], None),
     ("probe without an encoder", "linear_probe", lambda t: [*FT(t)], None),
+    ("probe.encoder that does not exist", "linear_probe", lambda t: [*FT(t), f"probe.encoder={t}/nope"], None),
     ("probe.dev_split out of range", "linear_probe",
      lambda t: [*FT(t), "probe.encoder=none", "probe.dev_split=[0,1.5]"], None),
     ("probe: output_dir is a file", "linear_probe",

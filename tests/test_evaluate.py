@@ -390,7 +390,7 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     encoder.vit.norm.register_forward_hook(_constant_cls)
     monkey_load = lambda *a, **k: encoder  # noqa: E731 -- the hooked encoder stands for a loaded one
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mpp.evaluators.linear_probe, "load_encoder", monkey_load)
+        mp.setattr(mpp.evaluators.linear_probe, "encoder_from", monkey_load)
         auto = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "auto",
                                                                  probe={"encoder": str(tmp_path)}))
         forced = mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / "token",
@@ -499,7 +499,7 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     tune = {"init": str(tmp_path), "pool": "auto", "label_fraction": 0.5, "dev_fraction": 0.25}
     with pytest.MonkeyPatch.context() as mp:
         # the hooked encoder stands for a loaded one
-        mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)
+        mp.setattr(mpp.objectives, "encoder_from", lambda *a, **k: encoder)
         zero = train(_cfg(shards, tmp_path / "zero", finetune=tune, **run))
         probe = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"}, **run))
         chosen_again = []
@@ -520,7 +520,7 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
     assert probe["start_top1"] == probe["top1"] and probe["head_probe_l2"] == probe["pool_head_l2"]["avg"]
     assert "start_top1" not in zero and "head_probe_l2" not in zero  # a zero head: no start worth scoring
     with pytest.MonkeyPatch.context() as mp, pytest.raises(ConfigError, match="finetune.pool=auto, but the checkpoint"):
-        mp.setattr(mpp.objectives, "load_encoder", lambda *a, **k: encoder)
+        mp.setattr(mpp.objectives, "encoder_from", lambda *a, **k: encoder)
         fixed = {**tune, "pool": "token"}  # a run through a fixed pool, then resumed with auto
         train(_cfg(shards, tmp_path / "fixed", finetune=fixed, **{**run, "train": {**run["train"], "ckpt_every": 1}}))
         (tmp_path / "fixed" / "metrics.json").unlink()

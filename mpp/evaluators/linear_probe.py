@@ -29,7 +29,7 @@ from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, write_atomic
-from mpp.models import create_encoder, encoder_digest, load_encoder
+from mpp.models import encoder_digest, encoder_from
 from mpp.runtime import deterministic, resolve_precision
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
@@ -331,18 +331,12 @@ def run_linear_probe(cfg: Config) -> dict:
     if not encoder_path:
         raise ConfigError("no encoder to probe: set probe.encoder to a pre-training run dir, its encoder.safetensors, "
                           "or none (a randomly initialised model)")
-    if str(encoder_path) != "none" and not Path(encoder_path).exists():
-        raise ConfigError(f"probe.encoder={str(encoder_path)!r} does not exist; give a pre-training run directory, "
-                          "its encoder.safetensors, or none (a randomly initialised model)")
     rundir.check_output_dir(out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with deterministic(cfg.train.deterministic):  # as training runs under it
         evaluator = Evaluator(cfg, device)
-        if str(encoder_path) == "none":
-            set_seed(cfg.seed)
-            encoder = create_encoder(cfg.model, img_size=cfg.img_size, attn=cfg.train.attn).to(device)
-        else:
-            encoder = load_encoder(encoder_path, img_size=cfg.img_size, attn=cfg.train.attn, data=cfg.data).to(device)
+        set_seed(cfg.seed)  # probe.encoder=none: a random init of `model`
+        encoder = encoder_from(encoder_path, "probe.encoder", cfg).to(device)
         metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "encoder_sha256": encoder_digest(encoder_path),
                    **evaluator.run(encoder), "config": to_dict(cfg)}
     out.mkdir(parents=True, exist_ok=True)
