@@ -35,9 +35,7 @@ def mixed_forward(alpha: float):
             return plain(self, images, labels)
         x = self.inputs(images)[1]
         lam, perm = float(beta.sample()), torch.randperm(x.shape[0], device=x.device)
-        pooled = self.encoder.pool(self.encoder(lam * x + (1 - lam) * x[perm]), self.pool)
-        with torch.autocast(images.device.type, enabled=False):
-            logits = self.head(pooled.float())
+        logits = self.classify(lam * x + (1 - lam) * x[perm])
         ce = lambda y: F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)  # noqa: E731
         loss = lam * ce(labels) + (1 - lam) * ce(labels[perm])
         return loss, {"loss": loss.detach(), "acc": (logits.argmax(-1) == labels).float().mean().detach()}

@@ -27,7 +27,7 @@ from torch import nn
 
 from mpp.config import ConfigError
 from mpp.data.transforms import normalize, to_float01
-from mpp.models import POOLS, create_encoder, encoder_digest, load_encoder
+from mpp.models import POOLS, create_encoder, encoder_digest, encoder_from
 
 DOWNSAMPLED_CELLS = 4  # the `downsampled` target: a 4x4 downsized patch, one colour class per cell
 HOG_CELLS, HOG_BINS = 2, 9  # the `hog` target: 2x2 cells per patch, 9 orientations over 0-180 degrees
@@ -351,16 +351,26 @@ class MPPTask(Task):
         from mpp.figures.predictions import save_mpp_head  # only a finished MPP run pays for its import
         save_mpp_head(self, out_dir)
 
+    def corrupt(self, batch: int, device: torch.device, generator: torch.Generator | None = None) -> Corruption:
+        """Which patches of each image the head predicts and how each is corrupted (mpp.ratio, the
+        80/10/10 split of mpp.mask / random / keep)."""
+        c = self.cfg
+        return sample_corruption(batch, self.encoder.num_patches, c.ratio, c.mask, c.random, c.keep,
+                                 device=device, generator=generator)
+
+    def predict(self, x: torch.Tensor, corruption: Corruption) -> torch.Tensor:
+        """The head's outputs (B, K, out) for the chosen patches of normalised images `x`, in fp32:
+        with bf16 logits the colour task learns less (docs/results.md)."""
+        chosen = self.encoder(x, corruption, rows=corruption.index + self.encoder.vit.num_prefix_tokens)  # (B, K, D)
+        with torch.autocast(x.device.type, enabled=False):
+            return self.head(chosen.float())
+
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
         images01, x = self.inputs(images)
-        c = self.cfg
-        B, N = images.shape[0], self.encoder.num_patches
-        corruption = sample_corruption(B, N, c.ratio, c.mask, c.random, c.keep, device=images.device)
-        index = corruption.index
-        chosen = self.encoder(x, corruption, rows=index + self.encoder.vit.num_prefix_tokens)  # (B, K, D)
-        with torch.autocast(images.device.type, enabled=False):
-            # the head and loss in fp32 (B, K, out): with bf16 logits the colour task learns less (docs/results.md)
-            pred = self.head(chosen.float())
+        c, B = self.cfg, images.shape[0]
+        corruption = self.corrupt(B, images.device)
+        pred, index = self.predict(x, corruption), corruption.index
+        with torch.autocast(images.device.type, enabled=False):  # the loss in fp32, as the head
             pix = patches(images01, self.encoder.patch_size)
             pix = exact(torch.gather(pix, 1, index.view(B, -1, 1, 1, 1).expand(-1, -1, *pix.shape[2:])))
             loss, guess, classes = self.target.loss(pred, pix, c.bits)
@@ -384,11 +394,15 @@ class LabelTask(Task):
         encoder.mask_token.requires_grad_(False)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 images -> float32 class logits (B, num_classes). The head runs in fp32 outside
-        autocast: bf16 logits tie often (docs/results.md), and a tie's winner is then the lowest
-        class index, not the model's choice."""
-        pooled = self.encoder.pool(self.encoder(self.inputs(images)[1]), self.pool)
-        with torch.autocast(images.device.type, enabled=False):
+        """uint8 images -> float32 class logits (B, num_classes)."""
+        return self.classify(self.inputs(images)[1])
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised images -> float32 class logits. The head runs in fp32 outside autocast: bf16
+        logits tie often (docs/results.md), and a tie's winner is then the lowest class index, not
+        the model's choice."""
+        pooled = self.encoder.pool(self.encoder(x), self.pool)
+        with torch.autocast(x.device.type, enabled=False):
             return self.head(pooled.float())
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
@@ -460,13 +474,7 @@ class ClassifyTask(LabelTask):
 
     @classmethod
     def encoder_for(cls, cfg) -> nn.Module:
-        f = cfg.finetune
-        if f.init == "none":
-            return create_encoder(cfg.model, img_size=cfg.img_size, drop_path=f.drop_path, attn=cfg.train.attn)
-        if not Path(f.init).exists():
-            raise ConfigError(f"finetune.init={f.init!r} does not exist; give a pre-training run directory, "
-                              "an encoder.safetensors (with model.json beside it) or none")
-        return load_encoder(f.init, img_size=cfg.img_size, drop_path=f.drop_path, attn=cfg.train.attn, data=cfg.data)
+        return encoder_from(cfg.finetune.init, "finetune.init", cfg, drop_path=cfg.finetune.drop_path)
 
     @classmethod
     def subset(cls, cfg) -> tuple:

@@ -22,7 +22,7 @@ from mpp.config import load_config
 from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
 from mpp.models import load_encoder, take_rows
-from mpp.objectives import MPPTask, exact, patches, quantize, sample_corruption
+from mpp.objectives import MPPTask, exact, patches, quantize
 
 HEAD_FILE = "mpp_head.safetensors"
 MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
@@ -87,10 +87,9 @@ def predict(task: MPPTask, images: torch.Tensor, seed: int = 0) -> Prediction:
         raise ValueError(f"mpp.target={c.target} predicts no colours: there is no prediction figure for it")
     images01, x = task.inputs(images)
     B, N, p = images.shape[0], enc.num_patches, enc.patch_size
-    g = torch.Generator(device=images.device).manual_seed(seed)
-    corruption = sample_corruption(B, N, c.ratio, c.mask, c.random, c.keep, device=images.device, generator=g)
+    corruption = task.corrupt(B, images.device, generator=torch.Generator(device=images.device).manual_seed(seed))
     with eval_mode(task):
-        pred = task.head(enc(x, corruption, rows=corruption.index + enc.vit.num_prefix_tokens)).float()
+        pred = task.predict(x, corruption)
     pix = patches(images01, p)
     seen = take_rows(pix, corruption.src).masked_fill(corruption.masked[..., None, None, None], 0.5)
     predicted = torch.zeros(B, N, 3, device=images.device)
