@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.decode import open_image
 from mpp.data.sources import ShardSet
-from mpp.data.stream import batch_plan
+from mpp.data.stream import first_batch
 from mpp.data.subset import select_subset
 from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, _load, resized_crop, stack
 from shardutil import encode, write_shards
@@ -311,14 +312,27 @@ def test_inexact_counts_still_exact_batch_count(tmp_path):
         assert counts.get("dropped", 0) == dropped and (claimed <= 12) == ("padded" not in counts)
 
 
-def test_batch_plan():
+def batch_plan(n: int, k: int, batch_size: int) -> list[int]:
+    """The k batch sizes `first_batch` gives one after another for n samples."""
+    plan = []
+    for i in range(k):
+        plan.append(first_batch(n - sum(plan), k - i, batch_size))
+    return plan
+
+
+def test_batches_are_full_first_and_the_remainder_spread_over_the_last():
     assert batch_plan(10, 3, 4) == [4, 4, 2]
     assert batch_plan(12, 3, 4) == [4, 4, 4]
     assert batch_plan(10, 7, 4) == [4, 1, 1, 1, 1, 1, 1]
     assert batch_plan(22, 7, 4) == [4, 4, 4, 4, 4, 1, 1]
-    for n, k, b in [(100, 9, 12), (50, 50, 3), (37, 4, 10)]:
-        p = batch_plan(n, k, b)
-        assert len(p) == k and sum(p) == n and all(1 <= s <= b for s in p)
+    assert batch_plan(11, 4, 4) == [4, 4, 2, 1]
+    for b in range(1, 9):
+        for k in range(1, 12):
+            for n in range(k, k * b + 1):
+                p = batch_plan(n, k, b)
+                assert sum(p) == n and all(1 <= s <= b for s in p), (n, k, b, p)
+                rest = [s for s in p if s < b]
+                assert p == sorted(p, reverse=True) and (not rest or rest[0] - rest[-1] <= 1), (n, k, b, p)
 
 
 def test_float_and_normalize():
@@ -464,6 +478,26 @@ def test_a_worker_holds_no_more_raw_samples_than_its_cache_allows(tmp_path):
     assert cache is None and outgrown < 16 + 8
     kept, cache = peak_mib(64)
     assert len(cache[0]) == 32 and kept > 32
+
+
+def test_a_shard_that_counted_a_skip_is_read_and_counted_every_epoch_while_the_rest_stays_cached(tmp_path):
+    """The cache keeps only shards that read cleanly: a shard cut short is read again every epoch,
+    so its skip is counted every epoch (a cached copy would replay it silently), and it does not
+    switch the cache off for the shards that did read cleanly."""
+    import tarfile
+    manifest, _ = write_shards(tmp_path / "d", [6, 6], classes=3)
+    stream = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                         data_cfg=cfg(cache_mb=1, shuffle_buffer=0, num_workers=1)).stream
+    clean, cut = (Path(u) for u in stream.shards.urls)
+    with tarfile.open(cut) as tar:
+        end = tar.getmembers()[-1].offset_data  # the last member's header stays, its data goes
+    cut.write_bytes(cut.read_bytes()[:end])
+    for epoch in range(3):
+        skips: dict[str, int] = {}
+        assert sum(1 for _ in stream._raw(epoch, 0, skips)) == 6 + 5, epoch  # the cut sample dropped
+        assert sum(skips.values()) == 1 and stream.cache is not None and set(stream.cache) == {0}, (epoch, skips)
+        if epoch == 0:
+            clean.unlink()  # from now on served from the cache alone
 
 
 def test_a_data_worker_leaves_sigterm_to_the_trainer_only_while_shielded(tmp_path):

@@ -104,14 +104,6 @@ def _worker_sigterm(shield, signum, frame) -> None:
 SLOTS_PER_WORKER = 7
 
 
-def batch_plan(n: int, k: int, batch_size: int) -> list[int]:
-    """k batch sizes <= batch_size summing to n (needs k <= n <= k * batch_size): full batches
-    first, the remainder spread evenly over the last ones."""
-    full = min(k, (n - k) // (batch_size - 1)) if batch_size > 1 else k
-    rest, tail = n - full * batch_size, k - full
-    return [batch_size] * full + [rest // tail + (j < rest % tail) for j in range(tail)]
-
-
 class _EpochPlan:
     """Which shards each of this rank's workers reads in one epoch, and their sample count."""
 
@@ -494,7 +486,9 @@ class ShardLoader:
 
 
 def first_batch(n: int, k: int, batch_size: int) -> int:
-    """batch_plan(n, k, batch_size)[0] in O(1)."""
+    """The size of the next of k batches (each <= batch_size) that n samples fill (k <= n <=
+    k * batch_size): full batches first, the remainder spread evenly over the last ones, so the
+    epoch's k batches are always met and none is empty."""
     return batch_size if n - k >= batch_size - 1 else -(-n // k)
 
 
