@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
