@@ -748,8 +748,9 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
         if planned is not None:
             named = {d.resolve() for d in planned}
             if left := [str(d.relative_to(path)) for d in below if d.resolve() not in named]:
-                print(f"[report] {path}: left out {len(left)} run directories below it that the comparison's plan "
-                      f"(its report.json) does not name, stages of an earlier plan: {', '.join(left)}; "
+                print(f"[report] {path}: left out {len(left)} run director{'y' if len(left) == 1 else 'ies'} below "
+                      f"it that the comparison's plan (its report.json) does not name, stages of an earlier plan: "
+                      f"{', '.join(left)}; "
                       "name them to report them", flush=True)
             below = planned
         found += below or [path]  # a path with no run below: describe_run says what is missing

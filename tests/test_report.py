@@ -728,7 +728,7 @@ def test_a_comparisons_folder_re_renders_from_its_plan_and_names_the_runs_it_lea
     for _ in range(2):  # the re-render records the plan again
         again = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
         assert again.returncode == 0, again.stderr
-        assert "left out 1 run directories" in again.stdout and "ft_mpp_0.1_old_lr" in again.stdout
+        assert "left out 1 run directory below" in again.stdout and "ft_mpp_0.1_old_lr" in again.stdout
         rep = json.loads((tmp_path / "cmp" / "report.json").read_text())
         assert rep["table"] == first["table"] and rep["plan"] == first["plan"]
     seed1 = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
