@@ -16,7 +16,7 @@ import torch
 
 from mpp.config import load_config, save_config
 from mpp.data.synthetic import make_synthetic
-from mpp.figures.attention import attention_distance_sums, patch_distances, record_attention
+from mpp.figures.attention import attention_distance_sum, patch_distances, record_attention
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
 from mpp.figures.predictions import HEAD_FILE, load_mpp_task, predict, prediction_grid, save_mpp_head
@@ -73,6 +73,11 @@ def test_hooked_attention_matches_direct_computation_and_leaves_the_forward_unch
     assert len(maps) == len(direct) == 2 and maps[0].shape == (3, 2, 65, 65)
     for m, d in zip(maps, direct):
         torch.testing.assert_close(m, d, atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), record_attention(vit, reduce=lambda a: a.sum((0, 2, 3))) as reduced:
+        enc(x)  # reduced as each layer's weights come: one (heads,) per layer held, not the maps
+    assert [r.shape for r in reduced] == [(2,)] * 2
+    for r, m in zip(reduced, maps):
+        torch.testing.assert_close(r, m.sum((0, 2, 3)))
     with torch.no_grad():
         enc(x)
     assert len(maps) == 2  # hooks removed on exit
@@ -85,13 +90,13 @@ def test_attention_distance_by_hand():
     a = torch.zeros(1, 2, 5, 5)
     a[:, 0, :, 0] = a[:, 0, :, 1] = 0.5
     a[:, 1, :, 4] = 1.0  # head 1: everything on patch 3
-    sums = attention_distance_sums([a, a], dist, num_prefix=1)
+    sums = torch.stack([attention_distance_sum(m, dist, num_prefix=1) for m in (a, a)])
     assert sums.shape == (2, 2)
     assert sums[0, 0].item() == pytest.approx(8 + 4 * math.sqrt(2))
     assert sums[1, 1].item() == pytest.approx(8 + 4 * math.sqrt(2))
     a[:, 0, 2] = 0  # query 1 of head 0: every bit of its weight on the [class] token (an underflow)
     a[:, 0, 2, 0] = 1.0
-    sums = attention_distance_sums([a], dist, num_prefix=1)
+    sums = attention_distance_sum(a, dist, num_prefix=1)[None]
     assert sums[0, 0].item() == pytest.approx(8 + 4 * math.sqrt(2) - 4)  # that query counts 0, not NaN
 
 

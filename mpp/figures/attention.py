@@ -10,6 +10,7 @@ query's weights over the patches are renormalised to sum to 1.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from timm.layers.attention import Attention
@@ -17,9 +18,11 @@ from torch import nn
 
 
 @contextlib.contextmanager
-def record_attention(model: nn.Module):
+def record_attention(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Inside the block, every forward of `model` appends each `Attention` module's weights
-    (B, heads, T, T), float32, to the yielded list (in module order: layer 0 first)."""
+    (B, heads, T, T), float32, to the yielded list (in module order: layer 0 first), or with
+    `reduce` what it makes of them, so that no more than one layer's weights are held at a time
+    (all of a ViT-B/16's take 0.7 GB for a batch of 32)."""
     maps: list[torch.Tensor] = []
     handles = []
     for a in (m for m in model.modules() if isinstance(m, Attention)):
@@ -27,7 +30,8 @@ def record_attention(model: nn.Module):
             B, T, _ = qkv.shape
             q, k, _ = qkv.float().reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
             q, k = a.q_norm(q), a.k_norm(k)
-            maps.append(((q * a.scale) @ k.transpose(-2, -1)).softmax(dim=-1))
+            weights = ((q * a.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+            maps.append(weights if reduce is None else reduce(weights))
         handles.append(a.qkv.register_forward_hook(hook))
     if not handles:
         raise ValueError(f"{type(model).__name__} has no timm Attention modules to read attention from")
@@ -45,13 +49,10 @@ def patch_distances(grid: tuple[int, int], patch_size: int) -> torch.Tensor:
     return torch.cdist(centres, centres)
 
 
-def attention_distance_sums(maps: list[torch.Tensor], distances: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """Per layer and head, the sum over images and query patches of the attention-weighted
-    distance (layers, heads); divide by images x patches for the mean."""
-    out = []
-    for a in maps:
-        w = a[:, :, num_prefix:, num_prefix:]
-        # a query whose patch weights all underflow (every bit on the [class] token) counts as distance 0, not NaN
-        w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
-        out.append((w * distances.to(w)).sum(-1).sum((0, 2)))
-    return torch.stack(out)
+def attention_distance_sum(a: torch.Tensor, distances: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """Per head, the sum over images and query patches of the attention-weighted distance of one
+    layer's weights `a` (B, heads, T, T) (heads,); divide by images x patches for the mean."""
+    w = a[:, :, num_prefix:, num_prefix:]
+    # a query whose patch weights all underflow (every bit on the [class] token) counts as distance 0, not NaN
+    w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+    return (w * distances.to(w)).sum(-1).sum((0, 2))

@@ -8,6 +8,7 @@ beside it, or `none:PRESET` (random initialisation, seeded); `LABEL=` in front n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from mpp.data import make_loader
 from mpp.data.transforms import normalize, to_float01
 from mpp.evaluators.features import encoder_img_size, eval_mode
 from mpp.figures import plots
-from mpp.figures.attention import attention_distance_sums, patch_distances, record_attention
+from mpp.figures.attention import attention_distance_sum, patch_distances, record_attention
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
 from mpp.figures.predictions import load_mpp_task, predict, prediction_grid
@@ -84,14 +85,14 @@ def read_images(data, img_size: int, count: int, data_cfg: DataConfig, num_sampl
 def mean_attention_distance(encoder: MaskedEncoder, images: torch.Tensor, data: DataConfig, batch_size: int = 32,
                             desc: str = "attention") -> torch.Tensor:
     """Mean attention distance in pixels (layers, heads) over `images` (uint8)."""
-    dist = patch_distances(encoder.grid_size, encoder.patch_size)
+    reduce = functools.partial(attention_distance_sum, distances=patch_distances(encoder.grid_size, encoder.patch_size),
+                               num_prefix=encoder.vit.num_prefix_tokens)
     total = None
-    with eval_mode(encoder), record_attention(encoder.vit) as maps:
+    with eval_mode(encoder), record_attention(encoder.vit, reduce) as sums:
         for i in tqdm(range(0, len(images), batch_size), desc=desc, dynamic_ncols=True):
-            maps.clear()
+            sums.clear()
             encoder(normalize(to_float01(images[i:i + batch_size]), data.mean, data.std))
-            sums = attention_distance_sums(maps, dist, encoder.vit.num_prefix_tokens)
-            total = sums if total is None else total + sums
+            total = torch.stack(sums) if total is None else total + torch.stack(sums)
     return total / (len(images) * encoder.num_patches)
 
 
