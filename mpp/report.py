@@ -746,6 +746,9 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
             sorted(m.parent for m in path.rglob("metrics.json") if (m.parent / "config.yaml").is_file())
         planned = _plan(path)
         if planned is not None:
+            if gone := [d for d in planned if not (d / "metrics.json").is_file()]:
+                raise ReportError(f"{path / 'report.json'} names in its plan {gone[0]}, which holds no finished run "
+                                  "(metrics.json); rerun the comparison, or name the run directories to report")
             named = {d.resolve() for d in planned}
             if left := [str(d.relative_to(path)) for d in below if d.resolve() not in named]:
                 print(f"[report] {path}: left out {len(left)} run director{'y' if len(left) == 1 else 'ies'} below "
@@ -799,14 +802,17 @@ def _skipped(metrics: dict) -> dict:
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                  repeats: list[dict] | None = None, plan: bool = False) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
-    (default: the runs' common parent directory) and return the report dict. `repeats`: the
+    (default: a comparison's folder given alone, else the runs' common parent directory) and
+    return the report dict. `repeats`: the
     reports of the same comparison with other pre-training seeds (`read_repeat`), summed up with
     this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names.
     `plan`: the runs are a comparison's plan, recorded in report.json (`_plan`), as they are again
     when its output_dir alone is re-rendered."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
-    plan = plan or (len(run_dirs) == 1 and _plan(Path(run_dirs[0])) is not None)
+    planned = len(run_dirs) == 1 and _plan(Path(run_dirs[0])) is not None  # a comparison's folder re-rendered
+    out_dir = out_dir or (run_dirs[0] if planned else None)  # there, not at its runs' common parent
+    plan = plan or planned
     run_dirs = find_runs(run_dirs)
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)

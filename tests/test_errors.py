@@ -285,6 +285,8 @@ CASES = [
                 (t / "report.json").write_text('{"pretrain_seeds": {"seeds": 2, "repeats": ["gone"]}}'))),
     ("report of a comparison's folder whose report.json holds a damaged plan", "report", lambda t: [f"{t}/cmp"],
      lambda t: ((t / "cmp").mkdir(), (t / "cmp" / "report.json").write_text('{"plan": 3}'))),
+    ("report of a comparison's folder whose plan names a run since deleted", "report", lambda t: [f"{t}/cmp"],
+     lambda t: ((t / "cmp").mkdir(), (t / "cmp" / "report.json").write_text('{"plan": ["finetune_mpp_10pct"]}'))),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
     ("make_shards with shards of 0 samples", "make_shards",

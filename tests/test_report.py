@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -723,7 +724,9 @@ def test_a_comparisons_folder_re_renders_from_its_plan_and_names_the_runs_it_lea
                                                  "finetune": {"init": str(runs[0]), "label_fraction": 0.1}},
          {"top1": 0.10, "top5": 0.5})
     scratch = [r for r in runs if r.name.startswith("ft_scratch")]
-    write_report([runs[0], runs[1], *scratch], tmp_path / "cmp_seed1", [], plan=True)
+    seed1 = [r for r in _paper_runs(tmp_path / "cmp_seed1") if not r.name.startswith("ft_scratch")]
+    write_report([*seed1, *scratch], tmp_path / "cmp_seed1", [], plan=True)  # as a comparison lays a repeat out
+    (tmp_path / "cmp_seed1" / "report.md").unlink()
     tool = [sys.executable, str(ROOT / "tools/report.py")]
     for _ in range(2):  # the re-render records the plan again
         again = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
@@ -731,14 +734,21 @@ def test_a_comparisons_folder_re_renders_from_its_plan_and_names_the_runs_it_lea
         assert "left out 1 run directory below" in again.stdout and "ft_mpp_0.1_old_lr" in again.stdout
         rep = json.loads((tmp_path / "cmp" / "report.json").read_text())
         assert rep["table"] == first["table"] and rep["plan"] == first["plan"]
-    seed1 = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
-    assert seed1.returncode == 0, seed1.stderr
-    table = json.loads((tmp_path / "cmp_seed1" / "report.json").read_text())["table"]
-    assert table["scratch"]["finetune"] == first["table"]["scratch"]["finetune"]
+    again = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr  # written in the repeat's folder, not the runs' common parent
+    assert (tmp_path / "cmp_seed1" / "report.md").is_file() and not (tmp_path / "report.md").exists()
+    rep = json.loads((tmp_path / "cmp_seed1" / "report.json").read_text())
+    assert rep["table"]["scratch"]["finetune"] == first["table"]["scratch"]["finetune"]
+    assert sorted(d for d in rep["plan"] if d.startswith("..")) == sorted(f"../cmp/{r.name}" for r in scratch)
+    assert json.loads((tmp_path / "cmp" / "report.json").read_text())["plan"] == first["plan"]
     every = subprocess.run([*tool, str(tmp_path / "cmp"), str(tmp_path / "cmp" / "ft_mpp_0.1_old_lr"),
                             "--out", str(tmp_path / "all")], capture_output=True, text=True)
     assert every.returncode == 0, every.stderr  # named, it counts (a seed of the MPP cell)
     assert json.loads((tmp_path / "all" / "report.json").read_text())["table"]["mpp"] != first["table"]["mpp"]
+    shutil.rmtree(tmp_path / "cmp" / "ft_scratch_0.1")
+    gone = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
+    assert gone.returncode == 2 and gone.stderr.count("\n") == 1 and "ft_scratch_0.1" in gone.stderr
+    assert "plan" in gone.stderr
     (tmp_path / "cmp" / "report.json").write_text(json.dumps({"plan": "ft_mpp_1"}))
     bad = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "plan" in bad.stderr
