@@ -33,6 +33,7 @@ class DataConfig:
     val_num_samples: int = 0   # the same for `val`
     num_workers: int = 2       # DataLoader workers per rank
     shuffle_buffer: int = 2000  # per-worker sample shuffle buffer (0: no sample shuffle)
+    shuffle_mb: int = 1024     # per worker: the shuffle buffer holds at most this many MiB of raw samples (large images: fewer)
     resampled: bool = False    # draw shards with replacement, forever; epoch length = epoch_samples
     epoch_samples: int = 0     # samples per epoch (all ranks) in resampled mode
     crop_scale: tuple = (0.08, 1.0)  # inception crop area range (paper: 0.08-1)
@@ -619,6 +620,8 @@ def validate(cfg: Config) -> None:
     d = cfg.data
     check(d.num_workers >= 0 and d.shuffle_buffer >= 0 and d.cache_mb >= 0,
           "config keys data.num_workers, data.shuffle_buffer and data.cache_mb must be >= 0")
+    check(d.shuffle_mb >= 1, f"config key 'data.shuffle_mb' must be >= 1 (MiB a worker's shuffle buffer may hold), "
+          f"got {d.shuffle_mb}")
     check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,
           f"config key 'data.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {list(d.crop_scale)}")
     check(0.0 < d.eval_crop_pct <= 1.0, "config key 'data.eval_crop_pct' must be in (0, 1]")

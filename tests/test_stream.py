@@ -24,7 +24,7 @@ from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.decode import open_image
 from mpp.data.sources import ShardSet
-from mpp.data.stream import first_batch
+from mpp.data.stream import first_batch, shuffle
 from mpp.data.subset import select_subset
 from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, _load, resized_crop, stack
 from shardutil import encode, write_shards
@@ -478,6 +478,34 @@ def test_a_worker_holds_no_more_raw_samples_than_its_cache_allows(tmp_path):
     assert cache is None and outgrown < 16 + 8
     kept, cache = peak_mib(64)
     assert len(cache[0]) == 32 and kept > 32
+
+
+def test_the_shuffle_is_webdatasets_until_its_bytes_bound_binds():
+    """Under its byte bound the shuffle draws webdataset's order exactly (the figures of runs made
+    with webdataset's shuffle stand); over it, large samples stop the buffer growing at the bound
+    while every sample still goes out once."""
+    import random
+    from webdataset.filters import shuffle as wds_shuffle
+    small = [{"__key__": f"{i:04d}", "png": bytes(10)} for i in range(300)]
+    for size in (1, 7, 100, 1000):
+        ours = [x["__key__"] for x in shuffle(iter(small), size, 1 << 20, random.Random("s"))]
+        theirs = [x["__key__"] for x in wds_shuffle(size, initial=size, rng=random.Random("s"))(iter(small))]
+        assert ours == theirs, size
+    held, peak = 0, 0
+
+    def big():  # 64 samples of 1 MiB, counting those read but not yet handed out
+        nonlocal held, peak
+        for i in range(64):
+            held += 1
+            peak = max(peak, held)
+            yield {"__key__": f"{i:04d}", "jpg": bytes(1 << 20)}
+
+    out = []
+    for x in shuffle(big(), 2000, 8 << 20, random.Random(0)):
+        held -= 1
+        out.append(x["__key__"])
+    assert sorted(out) == [f"{i:04d}" for i in range(64)] and out != sorted(out)
+    assert 8 <= peak <= 9  # the bound, and the one sample read past it
 
 
 def test_a_shard_that_counted_a_skip_is_read_and_counted_every_epoch_while_the_rest_stays_cached(tmp_path):

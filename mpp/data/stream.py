@@ -14,7 +14,8 @@ computation on every rank and worker):
 2. each DataLoader worker reads its bin's shards (a train set that fits `data.cache_mb` per worker
    is kept raw in every worker's memory from the first epoch's end on, so small sets read many
    times skip the shard reading at every epoch start), drops samples outside a subset, shuffles raw
-   (undecoded) samples in a buffer, decodes them a batch at a time (`decode.decode_batch`) and
+   (undecoded) samples in a buffer bounded in count and bytes (`shuffle`), decodes them a batch
+   at a time (`decode.decode_batch`) and
    yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`), in
    shared-memory slots it reuses (`slots.BatchSlots`; batches for CUDA are pinned by the consumer,
    `mpp.prefetch`), together with its cumulative skip counters;
@@ -59,7 +60,6 @@ from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.filters import shuffle as wds_shuffle
 
 from mpp.config import DataConfig
 from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_batch
@@ -104,6 +104,38 @@ def _worker_sigterm(shield, signum, frame) -> None:
 SLOTS_PER_WORKER = 7
 
 
+def raw_bytes(sample: dict) -> int:
+    """The bytes a raw sample holds (its members' contents)."""
+    return sum(len(v) for v in sample.values() if isinstance(v, bytes))
+
+
+def shuffle(samples: Iterator[dict], size: int, max_bytes: int, rng: random.Random) -> Iterator[dict]:
+    """webdataset's sample shuffle (a buffer of `size` raw samples, filled before the first goes
+    out, then one random pick per sample read: the same draws, so the same order) with the
+    buffer's bytes bounded too: past `max_bytes` it stops growing, so that large images (a 4 MB
+    photo, 256 MiB members) hold fewer samples instead of exhausting memory."""
+    buf, held = [], 0
+
+    def pick() -> dict:
+        nonlocal held
+        k = rng.randint(0, len(buf) - 1)
+        buf[k], buf[-1] = buf[-1], buf[k]
+        held -= raw_bytes(buf[-1])
+        return buf.pop()
+
+    for sample in samples:
+        buf.append(sample)
+        held += raw_bytes(sample)
+        if len(buf) < size and held < max_bytes:  # grows by two a step until full, as webdataset's
+            if (more := next(samples, None)) is not None:
+                buf.append(more)
+                held += raw_bytes(more)
+        if len(buf) >= size or held >= max_bytes:
+            yield pick()
+    while buf:
+        yield pick()
+
+
 class _EpochPlan:
     """Which shards each of this rank's workers reads in one epoch, and their sample count."""
 
@@ -126,11 +158,12 @@ class _ShardStream(IterableDataset):
     """One rank's worker side: per worker, its shards -> raw shuffle -> decode -> uint8 batches."""
 
     def __init__(self, shards: ShardSet, transform, *, batch_size: int, labeled: bool,
-                 max_pixels: int, shuffle_buffer: int, resampled: bool, seed: int, train: bool,
-                 rank: int, world_size: int, workers: int, cache_bytes: int = 0):
+                 max_pixels: int, shuffle_buffer: int, shuffle_bytes: int, resampled: bool, seed: int,
+                 train: bool, rank: int, world_size: int, workers: int, cache_bytes: int = 0):
         self.shards, self.transform = shards, transform
         self.batch_size, self.labeled, self.max_pixels = batch_size, labeled, max_pixels
-        self.shuffle_buffer, self.resampled, self.seed, self.train = shuffle_buffer, resampled, seed, train
+        self.shuffle_buffer, self.shuffle_bytes = shuffle_buffer, shuffle_bytes
+        self.resampled, self.seed, self.train = resampled, seed, train
         self.rank, self.world_size, self.workers = rank, world_size, workers
         # each epoch streams into the next (see __iter__); only where the counts are exact, as a worker
         # that makes more batches than they say would run ahead by the surplus every epoch (see _ticks)
@@ -193,7 +226,7 @@ class _ShardStream(IterableDataset):
         for sample in self._read(shard, skips):
             if kept is not None and self.cache is not None:
                 kept.append(sample)
-                size += sum(len(v) for v in sample.values() if isinstance(v, bytes))
+                size += raw_bytes(sample)
                 if self.cache_bytes + size > self.cache_limit or skips != before:
                     kept = None  # not cached: free what was kept now
             yield sample
@@ -226,8 +259,8 @@ class _ShardStream(IterableDataset):
         rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:augment")
         samples = self._raw(epoch, worker, skips)
         if self.shuffle_buffer > 0:
-            samples = wds_shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
-                                  rng=random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:buffer"))(samples)
+            samples = shuffle(samples, self.shuffle_buffer, self.shuffle_bytes,
+                              random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:buffer"))
         num_classes = len(self.shards.classes) if self.shards.classes else None
         images, labels, sent = [], [], 0
         try:  # decode only as many samples as the batch still needs: batches stay in stream order
@@ -320,7 +353,8 @@ class ShardLoader:
         self.stream = _ShardStream(
             shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,
-            resampled=self.resampled, seed=seed, train=train, rank=rank, world_size=world_size, workers=workers,
+            shuffle_bytes=data_cfg.shuffle_mb << 20, resampled=self.resampled, seed=seed, train=train, rank=rank,
+            world_size=world_size, workers=workers,
             cache_bytes=data_cfg.cache_mb << 20 if self.num_workers and train else 0)  # persistent workers keep it
         self._skips: dict[str, int] = {}
         if self.num_workers:  # CUDA too: the trainer pins a copy itself (mpp.prefetch), freeing the slot
