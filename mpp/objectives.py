@@ -87,8 +87,8 @@ def class_colors(classes: torch.Tensor, bits: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Target:
-    """What the MPP head predicts for each chosen patch. `outputs(num_colors, patch_size)`: the
-    head's width; `loss(pred, pix, bits) -> (loss, predicted classes, true classes)` from the fp32
+    """What the MPP head predicts for each chosen patch. `outputs(bits, patch_size)`: the head's
+    width at `bits` a colour channel; `loss(pred, pix, bits) -> (loss, predicted classes, true classes)` from the fp32
     head output (B, K, out) and the chosen patches' true pixels (B, K, 3, p, p); `colors(pred,
     bits)`: the predicted mean colour of each patch (B, K, 3), for the prediction figures (None for
     a target that predicts no colour)."""
@@ -185,24 +185,24 @@ def _pixels_loss(pred, pix, bits):
 
 TARGETS: dict[str, Target] = {
     "mean_color": Target(  # the paper's: one of 2^(3 bits) colour classes
-        outputs=lambda colors, p: colors, loss=_mean_color_loss,
+        outputs=lambda bits, p: 2 ** (3 * bits), loss=_mean_color_loss,
         colors=lambda pred, bits: class_colors(pred.argmax(-1), bits)),
     "mean_color_regression": Target(  # the mean colour itself, L2
-        outputs=lambda colors, p: 3, loss=_regression_loss, colors=lambda pred, bits: pred.clamp(0, 1)),
+        outputs=lambda bits, p: 3, loss=_regression_loss, colors=lambda pred, bits: pred.clamp(0, 1)),
     "downsampled": Target(  # a colour class for each cell of a 4x4 downsized patch
-        outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * colors, loss=_downsampled_loss,
+        outputs=lambda bits, p: DOWNSAMPLED_CELLS ** 2 * 2 ** (3 * bits), loss=_downsampled_loss,
         colors=lambda pred, bits: class_colors(
             pred.view(*pred.shape[:2], DOWNSAMPLED_CELLS ** 2, -1).argmax(-1), bits).mean(2)),
     "downsampled_channels": Target(  # not the paper's: downsampled with each channel's level its own class
-        outputs=lambda colors, p: DOWNSAMPLED_CELLS ** 2 * 3 * 2 ** ((colors.bit_length() - 1) // 3),  # levels a channel
+        outputs=lambda bits, p: DOWNSAMPLED_CELLS ** 2 * 3 * 2 ** bits,  # 2^bits levels a channel
         loss=_downsampled_channels_loss,
         colors=lambda pred, bits: _level_centres(_channel_levels(pred, bits).argmax(-1), bits).mean(2)),
     "color_histogram": Target(  # not the paper's: the share of the patch's pixels in each colour class
-        outputs=lambda colors, p: colors, loss=_color_histogram_loss, colors=_histogram_mean),
+        outputs=lambda bits, p: 2 ** (3 * bits), loss=_color_histogram_loss, colors=_histogram_mean),
     "hog": Target(  # not the paper's (MaskFeat's): the patch's gradient-orientation histograms, L2
-        outputs=lambda colors, p: HOG_CELLS ** 2 * HOG_BINS, loss=_hog_loss, colors=None),
+        outputs=lambda bits, p: HOG_CELLS ** 2 * HOG_BINS, loss=_hog_loss, colors=None),
     "pixels": Target(  # every pixel, L2
-        outputs=lambda colors, p: 3 * p * p, loss=_pixels_loss,
+        outputs=lambda bits, p: 3 * p * p, loss=_pixels_loss,
         colors=lambda pred, bits: pred.view(*pred.shape[:2], 3, -1).mean(-1).clamp(0, 1)),
 }
 
@@ -341,7 +341,7 @@ class MPPTask(Task):
             raise ValueError(f"mpp.target={mpp_cfg.target!r}; choose one of {', '.join(TARGETS)}")
         self.cfg, self.target = mpp_cfg, TARGETS[mpp_cfg.target]
         self.num_colors = 2 ** (3 * mpp_cfg.bits)
-        self.head = _linear(encoder.embed_dim, self.target.outputs(self.num_colors, encoder.patch_size))
+        self.head = _linear(encoder.embed_dim, self.target.outputs(mpp_cfg.bits, encoder.patch_size))
 
     @classmethod
     def from_config(cls, cfg, encoder: nn.Module, num_classes: int | None) -> MPPTask:
