@@ -241,8 +241,8 @@ def test_feature_cache_hits_and_is_keyed_by_encoder(shards, tmp_path, monkeypatc
 
 def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path, monkeypatch):
     """An LP-FT head (probe_head) is cached beside the features: the same encoder, labels and
-    probe settings load it (no fit), a different L2 grid or encoder fits anew; a miss hashes the
-    encoder's weights once."""
+    probe settings load it (no fit), a different L2 grid, encoder or representation fits anew (the
+    representations of one encoder share one extraction); a miss hashes the encoder's weights once."""
     from mpp.evaluators.linear_probe import probe_head
     cfg = _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-3, 1e-1]})
     torch.manual_seed(0)
@@ -265,6 +265,10 @@ def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path,
     probe_head(enc_a, _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-2]}), **kw)
     probe_head(enc_b, cfg, **kw)
     assert len(fits) == 2 and len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 3
+    token = probe_head(enc_a, cfg, **{**kw, "pool": "token"})  # its own head, from the features already there
+    assert len(fits) == 3 and token["pool"] == "token" and not torch.equal(token["weight"], first["weight"])
+    assert len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 4
+    assert len(list((tmp_path / "feature_cache").glob("features-*.safetensors"))) == 2  # one per encoder
 
 
 def test_an_unreadable_cache_entry_is_computed_again(shards, tmp_path, caplog):

@@ -29,7 +29,7 @@ from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, write_atomic
-from mpp.models import encoder_digest, encoder_from
+from mpp.models import POOLS, encoder_digest, encoder_from
 from mpp.runtime import deterministic, resolve_precision
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
@@ -230,11 +230,13 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
-    features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=pools, img_size=encoder_img_size(encoder),
+    # features of every representation (one forward gives them all), so that the sweep's stages of
+    # either representation share one extraction; the head's fit reads only `pools`
+    features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=POOLS, img_size=encoder_img_size(encoder),
                                  num_samples=cfg.data.num_samples, precision=precision, subset=subset)
     rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
     grid = (cfg.finetune.head_l2,) if cfg.finetune.head_l2 else p.l2_grid
-    key = json.dumps([features, sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
+    key = json.dumps([features, list(pools), sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
                       rule, dev_subset and list(dev_subset)])  # heads cached under an earlier rule are refitted
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
@@ -247,11 +249,14 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
         return head
     if (cached := read_cached(path, read)) is not None:
         return cached
-    x, y, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, num_samples=cfg.data.num_samples,
+    x, y, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=POOLS, num_samples=cfg.data.num_samples,
                                cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
-    dev = dev_subset and extract_features(encoder, cfg.data.train, cfg=cfg, pools=pools, cache_dir=cache,
-                                          num_samples=cfg.data.num_samples, device=device, precision=precision,
-                                          subset=dev_subset)
+    x, dev = {n: x[n] for n in pools}, None
+    if dev_subset:
+        dx, dy, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=POOLS, cache_dir=cache,
+                                     num_samples=cfg.data.num_samples, device=device, precision=precision,
+                                     subset=dev_subset)
+        dev = {n: dx[n] for n in pools}, dy
     c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=grid,
                      seed=cfg.finetune.split_seed, dev=dev)
     weight, bias = fit_linear_head(x[c.pool], y, num_classes, c.head_l2, init=c.start_head)
