@@ -254,11 +254,11 @@ def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path,
     first = probe_head(enc_a, cfg, **kw)
     assert len(hashes) == 1  # the features' key is computed once, for the head's key and the features
     monkeypatch.undo()
-    assert first["l2"] in (1e-3, 1e-1) and first["weight"].shape == (4, enc_a.embed_dim)
+    assert first["l2"] in (1e-3, 1e-1) and first["weight"].shape == (4, enc_a.embed_dim) and first["pool"] == "avg"
     fits = []
     real_choose = mpp.evaluators.linear_probe.choose_probe
-    monkeypatch.setattr(mpp.evaluators.linear_probe, "choose_probe",
-                        lambda *a, **k: fits.append(1) or real_choose(*a, **k))
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "choose_probe",  # records the representations it chose from
+                        lambda x, *a, **k: fits.append(list(x)) or real_choose(x, *a, **k))
     again = probe_head(enc_a, cfg, **kw)
     assert not fits and all(torch.equal(first[k], again[k]) for k in ("weight", "bias"))
     assert (again["l2"], again["heldout_top1"]) == (first["l2"], first["heldout_top1"])
@@ -266,7 +266,8 @@ def test_probe_head_is_fitted_once_per_encoder_labels_and_grid(shards, tmp_path,
     probe_head(enc_b, cfg, **kw)
     assert len(fits) == 2 and len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 3
     token = probe_head(enc_a, cfg, **{**kw, "pool": "token"})  # its own head, from the features already there
-    assert len(fits) == 3 and token["pool"] == "token" and not torch.equal(token["weight"], first["weight"])
+    assert fits == [["avg"], ["avg"], ["token"]] and token["pool"] == "token"
+    assert not torch.equal(token["weight"], first["weight"])
     assert len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 4
     assert len(list((tmp_path / "feature_cache").glob("features-*.safetensors"))) == 2  # one per encoder
 

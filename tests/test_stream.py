@@ -493,19 +493,21 @@ def test_the_shuffle_is_webdatasets_until_its_bytes_bound_binds():
         assert ours == theirs, size
     held, peak = 0, 0
 
-    def big():  # 64 samples of 1 MiB, counting those read but not yet handed out
+    def read(sizes):  # samples of these sizes, counting the bytes read but not yet handed out
         nonlocal held, peak
-        for i in range(64):
-            held += 1
+        for i, n in enumerate(sizes):
+            held += n
             peak = max(peak, held)
-            yield {"__key__": f"{i:04d}", "jpg": bytes(1 << 20)}
+            yield {"__key__": f"{i:04d}", "jpg": bytes(n)}
 
-    out = []
-    for x in shuffle(big(), 2000, 8 << 20, random.Random(0)):
-        held -= 1
-        out.append(x["__key__"])
-    assert sorted(out) == [f"{i:04d}" for i in range(64)] and out != sorted(out)
-    assert 8 <= peak <= 9  # the bound, and the one sample read past it
+    for sizes, size in (([1 << 20] * 64, 2000),  # large from the start: the buffer stops at the bound
+                        ([10_000] * 300 + [1 << 20] * 64, 200)):  # filled by count, then large ones come
+        held, peak, out = 0, 0, []
+        for x in shuffle(read(sizes), size, 8 << 20, random.Random(0)):
+            held -= len(x["jpg"])
+            out.append(x["__key__"])
+        assert sorted(out) == [f"{i:04d}" for i in range(len(sizes))] and out != sorted(out)
+        assert 8 << 20 <= peak <= 9 << 20, peak  # the bound, and the one sample read past it
 
 
 def test_a_shard_that_counted_a_skip_is_read_and_counted_every_epoch_while_the_rest_stays_cached(tmp_path):

@@ -14,8 +14,8 @@ computation on every rank and worker):
 2. each DataLoader worker reads its bin's shards (a train set that fits `data.cache_mb` per worker
    is kept raw in every worker's memory from the first epoch's end on, so small sets read many
    times skip the shard reading at every epoch start), drops samples outside a subset, shuffles raw
-   (undecoded) samples in a buffer bounded in count and bytes (`shuffle`), decodes them a batch
-   at a time (`decode.decode_batch`) and
+   (undecoded) samples in a buffer bounded in count and bytes (`shuffle`), decodes them a batch at
+   a time (`decode.decode_batch`) and
    yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`), in
    shared-memory slots it reuses (`slots.BatchSlots`; batches for CUDA are pinned by the consumer,
    `mpp.prefetch`), together with its cumulative skip counters;
@@ -112,8 +112,9 @@ def raw_bytes(sample: dict) -> int:
 def shuffle(samples: Iterator[dict], size: int, max_bytes: int, rng: random.Random) -> Iterator[dict]:
     """webdataset's sample shuffle (a buffer of `size` raw samples, filled before the first goes
     out, then one random pick per sample read: the same draws, so the same order) with the
-    buffer's bytes bounded too: past `max_bytes` it stops growing, so that large images (a 4 MB
-    photo, 256 MiB members) hold fewer samples instead of exhausting memory."""
+    buffer's bytes bounded too: past `max_bytes` it stops growing and hands out samples until it is
+    under the bound again, so that large images (a 4 MB photo, 256 MiB members) hold fewer samples
+    instead of exhausting memory."""
     buf, held = [], 0
 
     def pick() -> dict:
@@ -130,7 +131,7 @@ def shuffle(samples: Iterator[dict], size: int, max_bytes: int, rng: random.Rand
             if (more := next(samples, None)) is not None:
                 buf.append(more)
                 held += raw_bytes(more)
-        if len(buf) >= size or held >= max_bytes:
+        while buf and (len(buf) >= size or held >= max_bytes):  # one a step, more while over the bytes
             yield pick()
     while buf:
         yield pick()
