@@ -724,7 +724,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
                           Path(cfg.output_dir) / "figures")
     ran = [s for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed
     scratch = [s.out for s in ran if s.arm == "scratch"]
-    repeats = [write_report([s.out for s in ran if s.pretrain_seed == seed] + scratch, repeat_dir(cfg, seed), [], plan=True)
+    repeats = [write_report([s.out for s in ran if s.pretrain_seed == seed] + scratch, repeat_dir(cfg, seed), [])
                for seed in range(1, cfg.pretrain_seeds)]  # each pre-training seed's own report, scratch shared
-    write_report([s.out for s in ran if s.pretrain_seed == 0], Path(cfg.output_dir), repeats, plan=True)  # links the figures
+    write_report([s.out for s in ran if s.pretrain_seed == 0], Path(cfg.output_dir), repeats)  # links the figures
     return Path(cfg.output_dir) / "report.md"

@@ -723,9 +723,9 @@ def _figures_section(out: Path) -> str:
 
 
 def _plan(path: Path) -> list[Path] | None:
-    """The run directories a comparison wrote the report in folder `path` from (its report.json's
-    `plan`, relative to `path`); None where no comparison wrote one there. Re-rendering a
-    comparison's output_dir reads those, not the stages of an earlier plan still below it."""
+    """The run directories the report in folder `path` was written from (its report.json's `plan`,
+    relative to `path`); None where no report records one there. Re-rendering a report's folder
+    reads those, not the stages of an earlier comparison plan still below it."""
     file = path / "report.json"
     if (path / "metrics.json").exists() or not file.is_file():
         return None
@@ -733,13 +733,13 @@ def _plan(path: Path) -> list[Path] | None:
     if plan is not None and not (isinstance(plan, list) and all(isinstance(d, str) for d in plan)):
         raise ReportError(f"{file} holds a 'plan' that is not a list of run directories; rerun the comparison, "
                           "or name the run directories to report")
-    return None if plan is None else [path / d for d in plan]
+    return None if plan is None else [Path(os.path.normpath(path / d)) for d in plan]  # no 'cmp_seed1/../cmp'
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:
     """The run directories among `paths`: one holding metrics.json is a run; a directory without
-    it stands for every run directory below it (a cell's seeds), or for a comparison's output_dir
-    the stages of its plan (`_plan`; those it leaves out are named)."""
+    it stands for every run directory below it (a cell's seeds), or, where a report was written
+    there before, for the runs that report records (`_plan`; those it leaves out are named)."""
     found = []
     for path in map(Path, paths):
         below = [] if (path / "metrics.json").exists() or not path.is_dir() else \
@@ -752,9 +752,8 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
             named = {d.resolve() for d in planned}
             if left := [str(d.relative_to(path)) for d in below if d.resolve() not in named]:
                 print(f"[report] {path}: left out {len(left)} run director{'y' if len(left) == 1 else 'ies'} below "
-                      f"it that the comparison's plan (its report.json) does not name, stages of an earlier plan: "
-                      f"{', '.join(left)}; "
-                      "name them to report them", flush=True)
+                      f"it that its report.json was not written from (its plan), such as stages of an earlier "
+                      f"comparison: {', '.join(left)}; name them to report them", flush=True)
             below = planned
         found += below or [path]  # a path with no run below: describe_run says what is missing
     return found
@@ -800,19 +799,17 @@ def _skipped(metrics: dict) -> dict:
 
 
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
-                 repeats: list[dict] | None = None, plan: bool = False) -> dict:
+                 repeats: list[dict] | None = None) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
-    (default: a comparison's folder given alone, else the runs' common parent directory) and
-    return the report dict. `repeats`: the
+    (default: the folder named, where one folder that is not a run is named, else the runs' common
+    parent directory) and return the report dict. report.json records the runs as `plan`, relative
+    to `out_dir`, so that re-rendering that folder reads the same runs (`_plan`). `repeats`: the
     reports of the same comparison with other pre-training seeds (`read_repeat`), summed up with
-    this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names.
-    `plan`: the runs are a comparison's plan, recorded in report.json (`_plan`), as they are again
-    when its output_dir alone is re-rendered."""
+    this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
-    planned = len(run_dirs) == 1 and _plan(Path(run_dirs[0])) is not None  # a comparison's folder re-rendered
-    out_dir = out_dir or (run_dirs[0] if planned else None)  # there, not at its runs' common parent
-    plan = plan or planned
+    if out_dir is None and len(run_dirs) == 1 and not (Path(run_dirs[0]) / "metrics.json").exists():
+        out_dir = run_dirs[0]  # a comparison's folder re-rendered goes back there
     run_dirs = find_runs(run_dirs)
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)
@@ -820,8 +817,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                    for r in runs]
     rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
-    if plan:
-        rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
+    rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)
     if repeats:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -713,19 +714,19 @@ def test_run_directories_from_elsewhere_cannot_blow_up_or_crash_the_report(tmp_p
     assert read_yaml("lr: &lr 0.1\nmin_lr: *lr\n") == {"lr": 0.1, "min_lr": 0.1}  # a scalar's alias stays fine
 
 
-def test_a_comparisons_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_out(tmp_path):
-    """A comparison records the stages it reported (`plan`): re-rendering its output_dir reads those,
+def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_out(tmp_path):
+    """A report records the runs it was written from (`plan`): re-rendering its folder reads those,
     not a stage of an earlier plan left below it (here a fine-tune that would move the MPP cell),
     and a repeat's report keeps the scratch runs that live in the main folder."""
     runs = _paper_runs(tmp_path / "cmp")
-    first = write_report(runs, tmp_path / "cmp", [], plan=True)
+    first = write_report(runs, tmp_path / "cmp", [])
     assert first["plan"] == [p.name for p in runs]
     _run(tmp_path / "cmp", "ft_mpp_0.1_old_lr", {"objective": "classify", "seed": 1,
                                                  "finetune": {"init": str(runs[0]), "label_fraction": 0.1}},
          {"top1": 0.10, "top5": 0.5})
     scratch = [r for r in runs if r.name.startswith("ft_scratch")]
     seed1 = [r for r in _paper_runs(tmp_path / "cmp_seed1") if not r.name.startswith("ft_scratch")]
-    write_report([*seed1, *scratch], tmp_path / "cmp_seed1", [], plan=True)  # as a comparison lays a repeat out
+    write_report([*seed1, *scratch], tmp_path / "cmp_seed1", [])  # as a comparison lays a repeat out
     (tmp_path / "cmp_seed1" / "report.md").unlink()
     tool = [sys.executable, str(ROOT / "tools/report.py")]
     for _ in range(2):  # the re-render records the plan again
@@ -740,11 +741,20 @@ def test_a_comparisons_folder_re_renders_from_its_plan_and_names_the_runs_it_lea
     rep = json.loads((tmp_path / "cmp_seed1" / "report.json").read_text())
     assert rep["table"]["scratch"]["finetune"] == first["table"]["scratch"]["finetune"]
     assert sorted(d for d in rep["plan"] if d.startswith("..")) == sorted(f"../cmp/{r.name}" for r in scratch)
+    assert {r["dir"] for r in rep["runs"]} >= {str(r) for r in scratch}  # named as the main report names them
     assert json.loads((tmp_path / "cmp" / "report.json").read_text())["plan"] == first["plan"]
     every = subprocess.run([*tool, str(tmp_path / "cmp"), str(tmp_path / "cmp" / "ft_mpp_0.1_old_lr"),
                             "--out", str(tmp_path / "all")], capture_output=True, text=True)
     assert every.returncode == 0, every.stderr  # named, it counts (a seed of the MPP cell)
     assert json.loads((tmp_path / "all" / "report.json").read_text())["table"]["mpp"] != first["table"]["mpp"]
+    for out in (tmp_path / "cmp", tmp_path / "named"):  # runs named with --out: that folder re-renders from them
+        named = subprocess.run([*tool, *map(str, runs), "--out", str(out)], capture_output=True, text=True)
+        assert named.returncode == 0, named.stderr
+        plan = json.loads((out / "report.json").read_text())["plan"]
+        assert plan == [os.path.relpath(r.resolve(), out.resolve()) for r in runs]
+        again = subprocess.run([*tool, str(out)], capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+        assert json.loads((out / "report.json").read_text())["table"] == first["table"]  # the same runs, as named
     shutil.rmtree(tmp_path / "cmp" / "ft_scratch_0.1")
     gone = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
     assert gone.returncode == 2 and gone.stderr.count("\n") == 1 and "ft_scratch_0.1" in gone.stderr
