@@ -187,7 +187,7 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
     if state["world_size"] != accelerator.num_processes:
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "
-                         "split and per-rank RNG depend on it) or start afresh with train.resume=none")
+                         "split and per-rank RNG depend on it) or start afresh in another output_dir")
     try:
         load_model(model, str(path / "model.safetensors"))  # copied into the parameters on their device
     except RuntimeError:  # the file read, its tensors do not fit

@@ -122,11 +122,12 @@ def _ckpt_run(tmp: Path, state: bytes, weights: bytes = b"", run: str = "out") -
     (ck / "rng_0.pt").write_bytes(b"")
 
 
-def _foreign() -> tuple[bytes, bytes]:
-    """state.pt and model.safetensors of a sound checkpoint of some other model (one tensor)."""
+def _foreign(world_size: int = 1) -> tuple[bytes, bytes]:
+    """state.pt and model.safetensors of a sound checkpoint of some other model (one tensor),
+    written by `world_size` processes."""
     from safetensors.torch import save
     buf = io.BytesIO()
-    torch.save({"step": 1, "world_size": 1, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0,
+    torch.save({"step": 1, "world_size": world_size, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0,
                 "data_wait": 0.0, "last": {}, "optimizer": {}, "scaler": None}, buf)
     return buf.getvalue(), save({"w": torch.zeros(2)})
 
@@ -236,6 +237,8 @@ CASES = [
     ("train.resume=PATH of another model's run", "pretrain", lambda t: [*TRAIN(t), f"train.resume={OLD(t)}"],
      lambda t: _ckpt_run(t, *_foreign(), "old")),
     ("resume in an output_dir of another model's run", "pretrain", TRAIN, lambda t: _ckpt_run(t, *_foreign())),
+    ("resume of a checkpoint written by another number of processes", "pretrain", TRAIN,
+     lambda t: _ckpt_run(t, *_foreign(world_size=2))),
     ("fine-tune without data.val", "finetune", TRAIN, None),
     ("data.val missing (checked before training)", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/vla"], None),
     ("data.val with other classes", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/other"], None),
