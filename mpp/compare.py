@@ -19,9 +19,10 @@ stage (whether it runs at all, its `Condition`), read from the finished stages' 
 before it starts.
 
 A pre-training is one draw too: `pretrain_seeds: N` pre-trains MPP and supervised N times (seed
-0..N-1), each repeat fine-tuned, probed and reported the same way (seed 0 in `output_dir`, seed s
-in `output_dir_pretrain_seed{s}`; the scratch arm, which no pre-training touches, runs once and
-serves every repeat), and the main report adds each gap over the repeats, whose ± then counts
+0..N-1, in place of their configs' seed), each repeat fine-tuned, probed and reported the same
+way (seed 0 in `output_dir`, seed s in `output_dir_pretrain_seed{s}`; the scratch arm, which no
+pre-training touches, runs once and serves every repeat), and the main report adds each gap
+over the repeats, whose ± then counts
 the pre-training's own seed (`mpp.gaps.across_pretrain_seeds`).
 
 Each stage runs as its own process (so a crash loses one stage, memory is freed between stages,
@@ -199,7 +200,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     common = as_list(cfg.overrides)
     again = f" (pre-training seed {pretrain_seed})" if pretrain_seed else ""
     pre = {"mpp": root / "pretrain_mpp", "supervised": root / "pretrain_supervised"}
-    seeded = [f"seed={pretrain_seed}"] if pretrain_seed else []
+    seeded = [f"seed={pretrain_seed}"] if cfg.pretrain_seeds > 1 else []  # 0..N-1, whatever the configs say
     arms = ("scratch", "mpp", "supervised") if pretrain_seed == 0 else ("mpp", "supervised")
     stages = [Stage(f"pre-train {kind}{again}", "pretrain", getattr(cfg, kind),
                     common + _withheld(cfg, getattr(cfg, kind)) + as_list(cfg.pretrain_overrides) + seeded, out,
@@ -270,10 +271,11 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
 
 def _dev_splits(cfg: CompareConfig) -> set[tuple]:
     """(data.train's `data_key`, label_fraction, split_seed, dev_fraction) of every development split
-    the fine-tune sweeps draw, as their configs resolve; none without a sweep. A config that does
-    not load raises its ConfigError."""
+    the fine-tune sweeps draw, as their configs resolve, and of the one of all the labels the
+    probes choose on (`_probe_split`) even where no 100%-label fine-tune runs; none without a
+    sweep. A config that does not load raises its ConfigError."""
     common, splits = as_list(cfg.overrides), set()
-    for frac in cfg.label_fractions:
+    for frac in sorted({*cfg.label_fractions, 1.0}):
         for point in grid_points(cfg.sweep) if cfg.sweep else []:
             f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, [])
                             + [f"finetune.label_fraction={frac}"] + point
@@ -301,11 +303,11 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
 
 def _probe_split(cfg: CompareConfig) -> list[str]:
     """The probe override that chooses every linear probe's representation and L2 on the development
-    split the 100%-label fine-tunes choose their recipe on (`probe.dev_split`), which `_withheld`
-    keeps out of the pre-trainings, instead of on a held-out part of the training features. Nothing
-    without a sweep or a 100%-label fine-tune, or where the probe reads other data; the
-    comparison's `overrides` come after it (`probe.dev_split=[]` there turns it off). A config that
-    does not load is left to `validate`."""
+    split of all the labels (`probe.dev_split`; the one the 100%-label fine-tunes choose their recipe
+    on, drawn and withheld by `_withheld` without them too), which the pre-trainings never see,
+    instead of on a held-out part of the training features. Nothing without a sweep, or where the
+    probe reads other data; the comparison's `overrides` come after it (`probe.dev_split=[]` there
+    turns it off). A config that does not load is left to `validate`."""
     try:
         train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
         splits = sorted(s[2:] for s in _dev_splits(cfg) if s[0] == data_key(train) and s[1] == 1.0)
@@ -356,6 +358,11 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
         if s.tool == "finetune" and not c.data.val:
             raise ConfigError(f"stage '{s.name}' ({s.config}) has no data.val, the test images its final fine-tunes "
                               "are scored on; set data.val")
+        if s.tool == "finetune" and cfg.sweep and c.finetune.dev_fraction == 0 and c.finetune.pool == "auto":
+            raise ConfigError(f"stage '{s.name}' ({s.config}) resolves to finetune.pool=auto, so it would choose its "
+                              "representation on its own training labels, which a supervised pre-training fitted; "
+                              "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
+                              "finetune.pool, or give finetune.pool token or avg")
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None

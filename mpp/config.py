@@ -199,9 +199,10 @@ class CompareConfig:
                                # sweep.KEY=[...] sets one key's values
     dev_fraction: float = 0.1  # class-balanced share of each fine-tune's labels held out to choose the sweep value
     seeds: int = 1             # final fine-tunes per arm and label fraction (seed 0..seeds-1): mean ± std
-    pretrain_seeds: int = 1    # pre-trainings per pre-trained arm (seed 0..N-1): seed s > 0 repeats the MPP and
-                               # supervised stages in OUTPUT_DIR_pretrain_seed{s} (scratch is shared), and the
-                               # report adds each gap over them, its ± counting the pre-training's own seed
+    pretrain_seeds: int = 1    # pre-trainings per pre-trained arm (seed 0..N-1, for N > 1 in place of the configs'
+                               # own seed): seed s > 0 repeats the MPP and supervised stages in
+                               # OUTPUT_DIR_pretrain_seed{s} (scratch is shared), and the report
+                               # adds each gap over them, its ± counting the pre-training's own seed
     runner_up: bool = True     # after a toss-up on the dev split, also retrain the next value (same seeds):
                                # the report gives the figures it touches their range
     finetune_pool: str = "auto"  # auto: each arm's finetune.pool chosen by a probe of its sweep's training labels,

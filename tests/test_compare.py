@@ -395,11 +395,15 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     summed = re.search(r"the (\d+) stages trained now took ([\d.]+) s \(set-up ([\d.]+), begin ([\d.]+), training loop",
                        r.stdout)
     assert summed and int(summed[1]) == len(tooks) > 0 and abs(float(summed[2]) - sum(tooks)) <= 0.05 * len(tooks)
-    # both pre-trainings trained on all the fine-tunes' training images but their development split
-    dev = make_loader(str(tmp_path / "data" / "train"), batch_size=1, img_size=32, train=False, labeled=True,
-                      subset=(0.5, 0, 0.25, True)).num_samples
+    # both pre-trainings trained on all the fine-tunes' training images but the development splits
+    # (the 50%-label cells' and the probes' split of all the labels)
+    rest = make_loader(str(tmp_path / "data" / "train"), batch_size=1, img_size=32, train=False, labeled=True,
+                       withhold=[(0.5, 0, 0.25), (1.0, 0, 0.25)]).num_samples
+    dev = 120 - rest
     assert [json.loads((runs / f"pretrain_{k}" / "metrics.json").read_text())["train_samples"]
-            for k in ("mpp", "supervised")] == [120 - dev] * 2 and dev > 0
+            for k in ("mpp", "supervised")] == [rest] * 2 and dev > make_loader(
+        str(tmp_path / "data" / "train"), batch_size=1, img_size=32, train=False, labeled=True,
+        subset=(0.5, 0, 0.25, True)).num_samples
     report = json.loads((runs / "report.json").read_text())
     md = (runs / "report.md").read_text()
     assert md.count(f" steps on {120 - dev} images)") == 2  # the table says what each pre-training read
@@ -733,6 +737,10 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
         same = load_compare_config(path, [f"pretrain_overrides=[data.train={spelled}]"])
         assert withheld(plan(same)) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2, spelled
     assert withheld(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[], []]
+    # without a 100%-label fine-tune the split of all the labels is still withheld: the probes choose on it
+    tenth = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",
+                                                    compare_extra=SWEEP)))
+    assert withheld(tenth) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2
 
 
 def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):
@@ -779,9 +787,10 @@ def test_the_report_reads_the_representation_choice_of_the_best_sweep_stage(tmp_
 
 
 def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
-    """Every linear probe (scratch's too) chooses its representation on the development split of the
-    100%-label fine-tunes, the one the pre-trainings withhold; without a sweep or a 100%-label
-    fine-tune it keeps its held-out part, and the comparison's overrides can turn it off."""
+    """Every linear probe (scratch's too) chooses its representation on the development split of all
+    the labels (the 100%-label fine-tunes'), which the pre-trainings withhold, drawn even where no
+    100%-label fine-tune runs; without a sweep it keeps its held-out part, and the comparison's
+    overrides can turn it off."""
     def splits(stages):
         return [[o for o in s.overrides if o.startswith("probe.dev_split")] for s in stages if s.tool == "linear_probe"]
     path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
@@ -789,7 +798,7 @@ def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     assert splits(stages) == [["probe.dev_split=[0,0.2]"]] * 3
     assert all(load_config(s.config, s.args()).probe.dev_split == (0, 0.2)
                for s in stages if s.tool == "linear_probe")
-    assert splits(plan(load_compare_config(path, ["label_fractions=[0.5]"]))) == [[]] * 3
+    assert splits(plan(load_compare_config(path, ["label_fractions=[0.5]"]))) == [["probe.dev_split=[0,0.2]"]] * 3
     assert splits(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[]] * 3
     off = plan(load_compare_config(path, ["overrides=['probe.dev_split=[]']"]))
     assert all(load_config(s.config, s.args()).probe.dev_split == ()
@@ -806,6 +815,12 @@ def test_finetune_pool_config_leaves_every_fine_tune_its_configs_pool(tmp_path):
     stages = [s for s in plan(_cfg(tmp_path, SWEEP + "finetune_pool: config\n")) if s.tool == "finetune"]
     assert stages and not [s.name for s in stages if any(o.startswith("finetune.pool=") for o in s.args(False))]
     assert not [s for s in stages if "other representation" in s.name]
+    auto = tmp_path / "finetune_auto.yaml"  # a config whose finals would choose on their training labels
+    auto.write_text(f"base: {ROOT / 'configs/synthetic_finetune.yaml'}\nfinetune: {{pool: auto}}\n")
+    cfg = _cfg(tmp_path, SWEEP + "finetune_pool: config\n", [f"finetune={auto}"])
+    with pytest.raises(ConfigError, match="resolves to finetune.pool=auto, so it would choose its representation"):
+        validate(cfg, plan(cfg), machine=False)
+    validate(chosen := _cfg(tmp_path, SWEEP, [f"finetune={auto}"]), plan(chosen), machine=False)  # finetune_pool: auto
 
 
 def test_a_swept_pool_is_not_replaced_by_auto(tmp_path):
@@ -906,6 +921,11 @@ def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
     assert sorted(pre) == ["pre-train mpp (pre-training seed 1)", "pre-train supervised (pre-training seed 1)"]
     assert all(s.overrides[-1] == "seed=1" for s in pre.values())  # after pretrain_overrides
     assert all("seed=1" not in s.overrides for s in one if s.tool == "pretrain")
+    seeded = tmp_path / "mpp_seed1.yaml"  # a config's own seed: kept alone, replaced by 0..N-1 with repeats
+    seeded.write_text(f"base: {ROOT / 'configs/synthetic_mpp.yaml'}\nseed: 1\n")
+    for n, seeds in ((1, [1, 0]), (2, [0, 0, 1, 1])):
+        stages = plan(_cfg(tmp_path, SWEEP + f"pretrain_seeds: {n}\n", [f"mpp={seeded}"]))
+        assert [load_config(s.config, s.args(False)).seed for s in stages if s.tool == "pretrain"] == seeds
     encoders = {str(repeat / "pretrain_mpp"), str(repeat / "pretrain_supervised")}
 
     def starts(s):  # the encoders a stage's overrides start it from
