@@ -269,13 +269,12 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     return stages
 
 
-def _dev_splits(cfg: CompareConfig) -> set[tuple]:
+def _dev_splits(cfg: CompareConfig, fractions=None) -> set[tuple]:
     """(data.train's `data_key`, label_fraction, split_seed, dev_fraction) of every development split
-    the fine-tune sweeps draw, as their configs resolve, and of the one of all the labels the
-    probes choose on (`_probe_split`) even where no 100%-label fine-tune runs; none without a
-    sweep. A config that does not load raises its ConfigError."""
+    the fine-tune sweeps draw at `fractions` (default: the label fractions), as their configs
+    resolve; none without a sweep. A config that does not load raises its ConfigError."""
     common, splits = as_list(cfg.overrides), set()
-    for frac in sorted({*cfg.label_fractions, 1.0}):
+    for frac in cfg.label_fractions if fractions is None else fractions:
         for point in grid_points(cfg.sweep) if cfg.sweep else []:
             f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, [])
                             + [f"finetune.label_fraction={frac}"] + point
@@ -285,35 +284,45 @@ def _dev_splits(cfg: CompareConfig) -> set[tuple]:
     return splits
 
 
+def _probe_dev(cfg: CompareConfig) -> tuple | None:
+    """The development split of all the labels (as `_dev_splits` gives it) that every linear probe
+    chooses its representation and L2 on: the one a 100%-label fine-tune draws, drawn (and withheld,
+    `_withheld`) even where none runs. None without a sweep, where the probe reads other data than
+    the fine-tunes, or where the comparison's `overrides` set probe.dev_split themselves."""
+    if "probe.dev_split" in {o.split("=", 1)[0].strip() for o in as_list(cfg.overrides)}:
+        return None
+    train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
+    splits = sorted(s for s in _dev_splits(cfg, [1.0]) if s[0] == data_key(train))
+    return splits[0] if splits else None
+
+
 def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
-    """The pre-training override that leaves out every development split the fine-tune sweeps draw
-    from its training set (`data.withhold`), so that no swept value, nor a fine-tune's or a linear
-    probe's representation (scored on the same splits, `_probe_split`), is chosen on images a
+    """The pre-training override that leaves out every development split the fine-tune sweeps and
+    the probes (`_probe_dev`) choose on from its training set (`data.withhold`), so that no swept
+    value, nor a fine-tune's or a linear probe's representation, is chosen on images a
     pre-training trained on (the supervised one with their labels). Nothing for a pre-training on
     other data than the fine-tunes', or without a sweep; `pretrain_overrides` come after it (and
     `data.withhold=[]` there turns it off). A config that does not load is left to
     `validate`, which names its stage."""
     try:
         train = load_config(pretrain_config, as_list(cfg.overrides) + as_list(cfg.pretrain_overrides)).data.train
-        splits = sorted(s[1:] for s in _dev_splits(cfg) if s[0] == data_key(train))
+        probe = _probe_dev(cfg)
+        splits = sorted(s[1:] for s in _dev_splits(cfg) | ({probe} if probe else set()) if s[0] == data_key(train))
     except ConfigError:
         return []
     return [f"data.withhold={[list(s) for s in splits]}".replace(" ", "")] if splits else []
 
 
 def _probe_split(cfg: CompareConfig) -> list[str]:
-    """The probe override that chooses every linear probe's representation and L2 on the development
-    split of all the labels (`probe.dev_split`; the one the 100%-label fine-tunes choose their recipe
-    on, drawn and withheld by `_withheld` without them too), which the pre-trainings never see,
-    instead of on a held-out part of the training features. Nothing without a sweep, or where the
-    probe reads other data; the comparison's `overrides` come after it (`probe.dev_split=[]` there
-    turns it off). A config that does not load is left to `validate`."""
+    """The probe override that chooses every linear probe's representation and L2 on `_probe_dev`'s
+    split (`probe.dev_split`), which the pre-trainings never see, instead of on a held-out part of
+    the training features; nothing where there is none. A config that does not load is left to
+    `validate`."""
     try:
-        train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
-        splits = sorted(s[2:] for s in _dev_splits(cfg) if s[0] == data_key(train) and s[1] == 1.0)
+        split = _probe_dev(cfg)
     except ConfigError:
         return []
-    return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
+    return [f"probe.dev_split=[{split[2]},{split[3]}]"] if split else []
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256
@@ -362,7 +371,7 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
             raise ConfigError(f"stage '{s.name}' ({s.config}) resolves to finetune.pool=auto, so it would choose its "
                               "representation on its own training labels, which a supervised pre-training fitted; "
                               "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
-                              "finetune.pool, or give finetune.pool token or avg")
+                              "finetune.pool over token and avg, or give finetune.pool token or avg")
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None

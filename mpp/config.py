@@ -522,8 +522,12 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(sorted(taken))}, which the comparison sets "
                           "itself for its stages (seeds: 'seeds' and 'pretrain_seeds'); override other keys")
     if cfg.pretrain_seeds > 1 and "seed" in {o.split("=", 1)[0].strip() for o in as_list(cfg.pretrain_overrides)}:
-        raise ConfigError("compare config key 'pretrain_overrides' sets seed, which would give pre-training seed 0 the "
-                          "seed of another repeat; with pretrain_seeds > 1 the repeats take seeds 0..N-1 themselves")
+        raise ConfigError("compare config key 'pretrain_overrides' sets seed, which the repeats would ignore: with "
+                          "pretrain_seeds > 1 they take seeds 0..N-1 themselves")
+    if "auto" in cfg.sweep.get("finetune.pool", ()):
+        raise ConfigError("compare config key 'sweep' gives finetune.pool the value auto, with which a final fine-tune "
+                          "would choose its representation on its own training labels; sweep token and avg (or "
+                          "leave finetune.pool out of the sweep: finetune_pool: auto chooses it on the dev split)")
     cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
     for frac, extra in cfg.fraction_overrides.items():
         if not all(isinstance(o, str) for o in extra):

@@ -733,14 +733,25 @@ def _plan(path: Path) -> list[Path] | None:
     if plan is not None and not (isinstance(plan, list) and all(isinstance(d, str) for d in plan)):
         raise ReportError(f"{file} holds a 'plan' that is not a list of run directories; rerun the comparison, "
                           "or name the run directories to report")
-    return None if plan is None else [Path(os.path.normpath(path / d)) for d in plan]  # no 'cmp_seed1/../cmp'
+    return None if plan is None else [_joined(path, d) for d in plan]
 
 
-def find_runs(paths: list[str | Path]) -> list[Path]:
+def _joined(path: Path, rel: str) -> Path:
+    """`path / rel` without its '..' steps (a repeat's plan names 'cmp_seed1/../cmp/...'), or
+    resolved where dropping them would pass by a symbolic link (the plan is relative to the
+    resolved folder)."""
+    whole = path / rel
+    short = Path(os.path.normpath(whole))
+    return short if short.resolve() == whole.resolve() else whole.resolve()
+
+
+def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
     """The run directories among `paths`: one holding metrics.json is a run; a directory without
-    it stands for every run directory below it (a cell's seeds), or, where a report was written
-    there before, for the runs that report records (`_plan`; those it leaves out are named)."""
-    found = []
+    it stands for the runs the report written there records (`_plan`; those below it that it
+    leaves out are named), or, without one, for every run directory below it (a cell's seeds).
+    Also whether every run came from a run or a plan named, not from searching a folder: only
+    those a report records as its own plan, so a folder searched is searched again next time."""
+    found, named = [], True
     for path in map(Path, paths):
         below = [] if (path / "metrics.json").exists() or not path.is_dir() else \
             sorted(m.parent for m in path.rglob("metrics.json") if (m.parent / "config.yaml").is_file())
@@ -749,14 +760,16 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
             if gone := [d for d in planned if not (d / "metrics.json").is_file()]:
                 raise ReportError(f"{path / 'report.json'} names in its plan {gone[0]}, which holds no finished run "
                                   "(metrics.json); rerun the comparison, or name the run directories to report")
-            named = {d.resolve() for d in planned}
-            if left := [str(d.relative_to(path)) for d in below if d.resolve() not in named]:
+            kept = {d.resolve() for d in planned}
+            if left := [str(d.relative_to(path)) for d in below if d.resolve() not in kept]:
                 print(f"[report] {path}: left out {len(left)} run director{'y' if len(left) == 1 else 'ies'} below "
                       f"it that its report.json was not written from (its plan), such as stages of an earlier "
                       f"comparison: {', '.join(left)}; name them to report them", flush=True)
             below = planned
+        elif below:
+            named = False
         found += below or [path]  # a path with no run below: describe_run says what is missing
-    return found
+    return found, named
 
 
 def read_repeat(report_dir: str | Path) -> dict:
@@ -802,22 +815,29 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                  repeats: list[dict] | None = None) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
     (default: the folder named, where one folder that is not a run is named, else the runs' common
-    parent directory) and return the report dict. report.json records the runs as `plan`, relative
-    to `out_dir`, so that re-rendering that folder reads the same runs (`_plan`). `repeats`: the
+    parent directory; not over a report of other runs there) and return the report dict. Runs named
+    (`find_runs`) are recorded in report.json as `plan`, relative to `out_dir`, so that re-rendering
+    that folder reads the same runs (`_plan`). `repeats`: the
     reports of the same comparison with other pre-training seeds (`read_repeat`), summed up with
     this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
-    if out_dir is None and len(run_dirs) == 1 and not (Path(run_dirs[0]) / "metrics.json").exists():
+    given = out_dir is not None
+    if not given and len(run_dirs) == 1 and not (Path(run_dirs[0]) / "metrics.json").exists():
         out_dir = run_dirs[0]  # a comparison's folder re-rendered goes back there
-    run_dirs = find_runs(run_dirs)
+    run_dirs, named = find_runs(run_dirs)
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)
     rep["runs"] = [{k: r[k] for k in ("dir", "kind", "family", "label_fraction", "seed", "evaluated_on")}
                    for r in runs]
     rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
-    rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
+    there = None if given else _plan(out)
+    if there is not None and {d.resolve() for d in there} != {Path(d).resolve() for d in run_dirs}:
+        raise ReportError(f"{out / 'report.json'} is the report of other runs (its plan), which this one would "
+                          "replace; give --out (that folder, to replace it), or name the folder alone to re-render it")
+    if named:
+        rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)
     if repeats:

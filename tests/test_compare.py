@@ -289,8 +289,10 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
             "overrides=[seed=3,finetune.init=x]", compare=True)
     refused("'launcher' names 'torchrn', which is no command on PATH", "launcher=torchrn")
     refused("'launcher' .* does not split into words", f"launcher={sys.executable} '--x")
-    refused("'pretrain_overrides' sets seed, which would give pre-training seed 0 the seed of another repeat",
+    refused("'pretrain_overrides' sets seed, which the repeats would ignore",
             "pretrain_overrides=[seed=1]", "pretrain_seeds=2", compare=True)
+    refused("'sweep' gives finetune.pool the value auto", "sweep={optim.lr: [0.01], finetune.pool: [token, auto]}",
+            compare=True)
     refused("prepare.synthetic_train and prepare.synthetic_test must be >= 0", "prepare.synthetic_train=-5",
             compare=True)
     refused("'overrides' did not read as a YAML list .*quote each item", "overrides=[data.val=d/{0..1}.tar]")
@@ -741,6 +743,10 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
     tenth = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",
                                                     compare_extra=SWEEP)))
     assert withheld(tenth) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2
+    # ... but not where the probes are told to choose elsewhere
+    alone = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]", compare_extra=SWEEP,
+                           stage_extra=", 'probe.dev_split=[]'")
+    assert withheld(plan(load_compare_config(alone))) == [["data.withhold=[[0.5,0,0.2]]"]] * 2
 
 
 def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):

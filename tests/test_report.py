@@ -755,6 +755,10 @@ def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_
         again = subprocess.run([*tool, str(out)], capture_output=True, text=True)
         assert again.returncode == 0, again.stderr
         assert json.loads((out / "report.json").read_text())["table"] == first["table"]  # the same runs, as named
+    (tmp_path / "view").mkdir()  # reached through a link, the repeat's '../cmp' runs are the same runs
+    (tmp_path / "view" / "seed1").symlink_to(tmp_path / "cmp_seed1")
+    linked = write_report([tmp_path / "view" / "seed1"])
+    assert linked["table"]["scratch"] == first["table"]["scratch"] and linked["out_dir"] == str(tmp_path / "view/seed1")
     shutil.rmtree(tmp_path / "cmp" / "ft_scratch_0.1")
     gone = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
     assert gone.returncode == 2 and gone.stderr.count("\n") == 1 and "ft_scratch_0.1" in gone.stderr
@@ -762,3 +766,22 @@ def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_
     (tmp_path / "cmp" / "report.json").write_text(json.dumps({"plan": "ft_mpp_1"}))
     bad = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "plan" in bad.stderr
+
+
+def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other_runs(tmp_path):
+    """A report of a folder searched for its runs records no plan, so the next one finds the runs
+    added since (here a second MPP seed); a report whose output folder was not given does not
+    replace one there of other runs (a run named alone, whose parent is a comparison's folder)."""
+    runs = _paper_runs(tmp_path / "cell")
+    assert "plan" not in write_report([tmp_path / "cell"])
+    _run(tmp_path / "cell", "ft_mpp_0.1_seed1", {"objective": "classify", "seed": 1,
+                                                 "finetune": {"init": str(runs[0]), "label_fraction": 0.1}},
+         {"top1": 0.10, "top5": 0.5})
+    again = write_report([tmp_path / "cell"])
+    assert len(again["runs"]) == len(runs) + 1 and (tmp_path / "cell" / "report.json").is_file()
+    cmp = _paper_runs(tmp_path / "cmp")
+    write_report(cmp, tmp_path / "cmp", [])  # as a comparison writes it, with its plan
+    with pytest.raises(ReportError, match="report.json is the report of other runs .*give --out"):
+        write_report([cmp[0]])
+    assert json.loads((tmp_path / "cmp" / "report.json").read_text())["plan"] == [r.name for r in cmp]
+    assert write_report([cmp[0]], tmp_path / "cmp")["plan"] == ["mpp"]  # asked for by name
