@@ -285,15 +285,11 @@ def _dev_splits(cfg: CompareConfig, fractions=None) -> set[tuple]:
 
 
 def _probe_dev(cfg: CompareConfig) -> tuple | None:
-    """The development split of all the labels (as `_dev_splits` gives it) that every linear probe
-    chooses its representation and L2 on: the one a 100%-label fine-tune draws, drawn (and withheld,
-    `_withheld`) even where none runs. None without a sweep, where the probe reads other data than
-    the fine-tunes, or where the comparison's `overrides` set probe.dev_split themselves."""
-    if "probe.dev_split" in {o.split("=", 1)[0].strip() for o in as_list(cfg.overrides)}:
-        return None
-    train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
-    splits = sorted(s for s in _dev_splits(cfg, [1.0]) if s[0] == data_key(train))
-    return splits[0] if splits else None
+    """The development split every linear probe chooses its representation and L2 on, as the probe
+    stages resolve it (`_probe_split`'s, or what the comparison's `overrides` give instead), in
+    `_dev_splits`' terms for `_withheld`; None where they have none."""
+    p = load_config(cfg.probe, _probe_split(cfg) + as_list(cfg.overrides))
+    return (data_key(p.data.train), 1.0, *p.probe.dev_split) if p.probe.dev_split else None
 
 
 def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
@@ -301,7 +297,7 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     the probes (`_probe_dev`) choose on from its training set (`data.withhold`), so that no swept
     value, nor a fine-tune's or a linear probe's representation, is chosen on images a
     pre-training trained on (the supervised one with their labels). Nothing for a pre-training on
-    other data than the fine-tunes', or without a sweep; `pretrain_overrides` come after it (and
+    other data, or where nothing is chosen on a split; `pretrain_overrides` come after it (and
     `data.withhold=[]` there turns it off). A config that does not load is left to
     `validate`, which names its stage."""
     try:
@@ -314,15 +310,18 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
 
 
 def _probe_split(cfg: CompareConfig) -> list[str]:
-    """The probe override that chooses every linear probe's representation and L2 on `_probe_dev`'s
-    split (`probe.dev_split`), which the pre-trainings never see, instead of on a held-out part of
-    the training features; nothing where there is none. A config that does not load is left to
-    `validate`."""
+    """The probe override that chooses every linear probe's representation and L2 on the development
+    split of all the labels (`probe.dev_split`), the one a 100%-label fine-tune draws, drawn (and
+    withheld, `_withheld`) even where none runs, instead of on a held-out part of the training
+    features, which the supervised pre-training fitted. Nothing without a sweep, or where the probe
+    reads other data than the fine-tunes; the comparison's `overrides` come after it. A config
+    that does not load is left to `validate`."""
     try:
-        split = _probe_dev(cfg)
+        train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
+        splits = sorted(s[2:] for s in _dev_splits(cfg, [1.0]) if s[0] == data_key(train))
     except ConfigError:
         return []
-    return [f"probe.dev_split=[{split[2]},{split[3]}]"] if split else []
+    return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256

@@ -745,6 +745,20 @@ def _joined(path: Path, rel: str) -> Path:
     return short if short.resolve() == whole.resolve() else whole.resolve()
 
 
+def _reported(out: Path) -> set[Path] | None:
+    """The runs, resolved, of the report already in folder `out` (its plan, else its `runs`); None
+    where there is none; an empty set where they cannot be read."""
+    file = out / "report.json"
+    if (out / "metrics.json").exists() or not file.is_file():
+        return None
+    try:
+        plan = _plan(out)
+        runs = plan if plan is not None else [Path(r["dir"]) for r in _read_json(file).get("runs", [])]
+        return {Path(d).resolve() for d in runs}
+    except (ReportError, TypeError, KeyError):
+        return set()
+
+
 def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
     """The run directories among `paths`: one holding metrics.json is a run; a directory without
     it stands for the runs the report written there records (`_plan`; those below it that it
@@ -815,16 +829,16 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                  repeats: list[dict] | None = None) -> dict:
     """Read the runs (`find_runs`), write report.md / report.json / report.png to `out_dir`
     (default: the folder named, where one folder that is not a run is named, else the runs' common
-    parent directory; not over a report of other runs there) and return the report dict. Runs named
+    parent directory, and not over a report of other runs there) and return the report dict. Runs named
     (`find_runs`) are recorded in report.json as `plan`, relative to `out_dir`, so that re-rendering
     that folder reads the same runs (`_plan`). `repeats`: the
     reports of the same comparison with other pre-training seeds (`read_repeat`), summed up with
     this one's (`across_pretrain_seeds`); None: those the report already in `out_dir` names."""
     if not run_dirs:
         raise ReportError("no run directories given; pass the pre-training, fine-tune and probe run dirs")
-    given = out_dir is not None
-    if not given and len(run_dirs) == 1 and not (Path(run_dirs[0]) / "metrics.json").exists():
-        out_dir = run_dirs[0]  # a comparison's folder re-rendered goes back there
+    alone = len(run_dirs) == 1 and not (Path(run_dirs[0]) / "metrics.json").exists()  # a folder re-rendered
+    parent = out_dir is None and not alone  # the output folder is the runs' common parent
+    out_dir = out_dir or (run_dirs[0] if alone else None)
     run_dirs, named = find_runs(run_dirs)
     runs = [describe_run(d) for d in run_dirs]
     rep = collect(runs)
@@ -832,10 +846,9 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                    for r in runs]
     rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
-    there = None if given else _plan(out)
-    if there is not None and {d.resolve() for d in there} != {Path(d).resolve() for d in run_dirs}:
-        raise ReportError(f"{out / 'report.json'} is the report of other runs (its plan), which this one would "
-                          "replace; give --out (that folder, to replace it), or name the folder alone to re-render it")
+    if parent and _reported(out) not in (None, {Path(d).resolve() for d in run_dirs}):
+        raise ReportError(f"{out / 'report.json'} is the report of other runs, which this one would replace; give "
+                          "--out (another folder, or that one to replace it), or name the folder alone to re-render it")
     if named:
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:

@@ -743,10 +743,11 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
     tenth = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",
                                                     compare_extra=SWEEP)))
     assert withheld(tenth) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2
-    # ... but not where the probes are told to choose elsewhere
-    alone = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]", compare_extra=SWEEP,
-                           stage_extra=", 'probe.dev_split=[]'")
-    assert withheld(plan(load_compare_config(alone))) == [["data.withhold=[[0.5,0,0.2]]"]] * 2
+    # ... and where the probes are told another split, that one, however it is spelled; none for none
+    for told, split in ((", 'probe.dev_split=[]'", ""), (", 'probe.dev_split=[3,0.3]'", ",[1.0,3,0.3]"),
+                        (", 'probe={dev_split: [3, 0.3]}'", ",[1.0,3,0.3]")):
+        alone = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]", compare_extra=SWEEP, stage_extra=told)
+        assert withheld(plan(load_compare_config(alone))) == [[f"data.withhold=[[0.5,0,0.2]{split}]"]] * 2, told
 
 
 def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):

@@ -779,9 +779,15 @@ def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other
          {"top1": 0.10, "top5": 0.5})
     again = write_report([tmp_path / "cell"])
     assert len(again["runs"]) == len(runs) + 1 and (tmp_path / "cell" / "report.json").is_file()
+    with pytest.raises(ReportError, match="report.json is the report of other runs"):  # its runs, not a plan
+        write_report([runs[2]])
+    assert len(write_report([tmp_path / "cell"])["runs"]) == len(runs) + 1  # still every run below
     cmp = _paper_runs(tmp_path / "cmp")
     write_report(cmp, tmp_path / "cmp", [])  # as a comparison writes it, with its plan
-    with pytest.raises(ReportError, match="report.json is the report of other runs .*give --out"):
+    with pytest.raises(ReportError, match="report.json is the report of other runs, .*give --out"):
         write_report([cmp[0]])
     assert json.loads((tmp_path / "cmp" / "report.json").read_text())["plan"] == [r.name for r in cmp]
     assert write_report([cmp[0]], tmp_path / "cmp")["plan"] == ["mpp"]  # asked for by name
+    (tmp_path / "cmp" / "report.json").write_text('{"plan": 3}')  # a damaged report there is still not replaced
+    with pytest.raises(ReportError, match="report.json is the report of other runs"):
+        write_report(cmp)
