@@ -745,18 +745,19 @@ def _joined(path: Path, rel: str) -> Path:
     return short if short.resolve() == whole.resolve() else whole.resolve()
 
 
-def _reported(out: Path) -> set[Path] | None:
-    """The runs, resolved, of the report already in folder `out` (its plan, else its `runs`); None
-    where there is none; an empty set where they cannot be read."""
-    file = out / "report.json"
-    if (out / "metrics.json").exists() or not file.is_file():
+def _reported(out: Path) -> tuple[set[Path], bool] | None:
+    """The runs, resolved, of the report already in folder `out`, and whether it records them (its
+    plan) rather than standing for every run below `out`; None where there is none; no runs where
+    its plan cannot be read."""
+    if (out / "metrics.json").exists() or not (out / "report.json").is_file():
         return None
     try:
         plan = _plan(out)
-        runs = plan if plan is not None else [Path(r["dir"]) for r in _read_json(file).get("runs", [])]
-        return {Path(d).resolve() for d in runs}
-    except (ReportError, TypeError, KeyError):
-        return set()
+        if plan is not None:
+            return {d.resolve() for d in plan}, True
+    except (ReportError, ValueError, OSError):
+        return set(), True
+    return {m.parent.resolve() for m in out.rglob("metrics.json") if (m.parent / "config.yaml").is_file()}, False
 
 
 def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
@@ -846,10 +847,11 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                    for r in runs]
     rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
-    if parent and _reported(out) not in (None, {Path(d).resolve() for d in run_dirs}):
+    before = _reported(out) if parent else None
+    if before is not None and before[0] != {Path(d).resolve() for d in run_dirs}:
         raise ReportError(f"{out / 'report.json'} is the report of other runs, which this one would replace; give "
                           "--out (another folder, or that one to replace it), or name the folder alone to re-render it")
-    if named:
+    if named and (before is None or before[1]):  # a report of a folder searched stays one: no plan
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)

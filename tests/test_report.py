@@ -768,7 +768,7 @@ def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "plan" in bad.stderr
 
 
-def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other_runs(tmp_path):
+def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other_runs(tmp_path, monkeypatch):
     """A report of a folder searched for its runs records no plan, so the next one finds the runs
     added since (here a second MPP seed); a report whose output folder was not given does not
     replace one there of other runs (a run named alone, whose parent is a comparison's folder)."""
@@ -782,6 +782,9 @@ def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other
     with pytest.raises(ReportError, match="report.json is the report of other runs"):  # its runs, not a plan
         write_report([runs[2]])
     assert len(write_report([tmp_path / "cell"])["runs"]) == len(runs) + 1  # still every run below
+    monkeypatch.chdir(tmp_path / "cell")  # every run below named one by one, from elsewhere: the same report,
+    every = sorted(d.name for d in (tmp_path / "cell").iterdir() if d.is_dir())  # still no plan
+    assert "plan" not in write_report(every) and len(write_report(["."])["runs"]) == len(runs) + 1
     cmp = _paper_runs(tmp_path / "cmp")
     write_report(cmp, tmp_path / "cmp", [])  # as a comparison writes it, with its plan
     with pytest.raises(ReportError, match="report.json is the report of other runs, .*give --out"):
