@@ -256,6 +256,31 @@ def test_compare_figures_add_a_random_init(data, tmp_path):
     assert (tmp_path / "figures/filters.png").exists()
 
 
+def test_the_compare_figures_random_init_has_the_runs_resolution_and_normalisation(data, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """A comparison at another img_size than its preset's draws its random init at that size (it was
+    drawn at the preset's, on the same axes), reading the images normalised as the runs do; the
+    figures record how many images they averaged when the data holds fewer than asked."""
+    import mpp.figures.inspection as inspection
+    run = tmp_path / "pretrain_supervised"
+    run.mkdir()
+    save_config(load_config(ROOT / "configs/synthetic_supervised.yaml",
+                            ["model=vit_micro4_32", "img_size=48", "data.mean=[0.1,0.2,0.3]"]), run / "config.yaml")
+    save_encoder(create_encoder("vit_micro4_32", 48), run)
+    fed, real = {}, inspection.mean_attention_distance
+
+    def seen(encoder, images, data_cfg, *a, desc, **k):  # what each encoder was fed: normalisation, grid
+        fed[desc] = (data_cfg.mean, encoder.grid_size)
+        return real(encoder, images, data_cfg, *a, desc=desc, **k)
+    monkeypatch.setattr(inspection, "mean_attention_distance", seen)
+    numbers = inspection.write_compare_figures([run], data, tmp_path / "figures", images=100, grid_images=0)
+    assert numbers["specs"][-1] == "random init=none:vit_micro4_32@48"
+    assert fed["random init"] == fed["pretrain_supervised"] == ((0.1, 0.2, 0.3), (12, 12))
+    assert numbers["images"] == 16 and "holds 16 images, fewer than the 100 asked for" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="none:PRESET@IMG_SIZE"):
+        inspection.load_inspected("none:vit_micro4_32@big")
+
+
 def test_an_exported_encoder_alone_is_inspected_with_the_normalisation_it_recorded(tmp_path):
     """Without a run's config.yaml beside it, the figures feed an encoder the inputs its model.json
     says it trained on (they fell back to the default normalisation); an older export without one

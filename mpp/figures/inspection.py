@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,16 +40,21 @@ FILTERS = "raw RGB (weights / data.std)"
 class Inspected:
     name: str
     encoder: MaskedEncoder
-    data: DataConfig          # normalisation (mean, std) the encoder was trained with
+    data: DataConfig | None   # normalisation (mean, std) the encoder was trained with; None: a random init
     task: MPPTask | None      # the MPP head, for MPP runs
 
 
 def load_inspected(spec: str, seed: int = 0) -> Inspected:
-    """An encoder from `[LABEL=]RUN_DIR | ENCODER.safetensors | none:PRESET`."""
+    """An encoder from `[LABEL=]RUN_DIR | ENCODER.safetensors | none:PRESET[@IMG_SIZE]` (a random
+    init, at the preset's resolution or IMG_SIZE)."""
     name, _, source = spec.partition("=") if "=" in spec else ("", "", spec)
     if source.startswith("none:"):
+        preset, at, size = source[5:].partition("@")
+        if at and not (size.isdigit() and int(size) > 0):
+            raise ValueError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
         torch.manual_seed(seed)
-        return Inspected(name or f"random {source[5:]}", create_encoder(source[5:], attn="math"), DataConfig(), None)
+        encoder = create_encoder(preset, int(size or 0), attn="math")
+        return Inspected(name or f"random {source[5:]}", encoder, None, None)
     path = Path(source)
     run = path if path.is_dir() else path.parent
     if not path.exists():
@@ -126,14 +132,18 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
         raise ValueError(f"images ({images}) and batch size ({batch_size}) must be >= 1, grid images >= 0")
     data = str(data) if isinstance(data, Path) else data
     models = [load_inspected(s, seed) for s in specs]
+    trained = next((m.data for m in models if m.data is not None), DataConfig())
     for m, name in zip(models, _unique([m.name for m in models])):
-        m.name = name
+        m.name, m.data = name, m.data or trained  # a random init reads the images as the first trained one
     first = encoder_img_size(models[0].encoder)  # the data is read before anything is written
     cache = {first: read_images(data, first, max(images, grid_images), models[0].data, num_samples)}
+    if len(cache[first]) < images:
+        print(f"warning: {data} holds {len(cache[first])} images, fewer than the {images} asked for: each figure "
+              "averages over those", file=sys.stderr)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    numbers: dict = {"data": str(data), "num_samples": num_samples, "specs": list(specs), "images": images,
-                     "filters": FILTERS, "encoders": {}}
+    numbers: dict = {"data": str(data), "num_samples": num_samples, "specs": list(specs),
+                     "images": len(cache[first][:images]), "filters": FILTERS, "encoders": {}}
     distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
     for spec, m, stem in zip(specs, models, _file_stems([m.name for m in models])):
         size = encoder_img_size(m.encoder)
@@ -168,14 +178,14 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
 
 def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path = "figures", **kw) -> dict:
     """The figures of a comparison's pre-trained encoders plus a random initialisation of the
-    first one's preset, on `data` (default: the first run's data.val, else its data.train). Like a
+    first one's preset and resolution, on `data` (default: the first run's data.val, else its data.train). Like a
     finished stage, figures of the same encoders and data, newer than every encoder, are kept (a
     resumed comparison redraws nothing)."""
     runs = [Path(d) for d in run_dirs if (Path(d) / "encoder.safetensors").is_file()]
     if not runs:
         raise ValueError(f"none of {[str(d) for d in run_dirs]} holds an encoder.safetensors")
     cfg = load_config(runs[0] / "config.yaml")
-    specs = [str(r) for r in runs] + [f"random init=none:{cfg.model}"]
+    specs = [str(r) for r in runs] + [f"random init=none:{cfg.model}" + (f"@{cfg.img_size}" if cfg.img_size else "")]
     if data is None:  # with the count a shard list or pattern needs
         data, kw["num_samples"] = ((cfg.data.val, cfg.data.val_num_samples) if cfg.data.val
                                    else (cfg.data.train, cfg.data.num_samples))

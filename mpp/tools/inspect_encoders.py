@@ -16,7 +16,7 @@ from mpp.cli import ArgumentParser, count, one_line_errors, whole
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
     p.add_argument("--encoder", action="append", required=True, metavar="[LABEL=]SOURCE",
-                   help="a run dir, an encoder.safetensors with model.json beside it, or none:PRESET "
+                   help="a run dir, an encoder.safetensors with model.json beside it, or none:PRESET[@IMG_SIZE] "
                         "(random init); repeat to compare encoders on the same images and axes")
     p.add_argument("--data", required=True, help="shards to draw images from: a manifest.json, or a shard list "
                                                  "or brace pattern with --num-samples")
