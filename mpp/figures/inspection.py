@@ -40,8 +40,9 @@ FILTERS = "raw RGB (weights / data.std)"
 class Inspected:
     name: str
     encoder: MaskedEncoder
-    data: DataConfig | None   # normalisation (mean, std) the encoder was trained with; None: a random init
+    data: DataConfig          # normalisation (mean, std) the encoder was trained with (a random init: the default)
     task: MPPTask | None      # the MPP head, for MPP runs
+    random: bool = False      # a random init (`none:`), which trained on no normalisation of its own
 
 
 def load_inspected(spec: str, seed: int = 0) -> Inspected:
@@ -54,7 +55,7 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
             raise ValueError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
         torch.manual_seed(seed)
         encoder = create_encoder(preset, int(size or 0), attn="math")
-        return Inspected(name or f"random {source[5:]}", encoder, None, None)
+        return Inspected(name or f"random {source[5:]}", encoder, DataConfig(), None, random=True)
     path = Path(source)
     run = path if path.is_dir() else path.parent
     if not path.exists():
@@ -132,9 +133,9 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
         raise ValueError(f"images ({images}) and batch size ({batch_size}) must be >= 1, grid images >= 0")
     data = str(data) if isinstance(data, Path) else data
     models = [load_inspected(s, seed) for s in specs]
-    trained = next((m.data for m in models if m.data is not None), DataConfig())
+    trained = next((m.data for m in models if not m.random), DataConfig())
     for m, name in zip(models, _unique([m.name for m in models])):
-        m.name, m.data = name, m.data or trained  # a random init reads the images as the first trained one
+        m.name, m.data = name, trained if m.random else m.data  # a random init reads images as the first trained one
     first = encoder_img_size(models[0].encoder)  # the data is read before anything is written
     cache = {first: read_images(data, first, max(images, grid_images), models[0].data, num_samples)}
     if len(cache[first]) < images:
