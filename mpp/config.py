@@ -622,6 +622,13 @@ def validate(cfg: Config) -> None:
           f"config keys mpp.mask + mpp.random + mpp.keep must sum to 1, got {m.mask + m.random + m.keep:g}")
     check(1 <= m.bits <= MAX_BITS, f"config key 'mpp.bits' must be in 1..{MAX_BITS} (2^(3 bits) colour classes: "
           f"{2 ** (3 * MAX_BITS)} at {MAX_BITS}), got {m.bits}")
+    from mpp.objectives import TARGETS
+    if cfg.objective == "mpp" and m.target in TARGETS and 1 <= m.bits <= MAX_BITS:  # else refused above
+        width, most = TARGETS[m.target].outputs, 2 ** (3 * MAX_BITS)  # the widest head mean_color can ask for
+        fits = [b for b in range(1, MAX_BITS + 1) if width(b, patch) <= most]
+        check(width(m.bits, patch) <= most,
+              f"mpp.target={m.target} at mpp.bits={m.bits} asks for a head of {width(m.bits, patch)} outputs a "
+              f"chosen patch, above the {most} of the widest colour head; give mpp.bits <= {max(fits, default=1)}")
     d = cfg.data
     check(d.num_workers >= 0 and d.shuffle_buffer >= 0 and d.cache_mb >= 0,
           "config keys data.num_workers, data.shuffle_buffer and data.cache_mb must be >= 0")
@@ -661,6 +668,8 @@ def validate(cfg: Config) -> None:
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1 and t.dist_timeout >= 1,
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps, train.dist_timeout must be >= 1, "
           "train.ckpt_every >= 0")
+    check(t.dist_timeout <= 8_640_000, f"config key 'train.dist_timeout' is {t.dist_timeout} seconds; give at most "
+          "8640000 (100 days)")
     check(t.image_every >= 0, f"config key 'train.image_every' must be >= 0 (0: off), got {t.image_every}")
     check(len(t.profile) == 2 and all(isinstance(v, int) and v >= 0 for v in t.profile)
           and (t.profile[1] == 0 or t.profile[0] >= 1),
@@ -675,6 +684,8 @@ def validate(cfg: Config) -> None:
               f"train.image_every paints predicted colours, which mpp.target={cfg.mpp.target} does not predict; "
               f"set it to 0")
     f = cfg.finetune
+    check(bool(f.init.strip()), "config key 'finetune.init' is empty; give none (from scratch), a pre-training run "
+          "directory or its encoder.safetensors")
     check(0 < f.label_fraction <= 1, f"config key 'finetune.label_fraction' must be in (0, 1], got {f.label_fraction}")
     check(0 <= f.dev_fraction < 1,
           f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")

@@ -352,6 +352,11 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
         raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
                           f"of another shape, e.g. {odd[0]}); give the model.json it was exported with")
     if img_size:
+        patch = kwargs.get("patch_size", 16)  # timm's default, as for old_img
+        if img_size % patch or img_size // patch < 2:
+            raise ConfigError(f"img_size={img_size} does not suit the encoder of {spec_file}: its patch size is "
+                              f"{patch}; give a multiple of it of at least {2 * patch} (e.g. "
+                              f"{max(2, round(img_size / patch)) * patch})")
         kwargs["img_size"] = img_size
     try:
         encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)

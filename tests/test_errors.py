@@ -78,12 +78,13 @@ def _synthetic(tmp: Path, manifest: str | None = None) -> None:
         (tmp / "syn/train/manifest.json").write_text(manifest)
 
 
-def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None, data=None) -> Path:
-    """A run directory with an exported encoder (trained with the DataConfig `data`, when given: its
-    normalisation recorded), its model.json or weights replaced when given."""
+def _encoder(tmp: Path, spec: dict | str | None = None, weights: bytes | None = None, data=None,
+             preset: str = "vit_micro4_32") -> Path:
+    """A run directory with an exported encoder of `preset` (trained with the DataConfig `data`, when
+    given: its normalisation recorded), its model.json or weights replaced when given."""
     from mpp.models import create_encoder, save_encoder
     out = tmp / "enc"
-    save_encoder(create_encoder("vit_micro4_32", attn="math"), out, data)
+    save_encoder(create_encoder(preset, attn="math"), out, data)
     if spec is not None:
         (out / "model.json").write_text(spec if isinstance(spec, str) else json.dumps(spec))
     if weights is not None:
@@ -240,11 +241,17 @@ CASES = [
     ("resume of a checkpoint written by another number of processes", "pretrain", TRAIN,
      lambda t: _ckpt_run(t, *_foreign(world_size=2))),
     ("fine-tune without data.val", "finetune", TRAIN, None),
+    ("fine-tune with finetune.init empty", "finetune", lambda t: [*TRAIN(t), "finetune.init="], None),
+    ("mpp.target=downsampled at 5 bits a channel (a 524288-wide head)", "pretrain",
+     lambda t: [*TRAIN(t), "mpp.target=downsampled", "mpp.bits=5"], None),
+    ("train.dist_timeout past timedelta's range", "pretrain", lambda t: [*TRAIN(t), "train.dist_timeout=1e14"], None),
     ("data.val missing (checked before training)", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/vla"], None),
     ("data.val with other classes", "finetune", lambda t: [*TRAIN(t), f"data.val={t}/data/other"], None),
     ("unlabeled data.val (checked before training)", "finetune",
      lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled"], None),
     ("finetune.init that does not exist", "finetune", lambda t: [*FT(t), f"finetune.init={t}/nope"], None),
+    ("fine-tune at an img_size its encoder's patch size does not divide", "finetune",
+     lambda t: [*FT(t), f"finetune.init={t}/enc", "img_size=36"], lambda t: _encoder(t, preset="vit_mini8_32")),
     ("encoder model.json that does not match it", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
      lambda t: _encoder(t, {"name": "vit_tiny_patch16_224", "kwargs": {"img_size": 32, "patch_size": 4}})),
     ("encoder model.json asking for a model far larger than its weights (built on no memory first)", "finetune",

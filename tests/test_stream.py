@@ -604,6 +604,21 @@ def test_unequal_rank_shares_are_warned_about(tmp_path, caplog):
     assert warned == [True, False]
 
 
+
+def test_a_training_batch_larger_than_a_ranks_data_is_warned_about(tmp_path, caplog):
+    """32 samples a rank cut every step of batch_size 64 to 32 (it went unsaid); a batch that fits,
+    or an evaluation loader, says nothing."""
+    manifest, _ = write_shards(tmp_path / "d", [16, 16])
+    said = []
+    for batch_size, train in ((64, True), (32, True), (64, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mpp.data"):
+            make_loader(manifest, batch_size=batch_size, img_size=16, train=train, labeled=True,
+                        data_cfg=cfg(num_workers=0))
+        said.append(any("batch_size=64 is more than the 32 training samples" in r.getMessage() for r in caplog.records))
+    assert said == [True, False, False]
+
+
 @pytest.mark.parametrize("spec", ["manifest", "pattern, exact count", "pattern, count too small"])
 def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_path, spec):
     """Equal shards that split unevenly over the workers (2 and 1): the DataLoader takes items from
