@@ -325,15 +325,18 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
 
 def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     """After the data are made, before the first stage: a missing test set or few-shot set, a
-    pattern without its count, and a label subset too small for its development split (withheld by
-    a pre-training, or drawn by a fine-tune) fail, naming the stage."""
+    pattern without its count, a test set of fewer shards than a fine-tune's processes, and a label
+    subset too small for its development split (withheld by a pre-training, or drawn by a fine-tune)
+    fail, naming the stage."""
     from mpp.compare import check_data, prepare_data
     from mpp.data.decode import DataError
     path = _write_configs(tmp_path, tmp_path / "d")
     cfg = load_compare_config(path)
     prepare_data(cfg)
     stages = plan(cfg)
-    check_data(stages, validate(cfg, stages))  # the shipped way: fine
+    check_data(stages, resolved := validate(cfg, stages))  # the shipped way: fine
+    with pytest.raises(DataError, match="fine-tune scratch.*data.val has [0-9]+ shard.*fewer than the 1000 processes"):
+        check_data(stages, resolved, 1000)  # a fine-tune's final evaluation would stop after its training
     for overrides, match in (
             (["pretrain_overrides=[data.val=/nowhere/manifest.json]"],
              "pre-train mpp.*'/nowhere/manifest.json' does not exist"),
@@ -870,7 +873,7 @@ def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
 
     monkeypatch.setattr(mpp.compare, "run_stage", run_stage)
     monkeypatch.setattr(mpp.compare, "prepare_data", lambda cfg: None)
-    monkeypatch.setattr(mpp.compare, "check_data", lambda stages, resolved: None)
+    monkeypatch.setattr(mpp.compare, "check_data", lambda *a: None)
     monkeypatch.setattr(mpp.figures.inspection, "write_compare_figures", lambda *a, **k: None)
     monkeypatch.setattr(mpp.report, "write_report", lambda *a, **k: None)
     return ran

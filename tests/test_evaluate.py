@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -670,6 +671,21 @@ def test_a_class_short_of_the_shots_is_named_and_the_rest_are_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 3), seeds=1, l2=1024.0)
+
+
+def test_a_fine_tunes_test_set_of_fewer_shards_than_processes_stops_before_training(tmp_path, monkeypatch):
+    """Two processes cannot split one test shard: said when the evaluator is built, before any step
+    (it stopped at the final evaluation, after the whole fine-tune)."""
+    import mpp.evaluators.classify as classify
+    from mpp.data.decode import DataError
+    from shardutil import write_shards
+    manifest, _ = write_shards(tmp_path / "test", [6])
+    cfg = build_config({"model": "vit_micro4_32", "objective": "classify",
+                        "data": {"train": manifest, "val": manifest, "num_workers": 0}})
+    classify.Evaluator(cfg, "cpu")  # one process: fine
+    monkeypatch.setattr(classify, "PartialState", lambda: SimpleNamespace(num_processes=2))
+    with pytest.raises(DataError, match="data.val has 1 shard.*fewer than the 2 processes"):
+        classify.Evaluator(cfg, "cpu")
 
 
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):
