@@ -152,6 +152,16 @@ class Run:
         return Path(self.cfg.output_dir)
 
 
+def unreached(cfg: Config, steps: int) -> str:
+    """What a run of `steps` asks for periodically but never reaches (a figure that never comes,
+    unsaid, misleads): '' where all is reached."""
+    late = [f"{key}={every}" for key, every in (("fewshot.every", cfg.fewshot.every),
+                                                ("train.image_every", cfg.train.image_every)) if every > steps]
+    first, count = cfg.train.profile
+    late += [f"train.profile={[first, count]} (steps {first + 1}..{first + count})"] if count and first >= steps else []
+    return f"{', '.join(late)} past the run's {steps} steps: never reached; lower it" if late else ""
+
+
 def setup(cfg: Config) -> Run:
     """Check, build and resume everything the run needs; nothing in the run directory changes
     but its lock (config.yaml and TensorBoard wait for the first step, see `_record`)."""
@@ -199,6 +209,8 @@ def setup(cfg: Config) -> Run:
     steps = cfg.steps or math.ceil(cfg.epochs * loader.batches_per_epoch / accum)
     if 1 <= steps <= cfg.optim.warmup_steps and accelerator.is_main_process:
         print(f"warning: {warmup_note(cfg, steps)}", file=sys.stderr)
+    if (late := unreached(cfg, steps)) and accelerator.is_main_process:
+        print(f"warning: {late}", file=sys.stderr)
     task = build_task(cfg, encoder, len(loader.classes) if objective.labeled else None).to(device)
     optimizer = create_optimizer(cfg, task)
     scheduler = create_scheduler(cfg, optimizer, steps)

@@ -66,6 +66,19 @@ def test_a_step_that_raises_inside_the_window_leaves_no_profile_and_its_own_erro
     assert not torch.autograd.profiler._is_profiler_enabled  # stopped, not left recording
 
 
+def test_a_window_or_a_figure_past_the_runs_end_is_said():
+    """Periodic figures and a profile window a run never reaches (its steps known only once the data
+    are read, with epochs=) are warned about; those it reaches, or a window it ends inside, not."""
+    from mpp.train import unreached
+    cfg = load_config(None, ["output_dir=x", "train.profile=[10,5]", "train.image_every=20", "fewshot.every=8",
+                             "fewshot.train=a", "fewshot.test=b"])
+    assert unreached(cfg, 7) == ("fewshot.every=8, train.image_every=20, train.profile=[10, 5] (steps 11..15) past "
+                                 "the run's 7 steps: never reached; lower it")
+    assert unreached(cfg, 10).startswith("train.image_every=20, train.profile=[10, 5] (steps 11..15) past")
+    assert unreached(cfg, 11) == "train.image_every=20 past the run's 11 steps: never reached; lower it"
+    assert unreached(cfg, 20) == ""
+
+
 @pytest.mark.parametrize("window", ["[0,3]", "[2]", "[-1,2]", "[1.5,2]"])
 def test_a_bad_window_is_refused_before_any_work(window):
     with pytest.raises(ConfigError, match="train.profile"):
