@@ -342,7 +342,8 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     # shapes than its weights (a small file asking for a huge model), stops here
     try:
         with torch.device("meta"):
-            odd = mismatched(MaskedEncoder(name, kwargs, attn=attn).vit, shapes)
+            meta = MaskedEncoder(name, kwargs, attn=attn)
+            odd = mismatched(meta.vit, shapes)
     except ConfigError as e:  # built, but no ViT
         raise ConfigError(f"{spec_file}: {e}") from None
     except Exception as e:  # timm's own errors on odd kwargs: TypeError, AttributeError, ZeroDivisionError, ...
@@ -352,7 +353,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
         raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
                           f"of another shape, e.g. {odd[0]}); give the model.json it was exported with")
     if img_size:
-        patch = kwargs.get("patch_size", 16)  # timm's default, as for old_img
+        patch = meta.patch_size  # as built: a model.json may leave it to the timm model's name
         if img_size % patch or img_size // patch < 2:
             raise ConfigError(f"img_size={img_size} does not suit the encoder of {spec_file}: its patch size is "
                               f"{patch}; give a multiple of it of at least {2 * patch} (e.g. "

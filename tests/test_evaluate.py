@@ -26,7 +26,7 @@ import mpp.evaluators.fewshot as fs_mod
 import mpp.evaluators.linear_probe
 import mpp.objectives
 from mpp import outcomes
-from mpp.config import ConfigError, build_config
+from mpp.config import ConfigError, build_config, to_dict
 from mpp.data import make_loader
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features
@@ -675,7 +675,8 @@ def test_a_class_short_of_the_shots_is_named_and_the_rest_are_not():
 
 def test_a_fine_tunes_test_set_of_fewer_shards_than_processes_stops_before_training(tmp_path, monkeypatch):
     """Two processes cannot split one test shard: said when the evaluator is built, before any step
-    (it stopped at the final evaluation, after the whole fine-tune)."""
+    (it stopped at the final evaluation, after the whole fine-tune); a fine-tune scored on its
+    development split does not read the test set."""
     import mpp.evaluators.classify as classify
     from mpp.data.decode import DataError
     from shardutil import write_shards
@@ -686,6 +687,7 @@ def test_a_fine_tunes_test_set_of_fewer_shards_than_processes_stops_before_train
     monkeypatch.setattr(classify, "PartialState", lambda: SimpleNamespace(num_processes=2))
     with pytest.raises(DataError, match="data.val has 1 shard.*fewer than the 2 processes"):
         classify.Evaluator(cfg, "cpu")
+    classify.Evaluator(build_config({**to_dict(cfg), "finetune": {"dev_fraction": 0.2}}), "cpu")  # scores a dev split
 
 
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):

@@ -217,13 +217,13 @@ def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path, ca
     from mpp.train import train
     cfg = load_config(ROOT / "configs/synthetic_mpp.yaml", [
         f"output_dir={tmp_path}", "model=vit_micro4_32", "steps=2", "batch_size=8", "train.log_every=1",
-        "train.image_every=1", "train.attn=math", "train.precision='no'", "data.num_workers=0",
+        "train.image_every=1", "train.attn=math", "train.precision='no'", "data.num_workers=0", "train.profile=[5,1]",
         f"data.train={data}", "data.shuffle_buffer=0"])
     train(cfg)
     # the shipped config's 30 warmup steps in a 2-step run: said, as a compare stage's would be
     err = capsys.readouterr().err
     assert "warning: optim.warmup_steps=30 is not below the run's 2 steps" in err
-    assert "past the run's" not in err  # its figures every step are reached
+    assert "warning: train.profile=[5, 1] (steps 6..6) past the run's 2 steps" in err  # its images: reached
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [e.step for e in events.Images("mpp/predictions")] == [1, 2]
     assert load_mpp_task(tmp_path) is not None and (tmp_path / HEAD_FILE).is_file()
@@ -281,6 +281,8 @@ def test_the_compare_figures_random_init_has_the_runs_resolution_and_normalisati
     assert numbers["images"] == 16 and "holds 16 images, fewer than the 100 asked for" in capsys.readouterr().err
     with pytest.raises(ValueError, match="none:PRESET@IMG_SIZE"):
         inspection.load_inspected("none:vit_micro4_32@big")
+    with pytest.raises(ValueError, match="patch size 4 does not divide 30"):
+        inspection.load_inspected("none:vit_micro4_32@30")
 
 
 def test_an_exported_encoder_alone_is_inspected_with_the_normalisation_it_recorded(tmp_path):

@@ -6,7 +6,7 @@ import timm
 import torch
 
 from mpp.config import ConfigError, DataConfig
-from mpp.models import PRESETS, create_encoder, load_encoder, save_encoder
+from mpp.models import PRESETS, MaskedEncoder, create_encoder, load_encoder, save_encoder
 from mpp.objectives import Corruption
 
 PRESET = "vit_micro4_32"  # 2 blocks, dim 64, 8x8 patches of 4 px
@@ -69,6 +69,18 @@ def test_export_loads_into_plain_timm_with_equal_features(encoder, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(x), encoder(x))
         torch.testing.assert_close(model(x), encoder(x)[:, 0])  # pooled [class] token, no head
+
+
+def test_an_encoder_loads_at_an_img_size_its_own_patch_divides(tmp_path):
+    """The patch size is the encoder's as built: a model.json may leave it to the timm model's name
+    (vit_small_patch8_224: 8, not timm's default 16), so 40 px suits it and 36 px is refused in one
+    line, not in timm's patch embedding at the first forward."""
+    save_encoder(MaskedEncoder("vit_small_patch8_224", dict(img_size=32, embed_dim=64, depth=1, num_heads=2),
+                               attn="math"), tmp_path)
+    assert "patch_size" not in json.loads((tmp_path / "model.json").read_text())["kwargs"]
+    assert tuple(load_encoder(tmp_path, img_size=40).grid_size) == (5, 5)
+    with pytest.raises(ConfigError, match="img_size=36 does not suit .*its patch size is 8"):
+        load_encoder(tmp_path, img_size=36)
 
 
 def test_load_encoder_same_and_new_resolution(encoder, tmp_path):

@@ -615,7 +615,8 @@ def test_a_training_batch_larger_than_a_ranks_data_is_warned_about(tmp_path, cap
         with caplog.at_level("WARNING", logger="mpp.data"):
             make_loader(manifest, batch_size=batch_size, img_size=16, train=train, labeled=True,
                         data_cfg=cfg(num_workers=0))
-        said.append(any("batch_size=64 is more than the 32 training samples" in r.getMessage() for r in caplog.records))
+        said.append(any("batch of 64 (batch_size over processes and train.grad_accum) is more than the 32 training "
+                        "samples" in r.getMessage() for r in caplog.records))
     assert said == [True, False, False]
 
 

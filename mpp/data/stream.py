@@ -352,9 +352,10 @@ class ShardLoader:
                         "samples than batch_size; evenly sized shards, as many as a multiple of ranks x workers, "
                         "avoid it", least, most)
         if train and rank == 0 and most < batch_size:
-            log.warning("mpp.data: batch_size=%d is more than the %d training samples a rank holds (after any "
-                        "label_fraction, dev_fraction or withheld split): every step trains on those %d; lower "
-                        "batch_size, or raise data.epoch_samples where the data is resampled", batch_size, most, most)
+            log.warning("mpp.data: a rank's batch of %d (batch_size over processes and train.grad_accum) is more "
+                        "than the %d training samples a rank holds (after any label_fraction, dev_fraction or "
+                        "withheld split): each of its batches holds those %d; lower batch_size, or raise "
+                        "data.epoch_samples where the data is resampled", batch_size, most, most)
         self.stream = _ShardStream(
             shards, build_transform(img_size, train, data_cfg), batch_size=batch_size, labeled=labeled,
             max_pixels=data_cfg.max_pixels, shuffle_buffer=data_cfg.shuffle_buffer if train else 0,

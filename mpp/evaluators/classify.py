@@ -31,7 +31,9 @@ class Evaluator:
     def __init__(self, cfg: Config, device: torch.device | str):
         if not cfg.data.val:
             raise ConfigError("objective=classify evaluates on held-out labeled shards; set data.val")
-        check_feeds(resolve(cfg.data.val, cfg.data.val_num_samples), PartialState().num_processes, "data.val")
+        val = resolve(cfg.data.val, cfg.data.val_num_samples)
+        if cfg.finetune.dev_fraction == 0:  # else it scores the development split of data.train
+            check_feeds(val, PartialState().num_processes, "data.val")
         check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
         self.cfg, self.device = cfg, torch.device(device)
 
