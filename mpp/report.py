@@ -757,7 +757,12 @@ def _reported(out: Path) -> tuple[set[Path], bool] | None:
             return {d.resolve() for d in plan}, True
     except (ReportError, ValueError, OSError):
         return set(), True
-    return {m.parent.resolve() for m in out.rglob("metrics.json") if (m.parent / "config.yaml").is_file()}, False
+    return _below(out), False
+
+
+def _below(folder: Path) -> set[Path]:
+    """Every run directory below `folder`, resolved (as `find_runs` searches a folder)."""
+    return {m.parent.resolve() for m in folder.rglob("metrics.json") if (m.parent / "config.yaml").is_file()}
 
 
 def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
@@ -851,7 +856,9 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     if before is not None and before[0] != {Path(d).resolve() for d in run_dirs}:
         raise ReportError(f"{out / 'report.json'} is the report of other runs, which this one would replace; give "
                           "--out (another folder, or that one to replace it), or name the folder alone to re-render it")
-    if named and (before is None or before[1]):  # a report of a folder searched stays one: no plan
+    # a plan for runs named, but none over a report of a folder searched; and one wherever the runs
+    # are not every run below `out`, which a report without a plan stands for
+    if (named and (before is None or before[1])) or {Path(d).resolve() for d in run_dirs} != _below(out):
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)

@@ -785,6 +785,11 @@ def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other
     monkeypatch.chdir(tmp_path / "cell")  # every run below named one by one, from elsewhere: the same report,
     every = sorted(d.name for d in (tmp_path / "cell").iterdir() if d.is_dir())  # still no plan
     assert "plan" not in write_report(every) and len(write_report(["."])["runs"]) == len(runs) + 1
+    _run(tmp_path / "two" / "a", "mpp", {"objective": "mpp"}, {"steps": 1})  # two folders searched, beside a third
+    _run(tmp_path / "two" / "b", "sup", {"objective": "supervised"}, {"steps": 1})
+    _run(tmp_path / "two" / "c", "sup", {"objective": "supervised", "seed": 3}, {"steps": 1})
+    for _ in range(2):  # the same command twice: the report names its runs, so the second is no other runs'
+        assert write_report([tmp_path / "two" / "a", tmp_path / "two" / "b"])["plan"] == ["a/mpp", "b/sup"]
     cmp = _paper_runs(tmp_path / "cmp")
     write_report(cmp, tmp_path / "cmp", [])  # as a comparison writes it, with its plan
     with pytest.raises(ReportError, match="report.json is the report of other runs, .*give --out"):
