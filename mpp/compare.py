@@ -202,11 +202,11 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     pre = {"mpp": root / "pretrain_mpp", "supervised": root / "pretrain_supervised"}
     seeded = [f"seed={pretrain_seed}"] if cfg.pretrain_seeds > 1 else []  # 0..N-1, whatever the configs say
     arms = ("scratch", "mpp", "supervised") if pretrain_seed == 0 else ("mpp", "supervised")
-    stages = [Stage(f"pre-train {kind}{again}", "pretrain", getattr(cfg, kind),
-                    common + _withheld(cfg, getattr(cfg, kind)) + as_list(cfg.pretrain_overrides) + seeded, out,
-                    pretrain_seed=pretrain_seed, arm=kind)
-              for kind, out in pre.items()]
     probe_split = _probe_split(cfg)
+    stages = [Stage(f"pre-train {kind}{again}", "pretrain", getattr(cfg, kind),
+                    common + _withheld(cfg, getattr(cfg, kind), probe_split) + as_list(cfg.pretrain_overrides)
+                    + seeded, out, pretrain_seed=pretrain_seed, arm=kind)
+              for kind, out in pre.items()]
     for arm in sorted(arms, key=("mpp", "supervised", "scratch").index):
         stages.append(Stage(f"linear probe {arm}{again}", "linear_probe", cfg.probe,
                             probe_split + common + [f"probe.encoder={pre.get(arm, 'none')}"], root / f"probe_{arm}",
@@ -284,17 +284,17 @@ def _dev_splits(cfg: CompareConfig, fractions=None) -> set[tuple]:
     return splits
 
 
-def _probe_dev(cfg: CompareConfig) -> tuple | None:
+def _probe_dev(cfg: CompareConfig, probe_split: list[str]) -> tuple | None:
     """The development split every linear probe chooses its representation and L2 on, as the probe
-    stages resolve it (`_probe_split`'s, or what the comparison's `overrides` give instead), in
-    `_dev_splits`' terms for `_withheld`; None where they have none."""
-    p = load_config(cfg.probe, _probe_split(cfg) + as_list(cfg.overrides))
+    stages resolve it (`probe_split`, `_probe_split`'s, or what the comparison's `overrides` give
+    instead), in `_dev_splits`' terms for `_withheld`; None where they have none."""
+    p = load_config(cfg.probe, probe_split + as_list(cfg.overrides))
     return (data_key(p.data.train), 1.0, *p.probe.dev_split) if p.probe.dev_split else None
 
 
-def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
+def _withheld(cfg: CompareConfig, pretrain_config: str, probe_split: list[str]) -> list[str]:
     """The pre-training override that leaves out every development split the fine-tune sweeps and
-    the probes (`_probe_dev`) choose on from its training set (`data.withhold`), so that no swept
+    the probes (`_probe_dev` of `probe_split`) choose on from its training set (`data.withhold`), so that no swept
     value, nor a fine-tune's or a linear probe's representation, is chosen on images a
     pre-training trained on (the supervised one with their labels). Nothing for a pre-training on
     other data, or where nothing is chosen on a split; `pretrain_overrides` come after it (and
@@ -302,7 +302,7 @@ def _withheld(cfg: CompareConfig, pretrain_config: str) -> list[str]:
     `validate`, which names its stage."""
     try:
         train = load_config(pretrain_config, as_list(cfg.overrides) + as_list(cfg.pretrain_overrides)).data.train
-        probe = _probe_dev(cfg)
+        probe = _probe_dev(cfg, probe_split)
         splits = sorted(s[1:] for s in _dev_splits(cfg) | ({probe} if probe else set()) if s[0] == data_key(train))
     except ConfigError:
         return []

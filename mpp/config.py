@@ -600,7 +600,7 @@ def validate(cfg: Config) -> None:
         for part in key.split("."):
             obj = getattr(obj, part)
         check(obj in allowed, f"config key '{key}' is {obj!r}; choose one of {', '.join(allowed)}")
-    from mpp.models import preset_geometry  # late import, as in choices()
+    from mpp.models import grid_fix, preset_geometry  # late import, as in choices()
     check(bool(cfg.output_dir), "config key 'output_dir' is empty; give a run directory")
     check(cfg.batch_size > 0, f"config key 'batch_size' must be > 0, got {cfg.batch_size}")
     for key, seed in (("seed", cfg.seed), ("finetune.split_seed", cfg.finetune.split_seed)):  # numpy's range
@@ -608,9 +608,8 @@ def validate(cfg: Config) -> None:
     check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")
     check(cfg.img_size >= 0, "config key 'img_size' must be >= 0 (0: the preset's)")
     img, patch = preset_geometry(cfg.model, cfg.img_size)
-    check(img % patch == 0 and img // patch >= 2,
-          f"config key 'img_size' is {img}: model {cfg.model} needs a multiple of its patch size {patch} "
-          f"of at least {2 * patch} (e.g. {max(2, round(img / patch)) * patch})")
+    fix = grid_fix(img, patch)
+    check(not fix, f"config key 'img_size' is {img}: model {cfg.model}'s patch size is {patch}; give {fix}")
     chosen = math.floor(cfg.mpp.ratio * (img // patch) ** 2 + 0.5)
     check(cfg.objective != "mpp" or chosen >= 1,
           f"config key 'mpp.ratio' is {cfg.mpp.ratio}: it chooses {chosen} of {(img // patch) ** 2} patches; raise it")
@@ -623,7 +622,7 @@ def validate(cfg: Config) -> None:
     check(1 <= m.bits <= MAX_BITS, f"config key 'mpp.bits' must be in 1..{MAX_BITS} (2^(3 bits) colour classes: "
           f"{2 ** (3 * MAX_BITS)} at {MAX_BITS}), got {m.bits}")
     from mpp.objectives import TARGETS
-    if cfg.objective == "mpp" and m.target in TARGETS and 1 <= m.bits <= MAX_BITS:  # else refused above
+    if cfg.objective == "mpp":  # the target and the bits are known good here
         width, most = TARGETS[m.target].outputs, 2 ** (3 * MAX_BITS)  # the widest head mean_color can ask for
         fits = [b for b in range(1, MAX_BITS + 1) if width(b, patch) <= most]
         check(width(m.bits, patch) <= most,

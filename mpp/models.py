@@ -60,6 +60,14 @@ def preset_geometry(preset: str, img_size: int = 0) -> tuple[int, int]:
     return img_size or kwargs.get("img_size") or int(name.rsplit("_", 1)[1]), patch
 
 
+def grid_fix(img_size: int, patch: int) -> str:
+    """'' where `img_size` cuts into at least 2 x 2 whole patches of `patch` pixels; else the size to
+    give instead, for the error that refuses it (the config's, an encoder's, a figure's)."""
+    if img_size % patch == 0 and img_size // patch >= 2:
+        return ""
+    return f"a multiple of {patch} of at least {2 * patch} (e.g. {max(2, round(img_size / patch)) * patch})"
+
+
 # pooled representations of the tokens, as timm's `VisionTransformer.pool` names them
 POOLS = ("token", "avg")  # the [class] token, the mean of the patch tokens (in tie-break order)
 
@@ -353,11 +361,9 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
         raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
                           f"of another shape, e.g. {odd[0]}); give the model.json it was exported with")
     if img_size:
-        patch = meta.patch_size  # as built: a model.json may leave it to the timm model's name
-        if img_size % patch or img_size // patch < 2:
+        if fix := grid_fix(img_size, meta.patch_size):  # as built: model.json may leave it to the timm name
             raise ConfigError(f"img_size={img_size} does not suit the encoder of {spec_file}: its patch size is "
-                              f"{patch}; give a multiple of it of at least {2 * patch} (e.g. "
-                              f"{max(2, round(img_size / patch)) * patch})")
+                              f"{meta.patch_size}; give {fix}")
         kwargs["img_size"] = img_size
     try:
         encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)

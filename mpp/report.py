@@ -757,12 +757,15 @@ def _reported(out: Path) -> tuple[set[Path], bool] | None:
             return {d.resolve() for d in plan}, True
     except (ReportError, ValueError, OSError):
         return set(), True
-    return _below(out), False
+    return {d.resolve() for d in _search(out)}, False
 
 
-def _below(folder: Path) -> set[Path]:
-    """Every run directory below `folder`, resolved (as `find_runs` searches a folder)."""
-    return {m.parent.resolve() for m in folder.rglob("metrics.json") if (m.parent / "config.yaml").is_file()}
+def _search(folder: Path) -> list[Path]:
+    """Every run directory below `folder` (metrics.json and config.yaml), sorted; none for a run
+    itself or a path that is no folder."""
+    if (folder / "metrics.json").exists() or not folder.is_dir():
+        return []
+    return sorted(m.parent for m in folder.rglob("metrics.json") if (m.parent / "config.yaml").is_file())
 
 
 def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
@@ -773,8 +776,7 @@ def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
     those a report records as its own plan, so a folder searched is searched again next time."""
     found, named = [], True
     for path in map(Path, paths):
-        below = [] if (path / "metrics.json").exists() or not path.is_dir() else \
-            sorted(m.parent for m in path.rglob("metrics.json") if (m.parent / "config.yaml").is_file())
+        below = _search(path)
         planned = _plan(path)
         if planned is not None:
             if gone := [d for d in planned if not (d / "metrics.json").is_file()]:
@@ -852,13 +854,13 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
                    for r in runs]
     rep["skipped"] = {r["dir"]: skipped for r in runs if (skipped := _skipped(r["metrics"]))}
     out = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
-    before = _reported(out) if parent else None
-    if before is not None and before[0] != {Path(d).resolve() for d in run_dirs}:
+    before, mine = _reported(out) if parent else None, {Path(d).resolve() for d in run_dirs}
+    if before is not None and before[0] != mine:
         raise ReportError(f"{out / 'report.json'} is the report of other runs, which this one would replace; give "
                           "--out (another folder, or that one to replace it), or name the folder alone to re-render it")
     # a plan for runs named, but none over a report of a folder searched; and one wherever the runs
     # are not every run below `out`, which a report without a plan stands for
-    if (named and (before is None or before[1])) or {Path(d).resolve() for d in run_dirs} != _below(out):
+    if (named and (before is None or before[1])) or mine != {d.resolve() for d in _search(out)}:
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)

@@ -28,7 +28,8 @@ from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
 from mpp.figures.predictions import load_mpp_task, predict, prediction_grid
 from mpp.fileio import write_atomic
-from mpp.models import PRESETS, MaskedEncoder, create_encoder, load_encoder, preset_geometry, read_model_json
+from mpp.models import (PRESETS, MaskedEncoder, create_encoder, grid_fix, load_encoder, preset_geometry,
+                        read_model_json)
 from mpp.objectives import MPPTask
 
 
@@ -54,9 +55,9 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
         if at and not (size.isdigit() and int(size) > 0):
             raise ValueError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
         patch = preset_geometry(preset)[1] if preset in PRESETS else 0  # an unknown one: create_encoder says
-        if size and patch and (int(size) % patch or int(size) // patch < 2):
+        if size and patch and (fix := grid_fix(int(size), patch)):
             raise ValueError(f"--encoder {source}: {preset}'s patch size {patch} does not divide {size} at least "
-                             f"twice; give a multiple of it of at least {2 * patch}")
+                             f"twice; give {fix}")
         torch.manual_seed(seed)
         encoder = create_encoder(preset, int(size or 0), attn="math")
         return Inspected(name or f"random {source[5:]}", encoder, DataConfig(), None, random=True)
