@@ -269,13 +269,14 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
     return stages
 
 
-def _dev_splits(cfg: CompareConfig, fractions=None) -> set[tuple]:
+def _dev_splits(cfg: CompareConfig, fractions=None, unswept: bool = False) -> set[tuple]:
     """(data.train's `data_key`, label_fraction, split_seed, dev_fraction) of every development split
     the fine-tune sweeps draw at `fractions` (default: the label fractions), as their configs
-    resolve; none without a sweep. A config that does not load raises its ConfigError."""
+    resolve; none without a sweep, unless `unswept` (the split a sweep would draw, for the probes).
+    A config that does not load raises its ConfigError."""
     common, splits = as_list(cfg.overrides), set()
     for frac in cfg.label_fractions if fractions is None else fractions:
-        for point in grid_points(cfg.sweep) if cfg.sweep else []:
+        for point in grid_points(cfg.sweep) if cfg.sweep or unswept else []:
             f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, [])
                             + [f"finetune.label_fraction={frac}"] + point
                             + [f"finetune.dev_fraction={cfg.dev_fraction}"])
@@ -312,13 +313,13 @@ def _withheld(cfg: CompareConfig, pretrain_config: str, probe_split: list[str]) 
 def _probe_split(cfg: CompareConfig) -> list[str]:
     """The probe override that chooses every linear probe's representation and L2 on the development
     split of all the labels (`probe.dev_split`), the one a 100%-label fine-tune draws, drawn (and
-    withheld, `_withheld`) even where none runs, instead of on a held-out part of the training
-    features, which the supervised pre-training fitted. Nothing without a sweep, or where the probe
-    reads other data than the fine-tunes; the comparison's `overrides` come after it. A config
-    that does not load is left to `validate`."""
+    withheld, `_withheld`) even where none runs or nothing is swept, instead of on a held-out part of
+    the training features, which the supervised pre-training fitted. Nothing where the probe reads
+    other data than the fine-tunes; the comparison's `overrides` come after it. A config that does
+    not load is left to `validate`."""
     try:
         train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
-        splits = sorted(s[2:] for s in _dev_splits(cfg, [1.0]) if s[0] == data_key(train))
+        splits = sorted(s[2:] for s in _dev_splits(cfg, [1.0], unswept=True) if s[0] == data_key(train))
     except ConfigError:
         return []
     return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
@@ -371,6 +372,13 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               "representation on its own training labels, which a supervised pre-training fitted; "
                               "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
                               "finetune.pool over token and avg, or give finetune.pool token or avg")
+    chooser = next((s for s in stages if s.tool == "finetune" and not cfg.sweep and s.arm == "supervised" and (
+        (f := resolved[s.out].finetune).pool == "auto" or (f.head_init == "probe" and f.head_l2 == 0))), None)
+    if chooser is not None:  # a sweep of one value chooses them on its withheld development split instead
+        print(f"warning: stage '{chooser.name}' chooses its representation (finetune.pool=auto) or its starting "
+              "head's L2 (finetune.head_init=probe) on a held-out part of its own training labels, which the "
+              "supervised pre-training fitted; give a sweep, of one value if need be (e.g. 'sweep={optim.lr: "
+              "[0.03]}'), to choose them on a development split the pre-trainings withhold", file=sys.stderr)
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None

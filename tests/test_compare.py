@@ -320,7 +320,7 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
         cfg = load_compare_config(path, short + [f"fraction_overrides.1.0=[optim.warmup_steps={last}]"])
         validate(cfg, plan(cfg))  # a warmup as long as the run is warned about, not refused
         err = capsys.readouterr().err
-        assert (warned in err) if warned else "warning" not in err, err
+        assert (warned in err) if warned else "optim.warmup_steps" not in err, err
 
 
 def test_data_a_stage_reads_is_checked_once_made(tmp_path):
@@ -728,8 +728,8 @@ def _cfg(tmp_path, compare_extra: str = "", overrides=()):
 
 def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(tmp_path, monkeypatch):
     """A pre-training on the fine-tunes' training set, however its path is spelled, leaves out every
-    development split their sweeps choose on (one per label fraction); one on other data, or a
-    comparison without a sweep, withholds nothing."""
+    development split their sweeps choose on (one per label fraction), and the one of all the labels
+    that the probes choose on, with or without a sweep; one on other data withholds nothing."""
     def withheld(stages):
         return [[o for o in s.overrides if o.startswith("data.withhold=")] for s in stages if s.tool == "pretrain"]
     path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
@@ -741,7 +741,10 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
     for spelled in (tmp_path / "data" / "train" / "manifest.json", "./data/train/", f"file:{tmp_path}/data//train"):
         same = load_compare_config(path, [f"pretrain_overrides=[data.train={spelled}]"])
         assert withheld(plan(same)) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2, spelled
-    assert withheld(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[], []]
+    # without a sweep the probes still choose on the split of all the labels, so it alone is withheld
+    unswept = _write_configs(tmp_path, tmp_path / "data")
+    assert withheld(plan(load_compare_config(unswept))) == [["data.withhold=[[1.0,0,0.1]]"]] * 2
+    assert withheld(plan(load_compare_config(unswept, ["dev_fraction=0.3"]))) == [["data.withhold=[[1.0,0,0.3]]"]] * 2
     # without a 100%-label fine-tune the split of all the labels is still withheld: the probes choose on it
     tenth = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data", fractions="[0.5]",
                                                     compare_extra=SWEEP)))
@@ -799,8 +802,7 @@ def test_the_report_reads_the_representation_choice_of_the_best_sweep_stage(tmp_
 def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     """Every linear probe (scratch's too) chooses its representation on the development split of all
     the labels (the 100%-label fine-tunes'), which the pre-trainings withhold, drawn even where no
-    100%-label fine-tune runs; without a sweep it keeps its held-out part, and the comparison's
-    overrides can turn it off."""
+    100%-label fine-tune runs, or nothing is swept; the comparison's overrides can turn it off."""
     def splits(stages):
         return [[o for o in s.overrides if o.startswith("probe.dev_split")] for s in stages if s.tool == "linear_probe"]
     path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
@@ -809,7 +811,8 @@ def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     assert all(load_config(s.config, s.args()).probe.dev_split == (0, 0.2)
                for s in stages if s.tool == "linear_probe")
     assert splits(plan(load_compare_config(path, ["label_fractions=[0.5]"]))) == [["probe.dev_split=[0,0.2]"]] * 3
-    assert splits(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [[]] * 3
+    assert splits(plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))) == [
+        ["probe.dev_split=[0,0.1]"]] * 3
     off = plan(load_compare_config(path, ["overrides=['probe.dev_split=[]']"]))
     assert all(load_config(s.config, s.args()).probe.dev_split == ()
                for s in off if s.tool == "linear_probe")
@@ -831,6 +834,18 @@ def test_finetune_pool_config_leaves_every_fine_tune_its_configs_pool(tmp_path):
     with pytest.raises(ConfigError, match="resolves to finetune.pool=auto, so it would choose its representation"):
         validate(cfg, plan(cfg), machine=False)
     validate(chosen := _cfg(tmp_path, SWEEP, [f"finetune={auto}"]), plan(chosen), machine=False)  # finetune_pool: auto
+
+
+def test_finals_that_choose_on_their_training_labels_without_a_sweep_are_warned_about(tmp_path, capsys):
+    """Without a sweep each final fine-tune chooses its representation and its starting head's L2 on
+    its own training labels, which the supervised pre-training fitted: said before any work, and
+    not where a sweep (of one value) or the configs leave them nothing to choose."""
+    grep = "fine-tune supervised.*chooses its representation .*give a sweep, of one value"
+    for compare_extra, stage_extra, warned in (("", "", True), ("sweep: {optim.lr: [0.1]}\n", "", False),
+                                               ("finetune_pool: config\n", ", finetune.head_init=zero", False)):
+        cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "data", stage_extra, "[0.5]", compare_extra))
+        validate(cfg, plan(cfg), machine=False)
+        assert bool(re.search(grep, capsys.readouterr().err)) == warned, compare_extra
 
 
 def test_a_swept_pool_is_not_replaced_by_auto(tmp_path):
