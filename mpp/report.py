@@ -136,9 +136,13 @@ def _varied(dev_runs: list[dict]) -> list[str]:
     """The config keys in which a cell's development-split runs differ (the swept keys), but for
     the output folder, the seed and keys of speed and logging (RESULT_NEUTRAL), which a comparison
     lets a resumed stage change."""
-    flats = [r["settings"] for r in dev_runs]
-    return sorted(k for k in set().union(*flats) if k not in ("output_dir", "seed", *RESULT_NEUTRAL)
-                  and len({json.dumps(f.get(k)) for f in flats}) > 1)
+    return sorted(set().union(*(_differ(dev_runs[0], r) for r in dev_runs[1:])))
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    """The config keys in which runs `a` and `b` differ, but for those `_varied` leaves out."""
+    return sorted(k for k in set(a["settings"]) | set(b["settings"]) if k not in ("output_dir", "seed", *RESULT_NEUTRAL)
+                  and json.dumps(a["settings"].get(k)) != json.dumps(b["settings"].get(k)))
 
 
 def _values(run: dict, varied: list[str]) -> dict:
@@ -176,6 +180,12 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
             raise ReportError(f"two runs fill the same report cell ({r['family']}, {r['label_fraction']:g} labels, "
                               f"seed {r['seed']}): {twin['dir']} and {r['dir']}; pass one")
         group.append(r)
+        differ = _differ(group[0], r)
+        if differ:
+            raise ReportError(f"the final runs of one report cell ({r['family']}, {r['label_fraction']:g} labels) "
+                              f"differ in {', '.join(differ)} ({group[0]['dir']} and {r['dir']}), and a cell's mean "
+                              f"± std is over seeds of one setting; pass the finals of one setting, or the "
+                              f"development-split runs that chose among them")
     if len(groups) == 1:
         return finals, []
     rank: dict = {}  # best dev top-1 first; an exact tie as the comparison breaks it (mpp.compare._ranked)

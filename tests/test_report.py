@@ -595,6 +595,20 @@ def test_finals_that_chose_their_representation_stay_one_cell(tmp_path):
     assert rep["recipes"]["supervised"]["0.1"]["retrained"] == []
 
 
+def test_a_cells_seeds_of_other_settings_are_refused_not_averaged(tmp_path):
+    """Two finals of one cell trained at other rates, with no development-split runs to tell the
+    cell from an alternative, would be one mean ± std of two recipes: refused, naming the key;
+    seeds that differ only in seed, folder and logging are one cell."""
+    finals = [("f0", 0.01, 0, None, {"top1": 0.52}), ("f1", 0.3, 1, None, {"top1": 0.18})]
+    with pytest.raises(ReportError, match=r"final runs of one report cell \(supervised, 0.1 labels\) differ in optim.lr"):
+        write_report(_cell(tmp_path / "a", dev=[], finals=finals), tmp_path / "out")
+    same = _cell(tmp_path / "b", dev=[], finals=[("f0", 0.01, 0, None, {"top1": 0.52}),
+                                                 ("f1", 0.01, 1, None, {"top1": 0.48})])
+    cfg = yaml.safe_load((same[-1] / "config.yaml").read_text())
+    (same[-1] / "config.yaml").write_text(yaml.safe_dump({**cfg, "train": {"log_every": 7}}))
+    assert write_report(same, tmp_path / "out2")["table"]["supervised"]["finetune_n"]["0.1"] == 2
+
+
 def test_a_runner_up_value_and_the_other_representation_are_each_an_alternative(tmp_path):
     """The cell (lr 0.03 through the patch mean) beside two alternatives: lr 0.01 through the
     [class] token (another value, whatever its representation) and lr 0.03 through the [class]
