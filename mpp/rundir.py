@@ -13,6 +13,8 @@
   at OUTPUT_DIR/.lock, and otherwise tries again (else two runs could hold two files).
 - `check_fresh`: `train.resume=none` refuses a directory that already holds a run (checkpoints,
   an encoder or metrics.json). It does not move the old run aside: the user says whether it goes.
+- `check_unfinished`: `train.resume=auto` refuses a finished run whose checkpoints were deleted,
+  which a fresh start would overwrite.
 - `choose_checkpoint`: with `resume=auto`, the newest checkpoint that loads; the ones that do not
   (corrupt, empty or crafted files, a `step_*` that is a file) are skipped and named.
 """
@@ -111,6 +113,17 @@ def check_fresh(out: str | Path) -> None:
     if found:
         raise ConfigError(f"train.resume=none but output_dir '{out}' holds an earlier run ({', '.join(found[-3:])}); "
                           "choose a new output_dir, delete the old run, or continue it with train.resume=auto")
+
+
+def check_unfinished(out: str | Path) -> None:
+    """`train.resume=auto` with no checkpoint to resume: OUTPUT_DIR must not hold a finished run's
+    files (its checkpoints deleted to save space), which a fresh start would train anew and overwrite."""
+    out = Path(out)
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not list_checkpoints(out / "checkpoints"):
+        raise ConfigError(f"output_dir '{out}' holds a finished run ({', '.join(found)}) but no checkpoint to resume "
+                          "it, so starting would train it anew and overwrite it; choose a new output_dir, or delete "
+                          "the old run's files")
 
 
 def candidates(root: str | Path) -> tuple[list[Path], list[str]]:

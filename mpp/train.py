@@ -189,6 +189,8 @@ def setup(cfg: Config) -> Run:
     if accelerator.is_main_process:
         if cfg.train.resume == "none":
             rundir.check_fresh(out)
+        elif cfg.train.resume == "auto":
+            rundir.check_unfinished(out)
         rundir.lock(out)
     accelerator.wait_for_everyone()
     # evaluators check their settings and data now, on every rank; they run on the main process

@@ -231,6 +231,8 @@ CASES = [
      lambda t: (t / "out").mkdir() or _hold_lock(t / "out/.lock")),
     ("train.resume=none in a directory with an earlier run", "pretrain", lambda t: [*TRAIN(t), "train.resume=none"],
      lambda t: (t / "out").mkdir() or (t / "out/metrics.json").write_text("{}")),
+    ("a finished run whose checkpoints were deleted, started again", "pretrain", TRAIN,
+     lambda t: (t / "out").mkdir() or (t / "out/encoder.safetensors").write_bytes(b"x")),
     ("resume: the only checkpoint is a pickle payload", "pretrain", TRAIN, lambda t: _ckpt_run(t, _pickle())),
     ("train.resume=PATH that is not a checkpoint", "pretrain", lambda t: [*TRAIN(t), f"train.resume={t}/data"], None),
     ("train.resume=PATH whose checkpoint does not load", "pretrain", lambda t: [*TRAIN(t), f"train.resume={OLD(t)}"],
