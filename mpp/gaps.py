@@ -31,7 +31,8 @@ GAPS = {"supervised_minus_mpp": ("supervised", "mpp"), "mpp_minus_scratch": ("mp
 def derive(supervised: float | None, mpp: float | None, scratch: float | None, sem: dict | None = None,
            per_run: dict | None = None, draws: dict | None = None, dof: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
-    (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined.
+    (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined, and
+    its ± None (with a note) where supervised - scratch is within its noise (the ratio is unbounded).
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`), the multiple of it a significant gap reaches (`t`, from the
     degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent; the
@@ -79,8 +80,14 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        out["share_noise"] = _share_noise(acc, sem, per_run, per_image, draws)
-        out["share_noise_seeds_only"] = out["share_noise"] is not None and not all(per_image.get(f) for f in acc)
+        clear = out["significant"]["supervised_minus_scratch"]
+        if clear is not None and not clear:  # a ratio over a gain that could be 0: no ± bounds it
+            out["note"] = (f"no ±: supervised - scratch ({gain:+.2f} ± {out['noise']['supervised_minus_scratch']:.2f} "
+                           f"pp) is within its noise, so the share could be any size")
+        else:
+            out["share_noise"] = _share_noise(acc, sem, per_run, per_image, draws)
+            out["share_noise_seeds_only"] = out["share_noise"] is not None and not all(
+                per_image.get(f) for f in acc)
     return out
 
 

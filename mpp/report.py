@@ -549,6 +549,8 @@ def render_markdown(rep: dict) -> str:
         if g["recovered_share"] is None and g["mpp_minus_scratch"] is not None:
             notes.append(f"- {name}: {g['note']}")
             share = "undefined"
+        elif g["recovered_share"] is not None and g.get("note"):  # a share without ±: why
+            notes.append(f"- {name}: share recovered {g['note']}")
         toss, ranges = set(g.get("recipe_toss_ups", [])), g.get("range", {})  # † on every figure of such an arm
         cells = [_gap(g, k) + (" †" if toss & set(GAPS[k]) else "") + _range_cell(ranges.get(k), "{:+.1f}")
                  for k in GAPS]

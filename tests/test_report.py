@@ -109,6 +109,24 @@ def test_undefined_share_is_explained():
     assert derive(0.6, 0.45, 0.5)["recovered_share"] == pytest.approx(-0.5)  # MPP below scratch: negative
 
 
+def test_a_share_over_a_gain_within_its_noise_gets_no_plus_minus(tmp_path):
+    """Supervised 2.4 points over scratch, within that gap's noise: the share (4.3) is printed
+    without a first-order ± (its denominator could be 0), and the report says why; a clear gain
+    keeps its ±."""
+    def gaps(supervised: float) -> dict:
+        rng = np.random.default_rng(0)
+        per_run = {f: ("same", (rng.random((3, 1000)) < p).astype(float))
+                   for f, p in (("supervised", supervised), ("mpp", 0.603), ("scratch", 0.50))}
+        acc = {f: float(x.mean()) for f, (_, x) in per_run.items()}
+        sem = {f: float(x.mean(1).std(ddof=1) / np.sqrt(3)) for f, (_, x) in per_run.items()}
+        return derive(acc["supervised"], acc["mpp"], acc["scratch"], sem, per_run)
+    g = gaps(0.524)
+    assert g["significant"]["supervised_minus_scratch"] is False and g["recovered_share"] > 1
+    assert g["share_noise"] is None and "within its noise" in g["note"]
+    clear = gaps(0.80)
+    assert clear["significant"]["supervised_minus_scratch"] and clear["share_noise"] > 0 and "note" not in clear
+
+
 def test_a_probe_gap_between_other_test_images_counts_their_sampling():
     """Probes have no seed noise, only the test images' sampling: two probes that scored other
     test images (another labels digest) get it unpaired, not a significant gap of ± 0."""
