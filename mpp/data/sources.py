@@ -75,7 +75,7 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
         classes = m.get("classes") or None
         if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
             raise TypeError("'classes' is not a list of names")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError, RecursionError) as e:
         raise DataError(f"manifest '{path}' is unreadable or lacks 'shards' [{{name, num_samples}}] "
                         f"({type(e).__name__}: {e}); rewrite it with tools/make_shards.py") from e
     base = path.rsplit("/", 1)[0] if "/" in path else "."
@@ -89,6 +89,9 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
         twice = next(c for c in classes if classes.count(c) > 1)
         raise DataError(f"{path}: class {twice!r} is listed twice in 'classes'; {fix}")
     urls = [_beside(base, n) for n in names]
+    if len(set(urls)) < len(urls):  # ranks and workers would read its samples twice
+        twice = next(n for n, u in zip(names, urls) if urls.count(u) > 1)
+        raise DataError(f"{path}: shard {twice!r} is listed twice in 'shards'; {fix}")
     digest = m.get("labels_sha256") if labels else None
     return ShardSet(urls, counts, classes, exact=True, labels=_beside(base, labels) if labels else None,
                     labels_sha256=digest), sizes

@@ -65,7 +65,7 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
             raise ValueError(f"{len(index) if isinstance(index, list) else 'no'} shard entries for "
                              f"{len(shards.urls)} shards")
         index = [[(str(key), int(label)) for key, label in entry] for entry in index]
-    except (OSError, ValueError, TypeError, ArithmeticError) as e:
+    except (OSError, ValueError, TypeError, ArithmeticError, RecursionError) as e:
         raise DataError(f"label index '{shards.labels}' is unreadable or does not match its manifest "
                         f"({type(e).__name__}: {e}); {fix}") from e
     if shards.labels_sha256 and hashlib.sha256(raw).hexdigest() != shards.labels_sha256:
