@@ -175,6 +175,18 @@ def _check_optimizer_state(optimizer, saved) -> None:
                                  f"its parameter {tuple(params[i].shape)}")
 
 
+def _check_same_optimizer(path: Path, optimizer, saved: dict) -> None:
+    """A checkpoint of another optimiser (optim.name) or parameter grouping (optim.layer_decay) is
+    sound but cannot continue this run: a ConfigError, not a damaged checkpoint to skip."""
+    kind = [sorted({"betas", "momentum"} & set(g)) for g in optimizer.param_groups]
+    then = [sorted({"betas", "momentum"} & set(g)) for g in saved["param_groups"] if isinstance(g, dict)]
+    if len(then) != len(kind) or then != kind:
+        raise ConfigError(f"checkpoint '{path}' holds the state of another optimiser or parameter grouping ("
+                          f"{len(then)} groups, this run's {len(kind)}: optim.name or optim.layer_decay changed); "
+                          f"resume with the optim settings it was trained with ({path.parent.parent / 'config.yaml'}), "
+                          "or start this run afresh in an output_dir of its own")
+
+
 def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer) -> dict:
     """Restore a checkpoint written by `save_checkpoint` into `model` (unwrapped), optimizer,
     grad scaler and this rank's RNGs; returns the saved plain state (step, ...). Weights of other
@@ -199,8 +211,12 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
                           f"missing, extra or of another shape, e.g. {odd[0]}); resume it with the settings it was "
                           f"trained with ({path.parent.parent / 'config.yaml'}), or start this run afresh "
                           "(train.resume=auto) in an output_dir of its own") from None
+    _check_same_optimizer(path, optimizer, state["optimizer"])
     _check_optimizer_state(optimizer, state["optimizer"])
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(state.pop("optimizer"))
+    for group, mine in zip(optimizer.param_groups, settings):  # this run's optim.* (a change is warned of)
+        group.update(mine)
     scaler = state.pop("scaler")
     if accelerator.scaler is not None and scaler is not None:
         accelerator.scaler.load_state_dict(scaler)

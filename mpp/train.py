@@ -678,9 +678,10 @@ def _check_origin(out: Path, then: dict, now: dict) -> None:
 
 
 def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:
-    """Print the settings that differ from the interrupted run's config.yaml (the optimiser state,
-    e.g. weight decay and betas, comes from the checkpoint; the schedule from the new config);
-    not those of speed and logging alone (mpp.config.RESULT_NEUTRAL)."""
+    """Print the settings that differ from the interrupted run's config.yaml (the optimiser's
+    per-parameter state comes from the checkpoint; its settings, e.g. weight decay and betas, and
+    the schedule from the new config); not those of speed and logging alone
+    (mpp.config.RESULT_NEUTRAL)."""
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -701,6 +701,28 @@ def test_images_a_second_and_epochs_count_an_epochs_smaller_tail_batch(tmp_path,
     assert [e.step for e in events.Scalars("train/loss")] == [4, 8, 12, 14]
 
 
+def test_a_resume_trains_with_the_optimiser_settings_it_warns_of_and_refuses_another_grouping(tmp_path, data,
+                                                                                               monkeypatch):
+    """Resumed with another weight decay, the run warns of it and its optimiser uses it (the
+    checkpoint's param groups brought the old one back, while config.yaml recorded the new); a
+    checkpoint of another parameter grouping (layer decay) is refused as such, not as damaged."""
+    import mpp.train as trainer
+    out, seen, resume = tmp_path / "run", [], trainer._resume
+
+    def spy(cfg, accelerator, root, task, optimizer):
+        got = resume(cfg, accelerator, root, task, optimizer)
+        seen.append(sorted({g["weight_decay"] for g in optimizer.param_groups}))
+        return got
+    monkeypatch.setattr(trainer, "_resume", spy)
+    train(config(settings(data, out, steps=2, **{"optim.weight_decay": 0.05})))
+    (out / "metrics.json").unlink()
+    train(config(settings(data, out, steps=4, **{"optim.weight_decay": 0.5})))
+    assert seen == [[0.0, 0.05], [0.0, 0.5]]
+    (out / "metrics.json").unlink()
+    with pytest.raises(ConfigError, match="another optimiser or parameter grouping .*resume with the optim settings"):
+        train(config(settings(data, out, steps=6, **{"optim.weight_decay": 0.5, "optim.layer_decay": 0.75})))
+
+
 def test_a_run_resumed_at_its_last_step_keeps_the_config_it_trained_with(tmp_path, data):
     """A finished run started again with other settings trains nothing: its config.yaml keeps the
     settings the steps ran with (the report reads it), not the new attempt's."""
