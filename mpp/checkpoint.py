@@ -178,11 +178,15 @@ def _check_optimizer_state(optimizer, saved) -> None:
 def _check_same_optimizer(path: Path, optimizer, saved: dict) -> None:
     """A checkpoint of another optimiser (optim.name) or parameter grouping (optim.layer_decay) is
     sound but cannot continue this run: a ConfigError, not a damaged checkpoint to skip."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return  # malformed: `_check_optimizer_state` refuses it as damaged
     kind = [sorted({"betas", "momentum"} & set(g)) for g in optimizer.param_groups]
-    then = [sorted({"betas", "momentum"} & set(g)) for g in saved["param_groups"] if isinstance(g, dict)]
-    if len(then) != len(kind) or then != kind:
+    then = [sorted({"betas", "momentum"} & set(g)) for g in groups]
+    if then != kind:
         raise ConfigError(f"checkpoint '{path}' holds the state of another optimiser or parameter grouping ("
-                          f"{len(then)} groups, this run's {len(kind)}: optim.name or optim.layer_decay changed); "
+                          f"{len(then)} groups, this run's {len(kind)}: optim.name, optim.layer_decay, or "
+                          "optim.weight_decay between 0 and above it changed); "
                           f"resume with the optim settings it was trained with ({path.parent.parent / 'config.yaml'}), "
                           "or start this run afresh in an output_dir of its own")
 

@@ -372,13 +372,17 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               "representation on its own training labels, which a supervised pre-training fitted; "
                               "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
                               "finetune.pool over token and avg, or give finetune.pool token or avg")
-    chooser = next((s for s in stages if s.tool == "finetune" and not cfg.sweep and s.arm == "supervised" and (
-        (f := resolved[s.out].finetune).pool == "auto" or (f.head_init == "probe" and f.head_l2 == 0))), None)
+    fitted = {data_key(resolved[s.out].data.train) for s in stages if s.tool == "pretrain" and s.arm == "supervised"}
+    chooser = next((s for s in stages if s.tool == "finetune" and not cfg.sweep and s.arm == "supervised"
+                    and data_key((c := resolved[s.out]).data.train) in fitted
+                    and (c.finetune.pool == "auto" or (c.finetune.head_init == "probe" and c.finetune.head_l2 == 0))),
+                   None)
     if chooser is not None:  # a sweep of one value chooses them on its withheld development split instead
         print(f"warning: stage '{chooser.name}' chooses its representation (finetune.pool=auto) or its starting "
               "head's L2 (finetune.head_init=probe) on a held-out part of its own training labels, which the "
               "supervised pre-training fitted; give a sweep, of one value if need be (e.g. 'sweep={optim.lr: "
-              "[0.03]}'), to choose them on a development split the pre-trainings withhold", file=sys.stderr)
+              f"[{resolved[chooser.out].optim.lr:g}]}}'), to choose them on a development split the pre-trainings "
+              "withhold", file=sys.stderr)
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None

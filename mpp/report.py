@@ -140,9 +140,17 @@ def _varied(dev_runs: list[dict]) -> list[str]:
 
 
 def _differ(a: dict, b: dict) -> list[str]:
-    """The config keys in which runs `a` and `b` differ, but for those `_varied` leaves out."""
+    """The config keys in which runs `a` and `b` differ, but for those `_varied` leaves out; a path
+    spelled relative in one and absolute in the other (a comparison resumed so) is the same."""
+    def same(x, y) -> bool:
+        if json.dumps(x) == json.dumps(y):
+            return True
+        if not (isinstance(x, str) and isinstance(y, str)):
+            return False
+        x, y = os.path.normpath(x), os.path.normpath(y)
+        return x.endswith(os.sep + y) or y.endswith(os.sep + x)
     return sorted(k for k in set(a["settings"]) | set(b["settings"]) if k not in ("output_dir", "seed", *RESULT_NEUTRAL)
-                  and json.dumps(a["settings"].get(k)) != json.dumps(b["settings"].get(k)))
+                  and not same(a["settings"].get(k), b["settings"].get(k)))
 
 
 def _values(run: dict, varied: list[str]) -> dict:
@@ -659,7 +667,8 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
              "(at their count less one degree of freedom) and what every repeat shares, the same test images, "
              "shot draws and fine-tune seeds, as each repeat's own ± (which errs large where the spread holds "
              "some of it too); a mean without ± has a repeat whose own noise is unknown, which the spread alone "
-             "cannot stand in for. The share's ± is built alike, without a verdict."
+             "cannot stand in for. The share's ± is built alike, without a verdict, and left out where a repeat's "
+             "supervised - scratch is within its noise."
              + (" The repeats' own reports: " + ", ".join(f"`{d}`" for d in across["repeats"]) + "."
                 if across.get("repeats") else ""), "",
              "| evaluation | gap | per pre-training seed | mean over seeds |", "|---|---|---|---|"]

@@ -846,6 +846,11 @@ def test_finals_that_choose_on_their_training_labels_without_a_sweep_are_warned_
         cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "data", stage_extra, "[0.5]", compare_extra))
         validate(cfg, plan(cfg), machine=False)
         assert bool(re.search(grep, capsys.readouterr().err)) == warned, compare_extra
+    # a supervised pre-training on other data fitted none of the fine-tunes' labels
+    other = load_compare_config(_write_configs(tmp_path, tmp_path / "data", "", "[0.5]", ""),
+                                [f"pretrain_overrides=[data.train={tmp_path / 'other'}]"])
+    validate(other, plan(other), machine=False)
+    assert "chooses its representation" not in capsys.readouterr().err
 
 
 def test_a_swept_pool_is_not_replaced_by_auto(tmp_path):

@@ -622,7 +622,8 @@ def test_a_cells_seeds_of_other_settings_are_refused_not_averaged(tmp_path):
         write_report(_cell(tmp_path / "a", dev=[], finals=finals), tmp_path / "out")
     same = _cell(tmp_path / "b", dev=[], finals=[("f0", 0.01, 0, None, {"top1": 0.52}),
                                                  ("f1", 0.01, 1, None, {"top1": 0.48})])
-    cfg = yaml.safe_load((same[-1] / "config.yaml").read_text())
+    cfg = yaml.safe_load((same[-1] / "config.yaml").read_text())  # logging, and the encoder's path spelled relative
+    cfg["finetune"]["init"] = str(Path(cfg["finetune"]["init"]).relative_to(tmp_path))
     (same[-1] / "config.yaml").write_text(yaml.safe_dump({**cfg, "train": {"log_every": 7}}))
     assert write_report(same, tmp_path / "out2")["table"]["supervised"]["finetune_n"]["0.1"] == 2
 

@@ -89,9 +89,11 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
         twice = next(c for c in classes if classes.count(c) > 1)
         raise DataError(f"{path}: class {twice!r} is listed twice in 'classes'; {fix}")
     urls = [_beside(base, n) for n in names]
-    if len(set(urls)) < len(urls):  # ranks and workers would read its samples twice
-        twice = next(n for n, u in zip(names, urls) if urls.count(u) > 1)
-        raise DataError(f"{path}: shard {twice!r} is listed twice in 'shards'; {fix}")
+    seen: set = set()
+    for name, url in zip(names, urls):  # ranks and workers would read its samples twice
+        if url in seen:
+            raise DataError(f"{path}: shard {name!r} is listed twice in 'shards'; {fix}")
+        seen.add(url)
     digest = m.get("labels_sha256") if labels else None
     return ShardSet(urls, counts, classes, exact=True, labels=_beside(base, labels) if labels else None,
                     labels_sha256=digest), sizes
