@@ -87,7 +87,8 @@ def os_message(e: OSError) -> str:
     return f"{e.strerror or e}{':' + where if where else ''}"
 
 
-RESUMABLE = "interrupted; run the same command again to resume (checkpoints are kept)"  # a training tool's Ctrl-C
+RESUMABLE = ("interrupted; run the same command again to resume from its last checkpoint (train.ckpt_every; Ctrl-C "
+             "saves none, SIGTERM saves one first)")  # a training tool's Ctrl-C
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from colours import write_colours
 from cpuonly import cpu_env, cpu_only
 from mpp import outcomes
 from mpp.checkpoint import checkpoint_name, list_checkpoints
+from mpp.cli import RESUMABLE
 from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
@@ -190,7 +191,7 @@ def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.splitlines()[-1] == "error: interrupted; run the same command again to resume (checkpoints are kept)"
+    assert err.splitlines()[-1] == f"error: {RESUMABLE}" and "Ctrl-C saves none, SIGTERM saves one first" in err
     assert not (out / ".lock").exists()
     step = int(sorted((out / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
     done = run_tool(["tools/pretrain.py", *settings(data, out, steps=step)])  # the newest checkpoint: finished
