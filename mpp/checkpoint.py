@@ -181,9 +181,9 @@ def _check_same_optimizer(path: Path, optimizer, saved: dict) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         return  # malformed: `_check_optimizer_state` refuses it as damaged
-    kind = [sorted({"betas", "momentum"} & set(g)) for g in optimizer.param_groups]
-    then = [sorted({"betas", "momentum"} & set(g)) for g in groups]
-    if then != kind:
+    def kinds(gs: list[dict]) -> list[list[str]]:  # Adam-like or SGD-like, group by group
+        return [sorted({"betas", "momentum"} & set(g)) for g in gs]
+    if (then := kinds(groups)) != (kind := kinds(optimizer.param_groups)):
         raise ConfigError(f"checkpoint '{path}' holds the state of another optimiser or parameter grouping ("
                           f"{len(then)} groups, this run's {len(kind)}: optim.name, optim.layer_decay, or "
                           "optim.weight_decay between 0 and above it changed); "

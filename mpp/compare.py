@@ -372,17 +372,8 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               "representation on its own training labels, which a supervised pre-training fitted; "
                               "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
                               "finetune.pool over token and avg, or give finetune.pool token or avg")
-    fitted = {data_key(resolved[s.out].data.train) for s in stages if s.tool == "pretrain" and s.arm == "supervised"}
-    chooser = next((s for s in stages if s.tool == "finetune" and not cfg.sweep and s.arm == "supervised"
-                    and data_key((c := resolved[s.out]).data.train) in fitted
-                    and (c.finetune.pool == "auto" or (c.finetune.head_init == "probe" and c.finetune.head_l2 == 0))),
-                   None)
-    if chooser is not None:  # a sweep of one value chooses them on its withheld development split instead
-        print(f"warning: stage '{chooser.name}' chooses its representation (finetune.pool=auto) or its starting "
-              "head's L2 (finetune.head_init=probe) on a held-out part of its own training labels, which the "
-              "supervised pre-training fitted; give a sweep, of one value if need be (e.g. 'sweep={optim.lr: "
-              f"[{resolved[chooser.out].optim.lr:g}]}}'), to choose them on a development split the pre-trainings "
-              "withhold", file=sys.stderr)
+    if not cfg.sweep:  # a final may choose on its own labels; a sweep of one value chooses on a withheld split
+        _warn_own_label_choices(stages, resolved)
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None
@@ -391,6 +382,22 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
                               f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
     return resolved
+
+
+def _warn_own_label_choices(stages: list[Stage], resolved: dict[Path, Config]) -> None:
+    """Without a sweep, warn where a supervised arm's final fine-tune chooses its representation or
+    its starting head's L2 on its own training labels, which that arm's pre-training fitted."""
+    fitted = {data_key(resolved[s.out].data.train) for s in stages if s.tool == "pretrain" and s.arm == "supervised"}
+    for s in stages:
+        c = resolved[s.out]
+        if s.tool == "finetune" and s.arm == "supervised" and data_key(c.data.train) in fitted and (
+                c.finetune.pool == "auto" or (c.finetune.head_init == "probe" and c.finetune.head_l2 == 0)):
+            print(f"warning: stage '{s.name}' chooses its representation (finetune.pool=auto) or its starting "
+                  "head's L2 (finetune.head_init=probe) on a held-out part of its own training labels, which the "
+                  "supervised pre-training fitted; give a sweep, of one value if need be (e.g. 'sweep={optim.lr: "
+                  f"[{c.optim.lr:g}]}}'), to choose them on a development split the pre-trainings "
+                  "withhold", file=sys.stderr)
+            return
 
 
 def launcher_words(launcher: str, machine: bool = True) -> list[str]:

@@ -104,13 +104,17 @@ def unlock(out: str | Path) -> None:
             out.rmdir()
 
 
+def _run_files(out: Path) -> list[str]:
+    """The files of RUN_FILES that OUTPUT_DIR `out` holds."""
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
 def check_fresh(out: str | Path) -> None:
     """`train.resume=none`: OUTPUT_DIR must not hold another run, whose checkpoints would mix with
     this one's (rotation keeps the highest step numbers; a later resume=auto would pick them)."""
     out = Path(out)
     found = [p.name for p in sorted((out / "checkpoints").glob(PREFIX + "*"))] if (out / "checkpoints").is_dir() else []
-    found += [name for name in RUN_FILES if (out / name).exists()]
-    if found:
+    if found := found + _run_files(out):
         raise ConfigError(f"train.resume=none but output_dir '{out}' holds an earlier run ({', '.join(found[-3:])}); "
                           "choose a new output_dir, delete the old run, or continue it with train.resume=auto")
 
@@ -119,8 +123,7 @@ def check_unfinished(out: str | Path) -> None:
     """`train.resume=auto` with no checkpoint to resume: OUTPUT_DIR must not hold a finished run's
     files (its checkpoints deleted to save space), which a fresh start would train anew and overwrite."""
     out = Path(out)
-    found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not list_checkpoints(out / "checkpoints"):
+    if (found := _run_files(out)) and not list_checkpoints(out / "checkpoints"):
         raise ConfigError(f"output_dir '{out}' holds a finished run ({', '.join(found)}) but no checkpoint to resume "
                           "it, so starting would train it anew and overwrite it; choose a new output_dir, or delete "
                           "the old run's files")
