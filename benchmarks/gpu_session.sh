@@ -7,10 +7,9 @@
 # to build pyproject: fetch their wheels here once (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: what the first eight sessions (docs/benchmarks.md)
-#                                                  left, each under its own time limit: `trainer`, Ti/4's
-#                                                  in-memory compiled step, then `trainer-b16`: pre-training
-#                                                  through the real loader with the code as it is now
+#   bash benchmarks/gpu_session.sh session         on the GPU: what the first nine sessions (docs/benchmarks.md)
+#                                                  left, each under its own time limit: `trainer`, then
+#                                                  `workers`, then Ti/4's in-memory compiled step
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -18,6 +17,9 @@
 #                                                  compiled) through the real loader: images/s and data
 #                                                  wait per log window, and where 10 steady steps' time
 #                                                  went (train.profile)
+#   bash benchmarks/gpu_session.sh workers         after trainer (its data): its Ti/4 pre-training with 8 and
+#                                                  11 loader workers, not 14: whether decoding processes
+#                                                  on every core slow the launch-bound loop's thread
 #   bash benchmarks/gpu_session.sh finetune        after trainer: a 10%-label fine-tune of its encoder,
 #                                                  compiled and eager (what train.compile=auto runs at
 #                                                  its length)
@@ -43,12 +45,12 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | deterministic | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
+parts="wheels | session | cuda-tests | step MODEL... | trainer | workers | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | deterministic | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
     -h|--help) sed -n '2,/^set -euo/p' "$self" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    wheels|session|cuda-tests|step|trainer|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
+    wheels|session|cuda-tests|step|trainer|workers|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -114,7 +116,7 @@ profiled() {  # RUN: the run's train.profile line into trainer.txt, its files in
 
 pretrain() {  # MODEL BATCH DATA STEPS MODE [SETTING...]: MPP pre-training through the real loader, 14 workers,
               # compiled in torch.compile's MODE, 10 steps of the last log window profiled
-    local run=/tmp/runs/pre_$1_$5
+    local run=/tmp/runs/pre_$1_$5${TAG:-}  # TAG: another run of the same model and mode
     python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
         data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
         train.log_every=20 train.ckpt_every=100000 train.compile=always train.compile_mode=$5 \
@@ -135,7 +137,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "220 trainer" "150 step ti4 --methods mpp+compile --no-loader" "180 trainer-b16"; do
+    for spec in "220 trainer" "230 workers" "110 step ti4 --methods mpp+compile --no-loader"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -155,6 +157,8 @@ trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an
         rate --batch-size 256 --workers 12 --fraction 0.1 --epochs 24 --device $device
     done
     pretrain vit_ti4_32 1024 syn32 240 default ;;
+workers)  # after trainer (its data): fewer decoding processes beside the loop's thread
+    for w in 8 11; do TAG=_w$w pretrain vit_ti4_32 1024 syn32 240 default data.num_workers=$w; done ;;
 graphs)  # after trainer (its data): the same pre-training replayed as CUDA graphs
     pretrain vit_ti4_32 1024 syn32 240 reduce-overhead ;;
 finetune)  # after trainer (its encoder and data)
