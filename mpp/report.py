@@ -19,7 +19,8 @@ How a run declares what it is (no extra bookkeeping needed for runs made by this
   sweep stages of its cell differ, the value the final runs used and that value's lead over the
   next on the development images, ± its paired standard error (a toss-up when under t times it,
   as for a gap);
-  the gaps table marks (†) each fine-tune figure that involves an arm with a toss-up.
+  the gaps table marks (†) each fine-tune figure that involves an arm with a toss-up, and each
+  linear-probe and few-shot figure of an arm whose probe's representation was one.
 - a cell's final runs that used another swept value than the best on its development split (the
   comparison's runner-up stages) are no cell either: the recipe section lists their test top-1,
   and where the choice was a toss-up each figure of that arm gets its range over both values.
@@ -428,6 +429,10 @@ def collect(runs: list[dict]) -> dict:
         toss = {"value": lr, "pool": g["pool_toss_ups"]}
         g["range"] = _ranges({f: [table[f]["finetune"].get(fr)] + [x["top1"] for x in retrained.get((f, fr), [])
                                                                    if f in toss[x["kind"]]] for f in FAMILIES})
+    probed = [f for f in FAMILIES  # the probe's representation, which its few-shot figures read too
+              if (((table[f].get("probe_pool_choice") or {}).get("lead") or {}).get("clear") is False)]
+    for g in [derived["linear_top1"], *derived["fewshot"].values()]:
+        g["probe_toss_ups"] = probed
     return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
 
 
@@ -549,7 +554,7 @@ def render_markdown(rep: dict) -> str:
               f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
-    notes, marked, ranged, pooled = [], False, False, False
+    notes, marked, ranged, pooled, probed = [], False, False, False, False
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
             "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}"
@@ -559,13 +564,16 @@ def render_markdown(rep: dict) -> str:
             share = "undefined"
         elif g["recovered_share"] is not None and g.get("note"):  # a share without ±: why
             notes.append(f"- {name}: share recovered {g['note']}")
-        toss, ranges = set(g.get("recipe_toss_ups", [])), g.get("range", {})  # † on every figure of such an arm
-        cells = [_gap(g, k) + (" †" if toss & set(GAPS[k]) else "") + _range_cell(ranges.get(k), "{:+.1f}")
-                 for k in GAPS]
-        cells.append(share + (" †" if toss else "") + _range_cell(ranges.get("recovered_share"), "{:.2f}"))
+        # † on every figure of an arm whose recipe, or whose probe's representation, was a toss-up
+        toss = set(g.get("recipe_toss_ups", [])) | set(g.get("probe_toss_ups", []))
+        ranges = g.get("range", {})
+        mark = lambda cell, on: cell + (" †" if on and cell != "—" else "")  # noqa: E731 (no figure, no mark)
+        cells = [mark(_gap(g, k), toss & set(GAPS[k])) + _range_cell(ranges.get(k), "{:+.1f}") for k in GAPS]
+        cells.append(mark(share, toss) + _range_cell(ranges.get("recovered_share"), "{:.2f}"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        marked, ranged = marked or bool(toss), ranged or bool(ranges)
+        marked, ranged = marked or bool(g.get("recipe_toss_ups")), ranged or bool(ranges)
         pooled = pooled or bool(g.get("pool_toss_ups"))
+        probed = probed or bool(g.get("probe_toss_ups"))
     if notes:
         lines += [""] + notes
     if marked:
@@ -578,6 +586,11 @@ def render_markdown(rep: dict) -> str:
                   + (" A toss-up of the representation (finetune.pool, chosen by a probe of the cell's own "
                      "training labels) is marked too; where the comparison retrained the chosen value through the "
                      "other representation as well (same seeds), the range spans that too." if pooled else "")]
+    if probed:
+        lines += ["", "† on the linear-probe and few-shot rows: an arm whose probe chose its representation by a lead "
+                  "within its noise (a toss-up in the leads below; the few-shot figures read the same "
+                  "representation). The ± does not count that choice, and the other representation, never "
+                  "evaluated on the test images, may have given another figure."]
     held = []
     for f in FAMILIES:
         if not (c := t[f].get("probe_pool_choice")):

@@ -454,6 +454,40 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
     assert f"`{root / 'ft_mpp/token_seed1'}` (mpp finetune, another representation retrained)" in md
 
 
+def test_a_probes_representation_toss_up_marks_its_probe_and_few_shot_figures(tmp_path):
+    """The linear-probe and few-shot rows read the representation each probe chose on its
+    development images. Where that lead was within its noise (MPP's here: 1 point, the two
+    disagreeing on 2 of 200 images) the arm's probe and few-shot figures get †, as a fine-tune's
+    toss-up does, with a legend; a clear lead (supervised's 30 points) marks nothing, and neither
+    touches the fine-tune rows."""
+    root = tmp_path / "runs"
+    runs = [*_paper_runs(root), _run(root, "probe_scratch", {"objective": "mpp", "probe": {"encoder": "none"}},
+                                     {"kind": "linear_probe", "top1": 0.30, "5shot_mean": 0.20, "5shot_std": 0.01})]
+    labels, idx = np.arange(200) % 10, np.arange(200)
+
+    def report(mpp_avg_right: int) -> str:
+        for name, avg_right in (("probe_mpp", mpp_avg_right), ("probe_sup", 60), ("probe_scratch", 60)):
+            m = root / name / "metrics.json"  # the [class] token chosen: right on the first 120 of 200
+            m.write_text(json.dumps({**json.loads(m.read_text()), "pool": "token",
+                                     "pool_dev_top1": {"token": 0.6, "avg": avg_right / 200},
+                                     "pool_dev_outcomes": {"token": outcomes.record(idx < 120, labels),
+                                                           "avg": outcomes.record(idx < avg_right, labels)}}))
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        write_report(runs, tmp_path / "out")
+        return (tmp_path / "out" / "report.md").read_text()
+
+    rows = lambda md: {line.split(" | ")[0]: line for line in md.splitlines()  # noqa: E731
+                       if line.startswith(("| linear probe |", "| 5-shot |", "| fine-tune @"))}
+    md = report(118)
+    assert "toss-up" in md.split("Linear probe, top-1 of each representation")[1].split("\n")[0]
+    assert rows(md)["| linear probe"].startswith("| linear probe | +25.0 † | +10.0 † | +35.0 | 0.29 † |")
+    assert rows(md)["| 5-shot"].startswith("| 5-shot | +25.0 † | +10.0 † | +35.0 |")
+    assert not any("†" in line for name, line in rows(md).items() if name.startswith("| fine-tune"))
+    assert "† on the linear-probe and few-shot rows" in md
+    md = report(60)  # MPP's lead now as clear as supervised's
+    assert not any("†" in line for line in rows(md).values()) and "† on the linear-probe" not in md
+
+
 def _lr_sweep(root: Path, dev_hits: dict, *, dev_pool: str | None = None, final_pool: str | None = None,
               final_metrics: dict | None = None) -> list[Path]:
     """A `_cell` of one development-split run per learning rate (`dev_hits`: lr -> which of 400
