@@ -861,6 +861,18 @@ def _previous_repeats(out: Path) -> list[dict]:
     return [read_repeat(out / d) for d in across["repeats"]]
 
 
+def _check_distinct(out: Path, repeats: list[dict]) -> None:
+    """Refuse a repeat that is this report's folder or another repeat's: its pre-trainings would
+    count twice in the gaps over the seeds, their spread shrunk by a copy of themselves."""
+    seen = {out.resolve(): "the report's own folder"}
+    for r in repeats:
+        where = Path(r["out_dir"]).resolve()
+        if where in seen:
+            raise ReportError(f"--repeat {r['out_dir']} is {seen[where]}, so its pre-trainings would count twice in "
+                              "the gaps over pre-training seeds; pass each repeat once, and not the report's folder")
+        seen[where] = "a folder passed already"
+
+
 def _skipped(metrics: dict) -> dict:
     """What a run could not use, by kind: samples its training skipped, repeated or dropped
     (`skipped_samples`) and images its evaluation could not score (`val_skipped_samples`)."""
@@ -898,6 +910,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
     if repeats is None:
         repeats = _previous_repeats(out)
+    _check_distinct(out, repeats)
     if repeats:
         rep["pretrain_seeds"] = {**across_pretrain_seeds([rep, *repeats]),
                                  "repeats": [os.path.relpath(r["out_dir"], out) for r in repeats]}

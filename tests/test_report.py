@@ -64,6 +64,21 @@ def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(t
     assert "2 pre-training seeds" in err and "--repeat" in err and err.count("\n") == 1
 
 
+def test_a_repeat_passed_twice_or_the_reports_own_folder_is_refused(tmp_path):
+    """Either would count one pre-training twice in the gaps over pre-training seeds, and shrink
+    their spread with a copy of itself."""
+    runs = _paper_runs(tmp_path / "runs")
+    write_report(runs, tmp_path / "seed1", [])
+    write_report(runs, tmp_path / "out", [])
+    (tmp_path / "x").mkdir()  # the same folder spelled another way
+    for repeats, what in (([tmp_path / "seed1", tmp_path / "x" / ".." / "seed1"], "a folder passed already"),
+                          ([tmp_path / "out"], "the report's own folder")):
+        with pytest.raises(ReportError, match=f"is {what}, so its pre-trainings would count twice"):
+            write_report(runs, tmp_path / "out", [read_repeat(d) for d in repeats])
+    assert write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "seed1")])["pretrain_seeds"]["repeats"] == \
+        ["../seed1"]
+
+
 def test_paper_figures_give_a_third(tmp_path):
     rep = write_report(_paper_runs(tmp_path / "runs"), tmp_path / "out")
     full = rep["derived"]["finetune"]["1"]
