@@ -184,3 +184,44 @@ def test_oversized_member_is_refused_before_reading(tmp_path):
     with pytest.raises(CorruptTar, match="limit 100"):
         list(tar_files(io.BytesIO(raw), max_member=100))
     assert len(list(tar_files(io.BytesIO(raw), select=lambda n: n.endswith(".cls"), max_member=100))) == 6
+
+
+def _record(key: str, value: bytes) -> bytes:
+    """One PAX record, its length field counting itself."""
+    body = f" {key}=".encode() + value + b"\n"
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n += 1
+    return str(n).encode() + body
+
+
+@pytest.mark.parametrize("value", ["²".encode(), b"%d" % 2 ** 63], ids=["superscript", "2**63"])
+def test_a_malformed_or_impossible_pax_size_is_a_corrupt_tar(tmp_path, value):
+    """A size int() takes but no tar means ('²'), or one no file holds: read or skipped, corrupt,
+    not an unreadable shard (a ValueError, or a seek's OverflowError)."""
+    from mpp.data.tarstream import CorruptTar, tar_files
+    raw = _shard(tarfile.PAX_FORMAT)
+    bad = _pax_record(raw, [p for p in _headers(raw) if raw[p + 156:p + 157] == b"x"][0], _record("size", value))
+    with pytest.raises(CorruptTar):
+        list(tar_files(io.BytesIO(bad), select=lambda n: False))
+    skips: dict = {}
+    list(read_shard(_write(tmp_path / "s.tar", bad), skips))
+    assert skips == {"corrupt_tar": 1}
+
+
+def test_a_member_decoding_never_reads_is_skipped_unread_whatever_its_size(tmp_path):
+    """A member no sample field uses (a video beside the image, say) past what a member read may
+    hold cost the rest of its shard as corrupt_tar while every member was read; skipped unread, its
+    sample keeps the name as an empty field and the shard reads on."""
+    from mpp.data.tarstream import MAX_MEMBER
+    big = tarfile.TarInfo("k0.mp4")
+    big.size = MAX_MEMBER + 1
+    path = tmp_path / "big.tar"
+    with open(path, "wb") as f:
+        f.write(big.tobuf(tarfile.USTAR_FORMAT))
+        f.seek(big.size + (-big.size % 512), 1)  # a hole: the disk holds none of it
+        f.write(_shard(tarfile.PAX_FORMAT))  # k0.jpg, k0.cls, ... k5.cls: the video joins sample k0
+    skips: dict = {}
+    samples = list(read_shard(str(path), skips))
+    assert skips == {} and [s["__key__"] for s in samples] == [f"{'long' * 30 if j == 2 else ''}k{j}" for j in range(6)]
+    assert samples[0]["mp4"] == b"" and samples[0]["jpg"][:2] == b"\xff\xd8" and samples[0]["cls"] == b"0"

@@ -424,6 +424,23 @@ def test_folder_to_shards_to_batches(tmp_path: Path):
     assert sorted(got) == sorted(source)
 
 
+def test_a_file_past_the_members_limit_is_skipped_unread(folder: Path, tmp_path: Path, monkeypatch):
+    """A folder's file larger than a shard member may be was read whole and written, and the
+    loader then refused its member and lost the rest of the shard; it is skipped and counted
+    like an unreadable file, never read."""
+    import mpp.data.writer
+    monkeypatch.setattr(mpp.data.writer, "MAX_MEMBER", 4096)
+    before = write_shards(folder, tmp_path / "before", progress=False)
+    (folder / "a_cls" / "big.jpg").write_bytes(_image_bytes(7, size=(200, 200)) + bytes(8192))  # readable
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
+    m = write_shards(folder, tmp_path / "out", progress=False)
+    assert any("big.jpg" in e and "past the 0 MiB a shard member may hold" in e for e in m["skipped"]["examples"])
+    assert "big.jpg" not in read and read
+    assert m["num_samples"] == before["num_samples"] and m["skipped"]["count"] == before["skipped"]["count"] + 1
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_an_archive_member_past_the_members_limit_is_skipped_unread(folder: Path, tmp_path: Path, monkeypatch,
                                                                      compressed: bool):

@@ -34,7 +34,8 @@ SKIP_KINDS = {
     "bad_label": "'cls' that is not an integer in [0, number of classes)",
     "missing_label": "sample without a 'cls' member in a labeled (supervised / classify / probe) loader",
     "truncated_tar": "shard that ends mid-archive (its last, possibly incomplete sample is dropped)",
-    "corrupt_tar": "shard whose tar headers are malformed or declare an oversized member (the rest of it is lost)",
+    "corrupt_tar": ("shard whose tar headers are malformed or declare an oversized image or label (the rest of "
+                    "it is lost)"),
     "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": "samples beyond a rank's expected count (shards without exact counts in a manifest)",

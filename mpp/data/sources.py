@@ -226,7 +226,8 @@ def assign(counts: list[int], order: list[int], bins: int, largest_first: bool =
     return out
 
 
-def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[tuple[str, bytes]]:
+def tar_members(url: str, errors: list[Exception], select=None,
+                unread: bool = False) -> Iterator[tuple[str, bytes | None]]:
     """(name, bytes) of the regular-file members of one tar except webdataset's metadata, opened
     with webdataset's gopen but read with `tarstream.tar_files` (several times faster than
     tarfile, and it detects truncation). Read errors are appended to `errors` (the shard then
@@ -234,7 +235,7 @@ def tar_members(url: str, errors: list[Exception], select=None) -> Iterator[tupl
     for source in url_opener([{"url": url}], handler=lambda e: errors.append(e) or False):
         stream = source["stream"]
         try:
-            for name, data in tar_files(stream, select):
+            for name, data in tar_files(stream, select, unread=unread):
                 if not META.match(name):
                     yield name, data
         except Exception as e:  # noqa: BLE001 - any read error ends this shard, counted by the caller
@@ -255,6 +256,11 @@ def _error_kind(errors: list[Exception]) -> str:
     return "unreadable_shard"
 
 
+def _used(name: str) -> bool:
+    """Whether decoding reads the member `name` (its extension in USED)."""
+    return (base_plus_ext(name)[1] or "").lower() in USED
+
+
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard: consecutive members with the
     same key (the name up to the first dot of its base name; names without one are ignored) form
@@ -262,10 +268,11 @@ def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     without its per-member dicts and handler calls). A truncated, unreadable or
     malformed (e.g. a member twice in a sample) shard ends there, is counted in `skips` and its
     last (possibly incomplete) sample dropped; no retry, no sleep. Members decoding never reads
-    (not an image, not 'cls') keep their name but no bytes: up to a shuffle buffer of samples
-    waits in memory, and those would hold any size for nothing."""
+    (not an image, not 'cls') keep their name but no bytes, and are skipped unread: up to a shuffle
+    buffer of samples waits in memory, and those would hold any size for nothing (a video beside
+    an image may exceed what a member read may hold)."""
     errors: list[Exception] = []
-    members = tar_members(url, errors)
+    members = tar_members(url, errors, select=_used, unread=True)
     sample: dict | None = None
     for name, data in members:
         key, ext = base_plus_ext(name)

@@ -19,6 +19,7 @@ BLOCK = 512
 MAX_MEMBER = 256 << 20   # largest member read into memory (an image or a label); larger: CorruptTar
 MAX_HEADER = 1 << 20     # largest PAX / GNU long-name header
 SKIP_CHUNK = 1 << 20     # unselected members of unseekable streams are discarded in chunks of this
+MAX_SIZE = 1 << 62       # a declared size past this is corrupt (no file holds it; a seek past it overflows)
 
 
 class TruncatedTar(tarfile.ReadError):
@@ -40,6 +41,13 @@ def _number(field: bytes) -> int:
     if value < 0:
         raise CorruptTar(f"tar header number field is negative ({value})")
     return value
+
+
+def _pax_size(value: str) -> int:
+    """A PAX `size` record: decimal digits only (int() would take '²' or ' -5 ')."""
+    if not (value.isascii() and value.isdigit()):
+        raise CorruptTar(f"PAX size record {value!r} is not a decimal number")
+    return int(value)
 
 
 def _text(field: bytes) -> str:
@@ -132,11 +140,12 @@ def _gunzipped(f: BinaryIO) -> BinaryIO:
     return gzip.GzipFile(fileobj=f) if head == b"\x1f\x8b" else f
 
 
-def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None,
-              max_member: int = MAX_MEMBER) -> Iterator[tuple[str, bytes]]:
+def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None, max_member: int = MAX_MEMBER,
+              unread: bool = False) -> Iterator[tuple[str, bytes | None]]:
     """(name, bytes) of each regular file in the tar stream `f`, in archive order; with `select`,
-    only of the names it accepts (the others are skipped without being held in memory). A member
-    larger than `max_member` bytes that would be read raises CorruptTar."""
+    only of the names it accepts (the others are skipped without being held in memory, whatever
+    their size; with `unread`, yielded as (name, None), so that a caller still sees every name).
+    A member larger than `max_member` bytes that would be read raises CorruptTar."""
     f = _gunzipped(f)
     seekable = f.seekable() if hasattr(f, "seekable") else False
     pax: dict[str, str] = {}
@@ -148,7 +157,9 @@ def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None,
         if not _checksum_ok(header):
             raise CorruptTar("bad tar header checksum: the tar is corrupt")
         kind = header[156:157]
-        size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+        size = _pax_size(pax["size"]) if "size" in pax else _number(header[124:136])
+        if size > MAX_SIZE:  # skipping it would overflow a seek, not end as a truncated tar
+            raise CorruptTar(f"tar header declares {size} bytes, more than any file holds")
         padded = size + (-size % BLOCK)
         if kind in (b"x", b"L", b"g", b"K"):
             if size > MAX_HEADER:
@@ -168,5 +179,8 @@ def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None,
                 raise CorruptTar(f"tar member '{name}' declares {size} bytes (limit {max_member})")
             data = _read(f, padded)
             yield name, data[:size] if padded != size else data
-        elif padded:
+            continue
+        if padded:
             _skip(f, padded, seekable)
+        if unread and kind in (b"0", b"\0", b"7"):
+            yield name, None

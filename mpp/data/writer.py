@@ -292,7 +292,19 @@ def _image_name(name: str) -> bool:
 def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
     names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
                    if p.is_file() and not any(part.startswith(STAGING) for part in p.relative_to(root).parts))
-    return names, [lambda p=root / n: p.read_bytes() for n in names]
+    return names, [functools.partial(_read_file, root / n) for n in names]
+
+
+def _read_file(path: Path) -> bytes:
+    """A file's bytes; one past `MAX_MEMBER` (what the loader reads of a member) is not read: the
+    error skips and counts it, where written it would cost the reader the rest of its shard."""
+    if (size := path.stat().st_size) > MAX_MEMBER:
+        raise _past_limit(size)
+    return path.read_bytes()
+
+
+def _past_limit(size: int, what: str = "") -> ValueError:
+    return ValueError(f"{size} bytes{what}, past the {MAX_MEMBER >> 20} MiB a shard member may hold")
 
 
 def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
@@ -319,8 +331,7 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
 
 
 def _too_big(m: tarfile.TarInfo) -> bytes:
-    raise ValueError(f"{m.size} bytes{' (a sparse file)' if m.issparse() else ''}, past the "
-                     f"{MAX_MEMBER >> 20} MiB a shard member may hold")
+    raise _past_limit(m.size, " (a sparse file)" if m.issparse() else "")
 
 
 def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
