@@ -532,7 +532,8 @@ def render_markdown(rep: dict) -> str:
     lines += ["", "## Derived figures", "",
               "Gaps in percentage points, ± their standard error from two sources combined: the seeds "
               "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws, paired draw by draw where both "
-              "arms drew the same shots; a linear probe's fit has none) "
+              "arms drew the same shots; a linear probe's fit has none, and the random-init probe reads one "
+              "draw of the initialisation, whose own noise no ± here counts) "
               "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
               "draws, compared on the same images), less what both hold: how an image's result moves with "
               "the seed or the draw beyond its overall level (counted once). A gap "
