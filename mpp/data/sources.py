@@ -210,6 +210,9 @@ def _check_local(urls: list[str]) -> None:
     for url in urls:
         path = local_path(url)
         if path is not None and not os.path.isfile(path):
+            if os.path.exists(path):  # a FIFO would block its reader; a directory is no tar
+                raise DataError(f"shard '{url}' is not a regular file (a directory, FIFO or device); name the "
+                                "shards' tar files, or a pipe: command to stream one")
             raise DataError(f"shard '{url}' does not exist; check the data path or rewrite the shards")
 
 
