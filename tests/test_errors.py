@@ -15,6 +15,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -131,6 +132,15 @@ def _foreign(world_size: int = 1) -> tuple[bytes, bytes]:
     torch.save({"step": 1, "world_size": world_size, "nonfinite_steps": 0, "elapsed": 0.0, "train_time": 0.0,
                 "data_wait": 0.0, "last": {}, "optimizer": {}, "scaler": None}, buf)
     return buf.getvalue(), save({"w": torch.zeros(2)})
+
+
+def _cut_tar(path: Path) -> None:
+    """A tar of one class folder without its end-of-archive blocks, as an interrupted copy leaves it."""
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("a/0.jpg")
+        info.size = 600
+        tar.addfile(info, io.BytesIO(bytes(600)))
+    path.write_bytes(path.read_bytes()[:512 + 1024])
 
 
 def _run_dir(tmp: Path, metrics: str, config: str) -> None:
@@ -319,6 +329,8 @@ CASES = [
                          "objective: mpp\nprobe: {encoder: none}\n"))),
     ("make_shards from a missing folder", "make_shards", lambda t: [f"{t}/nope", f"{t}/out"], None),
     ("a missing argument", "make_shards", lambda t: [f"{t}/nope"], None),
+    ("make_shards from a tar cut short at a member's end", "make_shards", lambda t: [f"{t}/cut.tar", f"{t}/out"],
+     lambda t: _cut_tar(t / "cut.tar")),
     ("make_shards with shards of 0 samples", "make_shards",
      lambda t: [f"{t}/data/train", f"{t}/out", "--samples-per-shard", "0"], None),
     ("make_synthetic of a negative count", "make_synthetic", lambda t: [f"{t}/syn", "--train", "-1"], None),

@@ -464,3 +464,57 @@ def test_an_archive_member_past_the_members_limit_is_skipped_unread(folder: Path
     assert any("big.jpg" in e and "past the 0 MiB a shard member may hold" in e for e in m["skipped"]["examples"])
     assert not any(n.endswith("big.jpg") for n in read) and read
     assert m["num_samples"] == before["num_samples"] and m["skipped"]["count"] == before["skipped"]["count"] + 1
+
+
+def test_a_tar_sources_links_and_replaced_members_are_counted_and_a_cut_tar_refused(folder: Path, tmp_path: Path):
+    """From a tar source: a link (not followed) and a member a later one of the same name replaces
+    (as extracting it would) are skipped and counted, not dropped unsaid nor written twice; a tar
+    cut at a member's end, which reads as a smaller whole set, is refused."""
+    src = tmp_path / "src.tar"
+    with tarfile.open(src, "w") as tar:
+        tar.add(folder, arcname="src")
+    before = write_shards(src, tmp_path / "before", progress=False)
+    again = _image_bytes(77)
+    with tarfile.open(src, "a") as tar:
+        for name, kind in (("src/a_cls/link.jpg", tarfile.SYMTYPE), ("src/a_cls/hard.jpg", tarfile.LNKTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, "src/a_cls/000.jpg"
+            tar.addfile(info)
+        info = tarfile.TarInfo("src/a_cls/000.jpg")  # the same name again, other bytes
+        info.size = len(again)
+        tar.addfile(info, io.BytesIO(again))
+    m = write_shards(src, tmp_path / "out", progress=False)
+    examples = "\n".join(m["skipped"]["examples"])
+    assert m["skipped"]["count"] == before["skipped"]["count"] + 3 and m["num_samples"] == before["num_samples"]
+    assert examples.count("a link, which make_shards does not follow") == 2, examples
+    assert "replaced by a later member of the same name" in examples
+    written = [fields.get("jpg") for shard in _read_shards(tmp_path / "out") for _, fields in shard]
+    assert written.count(again) == 1
+    with tarfile.open(src) as tar:
+        last = tar.getmembers()[-1]
+    cut = tmp_path / "cut.tar"  # the archive up to its last member's data, without the zero blocks
+    cut.write_bytes(src.read_bytes()[:last.offset_data + last.size + (-last.size % 512)])
+    with pytest.raises(ShardError, match="ends without its end-of-archive block: it was cut short"):
+        write_shards(cut, tmp_path / "cut_out", progress=False)
+    assert not (tmp_path / "cut_out").exists()
+
+
+def test_a_compressed_source_is_not_held_in_memory(tmp_path: Path):
+    """A .tar.gz was read whole into memory to shuffle its members; it is decompressed into a
+    temporary file and read member by member, like a plain tar."""
+    import tracemalloc
+    src = tmp_path / "src.tar.gz"
+    rng = np.random.default_rng(0)
+    with tarfile.open(src, "w:gz", compresslevel=1) as tar:
+        for i, data in enumerate([_image_bytes(1)] + [rng.bytes(1 << 20) for _ in range(24)]):  # 24 MiB unreadable
+            info = tarfile.TarInfo(f"a_cls/{i:03d}.jpg")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    tracemalloc.start()
+    try:
+        m = write_shards(src, tmp_path / "out", progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert m["num_samples"] == 1 and m["skipped"]["count"] == 24
+    assert peak < 8 << 20, f"held {peak >> 20} MiB"

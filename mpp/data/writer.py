@@ -26,12 +26,14 @@ import importlib.metadata
 import io
 import json
 import logging
+import lzma
 import os
 import random
 import re
 import shutil
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -41,7 +43,7 @@ from tqdm import tqdm
 
 from mpp.config import DataConfig
 from mpp.data.sources import META
-from mpp.data.tarstream import MAX_MEMBER
+from mpp.data.tarstream import BLOCK, MAX_MEMBER
 from mpp.fileio import fsync, write_atomic
 
 log = logging.getLogger(__name__)
@@ -308,12 +310,12 @@ def _past_limit(size: int, what: str = "") -> ValueError:
 
 
 def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
-    """Member names (without a single common top folder) and readers for any order: seeks in a
-    plain tar; a compressed one is read once into memory (random access into a compressed stream
-    would decompress from the start every time). A member past `MAX_MEMBER` (the most the loader
-    reads) or a sparse one (a 10 KB archive can declare any size) is never read: its reader
-    raises, and the file is skipped and counted."""
-    members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
+    """Member names (without a single common top folder) and readers for any order, seeking in a
+    plain tar (`_random_access`). A member past `MAX_MEMBER` (the most the loader reads) or a sparse
+    one (a 10 KB archive can declare any size) is never read, nor a link (not followed), nor a
+    member that a later one of the same name replaces (as extracting the tar would): their readers
+    raise, and each is skipped and counted."""
+    members = sorted((m for m in tar.getmembers() if m.isfile() or m.islnk() or m.issym()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
     tops = {n.split("/", 1)[0] for n in names}
     # 'train/CLASS/x.jpg': the folder is 'train/', whatever else lies in it beside the class
@@ -321,13 +323,37 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     if (len(tops) == 1 and any(n.count("/") >= 2 for n in names)
             and not any(n.count("/") == 1 and _image_name(n) for n in names)):
         names = [n.split("/", 1)[1] for n in names]
-    fits = [m for m in tar.getmembers()  # archive order: a compressed stream is read front to back once
-            if m.isfile() and not m.issparse() and m.size <= MAX_MEMBER]  # the others are never read
-    if isinstance(tar.fileobj, io.BufferedReader):
-        read = {m.name: functools.partial(lambda m: tar.extractfile(m).read(), m) for m in fits}
-    else:
-        read = {m.name: functools.partial(lambda d: d, tar.extractfile(m).read()) for m in fits}
-    return names, [read.get(m.name, functools.partial(_too_big, m)) for m in members]
+    last = {m.name: m for m in tar.getmembers()}  # archive order: the last of a name wins
+    return names, [functools.partial(_unread, m, "a link, which make_shards does not follow; store the file")
+                   if not m.isfile() else
+                   functools.partial(_unread, m, "replaced by a later member of the same name")
+                   if last[m.name] is not m else
+                   functools.partial(_too_big, m) if m.issparse() or m.size > MAX_MEMBER else
+                   functools.partial(lambda m: tar.extractfile(m).read(), m) for m in members]
+
+
+def _unread(m: tarfile.TarInfo, why: str) -> bytes:
+    raise ValueError(why)
+
+
+def _random_access(tar: tarfile.TarFile, src: Path, out: Path, stack: contextlib.ExitStack) -> tarfile.TarFile:
+    """`tar` for reading its members in any order, and whole: a compressed one is decompressed into a
+    temporary file beside `out` first (its members in memory would hold the whole set; seeking in
+    the compressed stream decompresses from the start for each). A plain tar must end with its
+    end-of-archive block: one cut at a member's end reads as a smaller, complete set."""
+    if not isinstance(tar.fileobj, io.BufferedReader):
+        parent = out.absolute().parent
+        tmp = stack.enter_context(tempfile.TemporaryFile(dir=parent if parent.is_dir() else None))
+        tar.fileobj.seek(0)
+        shutil.copyfileobj(tar.fileobj, tmp, 1 << 20)
+        tmp.seek(0)
+        tar = stack.enter_context(tarfile.open(fileobj=tmp, mode="r:"))
+    tar.getmembers()
+    tar.fileobj.seek(tar.offset)
+    if tar.fileobj.read(BLOCK).count(0) != BLOCK:
+        raise ShardError(f"tar archive '{src}' ends without its end-of-archive block: it was cut short (an "
+                         "interrupted copy or download); copy it again")
+    return tar
 
 
 def _too_big(m: tarfile.TarInfo) -> bytes:
@@ -351,10 +377,11 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
             tar = tarfile.open(src, "r:*")
         except tarfile.TarError as e:
             raise ShardError(f"source '{src}' is neither a folder nor a readable tar archive ({e})") from None
-        with tar:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tar)
             try:
-                entries = _tar_entries(tar)
-            except (tarfile.TarError, EOFError, OSError) as e:
+                entries = _tar_entries(_random_access(tar, src, Path(out), stack))
+            except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
                 raise ShardError(f"tar archive '{src}' is damaged ({e}); re-create or re-download it") from None
             items, classes = _label_items(*entries, unlabeled, src)
             return write_samples(items, out, classes=classes, **kw)
