@@ -38,7 +38,7 @@ PREFIX = "step_"
 STATE_KEYS = {"step": int, "world_size": int, "nonfinite_steps": int, "elapsed": (int, float),
               "train_time": (int, float), "data_wait": (int, float), "last": dict}
 # ... and those a checkpoint of an older version may lack
-OPTIONAL_KEYS = {"bad_run": int, "scaler_skips": int, "skipped": dict, "begun": dict, "origin": dict, "images": int}
+OPTIONAL_KEYS = {"bad_run": int, "overflow_run": int, "scaler_skips": int, "skipped": dict, "begun": dict, "origin": dict, "images": int}
 
 
 def _plain(x) -> bool:
@@ -58,7 +58,8 @@ def _misstated(state: dict) -> list[str]:
     bad = [k for k, kind in STATE_KEYS.items() if not fits(state.get(k), kind)]
     bad += [k for k, kind in OPTIONAL_KEYS.items() if k in state and not fits(state[k], kind)]
     bad += [k for k in ("last", "skipped", "begun", "origin") if k not in bad and k in state and not _plain(state[k])]
-    bad += [k for k in ("step", "bad_run", "scaler_skips", "images") if k not in bad and state.get(k, 0) < 0]
+    bad += [k for k in ("step", "bad_run", "overflow_run", "scaler_skips", "images")
+            if k not in bad and state.get(k, 0) < 0]
     if "skipped" not in bad and not all(fits(n, int) and n >= 0 for n in state.get("skipped", {}).values()):
         bad.append("skipped")
     return bad

@@ -255,7 +255,8 @@ def setup(cfg: Config) -> Run:
         writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
         t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"],
-        win=_Window(zero), bad=_BadSteps(zero, state.get("bad_run", 0), cfg.train.max_bad_steps))
+        win=_Window(zero),
+        bad=_BadSteps(zero, state.get("bad_run", 0), cfg.train.max_bad_steps, state.get("overflow_run", 0)))
 
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
@@ -476,7 +477,8 @@ def _checkpoint(run: Run, done: int) -> None:
                     keep=run.cfg.train.keep_ckpts,
                     state={"epoch": epoch, "batch": batch_pos, "skipped": _skipped(run), "begun": run.state["begun"],
                            "origin": run.state["origin"],
-                           "bad_run": int(run.bad.run.item()), **_totals(run)})
+                           "bad_run": int(run.bad.run.item()), "overflow_run": int(run.bad.overflow_run.item()),
+                           **_totals(run)})
 
 
 def _check_finite(run: Run, step: int) -> None:
@@ -539,11 +541,13 @@ class _BadSteps:
     """Device-side counters of non-finite steps (fp16 overflows apart): the current run of them,
     its longest, the total, and the overflows. From the `limit`-th overflow in a row on, an
     overflow counts as a non-finite step: the scale has then halved `limit` times and the
-    gradient is still not finite, so something other than the scale is wrong."""
+    gradient is still not finite, so something other than the scale is wrong. `run` and
+    `overflow_run`: the runs a resumed checkpoint left open, so a resume stops where the
+    uninterrupted run would."""
 
-    def __init__(self, zero: torch.Tensor, run: int, limit: int):
+    def __init__(self, zero: torch.Tensor, run: int, limit: int, overflow_run: int = 0):
         self.zero, self.run, self.max, self.limit = zero, zero + run, zero.clone(), limit
-        self.total, self.overflows, self.overflow_run = zero.clone(), zero.clone(), zero.clone()
+        self.total, self.overflows, self.overflow_run = zero.clone(), zero.clone(), zero + overflow_run
 
     def add(self, finite: torch.Tensor, overflow: torch.Tensor | None = None) -> None:
         ok = finite

@@ -275,6 +275,7 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
     (lambda s: s.update(begun={"pool": torch.zeros(2)}), "begun"),
     (lambda s: s.update(origin=["init_sha256"]), "origin"),
     (lambda s: s.update(bad_run="3"), "bad_run"),
+    (lambda s: s.update(overflow_run=-1), "overflow_run"),
     (lambda s: s.update(last={1: 0.5}), "last"),
     (lambda s: s.pop("elapsed"), "elapsed"),
 ])

@@ -437,6 +437,32 @@ def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path
     assert scalars(tmp_path, "train/scaler_skips") == [0, 1]
 
 
+def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data, tmp_path, monkeypatch):
+    """From the train.max_bad_steps-th fp16 overflow in a row on, an overflow is a failed step. A
+    checkpoint did not keep how many overflows were in a row, so a run resumed there counted
+    afresh, took more overflows as the scaler's and stopped later than the run it resumed (here at
+    step 8, not 6). Simulated as in the test above: every gradient non-finite, reported as the
+    scaler's overflow."""
+    monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
+    monkeypatch.setattr(mpp.train, "_scaler_overflow", lambda accelerator, finite, losses: ~finite)
+    items = dict(steps=8, **{"train.log_every": 2, "train.ckpt_every": 2, "train.max_bad_steps": 3})
+    with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
+        train(config(settings(data, tmp_path / "whole", **items)))
+    real = mpp.train._checkpoint
+
+    def checkpoint_then_sigterm(run, done):
+        real(run, done)
+        if done == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
+        with pytest.raises(mpp.train.Terminated, match="stopped after step 3 of 8"):
+            train(config(settings(data, tmp_path / "resumed", **items)))
+    with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
+        train(config(settings(data, tmp_path / "resumed", **items)))
+
+
 def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
     done = run_tool(["tools/finetune.py", *settings(data, tmp_path, steps=1, **{
         "finetune.init": mpp_run, "finetune.label_fraction": 0.5, "data.val": data / "test/manifest.json",
