@@ -80,10 +80,11 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
                        f"(supervised - scratch = {gain:+.2f} pp), so there is no gain to recover")
     else:
         out["recovered_share"] = round(out["mpp_minus_scratch"] / gain, 4)
-        clear = out["significant"]["supervised_minus_scratch"]
-        if clear is not None and not clear:  # a ratio over a gain that could be 0: no ± bounds it
-            out["note"] = (f"no ±: supervised - scratch ({gain:+.2f} ± {out['noise']['supervised_minus_scratch']:.2f} "
-                           f"pp) is within its noise, so the share could be any size")
+        noise, t = out["noise"]["supervised_minus_scratch"], out["t"]["supervised_minus_scratch"]
+        if noise is not None and not significant(gain, noise, t):  # a ratio over a gain that could be 0
+            out["note"] = (f"no ±: supervised - scratch ({gain:+.2f} ± {noise:.2f} pp"
+                           + (", seeds only" if out["noise_test"]["supervised_minus_scratch"] is None else "")
+                           + ") is within its noise, so the share could be any size")
         else:
             out["share_noise"] = _share_noise(acc, sem, per_run, per_image, draws)
             out["share_noise_seeds_only"] = out["share_noise"] is not None and not all(
@@ -205,6 +206,11 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
             own = [g.get("share_noise") if share else g["noise"].get(gap) for g in gs]
             if None in own:
                 out[gap] = {"values": values, "mean": round(mean, 4), **unknown}
+                continue
+            gain = out.get("supervised_minus_scratch") or {}
+            if share and gain.get("noise") is not None and not significant(gain["mean"], gain["noise"], gain["t"]):
+                out[gap] = {"values": values, "mean": round(mean, 4), **unknown,  # a ratio over a gain that could be 0
+                            "note": "no ±: supervised - scratch over the seeds is within its noise"}
                 continue
             shared = (math.sqrt(sum(x * x for x in own) / len(own)),
                       math.inf if share else min(g["dof"].get(gap) or math.inf for g in gs))

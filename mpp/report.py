@@ -682,7 +682,8 @@ def _pretrain_seeds_section(across: dict) -> list[str]:
              "shot draws and fine-tune seeds, as each repeat's own ± (which errs large where the spread holds "
              "some of it too); a mean without ± has a repeat whose own noise is unknown, which the spread alone "
              "cannot stand in for. The share's ± is built alike, without a verdict, and left out where a repeat's "
-             "supervised - scratch is within its noise."
+             "supervised - scratch, or its mean over the repeats, is within its noise (a ratio over a gain that "
+             "could be 0)."
              + (" The repeats' own reports: " + ", ".join(f"`{d}`" for d in across["repeats"]) + "."
                 if across.get("repeats") else ""), "",
              "| evaluation | gap | per pre-training seed | mean over seeds |", "|---|---|---|---|"]

@@ -140,6 +140,11 @@ def test_a_share_over_a_gain_within_its_noise_gets_no_plus_minus(tmp_path):
     assert g["share_noise"] is None and "within its noise" in g["note"]
     clear = gaps(0.80)
     assert clear["significant"]["supervised_minus_scratch"] and clear["share_noise"] > 0 and "note" not in clear
+    # seeds alone (no per-image results, so no verdict): the same rule on the ± they give
+    alone = derive(0.524, 0.603, 0.50, {"supervised": 0.02, "mpp": 0.02, "scratch": 0.02})
+    assert alone["significant"]["supervised_minus_scratch"] is None and alone["share_noise"] is None
+    assert "2.83 pp, seeds only) is within its noise" in alone["note"]
+    assert derive(0.80, 0.603, 0.50, {"supervised": 0.02, "mpp": 0.02, "scratch": 0.02})["share_noise"] > 0
 
 
 def test_a_probe_gap_between_other_test_images_counts_their_sampling():
@@ -730,8 +735,13 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     steady = a["finetune"]["0.1"]["supervised_minus_mpp"]
     assert steady["noise"] == pytest.approx(0.5) and steady["significant"] is True  # what the repeats share
     assert steady["t"] == pytest.approx(outcomes.critical(40.0), abs=1e-4)  # at its own degrees of freedom
-    assert a["linear_top1"]["recovered_share"]["noise"] == pytest.approx(outcomes.combine(
-        (np.std([1 / 21, 9 / 29], ddof=1) / np.sqrt(2), 1), (0.02, np.inf))[0], abs=1e-4)
+    # supervised - scratch (21 and 29) is within its noise over two seeds (t at 1 degree of freedom):
+    # the share, a ratio over a gain that could be 0, gets no ±; over three steady ones it gets its own
+    assert a["linear_top1"]["supervised_minus_scratch"]["significant"] is False
+    assert a["linear_top1"]["recovered_share"]["noise"] is None and "no ±" in a["linear_top1"]["recovered_share"]["note"]
+    steady3 = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["linear_top1"]["recovered_share"]
+    assert steady3["noise"] == pytest.approx(outcomes.combine(
+        (np.std([4 / 24, 5 / 25, 6 / 26], ddof=1) / np.sqrt(3), 2), (0.02, np.inf))[0], abs=1e-4)
     unknown = across_pretrain_seeds([rep(1.0), rep(9.0, None)])["finetune"]["0.1"]
     assert all(unknown[g]["noise"] is None and unknown[g]["significant"] is None
                for g in unknown if g != "recovered_share")
