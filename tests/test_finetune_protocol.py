@@ -41,6 +41,20 @@ def test_dev_split_is_class_balanced_seeded_and_drawn_from_the_subset(colours):
     assert len(whole) == 30
 
 
+def test_a_label_fraction_that_rounds_to_no_sample_of_a_class_is_warned_about(colours, caplog):
+    """Each class keeps at least 1 sample: a fraction that rounds below it gives a subset larger
+    than asked for, which used to go unsaid."""
+    shards = resolve(str(colours / "train/manifest.json"), 0)
+    with caplog.at_level("WARNING"):
+        _, per_class = _labels(select_subset(shards, 0.001, seed=3))
+    assert per_class == {0: 1, 1: 1, 2: 1}
+    assert "a label fraction of 0.001 rounds to no sample of 3 of the 3 classes" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        select_subset(shards, 0.01, seed=3)  # 1 of 100 per class: as asked
+    assert "rounds to no sample" not in caplog.text
+
+
 @pytest.mark.slow
 def test_finetune_with_dev_fraction_trains_on_the_rest_and_evaluates_on_dev(colours, tmp_path):
     from mpp.train import train

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 from collections import defaultdict
@@ -24,6 +25,9 @@ from webdataset.tariterators import base_plus_ext
 from mpp.data.decode import DataError, read_label
 from mpp.data.sources import ShardSet, tar_members
 from mpp.specs import local_path
+
+log = logging.getLogger(__name__)
+_warned: set[tuple] = set()  # fractions that rounded to no sample of a class, warned about once per process
 
 LABEL_BYTES_PER_SAMPLE = 4096  # a [key, label] pair of the label index: a long key path at most
 
@@ -105,6 +109,12 @@ def _select(pairs: list[list[tuple[str, int]]], fraction: float, seed: int, dev_
     for s, entry in enumerate(pairs):
         for key, label in entry:
             by_class[label].append((s, key))
+    if (short := [label for label in sorted(by_class) if round(fraction * len(by_class[label])) < 1]) and \
+            (fraction, tuple(short)) not in _warned:
+        _warned.add((fraction, tuple(short)))
+        log.warning("warning: a label fraction of %g rounds to no sample of %d of the %d classes (e.g. class %d, "
+                    "%d samples); each keeps 1, so the subset is not %g of the data", fraction, len(short),
+                    len(by_class), short[0], len(by_class[short[0]]), fraction)
     rng, dev_rng = random.Random(seed), random.Random(f"dev-{seed}")
     picked = {label: rng.sample(sorted(by_class[label]), max(1, round(fraction * len(by_class[label]))))
               for label in sorted(by_class)}
