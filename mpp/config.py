@@ -635,7 +635,9 @@ def validate(cfg: Config) -> None:
           f"got {d.shuffle_mb}")
     check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,
           f"config key 'data.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {list(d.crop_scale)}")
-    check(0.0 < d.eval_crop_pct <= 1.0, "config key 'data.eval_crop_pct' must be in (0, 1]")
+    check(0.25 <= d.eval_crop_pct <= 1.0,  # an image is resized to img_size / eval_crop_pct before its crop
+          f"config key 'data.eval_crop_pct' must be in [0.25, 1] (timm's are 0.875-1), got {d.eval_crop_pct}: "
+          "evaluation resizes each image to img_size / eval_crop_pct before the centre crop")
     check(0.0 <= d.hflip <= 1.0, "config key 'data.hflip' must be a probability in [0, 1]")
     check(len(d.randaugment) == 2 and all(isinstance(v, int) for v in d.randaugment)
           and d.randaugment[0] >= 0 and 0 <= d.randaugment[1] <= 30,

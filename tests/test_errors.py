@@ -193,6 +193,8 @@ CASES = [
     ("no few-shot shots", "pretrain", lambda t: [*TRAIN(t), "fewshot.shots=[]"], None),
     ("few-shot without its ridge term", "pretrain", lambda t: [*TRAIN(t), "fewshot.l2=0"], None),
     ("data.withhold not a list of triples", "pretrain", lambda t: [*TRAIN(t), "data.withhold=[0.1,0,0.1]"], None),
+    ("data.eval_crop_pct resizing images 100 times over", "pretrain", lambda t: [*TRAIN(t), "data.eval_crop_pct=0.01"],
+     None),
     ("a shuffle buffer bounded to no bytes", "pretrain", lambda t: [*TRAIN(t), "data.shuffle_mb=0"], None),
     ("data.withhold of unlabeled shards", "pretrain",
      lambda t: [*TRAIN(t), f"data.train={t}/data/unlabeled", "data.withhold=[[0.5,0,0.1]]"], None),
