@@ -254,7 +254,11 @@ def test_labeled_loader_on_unlabeled_shards_errors(tmp_path):
     # no sample has cls: every one is skipped, which stops the epoch with one line
     manifest, _ = write_shards(tmp_path / "b", [4, 4], extra=lambda s, j: {"cls": None})
     loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=True, data_cfg=cfg())
-    with pytest.raises(DataError, match="decoded no samples"):
+    with pytest.raises(DataError, match=r"decoded no samples .*\{'missing_label': 8\}\); check the shards$"):
+        list(loader.epoch(0))
+    # every image larger than data.max_pixels: the message names the setting beside the shards
+    loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=False, data_cfg=cfg(max_pixels=10))
+    with pytest.raises(DataError, match=r"corrupt_image': 8.*check the shards, and data.max_pixels=10: a larger"):
         list(loader.epoch(0))
     # unlabeled loaders are fine with them
     loader = make_loader(manifest, batch_size=2, img_size=8, train=True, labeled=False, data_cfg=cfg())

@@ -500,8 +500,11 @@ class ShardLoader:
                 elif have > 0:
                     size = have  # the leftovers, then (training only) repeats of them
                 elif last is None:
+                    counted = self.counters()
                     raise DataError(f"rank {self.rank} decoded no samples in epoch {epoch}: all were "
-                                    f"skipped ({self.counters()}); check the shards")
+                                    f"skipped ({counted}); check the shards"
+                                    + (f", and data.max_pixels={self.stream.max_pixels}: a larger image counts as "
+                                       "corrupt_image" if "corrupt_image" in counted else ""))
                 elif not self.stream.train:  # an evaluation scores each image once
                     return
                 else:
