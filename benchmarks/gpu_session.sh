@@ -121,7 +121,7 @@ pretrain() {  # MODEL BATCH DATA STEPS MODE [SETTING...]: MPP pre-training throu
         data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
         train.log_every=20 train.ckpt_every=100000 train.compile=always train.compile_mode=$5 \
         "train.profile=[$(($4 - ($4 - 1) % 20)),10]" output_dir=$run "${@:6}" 2>&1 | tr '\r' '\n' | { grep -v "it/s" || true; } | tail -3
-    windows $run "pre-training $1 batch $2, $4 steps, compile mode $5"
+    windows $run "pre-training $1 batch $2, $4 steps, compile mode $5${TAG:+ ($TAG)}"
     profiled $run
 }
 

@@ -863,16 +863,25 @@ def _previous_repeats(out: Path) -> list[dict]:
     return [read_repeat(out / d) for d in across["repeats"]]
 
 
-def _check_distinct(out: Path, repeats: list[dict]) -> None:
-    """Refuse a repeat that is this report's folder or another repeat's: its pre-trainings would
-    count twice in the gaps over the seeds, their spread shrunk by a copy of themselves."""
-    seen = {out.resolve(): "the report's own folder"}
+def _check_distinct(out: Path, rep: dict, repeats: list[dict], named: str) -> None:
+    """Refuse a repeat that is this report's folder or another repeat's, or that read one of the
+    same pre-training runs: those pre-trainings would count twice in the gaps over the seeds, their
+    spread shrunk by a copy of themselves. `named`: where the repeats were named, for the message."""
+    def pretrainings(r: dict) -> set[Path]:  # as recorded (a relative one from where it was rendered)
+        return {Path(x["dir"]).resolve() for x in r.get("runs") or [] if isinstance(x, dict)
+                and x.get("kind") == "pretrain" and isinstance(x.get("dir"), str)}
+    seen, read = {out.resolve(): "the report's own folder"}, {d: "this report" for d in pretrainings(rep)}
     for r in repeats:
         where = Path(r["out_dir"]).resolve()
         if where in seen:
-            raise ReportError(f"--repeat {r['out_dir']} is {seen[where]}, so its pre-trainings would count twice in "
-                              "the gaps over pre-training seeds; pass each repeat once, and not the report's folder")
-        seen[where] = "a folder passed already"
+            raise ReportError(f"{named} {r['out_dir']} is {seen[where]}, so its pre-trainings would count twice in "
+                              "the gaps over pre-training seeds; name each repeat once, and not the report's folder")
+        if both := sorted(pretrainings(r) & read.keys()):
+            raise ReportError(f"{named} {r['out_dir']} read the pre-training {both[0]}, as {read[both[0]]} did, so it "
+                              "would count twice in the gaps over pre-training seeds; a repeat is the comparison run "
+                              "with another pre-training seed (OUTPUT_DIR_pretrain_seedN)")
+        seen[where] = "a folder named already"
+        read.update(dict.fromkeys(pretrainings(r), f"the repeat {r['out_dir']}"))
 
 
 def _skipped(metrics: dict) -> dict:
@@ -910,9 +919,10 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     # are not every run below `out`, which a report without a plan stands for
     if (named and (before is None or before[1])) or mine != {d.resolve() for d in _search(out)}:
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
+    named = "--repeat"
     if repeats is None:
-        repeats = _previous_repeats(out)
-    _check_distinct(out, repeats)
+        repeats, named = _previous_repeats(out), f"{out / 'report.json'} names the repeat"
+    _check_distinct(out, rep, repeats, named)
     if repeats:
         rep["pretrain_seeds"] = {**across_pretrain_seeds([rep, *repeats]),
                                  "repeats": [os.path.relpath(r["out_dir"], out) for r in repeats]}

@@ -48,7 +48,7 @@ def _paper_runs(root: Path) -> list[Path]:
 
 def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(tmp_path, capsys):
     runs = _paper_runs(tmp_path / "runs")
-    write_report(runs, tmp_path / "seed1", [])
+    write_report(_paper_runs(tmp_path / "runs1"), tmp_path / "seed1", [])
     first = write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "seed1")])
     assert first["pretrain_seeds"]["repeats"] == ["../seed1"]
     assert write_report(runs, tmp_path / "out")["pretrain_seeds"] == first["pretrain_seeds"]
@@ -64,19 +64,27 @@ def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(t
     assert "2 pre-training seeds" in err and "--repeat" in err and err.count("\n") == 1
 
 
-def test_a_repeat_passed_twice_or_the_reports_own_folder_is_refused(tmp_path):
-    """Either would count one pre-training twice in the gaps over pre-training seeds, and shrink
-    their spread with a copy of itself."""
+def test_a_repeat_passed_twice_or_of_the_same_pre_trainings_is_refused(tmp_path):
+    """A repeat named twice, the report's own folder, or a report of the same pre-training runs
+    would count one pre-training twice in the gaps over pre-training seeds and shrink their spread
+    with a copy of itself; a re-render whose report.json names one so says where it was named."""
     runs = _paper_runs(tmp_path / "runs")
-    write_report(runs, tmp_path / "seed1", [])
+    write_report(_paper_runs(tmp_path / "runs1"), tmp_path / "seed1", [])  # other pre-training runs
+    write_report(runs, tmp_path / "copy", [])  # the same runs, reported elsewhere
     write_report(runs, tmp_path / "out", [])
     (tmp_path / "x").mkdir()  # the same folder spelled another way
-    for repeats, what in (([tmp_path / "seed1", tmp_path / "x" / ".." / "seed1"], "a folder passed already"),
-                          ([tmp_path / "out"], "the report's own folder")):
-        with pytest.raises(ReportError, match=f"is {what}, so its pre-trainings would count twice"):
+    for repeats, what in (([tmp_path / "seed1", tmp_path / "x" / ".." / "seed1"], "is a folder named already"),
+                          ([tmp_path / "out"], "is the report's own folder"),
+                          ([tmp_path / "copy"], f"read the pre-training {tmp_path / 'runs'}/(mpp|sup), as this")):
+        with pytest.raises(ReportError, match=f"^--repeat .*{what}"):
             write_report(runs, tmp_path / "out", [read_repeat(d) for d in repeats])
     assert write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "seed1")])["pretrain_seeds"]["repeats"] == \
         ["../seed1"]
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    saved["pretrain_seeds"]["repeats"] *= 2
+    (tmp_path / "out" / "report.json").write_text(json.dumps(saved))
+    with pytest.raises(ReportError, match="report.json names the repeat .*seed1 is a folder named already"):
+        write_report(runs, tmp_path / "out")
 
 
 def test_paper_figures_give_a_third(tmp_path):

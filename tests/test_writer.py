@@ -480,21 +480,21 @@ def test_a_tar_sources_links_and_replaced_members_are_counted_and_a_cut_tar_refu
             info = tarfile.TarInfo(name)
             info.type, info.linkname = kind, "src/a_cls/000.jpg"
             tar.addfile(info)
-        info = tarfile.TarInfo("src/a_cls/000.jpg")  # the same name again, other bytes
+        info = tarfile.TarInfo("./src/a_cls/000.jpg")  # the same path again, spelled otherwise, other bytes
         info.size = len(again)
         tar.addfile(info, io.BytesIO(again))
     m = write_shards(src, tmp_path / "out", progress=False)
     examples = "\n".join(m["skipped"]["examples"])
     assert m["skipped"]["count"] == before["skipped"]["count"] + 3 and m["num_samples"] == before["num_samples"]
     assert examples.count("a link, which make_shards does not follow") == 2, examples
-    assert "replaced by a later member of the same name" in examples
+    assert "replaced by a later member of the same path" in examples
     written = [fields.get("jpg") for shard in _read_shards(tmp_path / "out") for _, fields in shard]
     assert written.count(again) == 1
     with tarfile.open(src) as tar:
         last = tar.getmembers()[-1]
     cut = tmp_path / "cut.tar"  # the archive up to its last member's data, without the zero blocks
     cut.write_bytes(src.read_bytes()[:last.offset_data + last.size + (-last.size % 512)])
-    with pytest.raises(ShardError, match="ends without its end-of-archive block: it was cut short"):
+    with pytest.raises(ShardError, match="before its end-of-archive block: it was cut short .* or is corrupt"):
         write_shards(cut, tmp_path / "cut_out", progress=False)
     assert not (tmp_path / "cut_out").exists()
 
@@ -518,3 +518,46 @@ def test_a_compressed_source_is_not_held_in_memory(tmp_path: Path):
         tracemalloc.stop()
     assert m["num_samples"] == 1 and m["skipped"]["count"] == 24
     assert peak < 8 << 20, f"held {peak >> 20} MiB"
+
+
+def test_a_link_beside_the_class_folders_decides_no_top_folder(tmp_path: Path):
+    """'train/CLASS/x.jpg' takes 'train/' as the root unless images lie in it; a link there, never
+    written, made it the one class of every image."""
+    src = tmp_path / "src.tar"
+    with tarfile.open(src, "w") as tar:
+        for i, name in enumerate(("train/cat/0.jpg", "train/dog/1.jpg")):
+            data = _image_bytes(i)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("train/cover.jpg")
+        link.type, link.linkname = tarfile.SYMTYPE, "cat/0.jpg"
+        tar.addfile(link)
+    m = write_shards(src, tmp_path / "out", progress=False)
+    assert m["classes"] == ["cat", "dog"] and m["num_samples"] == 2 and m["skipped"]["count"] == 1
+
+
+def test_a_compressed_source_checks_the_output_first_and_says_when_its_copy_finds_no_room(folder: Path,
+                                                                                        tmp_path: Path, monkeypatch):
+    """The output folder is checked before decompressing; a full disk while decompressing is said
+    as such, not as a damaged archive to download again."""
+    import errno
+    import tempfile
+    src = tmp_path / "src.tar.gz"
+    with tarfile.open(src, "w:gz") as tar:
+        tar.add(folder, arcname="src")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    real = tempfile.TemporaryFile
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda **kw: pytest.fail("decompressed before the check"))
+    with pytest.raises(ShardError, match="is not empty"):
+        write_shards(src, tmp_path / "full", progress=False)
+
+    class Full(io.BytesIO):
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda **kw: Full())
+    with pytest.raises(ShardError, match=r"no room to decompress .*src.tar.gz' into .*No space left.*free space"):
+        write_shards(src, tmp_path / "out", progress=False)
+    monkeypatch.setattr(tempfile, "TemporaryFile", real)
+    assert write_shards(src, tmp_path / "out", progress=False)["num_samples"] > 0

@@ -233,8 +233,8 @@ def tar_members(url: str, errors: list[Exception], select=None,
                 unread: bool = False) -> Iterator[tuple[str, bytes | None]]:
     """(name, bytes) of the regular-file members of one tar except webdataset's metadata, opened
     with webdataset's gopen but read with `tarstream.tar_files` (several times faster than
-    tarfile, and it detects truncation). Read errors are appended to `errors` (the shard then
-    just ends)."""
+    tarfile, and it detects truncation); with `select` and `unread`, (name, None) for those it
+    skips. Read errors are appended to `errors` (the shard then just ends)."""
     for source in url_opener([{"url": url}], handler=lambda e: errors.append(e) or False):
         stream = source["stream"]
         try:
@@ -260,8 +260,9 @@ def _error_kind(errors: list[Exception]) -> str:
 
 
 def _used(name: str) -> bool:
-    """Whether decoding reads the member `name` (its extension in USED)."""
-    return (base_plus_ext(name)[1] or "").lower() in USED
+    """Whether decoding reads the member `name`: its extension (after the base name's first dot, as
+    `base_plus_ext` splits it, without its regular expression: this runs for every member) in USED."""
+    return name.rpartition("/")[2].partition(".")[2].lower() in USED
 
 
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:

@@ -310,49 +310,62 @@ def _past_limit(size: int, what: str = "") -> ValueError:
 
 
 def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
-    """Member names (without a single common top folder) and readers for any order, seeking in a
-    plain tar (`_random_access`). A member past `MAX_MEMBER` (the most the loader reads) or a sparse
-    one (a 10 KB archive can declare any size) is never read, nor a link (not followed), nor a
-    member that a later one of the same name replaces (as extracting the tar would): their readers
-    raise, and each is skipped and counted."""
+    """Member names (without a single common top folder of the files) and readers for any order,
+    seeking in a plain tar (`_random_access`). A member past `MAX_MEMBER` (the most the loader
+    reads) or a sparse one (a 10 KB archive can declare any size) is never read, nor a link (not
+    followed), nor a member that a later one of the same path replaces (as extracting the tar
+    would): their readers raise, and each is skipped and counted."""
     members = sorted((m for m in tar.getmembers() if m.isfile() or m.islnk() or m.issym()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
-    tops = {n.split("/", 1)[0] for n in names}
+    files = [n for n, m in zip(names, members) if m.isfile()]  # links, never written, decide nothing
+    tops = {n.split("/", 1)[0] for n in files}
     # 'train/CLASS/x.jpg': the folder is 'train/', whatever else lies in it beside the class
     # folders ('train/.DS_Store' is then a file outside any class folder), unless images do
-    if (len(tops) == 1 and any(n.count("/") >= 2 for n in names)
-            and not any(n.count("/") == 1 and _image_name(n) for n in names)):
-        names = [n.split("/", 1)[1] for n in names]
-    last = {m.name: m for m in tar.getmembers()}  # archive order: the last of a name wins
-    return names, [functools.partial(_unread, m, "a link, which make_shards does not follow; store the file")
+    if (len(tops) == 1 and any(n.count("/") >= 2 for n in files)
+            and not any(n.count("/") == 1 and _image_name(n) for n in files)):
+        top = f"{tops.pop()}/"
+        names = [n.removeprefix(top) for n in names]
+    last = {os.path.normpath(m.name): m for m in tar.getmembers()}  # archive order: the last of a path wins
+    return names, [functools.partial(_unread, "a link, which make_shards does not follow; store the file")
                    if not m.isfile() else
-                   functools.partial(_unread, m, "replaced by a later member of the same name")
-                   if last[m.name] is not m else
+                   functools.partial(_unread, "replaced by a later member of the same path")
+                   if last[os.path.normpath(m.name)] is not m else
                    functools.partial(_too_big, m) if m.issparse() or m.size > MAX_MEMBER else
                    functools.partial(lambda m: tar.extractfile(m).read(), m) for m in members]
 
 
-def _unread(m: tarfile.TarInfo, why: str) -> bytes:
+def _unread(why: str) -> bytes:
     raise ValueError(why)
 
 
 def _random_access(tar: tarfile.TarFile, src: Path, out: Path, stack: contextlib.ExitStack) -> tarfile.TarFile:
     """`tar` for reading its members in any order, and whole: a compressed one is decompressed into a
-    temporary file beside `out` first (its members in memory would hold the whole set; seeking in
-    the compressed stream decompresses from the start for each). A plain tar must end with its
-    end-of-archive block: one cut at a member's end reads as a smaller, complete set."""
+    temporary file in `out`'s nearest existing folder first (its members in memory would hold the
+    whole set; seeking in the compressed stream decompresses from the start for each). A plain tar
+    must end with its end-of-archive block: one cut at a member's end reads as a smaller, complete
+    set, and tarfile also stops without a word at a damaged header past the first."""
     if not isinstance(tar.fileobj, io.BufferedReader):
-        parent = out.absolute().parent
-        tmp = stack.enter_context(tempfile.TemporaryFile(dir=parent if parent.is_dir() else None))
+        where = next(p for p in (out.absolute(), *out.absolute().parents) if p.is_dir())
         tar.fileobj.seek(0)
-        shutil.copyfileobj(tar.fileobj, tmp, 1 << 20)
+        try:
+            tmp = stack.enter_context(tempfile.TemporaryFile(dir=where))
+        except OSError as e:
+            raise ShardError(f"cannot decompress '{src}' into {where} ({e}); decompress it yourself and give the "
+                             ".tar") from None
+        while chunk := tar.fileobj.read(1 << 20):  # a damaged stream raises here: the caller says so
+            try:
+                tmp.write(chunk)
+            except OSError as e:
+                raise ShardError(f"no room to decompress '{src}' into {where} ({e}); free space there, or "
+                                 "decompress it yourself and give the .tar") from None
         tmp.seek(0)
         tar = stack.enter_context(tarfile.open(fileobj=tmp, mode="r:"))
     tar.getmembers()
     tar.fileobj.seek(tar.offset)
     if tar.fileobj.read(BLOCK).count(0) != BLOCK:
-        raise ShardError(f"tar archive '{src}' ends without its end-of-archive block: it was cut short (an "
-                         "interrupted copy or download); copy it again")
+        raise ShardError(f"tar archive '{src}' ends, or has a damaged header, at byte {tar.offset} before its "
+                         "end-of-archive block: it was cut short (an interrupted copy or download) or is corrupt; "
+                         "copy it again")
     return tar
 
 
@@ -373,6 +386,7 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
         items, classes = _label_items(*_folder_entries(src), unlabeled, src)
         return write_samples(items, out, classes=classes, **kw)
     if src.is_file():
+        _check_out(Path(out), overwrite)  # before any decompression
         try:
             tar = tarfile.open(src, "r:*")
         except tarfile.TarError as e:
