@@ -87,6 +87,29 @@ def test_linear_probe_separable_beats_chance():
     assert out["l2"] in (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
 
+def test_a_probes_top1_and_its_per_image_record_count_the_same_images_when_logits_tie(monkeypatch):
+    """Tied logits (a collapsed encoder's; here a head of zeros): top-1 came from timm's topk and
+    the per-image record, which the report pairs arms by, from argmax, which break ties toward
+    other classes; both now come from one pick (topk's)."""
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "fit_linear_head",
+                        lambda x, y, c, l2, init=None: (torch.zeros(c, x.shape[1]), torch.zeros(c)))
+    y = torch.arange(200) % 10
+    out = linear_probe(torch.randn(200, 8), y, torch.randn(100, 8), y[:100], num_classes=10, l2_grid=(1.0,))
+    pick = torch.zeros(1, 10).topk(1, 1).indices.item()  # where topk breaks a tie of ten equal logits
+    _, right = outcomes.read(out["outcomes"])
+    assert right.tolist() == (y[:100] == pick).tolist() and out["top1"] == pytest.approx(right.mean())
+
+
+def test_the_class_count_is_the_manifests_and_never_the_test_labels(tmp_path):
+    """A class the training images lack still counts where the manifest lists it; without a
+    manifest, one past the largest training label (the test labels never decide it)."""
+    from mpp.data.sources import class_count
+    from shardutil import write_shards
+    manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=5)
+    assert class_count(manifest, 0, torch.tensor([0, 1])) == 5
+    assert class_count(str(tmp_path / "a" / "{000000..000001}.tar"), 8, torch.tensor([0, 3])) == 4
+
+
 def test_linear_probe_picks_interior_regulariser_on_weak_dense_signal():
     """Weak signal spread over many dimensions with N ~ D: neither the weakest nor the strongest
     L2 is right; the held-out choice lands in between and beats the unregularised fit."""

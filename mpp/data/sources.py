@@ -182,6 +182,14 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     return ShardSet(urls, counts, None, exact=False)
 
 
+def class_count(spec, num_samples: int, labels) -> int:
+    """The number of classes of the labeled data `spec`: its manifest's list where it has one (a
+    class its images lack still counts; test labels never decide it), else one past the largest
+    of its `labels`."""
+    classes = resolve(spec, num_samples or 1).classes
+    return len(classes) if classes else int(labels.max()) + 1
+
+
 def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
                        names: tuple[str, str] = ("data.train", "data.val")) -> None:
     """Labels index `classes`, so evaluating on `val_spec` means something only when its manifest

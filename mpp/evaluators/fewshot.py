@@ -62,7 +62,7 @@ def fewshot_eval(train_x, train_y, test_x, test_y, *, shots, seeds: int, l2: flo
     """
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
-        num_classes = int(max(train_y.max(), test_y.max())) + 1
+        num_classes = int(train_y.max()) + 1
     labels = train_y.numpy()
     correct: dict[int, list[np.ndarray]] = {int(k): [] for k in shots}
     counts = np.bincount(labels, minlength=num_classes)
@@ -158,9 +158,9 @@ class Evaluator:
             pools = candidate_pools(self.cfg.probe.pool)
             with eval_mode(encoder):
                 tr_f, te_f = self._features(encoder, tr_x, pools), self._features(encoder, te_x, pools)
-        out = {}
+        out, classes = {}, int(tr_y.max()) + 1  # the shot pool holds every class (a balanced subset)
         for p in pools:
             figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
-                                   num_classes=int(max(tr_y.max(), te_y.max())) + 1)
+                                   num_classes=classes)
             out.update({(f"{p}/{k}" if len(pools) > 1 else k): v for k, v in figures.items()})
         return out

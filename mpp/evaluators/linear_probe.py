@@ -24,7 +24,7 @@ from timm.utils import accuracy
 
 from mpp import outcomes, rundir
 from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
-from mpp.data.sources import check_same_classes
+from mpp.data.sources import check_same_classes, class_count
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
@@ -200,16 +200,17 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     trains, tests = (train_x, test_x) if several else ({"": train_x}, {"": test_x})
     train_y, test_y = train_y.long(), test_y.long()
     if num_classes is None:
-        num_classes = int(max(train_y.max(), test_y.max())) + 1
+        num_classes = int(train_y.max()) + 1
     c = choose_probe(trains, train_y, num_classes=num_classes, val_fraction=val_fraction, l2_grid=l2_grid, seed=seed,
                      dev=dev)
     refit_x, refit_y = (trains[c.pool], train_y) if dev is None else (torch.cat([trains[c.pool], dev[0][c.pool]]),
                                                                      torch.cat([train_y, dev[1].long()]))
     weight, bias = fit_linear_head(refit_x, refit_y, num_classes, c.l2, init=c.head)
     logits = tests[c.pool].float() @ weight.T + bias
-    out = {"top1": _topk(logits, test_y, 1), "top5": _topk(logits, test_y, 5), "l2": c.l2,
+    right = logits.topk(1, 1).indices[:, 0].eq(test_y)  # top-1 and its record from one pick (ties: topk's)
+    out = {"top1": right.float().mean().item(), "top5": _topk(logits, test_y, 5), "l2": c.l2,
            "val_top1": {f"{k:g}": v for k, v in sorted(c.scores[c.pool].items())},
-           "outcomes": outcomes.record(logits.argmax(1).eq(test_y).numpy(), test_y.numpy())}
+           "outcomes": outcomes.record(right.numpy(), test_y.numpy())}
     if several:
         out.update({"representation": c.pool, f"{c.on}_top1": {n: max(s.values()) for n, s in c.scores.items()},
                     f"{c.on}_outcomes": c.outcomes})
@@ -303,7 +304,7 @@ class Evaluator:
             tr_x, tr_y, skipped = extract_features(encoder, cfg.data.train, num_samples=cfg.data.num_samples, **kw)
         te_x, te_y, te_skipped = extract_features(encoder, cfg.data.val, num_samples=cfg.data.val_num_samples, **kw)
         t1 = time.time()
-        num_classes = int(max(tr_y.max(), te_y.max())) + 1
+        num_classes = class_count(cfg.data.train, cfg.data.num_samples, tr_y)
         lin = linear_probe(tr_x, tr_y, te_x, te_y, num_classes=num_classes, val_fraction=cfg.probe.val_fraction,
                            l2_grid=cfg.probe.l2_grid, seed=cfg.seed, dev=dev)
         if dev:
