@@ -769,6 +769,25 @@ def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them
     assert len(list((tmp_path / "feature_cache").glob("features-*"))) == 3
 
 
+def test_the_feature_cache_key_changes_with_the_attention_kernel_the_device_and_the_label_index(tmp_path):
+    """Features computed with the other attention kernel or on another kind of device differ in
+    their last bits, and relabeled shards in their labels: each is its own cache entry."""
+    from mpp.evaluators.features import feature_cache_key
+    from shardutil import write_shards
+    manifest, _ = write_shards(tmp_path / "d", [4, 4])
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+
+    def key(attn: str = "math", device: str = "cpu") -> str:
+        cfg = build_config({"model": "vit_micro4_32", "img_size": 16, "train": {"attn": attn}})
+        return feature_cache_key(encoder, manifest, cfg=cfg, pools=("token",), img_size=16, num_samples=0,
+                                 precision="no", device=torch.device(device))
+    base = key()
+    assert key() == base and key(attn="fused") != base and key(device="cuda") != base
+    m = json.loads(Path(manifest).read_text())
+    Path(manifest).write_text(json.dumps({**m, "labels": "labels.json", "labels_sha256": "0" * 64}))
+    assert key() != base
+
+
 def test_a_cache_entry_of_other_shapes_is_a_miss_not_a_crash(shards, tmp_path, caplog):
     """Cache entries are files anyone with write access may have changed: labels of another length
     than the features, a label past the data's classes (a 2**40 one asked for a 285 TB one-hot)

@@ -118,9 +118,11 @@ def code_version() -> str:
 
 
 def _data_fingerprint(spec, num_samples: int) -> list:
-    """Every shard the spec resolves to, with size and mtime when local (rewritten shards miss the cache)."""
+    """Every shard the spec resolves to, with size and mtime when local (rewritten shards miss the
+    cache; a remote one is its URL and count), and the label index's recorded SHA-256 (relabeled
+    shards miss it too)."""
     shards = resolve(spec, num_samples)
-    out = []
+    out: list = [shards.labels_sha256]
     for url, count in zip(shards.urls, shards.counts):
         p = Path(local_path(url) or url)  # a file: URL is a local file too
         out.append([str(p.resolve()), count, p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [url, count])
@@ -141,15 +143,16 @@ def read_cached(path: Path, read: Callable[[Path], T]) -> T | None:
 
 
 def feature_cache_key(encoder, spec, *, cfg: Config, pools: tuple[str, ...], img_size: int, num_samples: int,
-                      precision: str, subset: tuple | None = None) -> str:
+                      precision: str, device: torch.device, subset: tuple | None = None) -> str:
     """Hash of everything the features depend on: architecture, weights, data (and the subset of
-    it), transform, pooling, precision, code, and the data workers' count and, with several, the
+    it), transform, pooling, precision, the device's kind and attention kernel (their numerics),
+    code, and the data workers' count and, with several, the
     batch, which order the images (workers hand out whole batches in turn), and with them a probe's
     held-out split and few-shot draws."""
     d = cfg.data
     key = dict(model=encoder.model_spec(), weights=_weights_hash(encoder), code=code_version(),
                data=_data_fingerprint(spec, num_samples), subset=list(subset) if subset else None,
-               img_size=img_size, pools=list(pools), precision=precision,
+               img_size=img_size, pools=list(pools), precision=precision, device=device.type, attn=cfg.train.attn,
                mean=list(d.mean), std=list(d.std), eval_crop_pct=d.eval_crop_pct, max_pixels=d.max_pixels,
                num_workers=d.num_workers, batch=eval_batch_size(cfg) if d.num_workers > 1 else None)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -175,7 +178,7 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     path = None
     if cache_dir:
         key = key or feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
-                                       num_samples=num_samples, precision=precision, subset=subset)
+                                       num_samples=num_samples, precision=precision, device=device, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if (cached := read_cached(path, lambda f: _read_features(f, pools))) is not None:
             return cached

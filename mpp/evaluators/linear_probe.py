@@ -234,7 +234,8 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     # features of every representation (one forward gives them all), so that the sweep's stages of
     # either representation share one extraction; the head's fit reads only `pools`
     features = feature_cache_key(encoder, cfg.data.train, cfg=cfg, pools=POOLS, img_size=encoder_img_size(encoder),
-                                 num_samples=cfg.data.num_samples, precision=precision, subset=subset)
+                                 num_samples=cfg.data.num_samples, precision=precision, device=torch.device(device),
+                                 subset=subset)
     rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
     grid = (cfg.finetune.head_l2,) if cfg.finetune.head_l2 else p.l2_grid
     key = json.dumps([features, list(pools), sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
