@@ -38,7 +38,8 @@ PREFIX = "step_"
 STATE_KEYS = {"step": int, "world_size": int, "nonfinite_steps": int, "elapsed": (int, float),
               "train_time": (int, float), "data_wait": (int, float), "last": dict}
 # ... and those a checkpoint of an older version may lack
-OPTIONAL_KEYS = {"bad_run": int, "overflow_run": int, "scaler_skips": int, "skipped": dict, "begun": dict, "origin": dict, "images": int}
+OPTIONAL_KEYS = {"bad_run": int, "overflow_run": int, "scaler_skips": int, "skipped": dict, "begun": dict,
+                 "origin": dict, "images": int}
 
 
 def _plain(x) -> bool:

@@ -556,6 +556,7 @@ def render_markdown(rep: dict) -> str:
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
     notes, marked, ranged, pooled, probed = [], False, False, False, False
+    mark = lambda cell, on: cell + (" †" if on and cell != "—" else "")  # noqa: E731 (no figure, no mark)
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
             "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}"
@@ -568,7 +569,6 @@ def render_markdown(rep: dict) -> str:
         # † on every figure of an arm whose recipe, or whose probe's representation, was a toss-up
         toss = set(g.get("recipe_toss_ups", [])) | set(g.get("probe_toss_ups", []))
         ranges = g.get("range", {})
-        mark = lambda cell, on: cell + (" †" if on and cell != "—" else "")  # noqa: E731 (no figure, no mark)
         cells = [mark(_gap(g, k), toss & set(GAPS[k])) + _range_cell(ranges.get(k), "{:+.1f}") for k in GAPS]
         cells.append(mark(share, toss) + _range_cell(ranges.get("recovered_share"), "{:.2f}"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -588,8 +588,8 @@ def render_markdown(rep: dict) -> str:
                      "training labels) is marked too; where the comparison retrained the chosen value through the "
                      "other representation as well (same seeds), the range spans that too." if pooled else "")]
     if probed:
-        lines += ["", "† on the linear-probe and few-shot rows: an arm whose probe chose its representation by a lead "
-                  "within its noise (a toss-up in the leads below; the few-shot figures read the same "
+        lines += ["", "† on the linear-probe and few-shot rows: an arm whose probe chose its representation by a "
+                  "lead within its noise (a toss-up in the leads below; the few-shot figures read the same "
                   "representation). The ± does not count that choice, and the other representation, never "
                   "evaluated on the test images, may have given another figure."]
     held = []
@@ -866,7 +866,8 @@ def _previous_repeats(out: Path) -> list[dict]:
 def _check_distinct(out: Path, rep: dict, repeats: list[dict], named: str) -> None:
     """Refuse a repeat that is this report's folder or another repeat's, or that read one of the
     same pre-training runs: those pre-trainings would count twice in the gaps over the seeds, their
-    spread shrunk by a copy of themselves. `named`: where the repeats were named, for the message."""
+    spread shrunk by a copy of themselves. `named`: where the repeats were named ('--repeat', or a
+    report.json re-rendered), for the message."""
     def pretrainings(r: dict) -> set[Path]:  # as recorded (a relative one from where it was rendered)
         return {Path(x["dir"]).resolve() for x in r.get("runs") or [] if isinstance(x, dict)
                 and x.get("kind") == "pretrain" and isinstance(x.get("dir"), str)}
@@ -919,10 +920,10 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     # are not every run below `out`, which a report without a plan stands for
     if (named and (before is None or before[1])) or mine != {d.resolve() for d in _search(out)}:
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
-    named = "--repeat"
+    source = "--repeat"
     if repeats is None:
-        repeats, named = _previous_repeats(out), f"{out / 'report.json'} names the repeat"
-    _check_distinct(out, rep, repeats, named)
+        repeats, source = _previous_repeats(out), f"{out / 'report.json'} names the repeat"
+    _check_distinct(out, rep, repeats, source)
     if repeats:
         rep["pretrain_seeds"] = {**across_pretrain_seeds([rep, *repeats]),
                                  "repeats": [os.path.relpath(r["out_dir"], out) for r in repeats]}

@@ -746,7 +746,8 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     # supervised - scratch (21 and 29) is within its noise over two seeds (t at 1 degree of freedom):
     # the share, a ratio over a gain that could be 0, gets no ±; over three steady ones it gets its own
     assert a["linear_top1"]["supervised_minus_scratch"]["significant"] is False
-    assert a["linear_top1"]["recovered_share"]["noise"] is None and "no ±" in a["linear_top1"]["recovered_share"]["note"]
+    share = a["linear_top1"]["recovered_share"]
+    assert share["noise"] is None and "no ±" in share["note"]
     steady3 = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["linear_top1"]["recovered_share"]
     assert steady3["noise"] == pytest.approx(outcomes.combine(
         (np.std([4 / 24, 5 / 25, 6 / 26], ddof=1) / np.sqrt(3), 2), (0.02, np.inf))[0], abs=1e-4)
