@@ -301,12 +301,12 @@ def _read_file(path: Path) -> bytes:
     """A file's bytes; one past `MAX_MEMBER` (what the loader reads of a member) is not read: the
     error skips and counts it, where written it would cost the reader the rest of its shard."""
     if (size := path.stat().st_size) > MAX_MEMBER:
-        raise _past_limit(size)
+        raise ValueError(_past_limit(size))
     return path.read_bytes()
 
 
-def _past_limit(size: int, what: str = "") -> ValueError:
-    return ValueError(f"{size} bytes{what}, past the {MAX_MEMBER >> 20} MiB a shard member may hold")
+def _past_limit(size: int, what: str = "") -> str:
+    return f"{size} bytes{what}, past the {MAX_MEMBER >> 20} MiB a shard member may hold"
 
 
 def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
@@ -326,12 +326,21 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
         top = f"{tops.pop()}/"
         names = [n.removeprefix(top) for n in names]
     last = {os.path.normpath(m.name): m for m in tar.getmembers()}  # archive order: the last of a path wins
-    return names, [functools.partial(_unread, "a link, which make_shards does not follow; store the file")
-                   if not m.isfile() else
-                   functools.partial(_unread, "replaced by a later member of the same path")
-                   if last[os.path.normpath(m.name)] is not m else
-                   functools.partial(_too_big, m) if m.issparse() or m.size > MAX_MEMBER else
-                   functools.partial(lambda m: tar.extractfile(m).read(), m) for m in members]
+    return names, [_reader(tar, m, last[os.path.normpath(m.name)]) for m in members]
+
+
+def _reader(tar: tarfile.TarFile, m: tarfile.TarInfo, latest: tarfile.TarInfo) -> Callable[[], bytes]:
+    """Member `m`'s bytes on call, or, for a member that is not written (`latest`: the last member
+    of its path), a reader that raises why: the writer then skips and counts it."""
+    if not m.isfile():
+        why = "a link, which make_shards does not follow; store the file"
+    elif latest is not m:
+        why = "replaced by a later member of the same path"
+    elif m.issparse() or m.size > MAX_MEMBER:
+        why = _past_limit(m.size, " (a sparse file)" if m.issparse() else "")
+    else:
+        return lambda: tar.extractfile(m).read()
+    return functools.partial(_unread, why)
 
 
 def _unread(why: str) -> bytes:
@@ -367,10 +376,6 @@ def _random_access(tar: tarfile.TarFile, src: Path, out: Path, stack: contextlib
                          "end-of-archive block: it was cut short (an interrupted copy or download) or is corrupt; "
                          "copy it again")
     return tar
-
-
-def _too_big(m: tarfile.TarInfo) -> bytes:
-    raise _past_limit(m.size, " (a sparse file)" if m.issparse() else "")
 
 
 def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
