@@ -7,9 +7,9 @@
 # to build pyproject: fetch their wheels here once (`wheels`), carry `.whl` with each call.
 #
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
-#   bash benchmarks/gpu_session.sh session         on the GPU: what the first nine sessions (docs/benchmarks.md)
+#   bash benchmarks/gpu_session.sh session         on the GPU: what the first ten sessions (docs/benchmarks.md)
 #                                                  left, each under its own time limit: `trainer`, then
-#                                                  `workers`, then Ti/4's in-memory compiled step
+#                                                  Ti/4's in-memory compiled step, then `workers 14 11`
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -17,9 +17,9 @@
 #                                                  compiled) through the real loader: images/s and data
 #                                                  wait per log window, and where 10 steady steps' time
 #                                                  went (train.profile)
-#   bash benchmarks/gpu_session.sh workers         after trainer (its data): its Ti/4 pre-training with 8 and
-#                                                  11 loader workers, not 14: whether decoding processes
-#                                                  on every core slow the launch-bound loop's thread
+#   bash benchmarks/gpu_session.sh workers [N...]  after trainer (its data): its Ti/4 pre-training with N loader
+#                                                  workers each in turn (8 and 11 unless named): whether
+#                                                  decoding processes slow the launch-bound loop's thread
 #   bash benchmarks/gpu_session.sh finetune        after trainer: a 10%-label fine-tune of its encoder,
 #                                                  compiled and eager (what train.compile=auto runs at
 #                                                  its length)
@@ -117,6 +117,7 @@ profiled() {  # RUN: the run's train.profile line into trainer.txt, its files in
 pretrain() {  # MODEL BATCH DATA STEPS MODE [SETTING...]: MPP pre-training through the real loader, 14 workers,
               # compiled in torch.compile's MODE, 10 steps of the last log window profiled
     local run=/tmp/runs/pre_$1_$5${TAG:-}  # TAG: another run of the same model and mode
+    rm -rf "$run"  # a finished run left by an earlier call would resume, and its old windows be read
     python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=$1 batch_size=$2 steps=$4 \
         data.train=/tmp/$3/train/manifest.json data.val=/tmp/$3/test/manifest.json data.num_workers=14 \
         train.log_every=20 train.ckpt_every=100000 train.compile=always train.compile_mode=$5 \
@@ -127,6 +128,7 @@ pretrain() {  # MODEL BATCH DATA STEPS MODE [SETTING...]: MPP pre-training throu
 
 finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer part's encoder, 12 workers, profiled
     local run=/tmp/runs/ft10_$1
+    rm -rf "$run"
     python3 -m mpp.tools.finetune --config configs/synthetic_finetune.yaml finetune.init=/tmp/runs/pre_vit_ti4_32_default \
         data.train=/tmp/syn32/train/manifest.json data.val=/tmp/syn32/test/manifest.json data.num_workers=12 \
         finetune.label_fraction=0.1 batch_size=256 steps=160 train.log_every=16 train.ckpt_every=100000 \
@@ -137,7 +139,7 @@ finetune() {  # COMPILE [SETTING...]: the 10%-label fine-tune of the trainer par
 
 case "$what" in
 session)  # one lent session's worth, most wanted first, each part under its own limit
-    for spec in "220 trainer" "230 workers" "110 step ti4 --methods mpp+compile --no-loader"; do
+    for spec in "260 trainer" "110 step ti4 --methods mpp+compile --no-loader" "180 workers 14 11"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done ;;
@@ -158,7 +160,8 @@ trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an
     done
     pretrain vit_ti4_32 1024 syn32 240 default ;;
 workers)  # after trainer (its data): fewer decoding processes beside the loop's thread
-    for w in 8 11; do TAG=_w$w pretrain vit_ti4_32 1024 syn32 240 default data.num_workers=$w; done ;;
+    ws=("$@"); [ $# -gt 0 ] || ws=(8 11); i=0
+    for w in "${ws[@]}"; do i=$((i+1)); TAG=_w${w}_$i pretrain vit_ti4_32 1024 syn32 240 default data.num_workers=$w; done ;;
 graphs)  # after trainer (its data): the same pre-training replayed as CUDA graphs
     pretrain vit_ti4_32 1024 syn32 240 reduce-overhead ;;
 finetune)  # after trainer (its encoder and data)
