@@ -666,6 +666,11 @@ def validate(cfg: Config) -> None:
           "would rise; give a smaller one")
     t = cfg.train
     check(t.grad_accum >= 1, "config key 'train.grad_accum' must be >= 1")
+    from mpp.compiled import COMPILE_MODES  # late import, as above
+    check(t.grad_accum == 1 or t.compile == "never" or not COMPILE_MODES.get(t.compile_mode),
+          f"config key 'train.compile_mode' is {t.compile_mode}, whose CUDA graphs overwrite a micro-batch's "
+          f"gradients before train.grad_accum={t.grad_accum} adds the next's; give train.grad_accum=1, or "
+          "train.compile_mode=default or max-autotune-no-cudagraphs")
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1 and t.dist_timeout >= 1,
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps, train.dist_timeout must be >= 1, "
           "train.ckpt_every >= 0")

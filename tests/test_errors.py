@@ -206,6 +206,8 @@ CASES = [
      lambda t: (t / "dot.yaml").write_text("optim.lr: 0.1\n")),
     ("batch not divisible by accumulation", "pretrain", lambda t: [*TRAIN(t), "batch_size=6", "train.grad_accum=4"],
      None),
+    ("CUDA graphs with gradient accumulation", "pretrain",
+     lambda t: [*TRAIN(t), "batch_size=4", "train.grad_accum=2", "train.compile_mode=reduce-overhead"], None),
     ("malformed YAML config", "pretrain", lambda t: ["--config", f"{t}/bad.yaml"],
      lambda t: (t / "bad.yaml").write_text("steps: [1,\n")),
     ("config file that is not UTF-8 text", "pretrain", lambda t: ["--config", f"{t}/bin.yaml"],
