@@ -304,7 +304,7 @@ def loop(run: Run) -> None:
                         loss, metrics = run.forward(images, batch.get("label"))
                     with phase("mpp/backward"):
                         accelerator.backward(loss * weights[i] / accum)
-                run.win.add_micro(loss, metrics, weights[i], len(images))
+                run.win.add_micro(loss, metrics, len(images))
                 losses.append(loss.detach())
 
             # -- clip, then step only if the gradient is finite (decided on the device, no host sync)
@@ -539,8 +539,8 @@ def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor,
 
 class _BadSteps:
     """Device-side counters of non-finite steps (fp16 overflows apart): the current run of them,
-    its longest, the total, and the overflows. From the `limit`-th overflow in a row on, an
-    overflow counts as a non-finite step: the scale has then halved `limit` times and the
+    its longest, the total, and the overflows. From the `limit`-th overflow since the last finite
+    step on, an overflow counts as a non-finite step: the scale has then halved `limit` times and the
     gradient is still not finite, so something other than the scale is wrong. `run` and
     `overflow_run`: the runs a resumed checkpoint left open, so a resume stops where the
     uninterrupted run would."""
@@ -550,15 +550,19 @@ class _BadSteps:
         self.total, self.overflows, self.overflow_run = zero.clone(), zero.clone(), zero + overflow_run
 
     def add(self, finite: torch.Tensor, overflow: torch.Tensor | None = None) -> None:
-        ok = finite
+        """Only a finite step (one that updated the weights) ends a run: an overflow leaves the run
+        of failed steps as it was, and a failed step the run of overflows, so the two alternating
+        (no step ever finite) still reach the limit."""
+        skipped = torch.zeros_like(finite)
         if overflow is not None:  # fp16 loss scaling only
-            self.overflow_run = torch.where(overflow, self.overflow_run + 1, self.zero)
-            overflow = overflow & (self.overflow_run < self.limit)
-            self.overflows += overflow.float()
-            ok = finite | overflow
-        self.run = torch.where(ok, self.zero, self.run + 1)
+            self.overflow_run = torch.where(overflow, self.overflow_run + 1,
+                                            torch.where(finite, self.zero, self.overflow_run))
+            skipped = overflow & (self.overflow_run < self.limit)
+            self.overflows += skipped.float()
+        failed = ~finite & ~skipped
+        self.run = torch.where(finite, self.zero, torch.where(skipped, self.run, self.run + 1))
         self.max = torch.maximum(self.max, self.run)
-        self.total += (~ok).float()
+        self.total += failed.float()
 
 
 class _Window:
@@ -570,16 +574,13 @@ class _Window:
 
     def reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.micro = 0
         self.images = 0  # this rank's, counted on the host (an epoch's tail batch is smaller)
         self.norm, self.finite = self.zero.clone(), self.zero.clone()
 
-    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight, images: int) -> None:
-        """`weight`: the micro-batch's sample weight (`_sample_weights`), 1.0 for a full one;
-        `images`: its size."""
+    def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], images: int) -> None:
+        """A micro-batch's mean loss and metrics, weighed by its size `images`."""
         for k, v in {"loss": loss, **metrics}.items():
-            self.sums[k] = self.sums.get(k, self.zero) + v.detach().float() * weight
-        self.micro += 1
+            self.sums[k] = self.sums.get(k, self.zero) + v.detach().float() * images
         self.images += images
 
     def add_step(self, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
@@ -587,17 +588,16 @@ class _Window:
         self.finite = self.finite + finite.float()
 
     def read(self, accelerator: Accelerator) -> dict[str, float]:
-        """Means over the window's samples (micro-batches and ranks, by their sample weights); the
-        gradient norm (the same on every rank) over the window's finite steps; `images`: the
-        window's images on all ranks."""
+        """Means over the window's samples, on all ranks (an epoch's smaller tail step weighs its
+        samples, not a step's share); the gradient norm (the same on every rank) over the window's
+        finite steps; `images`: the window's images on all ranks."""
         names = sorted(self.sums)
         images = torch.full((), float(self.images), device=self.zero.device)  # a fill: no copy from the host
-        rows = accelerator.gather(torch.stack([self.sums[k] / self.micro for k in names]
-                                              + [self.norm, self.finite, images])[None])
-        mean = rows.mean(0).tolist()
-        figures = dict(zip(names, mean[:-3]))
-        figures["grad_norm"] = mean[-3] / mean[-2] if mean[-2] else float("nan")
-        figures["images"] = round(mean[-1] * len(rows))
+        rows = accelerator.gather(torch.stack([self.sums[k] for k in names] + [self.norm, self.finite, images])[None])
+        total = rows.sum(0).tolist()
+        figures = {k: v / total[-1] for k, v in zip(names, total[:-3])}
+        figures["grad_norm"] = total[-3] / total[-2] if total[-2] else float("nan")
+        figures["images"] = round(total[-1])
         return figures
 
 

@@ -416,12 +416,33 @@ def test_an_fp16_overflow_is_the_scalers_skip_not_a_failed_step():
     bad = _BadSteps(torch.zeros(()), 0, limit=20)
     for norm, loss in ((inf, one), (inf, one), (one, one), (inf, nan), (inf, nan), (inf, one)):
         bad.add(torch.isfinite(norm), _scaler_overflow(fp16, torch.isfinite(norm), [loss]))
-    assert (bad.run.item(), bad.max.item(), bad.total.item(), bad.overflows.item()) == (0, 2, 2, 3)
+    # the last overflow leaves the two failed steps' run open: no step since them updated the weights
+    assert (bad.run.item(), bad.max.item(), bad.total.item(), bad.overflows.item()) == (2, 2, 2, 3)
     # a gradient that stays non-finite is no overflow: from the limit-th in a row on, each is a failed step
     bad = _BadSteps(torch.zeros(()), 0, limit=3)
     for _ in range(6):
         bad.add(torch.isfinite(inf), _scaler_overflow(fp16, torch.isfinite(inf), [one]))
     assert (bad.overflows.item(), bad.total.item(), bad.run.item()) == (2, 4, 4)
+    # failed steps and overflows in turn, no step finite: each kept the other's run open, so neither
+    # limit was reached, every step was skipped and the untrained weights were exported
+    bad = _BadSteps(torch.zeros(()), 0, limit=3)
+    for loss in (nan, one) * 3:
+        bad.add(torch.isfinite(inf), _scaler_overflow(fp16, torch.isfinite(inf), [loss]))
+    assert (bad.overflows.item(), bad.total.item(), bad.max.item()) == (2, 4, 4)
+
+
+def test_a_log_windows_figures_weigh_each_sample_once_with_a_smaller_tail_step():
+    """The logged loss and metrics are means over the window's samples on all ranks: an epoch's
+    tail step of 4 images weighs 4 samples, where it used to weigh as much as a step of 16."""
+    from types import SimpleNamespace
+    from mpp.train import _Window
+    win = _Window(torch.zeros(()))
+    for images, loss in ((16, 1.0), (4, 2.0)):  # a full step, then the epoch's tail step
+        win.add_micro(torch.tensor(loss), {"acc": torch.tensor(loss / 4)}, images)
+        win.add_step(torch.tensor(3.0), torch.tensor(True))
+    figures = win.read(SimpleNamespace(gather=lambda t: torch.cat([t, t])))  # two ranks alike
+    assert figures["loss"] == pytest.approx(1.2) and figures["acc"] == pytest.approx(0.3)
+    assert (figures["grad_norm"], figures["images"]) == (3.0, 40)
 
 
 def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path, monkeypatch):
