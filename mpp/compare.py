@@ -364,9 +364,9 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
             raise ConfigError(f"stage '{s.name}' ({s.config}) resolves to objective={c.objective}, not {need}; give "
                               f"the compare config's '{s.arm if s.tool == 'pretrain' else 'finetune'}' a config of "
                               f"objective {need}, and no objective= in its overrides")
-        if s.tool == "finetune" and not c.data.val:
-            raise ConfigError(f"stage '{s.name}' ({s.config}) has no data.val, the test images its final fine-tunes "
-                              "are scored on; set data.val")
+        if s.tool in ("finetune", "linear_probe") and not c.data.val:
+            raise ConfigError(f"stage '{s.name}' ({s.config}) has no data.val, the test images its "
+                              f"{'final fine-tunes are' if s.tool == 'finetune' else 'probe is'} scored on; set data.val")
         if s.tool == "finetune" and cfg.sweep and c.finetune.dev_fraction == 0 and c.finetune.pool == "auto":
             raise ConfigError(f"stage '{s.name}' ({s.config}) resolves to finetune.pool=auto, so it would choose its "
                               "representation on its own training labels, which a supervised pre-training fitted; "
@@ -570,19 +570,41 @@ def _same(a, b) -> bool:
 
 
 def prepare_data(cfg: CompareConfig) -> None:
-    """Make the data sets the stages read, unless their manifests already exist (the synthetic
-    set: with the sizes asked for); a folder that a cut-off write left without its manifest is
-    written again."""
+    """Make the data sets the stages read, unless their manifests already exist; one made from
+    another source (or, synthetic, with other sizes) is refused: the finished stages read it, and
+    their configs, which name only its folder, would not tell. A folder that a cut-off write left
+    without its manifest is written again."""
+    from mpp.data.writer import write_shards
     p = cfg.prepare
+    again = "delete it and every stage of the comparison that read it, or give another folder"
     if p.synthetic:
-        from mpp.data.synthetic import make_synthetic
+        from mpp.data.synthetic import OtherSettings, make_synthetic
         print(f"[data] the synthetic data set at {p.synthetic}", flush=True)
-        make_synthetic(p.synthetic, train=p.synthetic_train, test=p.synthetic_test)
+        try:
+            make_synthetic(p.synthetic, train=p.synthetic_train, test=p.synthetic_test)
+        except OtherSettings as e:
+            raise ConfigError(f"prepare.synthetic: '{e.path}' holds a synthetic set made with other settings "
+                              f"({e.other}); {again}") from None
     for src, out in zip(as_list(p.shards_src), as_list(p.shards_out)):
-        if not (Path(out) / "manifest.json").exists():
-            from mpp.data.writer import write_shards
-            print(f"[data] writing shards of {src} to {out}", flush=True)
-            write_shards(src, out, overwrite=True)
+        manifest = Path(out) / "manifest.json"
+        if manifest.exists():
+            made = _made(manifest)
+            if made.get("source") not in (None, str(Path(src).resolve())):
+                raise ConfigError(f"prepare.shards_out '{out}' holds the shards of {made['source']}, not of "
+                                  f"prepare.shards_src '{src}'; {again}")
+            continue
+        print(f"[data] writing shards of {src} to {out}", flush=True)
+        write_shards(src, out, overwrite=True)
+
+
+def _made(manifest: Path) -> dict:
+    """A manifest's record of how it was made ({} for one that keeps none, or is not JSON: the
+    stages that read it say what is wrong with it)."""
+    try:
+        made = json.loads(manifest.read_text()).get("made")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return made if isinstance(made, dict) else {}
 
 
 def _tool_main(module: str, argv: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -540,6 +541,10 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
                           f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")
+    if cfg.pretrain_seeds > 1 and Path(os.path.normpath(cfg.output_dir)).name in ("", ".."):
+        raise ConfigError(f"compare config key 'output_dir' is {cfg.output_dir!r}, which names no folder for the "
+                          f"repeats of pretrain_seeds={cfg.pretrain_seeds} to sit beside (output_dir_pretrain_seed1, "
+                          "...); give a folder name, e.g. runs/compare")
     if cfg.finetune_pool not in ("auto", "config"):
         raise ConfigError(f"compare config key 'finetune_pool' is {cfg.finetune_pool!r}; choose auto (chosen on each "
                           "fine-tune's own training labels; it replaced probe, the all-label probe's choice) or config")

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.compare import best_point, check_unchanged, head_l2, plan, run, time_split, validate
+from mpp.compare import best_point, check_unchanged, head_l2, plan, prepare_data, run, time_split, validate
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
 from mpp.data import make_loader
 
@@ -52,6 +52,39 @@ def _write_configs(tmp: Path, data: Path, stage_extra: str = "", fractions: str 
           synthetic_test: 40
         """) + compare_extra)
     return tmp / "compare.yaml"
+
+
+def test_data_of_another_source_or_other_sizes_is_refused_not_read_as_the_old(tmp_path):
+    """The stages' configs name only the data's folder, so a comparison given another shards source
+    or other synthetic sizes over data it made reused the old data and every finished stage, and
+    the report named the new source. Both are refused, naming the fix (there is no --overwrite)."""
+    from PIL import Image
+    for src in ("a", "b"):
+        for label in ("cat", "dog"):
+            (tmp_path / src / label).mkdir(parents=True)
+            Image.new("RGB", (8, 8), (200, 9, 9)).save(tmp_path / src / label / "0.png")
+    path = _write_configs(tmp_path, tmp_path / "d")
+    shards = [f"prepare.shards_out=[{tmp_path / 'out'}]", "prepare.synthetic_train=10", "prepare.synthetic_test=4"]
+    prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'a'}]"]))
+    assert json.loads((tmp_path / "out/manifest.json").read_text())["num_samples"] == 2
+    prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'a'}/]"]))  # the same
+    with pytest.raises(ConfigError, match=f"prepare.shards_out '{tmp_path / 'out'}' holds the shards of "
+                                          f"{tmp_path / 'a'}, not of prepare.shards_src '{tmp_path / 'b'}'; delete"):
+        prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'b'}]"]))
+    shards[1] = "prepare.synthetic_train=12"
+    with pytest.raises(ConfigError, match=r"prepare.synthetic: .* other settings \(num 10, not 12\); delete it and "
+                                          "every stage of the comparison that read it, or give another folder$"):
+        prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'a'}]"]))
+
+
+@pytest.mark.parametrize("out", [".", "runs/..", "/"])
+def test_repeats_need_an_output_dir_with_a_name_to_sit_beside(tmp_path, out):
+    """pretrain_seeds > 1 puts the repeats beside output_dir (output_dir_pretrain_seed1): '.' ended
+    in a traceback, and 'runs/..' put them inside runs/."""
+    path = _write_configs(tmp_path, tmp_path / "d")
+    load_compare_config(path, [f"output_dir={out}"])  # one pre-training seed: no sibling to place
+    with pytest.raises(ConfigError, match=f"'output_dir' is '{re.escape(out)}', which names no folder for the repeats"):
+        load_compare_config(path, [f"output_dir={out}", "pretrain_seeds=2"])
 
 
 def test_plan_covers_every_stage_and_wires_inits(tmp_path):
@@ -230,7 +263,14 @@ def test_stages_are_resolved_as_their_tools_run_them_and_checked_for_their_arm(t
     with pytest.raises(ConfigError, match="stage 'pre-train supervised'.*objective=mpp, not supervised"):
         validate(swapped, plan(swapped))
     untested = load_compare_config(path, ["overrides=[data.val=]"])
-    with pytest.raises(ConfigError, match="stage 'fine-tune .* has no data.val"):
+    with pytest.raises(ConfigError, match="stage '(fine-tune|linear probe) .* has no data.val"):
+        validate(untested, plan(untested))
+    probe = yaml.safe_load((ROOT / "configs/synthetic_probe.yaml").read_text())  # no test images: it failed
+    del probe["data"]["val"]                                                     # only after the pre-trainings
+    (tmp_path / "probe.yaml").write_text(yaml.safe_dump(probe))
+    kept = [o for o in cfg.overrides if not o.startswith("data.val=")]
+    untested = load_compare_config(path, [f"probe={tmp_path / 'probe.yaml'}", f"overrides={json.dumps(kept)}"])
+    with pytest.raises(ConfigError, match="stage 'linear probe .* has no data.val, the test images its probe is scored"):
         validate(untested, plan(untested))
 
 

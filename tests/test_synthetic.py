@@ -78,8 +78,9 @@ def test_make_synthetic_reuses_same_settings_refuses_others(tmp_path: Path):
     stamp = shard.stat().st_mtime_ns
     make_synthetic(tmp_path, train=20, test=10, shards=2, progress=False)
     assert shard.stat().st_mtime_ns == stamp  # reused, not rewritten
-    for other in (dict(train=30, shards=2), dict(train=20, shards=4)):  # more images, or more shards
-        with pytest.raises(ShardError, match="not empty"):
+    for other, what in ((dict(train=30, shards=2), "num 20, not 30"),  # more images, or more shards
+                        (dict(train=20, shards=4), "samples_per_shard 10, not 5")):
+        with pytest.raises(ShardError, match=f"holds a synthetic set made with other settings \\({what}[;)]"):
             make_synthetic(tmp_path, **other, test=10, progress=False)
     ms = make_synthetic(tmp_path, train=30, test=10, shards=2, overwrite=True, progress=False)
     assert ms["train"]["num_samples"] == 30

@@ -155,6 +155,15 @@ def _manifest(path: Path) -> dict:
     return old
 
 
+class OtherSettings(ShardError):
+    """A split's folder holds a synthetic set made with other settings (`other`: which, as text)."""
+
+    def __init__(self, path: Path, other: str):
+        super().__init__(f"'{path}' holds a synthetic set made with other settings ({other}); give another folder, "
+                         "or delete it (make_synthetic: or --overwrite)")
+        self.path, self.other = path, other
+
+
 def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size: int = 32, seed: int = 0,
                    shards: int = 8, overwrite: bool = False, progress: bool = True) -> dict[str, dict]:
     """Write OUT/train and OUT/test (shards + manifest, `shards` shards per split); returns the
@@ -173,10 +182,13 @@ def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size
         if not overwrite and (path / MANIFEST).is_file():
             old = _manifest(path / MANIFEST)
             made = old.get("made") if isinstance(old.get("made"), dict) else {}
-            if (all(made.get(k) == v for k, v in params.items()) and made.get("seed") == seed
-                    and made.get("samples_per_shard") == per_shard):
+            wanted = {**params, "seed": seed, "samples_per_shard": per_shard}
+            other = "; ".join(f"{k} {made.get(k)!r}, not {v!r}" for k, v in wanted.items() if made.get(k) != v)
+            if not other:
                 manifests[split] = old
                 continue
+            if made.get("generator") == params["generator"]:  # else not ours: the writer's refusal below
+                raise OtherSettings(path, other)
         items = [(f"{i:06d}.jpg", functools.partial(_jpeg, i, seed, split, size), i % len(CLASSES)) for i in range(n)]
         manifests[split] = write_samples(items, path, classes=list(CLASSES), seed=seed,
                                          made={**params, "shards": shards}, samples_per_shard=per_shard,
