@@ -517,7 +517,8 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
                           "to run it again")
     now = flatten(to_dict(stage.settings()))
     changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
-               if k != "output_dir" and k not in RESULT_NEUTRAL and not _same(saved.get(k), now.get(k))]
+               if k != "output_dir" and k not in RESULT_NEUTRAL
+               and not _same(saved.get(k), now.get(k), data=k in DATA_KEYS)]
     if changed:
         raise ConfigError(f"stage '{stage.name}' {state} earlier in {stage.out} with other settings ("
                           f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "
@@ -561,9 +562,13 @@ def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
                           "encoder, to run them again from this one")
 
 
-def _same(a, b) -> bool:
-    """Equal settings, or two spellings of one existing path (relative and absolute)."""
-    if a == b:
+DATA_KEYS = ("data.train", "data.val", "fewshot.train", "fewshot.test")  # shard specs: a folder or its manifest
+
+
+def _same(a, b, data: bool = False) -> bool:
+    """Equal settings, or two spellings of one existing path (relative and absolute); of `data`
+    (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key)."""
+    if a == b or (data and data_key(a) == data_key(b)):
         return True
     return isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b) \
         and os.path.samefile(a, b)

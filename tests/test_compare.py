@@ -259,6 +259,10 @@ def test_stages_are_resolved_as_their_tools_run_them_and_checked_for_their_arm(t
     (ft.out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(ft.config, ["objective=classify",
                                                                                       *ft.args()]))))
     check_unchanged(ft)
+    saved = yaml.safe_load((ft.out / "config.yaml").read_text())  # the shards' folder spelled as its manifest:
+    saved["data"]["train"] = str(Path(saved["data"]["train"]) / "manifest.json")  # the same data, reused
+    (ft.out / "config.yaml").write_text(yaml.safe_dump(saved))
+    check_unchanged(ft)
     swapped = load_compare_config(path, [f"supervised={ROOT / 'configs/synthetic_mpp.yaml'}"])
     with pytest.raises(ConfigError, match="stage 'pre-train supervised'.*objective=mpp, not supervised"):
         validate(swapped, plan(swapped))
