@@ -741,7 +741,13 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             check_unchanged(s)
     digests: dict[Path, str] = {}
     spent: list[tuple[float, list[float]]] = []  # (took, split) of the stages trained now
+    stale: set[Path] = set()  # conditional stages finished earlier whose condition no longer holds
     for i, s in enumerate(stages, 2):
+        if (s.out / "metrics.json").exists() and s.when and not s.when.holds():  # e.g. a sweep run again since
+            print(f"[{i}/{total}] {s.name}: not needed now (it runs only if {s.when.what}); its earlier result in "
+                  f"{s.out} is left out of the report", flush=True)
+            stale.add(s.out)
+            continue
         if (s.out / "metrics.json").exists():
             if s.choices:
                 check_unchanged(s)
@@ -787,7 +793,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     print(f"[{total}/{total}] figures and report", flush=True)
     write_compare_figures([s.out for s in stages if s.tool == "pretrain" and s.pretrain_seed == 0], None,
                           Path(cfg.output_dir) / "figures")
-    ran = [s for s in stages if (s.out / "metrics.json").exists()]  # all but the runner-ups not needed
+    ran = [s for s in stages if (s.out / "metrics.json").exists() and s.out not in stale]  # all but those not needed
     scratch = [s.out for s in ran if s.arm == "scratch"]
     repeats = [write_report([s.out for s in ran if s.pretrain_seed == seed] + scratch, repeat_dir(cfg, seed), [])
                for seed in range(1, cfg.pretrain_seeds)]  # each pre-training seed's own report, scratch shared

@@ -966,6 +966,18 @@ def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_ch
     run(cfg)
     out = capsys.readouterr().out
     assert not ran and out.count("done earlier") == len(names) - 2 and out.count("not needed") == 2
+    sweep = tmp_path / "runs/finetune_scratch_50pct/sweep_lr0.1/metrics.json"  # its sweep run again: a clear lead
+    m = json.loads(sweep.read_text())
+    sweep.write_text(json.dumps({**m, "outcomes": outcomes.record(idx < 100, np.arange(200) % 10)}))
+    reported = []
+    import mpp.report
+    monkeypatch.setattr(mpp.report, "write_report", lambda runs, *a, **k: reported.extend(runs))
+    run(cfg)
+    out = capsys.readouterr().out
+    runner_up = tmp_path / "runs/finetune_scratch_50pct/runner_up_seed0"
+    assert not ran and "runner-up, seed 0: not needed now" in out and f"earlier result in {runner_up} is left" in out
+    assert (runner_up / "metrics.json").is_file() and runner_up not in reported and len(reported) == len(names) - 3
+    sweep.write_text(json.dumps(m))
     sweep = tmp_path / "runs/finetune_mpp_50pct/sweep_lr0.1/metrics.json"
     m = json.loads(sweep.read_text())
     sweep.write_text(json.dumps({**m, "top1": 0.9}))
