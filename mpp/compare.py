@@ -438,22 +438,32 @@ def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path
     them). A warmup as long as a stage's run is worth a warning (`mpp.optim.warmup_note`)."""
     from mpp.runtime import check_run_settings  # here: it imports torch, planning does not
     procs = _processes(launcher_words(cfg.launcher, machine))
+    from mpp.models import preset_geometry
     models = {}
     for s in stages:
         c = resolved[s.out]
         if s.tool == "pretrain":
-            models.setdefault(s.pretrain_seed, (s.name, c.model))
+            models.setdefault(s.pretrain_seed, (s.name, c.model, preset_geometry(c.model, c.img_size)[0]))
         if s.tool in ("pretrain", "finetune"):
             try:
                 check_run_settings(c, procs, machine)
             except ConfigError as e:
                 raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
     for s in stages:
-        first, model = models.get(s.pretrain_seed, ("", resolved[s.out].model))
-        if resolved[s.out].model != model and (s.tool == "pretrain" or s.arm == "scratch"):
-            raise ConfigError(f"stage '{s.name}' ({s.config}) builds model={resolved[s.out].model}, but '{first}' "
-                              f"pre-trains model={model}; every arm must train the same encoder: give the stage "
-                              "configs the same model")
+        c = resolved[s.out]
+        first, model, size = models.get(s.pretrain_seed, ("", c.model, 0))
+        if s.tool != "pretrain" and s.arm != "scratch":
+            continue  # loads a pre-trained encoder, at its own resolution unless img_size is given
+        if c.model != model:
+            raise ConfigError(f"stage '{s.name}' ({s.config}) builds model={c.model}, but '{first}' pre-trains "
+                              f"model={model}; every arm must train the same encoder: give the stage configs the same "
+                              "model")
+        built = preset_geometry(c.model, c.img_size)[0]
+        if size and built != size and (s.tool == "pretrain" or not c.img_size):
+            raise ConfigError(f"stage '{s.name}' ({s.config}) builds its encoder at {built} px, but '{first}' "
+                              f"pre-trains at {size} px, which the pre-trained arms' stages keep; every arm must see "
+                              f"images of one size: give the stage configs img_size={size}, or the pre-trainings "
+                              f"img_size={built}")
     late = next(((s, c) for s in stages if s.tool in ("pretrain", "finetune")
                  and 1 <= (c := resolved[s.out]).steps <= c.optim.warmup_steps), None)
     if late is not None:

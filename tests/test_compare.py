@@ -325,6 +325,7 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
             if not compare:
                 validate(cfg, plan(cfg))
 
+    (tmp_path / "mpp64.yaml").write_text(f"base: {ROOT / 'configs/synthetic_mpp.yaml'}\nimg_size: 64\n")
     refused("fine-tune scratch, 50% labels.*would both write to", "label_fractions=[0.5,0.5]")
     refused("would both write to .*sweep_lr0.01", "sweep.optim.lr=[0.01,1.0e-2]")
     refused("'sweep' names mpp.ratio, which no fine-tune", "sweep.mpp.ratio=[0.3,0.5]", compare=True)
@@ -351,6 +352,10 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
             "model=vit_micro4_32", "fraction_overrides={0.5: [model=vit_mini8_32]}")
     refused("linear probe scratch.*builds model=vit_micro4_32, but 'pre-train mpp' pre-trains model=vit_mini8_32",
             "pretrain_overrides=[model=vit_mini8_32]")  # both pre-trainings one way, the scratch arm another
+    refused("linear probe scratch.*builds its encoder at 32 px, but 'pre-train mpp' pre-trains at 64 px",
+            "pretrain_overrides=[img_size=64]")  # the pre-trained arms' stages keep 64 px: scratch alone at 32
+    refused("pre-train supervised.*builds its encoder at 32 px, but 'pre-train mpp' pre-trains at 64 px",
+            f"mpp={tmp_path / 'mpp64.yaml'}")  # the two pre-trainings at two sizes
     if not __import__("torch").cuda.is_available():
         refused("pre-train mpp.*fp16 needs a GPU", "pretrain_overrides=[train.precision=fp16]")
     # a dry run plans for any machine: a command or a GPU this one lacks is no error there
