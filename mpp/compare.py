@@ -535,6 +535,17 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
                           "the stages that used it to run them with these, or set another output_dir")
 
 
+def check_processes(stage: Stage, processes: int) -> None:
+    """A finished trained stage must have run on as many processes as the launcher starts now: they
+    split each batch and the data, so another count trains on another order (as a checkpoint's
+    resume refuses). A metrics.json of an older mpp records none and is reused."""
+    ran = _metrics(stage.out).get("processes") if stage.tool in ("pretrain", "finetune") else None
+    if isinstance(ran, int) and ran != processes:
+        raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} on {ran} process(es); the launcher "
+                          f"now starts {processes}, which would split its data otherwise: give the launcher it ran "
+                          f"with, or delete {stage.out} and the stages that used it to run them on {processes}")
+
+
 def _checkpointed(out: Path) -> bool:
     """Whether an interrupted stage left a checkpoint that its `train.resume=auto` would train on from."""
     from mpp.checkpoint import list_checkpoints  # here: it imports torch, planning does not
@@ -745,7 +756,8 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
-    check_data(stages, resolved, _processes(launcher_words(cfg.launcher)))
+    procs = _processes(launcher_words(cfg.launcher))
+    check_data(stages, resolved, procs)
     for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
         if (s.out / "metrics.json").exists() and not s.choices:
             check_unchanged(s)
@@ -762,6 +774,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             if s.choices:
                 check_unchanged(s)
             check_encoder(s, digests)
+            check_processes(s, procs)
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)
             continue
         if s.when and not s.when.holds():

@@ -382,8 +382,9 @@ def finish(run: Run) -> dict:
         "objective": cfg.objective, "model": cfg.model, "encoder": encoder.model_spec(), "img_size": img_size,
         "precision": run.precision,  # train.precision as resolved for this device (auto decides)
         "batch_size": cfg.batch_size, "steps": run.steps,
+        "processes": run.accelerator.num_processes,  # they split the data: another count, another order
         "epochs": totals["images"] / max(run.loader.num_samples, 1), "train_samples": run.loader.num_samples,
-        # the last log window: loss and objective metrics (averaged over its steps and all ranks), grad norm
+        # the last log window: loss and objective metrics (averaged over its samples on all ranks), grad norm
         **{k: v for k, v in run.last.items() if k not in ("lr", "images_per_s", "data_wait_frac", "nonfinite_steps",
                                                           "scaler_skips") and not k.startswith("skipped_")},
         "nonfinite_steps": totals["nonfinite_steps"], "scaler_skips": totals["scaler_skips"],

@@ -991,6 +991,16 @@ def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_ch
         run(cfg)
     assert not ran
     sweep.write_text(json.dumps(m))
+    pre = tmp_path / "runs/pretrain_mpp/metrics.json"  # trained on two processes, resumed with one
+    m = json.loads(pre.read_text())
+    pre.write_text(json.dumps({**m, "processes": 2}))
+    with pytest.raises(ConfigError, match=r"stage 'pre-train mpp' finished earlier in .* on 2 process\(es\); the "
+                                          "launcher now starts 1, which would split its data otherwise"):
+        run(cfg)
+    pre.write_text(json.dumps({**m, "processes": 1}))
+    run(cfg)
+    capsys.readouterr()
+    assert not ran
     with pytest.raises(ConfigError, match="stage 'pre-train mpp' finished earlier.*steps: 2 -> 3"):
         run(_cfg(tmp_path, SWEEP + "finetune_pool: config\n", ["pretrain_overrides=[steps=3]"]))
     assert not ran

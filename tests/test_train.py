@@ -307,7 +307,8 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
     ckpt = tmp_path / "checkpoints/step_0000006"
     rng = [torch.load(ckpt / f"rng_{r}.pt", weights_only=True)["torch"] for r in (0, 1)]
     assert not torch.equal(*rng), "ranks must draw different corruptions"
-    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 6
+    pre = json.loads((tmp_path / "metrics.json").read_text())
+    assert (pre["steps"], pre["processes"]) == (6, 2)  # the count a comparison's resume checks (mpp.compare)
     ft = json.loads((tmp_path / "ft/metrics.json").read_text())
     assert ft["val_samples"] == 64 and ft["head_init"] == "probe" and "head_probe_l2" in ft
     assert ft["pool"] in ("token", "avg")
