@@ -63,7 +63,7 @@ from mpp.config import (RESULT_NEUTRAL, TOOL_DEFAULTS, CompareConfig, Config, Co
                         flatten, load_config, parse_overrides, read_yaml, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import data_key
+from mpp.specs import DATA_KEYS, data_key
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -179,7 +179,7 @@ def _pool_choice(outs: list[Path]) -> dict:
 def repeat_dir(cfg: CompareConfig, pretrain_seed: int) -> Path:
     """Where the comparison with pre-training seed `pretrain_seed` writes: output_dir for seed 0,
     a sibling output_dir_pretrain_seed{s} for the others (each its own comparison and report)."""
-    root = Path(cfg.output_dir)  # without a trailing slash, which would put the sibling inside it
+    root = Path(os.path.normpath(cfg.output_dir))  # no trailing slash or '..', which put the sibling inside it
     return root if pretrain_seed == 0 else root.with_name(f"{root.name}_pretrain_seed{pretrain_seed}")
 
 
@@ -431,6 +431,21 @@ def _processes(words: list[str]) -> int:
     return max(given.get("nnodes", 1) * given.get("nproc_per_node", 1), 1)
 
 
+COUNTS = ("num_processes", "nproc_per_node", "nnodes")  # the launcher flags _processes reads
+
+
+def _stated_processes(words: list[str]) -> int | None:
+    """`_processes` where the launcher's `words` state every count they give as a number (or are
+    none: this Python, one process); None where it decides at run time (`--nproc_per_node gpu`, an
+    accelerate config file, `--nnodes $SLURM_NNODES` unexpanded)."""
+    if not words:
+        return 1
+    stated = [value or (words[i + 1] if i + 1 < len(words) else "")
+              for i, (flag, _, value) in enumerate(w.partition("=") for w in words)
+              if flag.startswith("-") and flag.lstrip("-").replace("-", "_") in COUNTS]
+    return _processes(words) if stated and all(v.isdigit() for v in stated) else None
+
+
 def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path, Config], machine: bool) -> None:
     """What each trained stage's trainer checks at its own start (`mpp.runtime.check_run_settings`,
     over the launcher's processes; `machine`: with what this machine offers), checked before the
@@ -535,12 +550,13 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
                           "the stages that used it to run them with these, or set another output_dir")
 
 
-def check_processes(stage: Stage, processes: int) -> None:
-    """A finished trained stage must have run on as many processes as the launcher starts now: they
-    split each batch and the data, so another count trains on another order (as a checkpoint's
-    resume refuses). A metrics.json of an older mpp records none and is reused."""
+def check_processes(stage: Stage, processes: int | None) -> None:
+    """A finished trained stage must have run on as many processes as the launcher starts now
+    (`processes`; None: a count it decides at run time, unchecked): they split each batch and the
+    data, so another count trains on another order (as a checkpoint's resume refuses). A
+    metrics.json of an older mpp records none and is reused."""
     ran = _metrics(stage.out).get("processes") if stage.tool in ("pretrain", "finetune") else None
-    if isinstance(ran, int) and ran != processes:
+    if processes is not None and isinstance(ran, int) and ran != processes:
         raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} on {ran} process(es); the launcher "
                           f"now starts {processes}, which would split its data otherwise: give the launcher it ran "
                           f"with, or delete {stage.out} and the stages that used it to run them on {processes}")
@@ -583,9 +599,6 @@ def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
                           "encoder, to run them again from this one")
 
 
-DATA_KEYS = ("data.train", "data.val", "fewshot.train", "fewshot.test")  # shard specs: a folder or its manifest
-
-
 def _same(a, b, data: bool = False) -> bool:
     """Equal settings, or two spellings of one existing path (relative and absolute); of `data`
     (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key)."""
@@ -597,8 +610,8 @@ def _same(a, b, data: bool = False) -> bool:
 
 def prepare_data(cfg: CompareConfig) -> None:
     """Make the data sets the stages read, unless their manifests already exist; one made from
-    another source (or, synthetic, with other sizes) is refused: the finished stages read it, and
-    their configs, which name only its folder, would not tell. A folder that a cut-off write left
+    another source that exists (or, synthetic, with other sizes) is refused: the finished stages
+    read it, and their configs, which name only its folder, would not tell. A folder that a cut-off write left
     without its manifest is written again."""
     from mpp.data.writer import write_shards
     p = cfg.prepare
@@ -614,9 +627,10 @@ def prepare_data(cfg: CompareConfig) -> None:
     for src, out in zip(as_list(p.shards_src), as_list(p.shards_out)):
         manifest = Path(out) / "manifest.json"
         if manifest.exists():
-            made = _made(manifest)
-            if made.get("source") not in (None, str(Path(src).resolve())):
-                raise ConfigError(f"prepare.shards_out '{out}' holds the shards of {made['source']}, not of "
+            source = _made(manifest).get("source")  # where it was made: moved since, or another machine's
+            if isinstance(source, str) and os.path.exists(source) and os.path.exists(src) \
+                    and not os.path.samefile(source, src):
+                raise ConfigError(f"prepare.shards_out '{out}' holds the shards of {source}, not of "
                                   f"prepare.shards_src '{src}'; {again}")
             continue
         print(f"[data] writing shards of {src} to {out}", flush=True)
@@ -756,11 +770,13 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
-    procs = _processes(launcher_words(cfg.launcher))
-    check_data(stages, resolved, procs)
+    words = launcher_words(cfg.launcher)
+    check_data(stages, resolved, _processes(words))
     for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
-        if (s.out / "metrics.json").exists() and not s.choices:
-            check_unchanged(s)
+        if (s.out / "metrics.json").exists():
+            check_processes(s, _stated_processes(words))
+            if not s.choices:
+                check_unchanged(s)
     digests: dict[Path, str] = {}
     spent: list[tuple[float, list[float]]] = []  # (took, split) of the stages trained now
     stale: set[Path] = set()  # conditional stages finished earlier whose condition no longer holds
@@ -774,7 +790,6 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             if s.choices:
                 check_unchanged(s)
             check_encoder(s, digests)
-            check_processes(s, procs)
             print(f"[{i}/{total}] {s.name}: done earlier ({s.out})", flush=True)
             continue
         if s.when and not s.when.holds():

@@ -674,8 +674,8 @@ def validate(cfg: Config) -> None:
     from mpp.compiled import COMPILE_MODES  # late import, as above
     check(t.grad_accum == 1 or t.compile == "never" or not COMPILE_MODES.get(t.compile_mode),
           f"config key 'train.compile_mode' is {t.compile_mode}, whose CUDA graphs overwrite a micro-batch's "
-          f"gradients before train.grad_accum={t.grad_accum} adds the next's; give train.grad_accum=1, or "
-          "train.compile_mode=default or max-autotune-no-cudagraphs")
+          f"gradients before train.grad_accum={t.grad_accum} adds the next's; give train.grad_accum=1, "
+          "train.compile_mode=default or max-autotune-no-cudagraphs, or train.compile=never")
     check(t.log_every >= 1 and t.ckpt_every >= 0 and t.keep_ckpts >= 1 and t.max_bad_steps >= 1 and t.dist_timeout >= 1,
           "config keys train.log_every, train.keep_ckpts, train.max_bad_steps, train.dist_timeout must be >= 1, "
           "train.ckpt_every >= 0")

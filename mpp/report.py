@@ -44,6 +44,7 @@ from mpp import outcomes
 from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
+from mpp.specs import DATA_KEYS
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -142,16 +143,19 @@ def _varied(dev_runs: list[dict]) -> list[str]:
 
 def _differ(a: dict, b: dict) -> list[str]:
     """The config keys in which runs `a` and `b` differ, but for those `_varied` leaves out; a path
-    spelled relative in one and absolute in the other (a comparison resumed so) is the same."""
-    def same(x, y) -> bool:
+    spelled relative in one and absolute in the other (a comparison resumed so) is the same, and
+    shards named by their folder or its manifest.json (mpp.compare's resume takes both)."""
+    def same(x, y, data: bool) -> bool:
         if json.dumps(x) == json.dumps(y):
             return True
         if not (isinstance(x, str) and isinstance(y, str)):
             return False
         x, y = os.path.normpath(x), os.path.normpath(y)
-        return x.endswith(os.sep + y) or y.endswith(os.sep + x)
+        if data:
+            x, y = x.removesuffix(os.sep + "manifest.json"), y.removesuffix(os.sep + "manifest.json")
+        return x == y or x.endswith(os.sep + y) or y.endswith(os.sep + x)
     return sorted(k for k in set(a["settings"]) | set(b["settings"]) if k not in ("output_dir", "seed", *RESULT_NEUTRAL)
-                  and not same(a["settings"].get(k), b["settings"].get(k)))
+                  and not same(a["settings"].get(k), b["settings"].get(k), k in DATA_KEYS))
 
 
 def _values(run: dict, varied: list[str]) -> dict:

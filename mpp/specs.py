@@ -7,6 +7,9 @@ import json
 import os
 
 
+DATA_KEYS = ("data.train", "data.val", "fewshot.train", "fewshot.test")  # config keys that name shards
+
+
 def is_url(s: str) -> bool:
     return "://" in s or s.startswith(("pipe:", "file:"))
 

@@ -59,7 +59,7 @@ from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, reso
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient: training stopped."""
+    """Too many steps with a non-finite loss or gradient since the last finite one: training stopped."""
 
 
 class Terminated(RuntimeError):
@@ -494,7 +494,7 @@ def _check_finite(run: Run, step: int) -> None:
         if run.writer:
             run.writer.close()  # keep the logged scalars that show what happened
         raise NonFiniteError(
-            f"training stopped near step {step}: {limit} consecutive steps had a non-finite "
+            f"training stopped near step {step}: {limit} steps since the last finite one had a non-finite "
             f"loss or gradient (train.max_bad_steps); they were skipped, the weights never saw them; last good "
             f"checkpoint: {good[-1] if good else 'none'}. Lower optim.lr, raise warmup, try "
             f"train.precision=no, or check the data")
@@ -616,8 +616,9 @@ def _check_export(encoder: torch.nn.Module, bad_run: int, checkpoints: list[Path
     """A run never exports non-finite weights, nor ends well when its last steps failed."""
     last = f"last good checkpoint: {checkpoints[-1] if checkpoints else 'none'}"
     if bad_run:
-        raise NonFiniteError(f"the last {bad_run} steps had a non-finite loss or gradient: the run did not end well "
-                             f"and no encoder was exported ({last}); lower optim.lr or check the data")
+        raise NonFiniteError(f"{bad_run} steps since the last finite one had a non-finite loss or gradient (fp16 "
+                             f"overflows apart): the run did not end well and no encoder was exported ({last}); "
+                             "lower optim.lr or check the data")
     if not all(torch.isfinite(p).all() for p in encoder.parameters()):
         raise NonFiniteError(f"the trained weights are not finite: no encoder was exported ({last}); lower optim.lr")
 

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.compare import best_point, check_unchanged, head_l2, plan, prepare_data, run, time_split, validate
+from mpp.compare import (best_point, check_processes, check_unchanged, head_l2, plan, prepare_data, repeat_dir, run,
+                         time_split, validate)
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
 from mpp.data import make_loader
 
@@ -71,10 +72,34 @@ def test_data_of_another_source_or_other_sizes_is_refused_not_read_as_the_old(tm
     with pytest.raises(ConfigError, match=f"prepare.shards_out '{tmp_path / 'out'}' holds the shards of "
                                           f"{tmp_path / 'a'}, not of prepare.shards_src '{tmp_path / 'b'}'; delete"):
         prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'b'}]"]))
+    (tmp_path / "a").rename(tmp_path / "moved")  # the source moved since (or another machine's): reused
+    prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'moved'}]"]))
     shards[1] = "prepare.synthetic_train=12"
     with pytest.raises(ConfigError, match=r"prepare.synthetic: .* other settings \(num 10, not 12\); delete it and "
                                           "every stage of the comparison that read it, or give another folder$"):
-        prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'a'}]"]))
+        prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'moved'}]"]))
+
+
+@pytest.mark.parametrize("launcher, stated", [("", 1), ("torchrun --nproc_per_node 2", 2),
+                                              ("torchrun --nnodes=2 --nproc-per-node 4", 8),
+                                              ("accelerate launch --num_processes=4", 4),
+                                              ("torchrun --nproc_per_node gpu", None),
+                                              ("torchrun --nnodes $SLURM_NNODES --nproc_per_node 8", None),
+                                              ("accelerate launch --multi_gpu", None), ("nice python", None)])
+def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher_states_it(tmp_path, launcher, stated):
+    """The processes split the data, so a stage trained on 2 and resumed with another count is
+    refused; where the launcher decides the count at run time (a GPU count, a config file, an
+    unexpanded variable) it is not checked: resuming with the same launcher was refused."""
+    from mpp.compare import _stated_processes, launcher_words
+    assert _stated_processes(launcher_words(launcher, machine=False)) == stated
+    stage = next(s for s in plan(load_compare_config(_write_configs(tmp_path, tmp_path / "d"))) if s.tool == "pretrain")
+    stage.out.mkdir(parents=True)
+    (stage.out / "metrics.json").write_text(json.dumps({"processes": 2}))
+    if stated in (2, None):  # the count it ran on, or one the launcher decides: reused
+        check_processes(stage, stated)
+    else:
+        with pytest.raises(ConfigError, match=rf"on 2 process\(es\); the launcher now starts {stated}"):
+            check_processes(stage, stated)
 
 
 @pytest.mark.parametrize("out", [".", "runs/..", "/"])
@@ -85,6 +110,8 @@ def test_repeats_need_an_output_dir_with_a_name_to_sit_beside(tmp_path, out):
     load_compare_config(path, [f"output_dir={out}"])  # one pre-training seed: no sibling to place
     with pytest.raises(ConfigError, match=f"'output_dir' is '{re.escape(out)}', which names no folder for the repeats"):
         load_compare_config(path, [f"output_dir={out}", "pretrain_seeds=2"])
+    cfg = load_compare_config(path, [f"output_dir={tmp_path}/runs/x/..", "pretrain_seeds=2"])
+    assert repeat_dir(cfg, 1) == tmp_path / "runs_pretrain_seed1"  # beside runs, not inside it
 
 
 def test_plan_covers_every_stage_and_wires_inits(tmp_path):

@@ -900,3 +900,15 @@ def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other
     (tmp_path / "cmp" / "report.json").write_text('{"plan": 3}')  # a damaged report there is still not replaced
     with pytest.raises(ReportError, match="report.json is the report of other runs"):
         write_report(cmp)
+
+
+def test_runs_differ_in_their_data_only_when_the_shards_differ():
+    """A comparison's resume takes a shard folder and its manifest.json as one data set (mpp.compare),
+    so the report must too: else seeds finished either side of the re-spelling stopped the report
+    as finals that differ in data.train. Other paths keep the manifest's name as a difference."""
+    from mpp.report import _differ
+    folder, manifest = {"data.train": "data/c10/train"}, {"data.train": "/w/data/c10/train/manifest.json"}
+    assert _differ({"settings": folder}, {"settings": manifest}) == []
+    assert _differ({"settings": folder}, {"settings": {"data.train": "data/c100/train"}}) == ["data.train"]
+    init = {"finetune.init": "runs/a/manifest.json"}
+    assert _differ({"settings": {"finetune.init": "runs/a"}}, {"settings": init}) == ["finetune.init"]

@@ -235,7 +235,7 @@ def test_a_run_that_diverged_exports_nothing_and_fails(run, tmp_path):
     skipped; fewer than max_bad_steps, yet the run must not end well nor export them."""
     data, _ = run
     out = tmp_path / "run"
-    with pytest.raises(NonFiniteError, match="the last 3 steps had a non-finite"):
+    with pytest.raises(NonFiniteError, match="3 steps since the last finite one had a non-finite"):
         train(load_config(None, items(data, out, **{"optim.lr": 1e30, "optim.clip_grad": 0})))
     assert not (out / "encoder.safetensors").exists() and not (out / "metrics.json").exists()
 
