@@ -316,9 +316,11 @@ class Task(nn.Module):
         return {}
 
     def origin(self, cfg) -> dict:
-        """What the run starts from beyond its settings (none): recorded at the fresh start, and a
-        resume from other inputs is refused (its checkpoints continue a run of the old ones)."""
-        return {}
+        """What the run starts from beyond the settings a resume may change: recorded at the fresh
+        start, and a resume from other inputs is refused (its checkpoints continue a run of the old
+        ones). A pre-training's: the development splits withheld from its images, which a resume
+        with others would have trained on before it withheld them."""
+        return {"withheld_splits": [list(w) for w in cfg.data.withhold]}
 
     def inputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 (B, 3, H, W) -> (pixels in [0, 1], normalised encoder input)."""
@@ -488,7 +490,11 @@ class ClassifyTask(LabelTask):
                     head_init=f.head_init)
 
     def origin(self, cfg) -> dict:
-        return {"init_sha256": encoder_digest(cfg.finetune.init)}  # the encoder file's, null from scratch
+        """The encoder file's digest (null from scratch), and the label subset and development split
+        ([label_fraction, split_seed, dev_fraction]): a resume on another split would score on
+        images it had trained on."""
+        f = cfg.finetune
+        return {"init_sha256": encoder_digest(f.init), "label_split": [f.label_fraction, f.split_seed, f.dev_fraction]}
 
 
 HEAD_INITS = ("zero", "probe")  # finetune.head_init: the paper's zero head | the linear probe's (LP-FT)

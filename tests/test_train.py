@@ -578,7 +578,9 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tm
 def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run, tmp_path):
     """A fine-tune records the sha256 of its encoder file at its fresh start and keeps it across
     resumes: an interrupted fine-tune whose encoder has since been trained again is refused (its
-    checkpoints continue a fine-tune of the old one; metrics.json would have named the new)."""
+    checkpoints continue a fine-tune of the old one; metrics.json would have named the new). So is
+    one resumed on another label subset or development split, and a pre-training resumed with
+    other withheld splits: both only warned, and then scored on, or withheld, images trained on."""
     encoder = shutil.copytree(mpp_run, tmp_path / "encoder")
     digest = hashlib.sha256((encoder / "encoder.safetensors").read_bytes()).hexdigest()
     items = settings(data, tmp_path / "ft", steps=8, objective="classify", **{
@@ -586,7 +588,12 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
     first = train(config(items))
     assert first["init_sha256"] == digest
     again = train(config(items + ["steps=12"]))  # the same encoder: resumes at step 8
-    assert again["init_sha256"] == digest and again["steps"] == 12
+    assert again["init_sha256"] == digest and again["steps"] == 12 and again["label_split"] == [1.0, 0, 0.0]
+    with pytest.raises(ConfigError, match=r"other inputs \(label_split: \[1.0, 0, 0.0\] then, \[0.5, 3, 0.2\] now"):
+        train(config(items + ["steps=16", "finetune.label_fraction=0.5", "finetune.split_seed=3",
+                              "finetune.dev_fraction=0.2"]))  # it would score on images it trained on
+    with pytest.raises(ConfigError, match=r"other inputs \(withheld_splits: \[\] then, \[\[0.5, 0, 0.2\]\] now"):
+        train(config(settings(data, encoder, steps=28, **{"data.withhold": "[[0.5,0,0.2]]"})))  # it trained on them
     train(config(settings(data, encoder, steps=28)))  # the encoder trained further, in place
     with pytest.raises(ConfigError, match=f"started from other inputs \\(init_sha256: '{digest}' then"):
         train(config(items + ["steps=16"]))
