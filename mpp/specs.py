@@ -24,10 +24,14 @@ def local_path(url: str) -> str | None:
 
 
 def data_key(spec) -> str:
-    """One spelling of a data spec: local paths absolute and normalised, a shard directory and its
-    manifest.json alike, so that two configs naming the same shards in other words compare equal."""
+    """One spelling of a data spec: local paths absolute, normalised and through their symbolic
+    links, a shard directory and its manifest.json alike, so that two configs naming the same
+    shards in other words compare equal (a comparison withholds its development splits by it)."""
     def one(s):
         local = local_path(s) if isinstance(s, str) and s else None
-        return s if local is None else os.path.normpath(os.path.abspath(local)).removesuffix(os.sep + "manifest.json")
+        if local is None:
+            return s
+        folder, name = os.path.split(os.path.abspath(local))
+        return os.path.realpath(folder if name == "manifest.json" else os.path.join(folder, name))
     spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
     return json.dumps([one(s) for s in spec] if isinstance(spec, (list, tuple)) else one(spec))

@@ -812,9 +812,13 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
     assert withheld(plan(load_compare_config(path))) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2
     other = load_compare_config(path, [f"pretrain_overrides=[data.train={tmp_path / 'other'}]"])
     assert withheld(plan(other)) == [[], []]
-    # the same shards in other words (their manifest, a path relative to here, a file: URL) withhold alike
+    # the same shards in other words (their manifest, a path relative to here, a file: URL, a symbolic
+    # link to their folder: it withheld nothing) withhold alike
     monkeypatch.chdir(tmp_path)
-    for spelled in (tmp_path / "data" / "train" / "manifest.json", "./data/train/", f"file:{tmp_path}/data//train"):
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(tmp_path / "data")
+    for spelled in (tmp_path / "data" / "train" / "manifest.json", "./data/train/", f"file:{tmp_path}/data//train",
+                    tmp_path / "alias" / "train" / "manifest.json"):
         same = load_compare_config(path, [f"pretrain_overrides=[data.train={spelled}]"])
         assert withheld(plan(same)) == [["data.withhold=[[0.5,0,0.2],[1.0,0,0.2]]"]] * 2, spelled
     # without a sweep the probes still choose on the split of all the labels, so it alone is withheld
