@@ -451,9 +451,9 @@ def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path
     over the launcher's processes; `machine`: with what this machine offers), checked before the
     first; and the scratch arm built as the pre-trained encoders are (else it is no baseline for
     them). A warmup as long as a stage's run is worth a warning (`mpp.optim.warmup_note`)."""
+    from mpp.models import preset_geometry
     from mpp.runtime import check_run_settings  # here: it imports torch, planning does not
     procs = _processes(launcher_words(cfg.launcher, machine))
-    from mpp.models import preset_geometry
     models = {}
     for s in stages:
         c = resolved[s.out]
@@ -611,8 +611,8 @@ def _same(a, b, data: bool = False) -> bool:
 def prepare_data(cfg: CompareConfig) -> None:
     """Make the data sets the stages read, unless their manifests already exist; one made from
     another source that exists (or, synthetic, with other sizes) is refused: the finished stages
-    read it, and their configs, which name only its folder, would not tell. A folder that a cut-off write left
-    without its manifest is written again."""
+    read it, and their configs, which name only its folder, would not tell. A folder that a
+    cut-off write left without its manifest is written again."""
     from mpp.data.writer import write_shards
     p = cfg.prepare
     again = "delete it and every stage of the comparison that read it, or give another folder"

@@ -31,7 +31,8 @@ def data_key(spec) -> str:
         local = local_path(s) if isinstance(s, str) and s else None
         if local is None:
             return s
-        folder, name = os.path.split(os.path.abspath(local))
-        return os.path.realpath(folder if name == "manifest.json" else os.path.join(folder, name))
+        path = os.path.abspath(local)
+        folder, name = os.path.split(path)
+        return os.path.realpath(folder if name == "manifest.json" else path)
     spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
     return json.dumps([one(s) for s in spec] if isinstance(spec, (list, tuple)) else one(spec))
