@@ -49,6 +49,14 @@ def whole(text: str) -> int:
     return _at_least(text, 0)
 
 
+def path(text: str) -> str:
+    """argparse type of a path, which must not be empty: an empty one meant this folder (shards of
+    the working directory, figures written into it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; give a file or folder")
+    return text
+
+
 def parse_config_args(description: str, argv: list[str] | None = None, defaults: list[str] | None = None) -> Config:
     """Parse `--config FILE [key=value ...]` into a validated Config (raises ConfigError).
 

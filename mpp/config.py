@@ -541,6 +541,9 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
                           f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")
+    if not str(cfg.output_dir).strip():
+        raise ConfigError("compare config key 'output_dir' is empty, which would write the comparison into this "
+                          "folder; give one, e.g. runs/compare")
     if cfg.pretrain_seeds > 1 and Path(os.path.normpath(cfg.output_dir)).name in ("", ".."):
         raise ConfigError(f"compare config key 'output_dir' is {cfg.output_dir!r}, which names no folder for the "
                           f"repeats of pretrain_seeds={cfg.pretrain_seeds} to sit beside (output_dir_pretrain_seed1, "

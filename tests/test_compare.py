@@ -110,6 +110,8 @@ def test_repeats_need_an_output_dir_with_a_name_to_sit_beside(tmp_path, out):
     load_compare_config(path, [f"output_dir={out}"])  # one pre-training seed: no sibling to place
     with pytest.raises(ConfigError, match=f"'output_dir' is '{re.escape(out)}', which names no folder for the repeats"):
         load_compare_config(path, [f"output_dir={out}", "pretrain_seeds=2"])
+    with pytest.raises(ConfigError, match="'output_dir' is empty, which would write the comparison into this folder"):
+        load_compare_config(path, ["output_dir="])  # a report.md in the working directory, exit 0
     cfg = load_compare_config(path, [f"output_dir={tmp_path}/runs/x/..", "pretrain_seeds=2"])
     assert repeat_dir(cfg, 1) == tmp_path / "runs_pretrain_seed1"  # beside runs, not inside it
 

@@ -337,6 +337,7 @@ CASES = [
      lambda t: _cut_tar(t / "cut.tar")),
     ("make_shards with shards of 0 samples", "make_shards",
      lambda t: [f"{t}/data/train", f"{t}/out", "--samples-per-shard", "0"], None),
+    ("make_shards of an empty source path", "make_shards", lambda t: ["", f"{t}/shards"], None),
     ("make_synthetic of a negative count", "make_synthetic", lambda t: [f"{t}/syn", "--train", "-1"], None),
     ("make_synthetic over a split made with other --shards", "make_synthetic",
      lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "2"], lambda t: _synthetic(t)),

@@ -9,7 +9,7 @@ MPP run, and OUT/inspect.json with the numbers behind them.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors, whole
+from mpp.cli import ArgumentParser, count, one_line_errors, path, whole
 
 
 @one_line_errors(extra=(ValueError,))  # bad sources or data (DataError is a ValueError)
@@ -18,11 +18,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--encoder", action="append", required=True, metavar="[LABEL=]SOURCE",
                    help="a run dir, an encoder.safetensors with model.json beside it, or none:PRESET[@IMG_SIZE] "
                         "(random init); repeat to compare encoders on the same images and axes")
-    p.add_argument("--data", required=True, help="shards to draw images from: a manifest.json, or a shard list "
+    p.add_argument("--data", required=True, type=path, help="shards to draw images from: a manifest.json, or a shard list "
                                                  "or brace pattern with --num-samples")
     p.add_argument("--num-samples", type=whole, default=0,
                    help="the sample count of a --data that is no manifest.json (a shard list or pattern)")
-    p.add_argument("--out", required=True, help="output folder for the PNGs and inspect.json")
+    p.add_argument("--out", required=True, type=path, help="output folder for the PNGs and inspect.json")
     p.add_argument("--images", type=count, default=64, help="images averaged over (default 64)")
     p.add_argument("--grid-images", type=whole, default=6,
                    help="rows of the MPP prediction grid (default 6; 0: no grid)")

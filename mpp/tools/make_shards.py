@@ -5,15 +5,15 @@ shards OUT/000000.tar, ... plus OUT/manifest.json (see mpp.data.writer).
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors
+from mpp.cli import ArgumentParser, count, one_line_errors, path
 from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD, write_shards
 
 
 @one_line_errors()
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
-    p.add_argument("src", help="image folder, or a tar archive (optionally compressed) holding one")
-    p.add_argument("out", help="output folder for the shards and manifest.json (new or empty)")
+    p.add_argument("src", type=path, help="image folder, or a tar archive (optionally compressed) holding one")
+    p.add_argument("out", type=path, help="output folder for the shards and manifest.json (new or empty)")
     p.add_argument("--unlabeled", action="store_true",
                    help="take every image anywhere in the tree, without labels (default: one sub-folder per class)")
     p.add_argument("--samples-per-shard", type=count, default=SAMPLES_PER_SHARD, metavar="N",

@@ -5,14 +5,14 @@ mpp.data.synthetic) as JPEG shards with manifests at OUT/train and OUT/test.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors, whole
+from mpp.cli import ArgumentParser, count, one_line_errors, path, whole
 from mpp.data.synthetic import make_synthetic
 
 
 @one_line_errors(extra=(ValueError,))
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
-    p.add_argument("out", help="output folder (gets train/ and test/)")
+    p.add_argument("out", type=path, help="output folder (gets train/ and test/)")
     p.add_argument("--train", type=whole, default=5000, metavar="N", help="training images (default 5000)")
     p.add_argument("--test", type=whole, default=1000, metavar="N", help="test images (default 1000)")
     p.add_argument("--size", type=count, default=32, help="image side in pixels (default 32)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, one_line_errors, path
 
 
 @one_line_errors()
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories holding metrics.json and config.yaml, or directories to search "
                              "for them (a folder a report was written to: the runs its report.json's plan names)")
-    parser.add_argument("--out", help="where report.md/.json/.png go, over any report there (default: the folder "
+    parser.add_argument("--out", type=path, help="where report.md/.json/.png go, over any report there (default: the folder "
                                       "named, where one folder that is not a run is named, else the runs' common "
                                       "parent; not over a report of other runs)")
     parser.add_argument("--repeat", action="append", default=[], metavar="REPORT_DIR",

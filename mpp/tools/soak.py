@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, one_line_errors, path
 
 @one_line_errors()
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
-    p.add_argument("out", help="working directory (data/, run/, logs, soak.json)")
+    p.add_argument("out", type=path, help="working directory (data/, run/, logs, soak.json)")
     p.add_argument("--minutes", type=float, default=60.0,
                    help="how long to soak, in wall-clock minutes (default 60); the run in progress is killed "
                         "at the end, so the report covers exactly this time")
