@@ -92,6 +92,10 @@ def os_message(e: OSError) -> str:
         return f"the disk is full (writing{where}); free space or choose an output_dir on another disk"
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"no permission to write{where} ({e.strerror}); choose a writable output_dir"
+    if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a folder was wanted where a file is
+        return f"{e.strerror}:{where}; a file is in the way of a folder there: give a folder's path"
+    if e.errno == errno.EISDIR:
+        return f"{e.strerror}:{where}; give a file's path, not a folder's"
     return f"{e.strerror or e}{':' + where if where else ''}"
 
 

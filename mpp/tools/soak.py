@@ -8,6 +8,7 @@ The settings are checked before any run; the exit is 1 when a run failed (not ki
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from mpp.cli import ArgumentParser, one_line_errors, path
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the kill times (default 0)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="pre-training settings (after the defaults)")
     a = p.parse_intermixed_args(argv)  # overrides after the options too, as in the usage above
+    low, high = a.kill_after
+    if not (math.isfinite(a.minutes) and a.minutes >= 0 and math.isfinite(high) and 0 <= low <= high):
+        p.error(f"--minutes must be a finite number >= 0 and --kill-after MIN MAX finite with 0 <= MIN <= MAX, got "
+                f"{a.minutes:g} and {low:g} {high:g}")
     from mpp.soak import SETTINGS, soak, write_report
     report = soak(Path(a.out), a.minutes * 60, tuple(a.kill_after), SETTINGS + a.overrides, seed=a.seed)
     write_report(report, Path(a.out) / "soak.json")
