@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=3, help="epochs read, the first left out (default 3)")
     p.add_argument("--fraction", type=float, default=0.0,
                    help="a class-balanced label fraction (default: all, unlabeled)")
-    p.add_argument("--device", default="cpu", help="cpu: host batches; cuda: through the trainer's prefetcher")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: host batches; cuda: through the trainer's prefetcher")
     a = p.parse_args(argv)
     if not Path(a.data).is_file():
         raise UsageError(f"manifest '{a.data}' not found; write shards first (tools/make_synthetic.py) or give --data")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, count, one_line_errors
 from mpp.evaluators.features import feature_stats
 from mpp.evaluators.linear_probe import choose_probe, fit_linear_head
 
@@ -75,8 +75,8 @@ def objective(x, y, l2: float, w, b) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
     p.add_argument("--features", nargs="*", default=[], help="feature-cache files (features-*.safetensors)")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--dim", type=count, default=128)
+    p.add_argument("--classes", type=count, default=10)
     p.add_argument("--history", type=int, default=None, help="L-BFGS history of every fit (default: the probe's)")
     a = p.parse_args(argv)
     if a.history is not None and a.history < 1:
