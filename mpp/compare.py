@@ -415,23 +415,26 @@ def launcher_words(launcher: str, machine: bool = True) -> list[str]:
     return words
 
 
-def _processes(words: list[str]) -> int:
-    """The processes a launcher's `words` start per stage, where they say as numbers (torchrun's
-    --nnodes x --nproc_per_node, accelerate launch's --num_processes, all machines together); 1
-    otherwise (this Python, or counts the launcher decides at run time)."""
+def _counts(words: list[str]) -> dict[str, str]:
+    """The values a launcher's `words` give its count flags (--flag=V or --flag V; dashes in a
+    name read as underscores): torchrun's --nnodes and --nproc_per_node, accelerate launch's
+    --num_processes."""
     given = {}
     for i, word in enumerate(words):
         flag, _, value = word.partition("=")
-        if not value and i + 1 < len(words):
-            value = words[i + 1]
-        if value.isdigit():
-            given[flag.lstrip("-").replace("-", "_")] = int(value)
+        name = flag.lstrip("-").replace("-", "_")
+        if flag.startswith("-") and name in ("num_processes", "nproc_per_node", "nnodes"):
+            given[name] = value or (words[i + 1] if i + 1 < len(words) else "")
+    return given
+
+
+def _processes(words: list[str]) -> int:
+    """The processes a launcher's `words` start per stage, where they say as numbers (all machines
+    together); 1 otherwise (this Python, or counts the launcher decides at run time)."""
+    given = {k: int(v) for k, v in _counts(words).items() if v.isdigit()}
     if "num_processes" in given:
         return max(given["num_processes"], 1)
     return max(given.get("nnodes", 1) * given.get("nproc_per_node", 1), 1)
-
-
-COUNTS = ("num_processes", "nproc_per_node", "nnodes")  # the launcher flags _processes reads
 
 
 def _stated_processes(words: list[str]) -> int | None:
@@ -440,10 +443,8 @@ def _stated_processes(words: list[str]) -> int | None:
     accelerate config file, `--nnodes $SLURM_NNODES` unexpanded)."""
     if not words:
         return 1
-    stated = [value or (words[i + 1] if i + 1 < len(words) else "")
-              for i, (flag, _, value) in enumerate(w.partition("=") for w in words)
-              if flag.startswith("-") and flag.lstrip("-").replace("-", "_") in COUNTS]
-    return _processes(words) if stated and all(v.isdigit() for v in stated) else None
+    given = _counts(words)
+    return _processes(words) if given and all(v.isdigit() for v in given.values()) else None
 
 
 def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path, Config], machine: bool) -> None:

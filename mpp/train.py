@@ -554,14 +554,14 @@ class _BadSteps:
         """Only a finite step (one that updated the weights) ends a run: an overflow leaves the run
         of failed steps as it was, and a failed step the run of overflows, so the two alternating
         (no step ever finite) still reach the limit."""
-        skipped = torch.zeros_like(finite)
+        failed = ~finite
         if overflow is not None:  # fp16 loss scaling only
             self.overflow_run = torch.where(overflow, self.overflow_run + 1,
                                             torch.where(finite, self.zero, self.overflow_run))
             skipped = overflow & (self.overflow_run < self.limit)
             self.overflows += skipped.float()
-        failed = ~finite & ~skipped
-        self.run = torch.where(finite, self.zero, torch.where(skipped, self.run, self.run + 1))
+            failed = failed & ~skipped
+        self.run = torch.where(finite, self.zero, self.run + failed.float())  # a skip leaves it as it was
         self.max = torch.maximum(self.max, self.run)
         self.total += failed.float()
 

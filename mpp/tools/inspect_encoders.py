@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--encoder", action="append", required=True, metavar="[LABEL=]SOURCE",
                    help="a run dir, an encoder.safetensors with model.json beside it, or none:PRESET[@IMG_SIZE] "
                         "(random init); repeat to compare encoders on the same images and axes")
-    p.add_argument("--data", required=True, type=path, help="shards to draw images from: a manifest.json, or a shard list "
-                                                 "or brace pattern with --num-samples")
+    p.add_argument("--data", required=True, type=path,
+                   help="shards to draw images from: a manifest.json, or a shard list or brace pattern with "
+                        "--num-samples")
     p.add_argument("--num-samples", type=whole, default=0,
                    help="the sample count of a --data that is no manifest.json (a shard list or pattern)")
     p.add_argument("--out", required=True, type=path, help="output folder for the PNGs and inspect.json")

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--minutes must be a finite number >= 0 and --kill-after MIN MAX finite with 0 <= MIN <= MAX, got "
                 f"{a.minutes:g} and {low:g} {high:g}")
     from mpp.soak import SETTINGS, soak, write_report
-    report = soak(Path(a.out), a.minutes * 60, tuple(a.kill_after), SETTINGS + a.overrides, seed=a.seed)
+    report = soak(Path(a.out), a.minutes * 60, (low, high), SETTINGS + a.overrides, seed=a.seed)
     write_report(report, Path(a.out) / "soak.json")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     failed = [i for i, r in enumerate(report["runs"]) if r["errors"]]
