@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from mpp.cli import ArgumentParser, count, one_line_errors
@@ -71,26 +72,36 @@ def objective(x, y, l2: float, w, b) -> float:
     return (F.cross_entropy(x @ w.T + b, y) + 0.5 * l2 * (w * std).pow(2).sum()).item()
 
 
+def _read_features(path: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A feature-cache file's representations and labels; ValueError naming the file otherwise."""
+    try:
+        d = load_file(path)
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a safetensors file ({' '.join(str(e).split())}); give a run's "
+                         "feature_cache/features-*.safetensors") from None
+    x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
+    if not x or "labels" not in d or d["labels"].numel() == 0:
+        raise ValueError(f"{path} holds no features and labels; give a run's feature_cache/features-*.safetensors")
+    return x, d["labels"].long()
+
+
 @one_line_errors(extra=(ValueError, FileNotFoundError))
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
     p.add_argument("--features", nargs="*", default=[], help="feature-cache files (features-*.safetensors)")
     p.add_argument("--dim", type=count, default=128)
     p.add_argument("--classes", type=count, default=10)
-    p.add_argument("--history", type=int, default=None, help="L-BFGS history of every fit (default: the probe's)")
+    p.add_argument("--history", type=count, default=None, help="L-BFGS history of every fit (default: the probe's)")
     a = p.parse_args(argv)
-    if a.history is not None and a.history < 1:
-        raise ValueError(f"--history must be >= 1, got {a.history}")
+    files = {path: _read_features(path) for path in a.features}  # a wrong file stops before the timings
     _TimedLBFGS.history = a.history
     with mock.patch.object(torch.optim, "LBFGS", _TimedLBFGS):  # `_fit_logistic` builds torch.optim.LBFGS
         print(f"threads {torch.get_num_threads()}; logits + gradient matmuls, D={a.dim}, C={a.classes}")
         for n in (4500, 45000):
             rows, cols = matmul_layouts(n, a.dim, a.classes)
             print(f"  N={n}: sample-major {rows:.3f} ms, class-major {cols:.3f} ms ({rows / cols:.1f}x)")
-        for path in a.features:
-            d = load_file(path)
-            x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}
-            y, c = d["labels"].long(), int(d["labels"].max()) + 1
+        for path, (x, y) in files.items():
+            c = int(y.max()) + 1
             t, _TimedLBFGS.evaluations_s = time.perf_counter(), 0.0
             choice = choose_probe(x, y, num_classes=c)
             took = time.perf_counter() - t

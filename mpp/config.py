@@ -440,6 +440,8 @@ def load_yaml(path: str | Path, whole: tuple = (), _seen: tuple = ()) -> dict:
     if path.resolve() in _seen:
         raise ConfigError(f"config file '{path}' includes itself through 'base:' ({' -> '.join(p.name for p in _seen)} "
                           f"-> {path.name}); remove the cycle")
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a folder; give a YAML file (e.g. one of configs/)")
     if not path.is_file():
         where = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
         raise ConfigError(f"config file '{path}' does not exist{where}; see configs/ for the shipped ones")

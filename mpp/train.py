@@ -409,8 +409,25 @@ def finish(run: Run) -> dict:
     if accelerator.is_main_process:
         write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
         run.writer.close()
+        print(summary(results, out))
     accelerator.wait_for_everyone()
     return results
+
+
+def summary(results: dict, out: Path) -> str:
+    """The line a finished run prints: how long it trained, its last log window and, for a
+    fine-tune, its top-1 and where it was measured; the rest is in metrics.json."""
+    parts = [f"{results['steps']:,} steps ({results['epochs']:.1f} epochs of {results['train_samples']:,} images) "
+             f"in {results['wall_time_s']:.1f} s",
+             "last log window: " + ", ".join(f"{k} {results[k]:.4g}" for k in ("loss", "acc") if k in results)]
+    if "top1" in results:
+        where = "development split" if results.get("evaluated_on") == "dev" else "data.val"
+        parts.append(f"top-1 {100 * results['top1']:.1f}% (top-5 {100 * results['top5']:.1f}%) on "
+                     f"{results['val_samples']:,} images of the {where}")
+    skipped = sum(results["skipped_samples"].values())
+    if skipped:
+        parts.append(f"{skipped:,} unreadable samples skipped (by kind: skipped_samples)")
+    return f"{results['objective']} {out}: " + "; ".join(parts) + f"; all figures: {out / 'metrics.json'}"
 
 
 # ---- the loop's helpers

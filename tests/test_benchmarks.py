@@ -192,7 +192,14 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
     assert 0 < float(re.search(r"\((\d+)% in its evaluations\)", out)[1]) < 100, out
     with pytest.raises(SystemExit):  # a one-line error, before any fit
         load("probe_fit").main(["--history", "0"])
-    assert "--history must be >= 1, got 0" in capsys.readouterr().err
+    assert "--history: expected a whole number >= 1, got '0'" in capsys.readouterr().err
+    (tmp_path / "bad.safetensors").write_bytes(b"x")  # not a feature-cache file: named, before the timings
+    for bad, why in (("bad.safetensors", "is not a safetensors file"), ("enc.safetensors", "holds no features and labels")):
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "enc.safetensors"))
+        with pytest.raises(SystemExit):
+            load("probe_fit").main(["--features", str(tmp_path / bad)])
+        out, err = capsys.readouterr()
+        assert err.startswith(f"error: {tmp_path / bad} {why}") and len(err.splitlines()) == 1 and not out, err
 
 
 def test_gpu_session_script_parses_and_names_its_parts():

@@ -190,7 +190,8 @@ def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, 
     kept = json.loads((tmp_path / "g" / "inspect.json").read_text())["encoders"]  # no grid, the accuracy still
     assert kept["mpp a"]["mpp_chosen_color_accuracy"] == numbers["mpp a"]["mpp_chosen_color_accuracy"]
     r = subprocess.run(tool + ["--out", str(tmp_path / "n")], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 1 and "not a manifest.json" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "not a manifest.json: give its total sample count with --num-samples N" in r.stderr
+    assert not (tmp_path / "n").exists()
 
 
 def test_compare_figures_read_data_val_with_its_count(data, tmp_path):

@@ -494,6 +494,9 @@ def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
     assert metrics["objective"] == "classify" and metrics["init"] == str(mpp_run)
     assert 100 < metrics["train_samples"] < 160 and metrics["val_samples"] == 64  # half of 256
     assert 0 <= metrics["top1"] <= metrics["top5"] <= 1
+    said = done.stdout.strip().splitlines()[-1]  # the run's one line of results (the rest: metrics.json)
+    assert said.startswith(f"classify {tmp_path}: 1 steps") and said.endswith(f"all figures: {tmp_path}/metrics.json")
+    assert f"top-1 {100 * metrics['top1']:.1f}% (top-5 {100 * metrics['top5']:.1f}%) on 64 images of the data.val" in said
     # the head starts at zero, so the first step leaves the encoder exactly as pre-trained
     assert_same(weights(tmp_path / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
 
@@ -599,7 +602,7 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
         train(config(items + ["steps=16"]))
 
 
-def test_resumed_run_counts_skipped_samples_once(tmp_path):
+def test_resumed_run_counts_skipped_samples_once(tmp_path, capsys):
     """Skip counters survive a crash: a run resumed from its first checkpoint reports the same
     skipped-sample counts as the uninterrupted run (the replayed batches are not counted twice)."""
     from shardutil import write_shards
@@ -610,6 +613,7 @@ def test_resumed_run_counts_skipped_samples_once(tmp_path):
                                        "train.ckpt_every": 6, "train.keep_ckpts": 5})
     whole = train(config(items))["skipped_samples"]
     assert whole["corrupt_image"] >= 20 * 8 // 5  # 20 steps of 8 read >= 160 of the 1-in-5 bad samples
+    assert f"; {sum(whole.values()):,} unreadable samples skipped (by kind: skipped_samples);" in capsys.readouterr().out
     for ckpt in sorted((out / "checkpoints").iterdir())[1:]:  # "crash" after the first checkpoint
         shutil.rmtree(ckpt)
     (out / "metrics.json").unlink()

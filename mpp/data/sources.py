@@ -150,6 +150,11 @@ def check_feeds(shards: ShardSet, ranks: int, name: str) -> None:
                         "--samples-per-shard) or launch fewer processes")
 
 
+class CountNeeded(DataError):
+    """Shards named without a manifest.json and without their sample count (a tool with its own
+    count option names that option instead of the config keys)."""
+
+
 def resolve(spec, num_samples: int = 0) -> ShardSet:
     """A ShardSet for a manifest path, a shard list, or a brace pattern (+ num_samples)."""
     if isinstance(spec, (list, tuple)) and len(spec) == 1:
@@ -174,8 +179,8 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     else:
         urls = [u for s in spec for u in braceexpand.braceexpand(s)]
     if num_samples <= 0:
-        raise DataError(f"data spec {spec!r} is not a manifest.json: give its total sample count "
-                        "(data.num_samples / data.val_num_samples, or num_samples=...)")
+        raise CountNeeded(f"data spec {spec!r} is not a manifest.json: give its total sample count "
+                          "(data.num_samples / data.val_num_samples)")
     _check_local(urls)
     n = len(urls)
     counts = [num_samples // n + (i < num_samples % n) for i in range(n)]

@@ -30,9 +30,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=count, default=32, help="images per forward pass (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seeds random init and the MPP corruption")
     a = p.parse_args(argv)
+    from mpp.data.sources import CountNeeded
     from mpp.figures.inspection import inspect_encoders
-    inspect_encoders(a.encoder, a.data, a.out, images=a.images, grid_images=a.grid_images,
-                     batch_size=a.batch_size, seed=a.seed, num_samples=a.num_samples)
+    try:
+        inspect_encoders(a.encoder, a.data, a.out, images=a.images, grid_images=a.grid_images,
+                         batch_size=a.batch_size, seed=a.seed, num_samples=a.num_samples)
+    except CountNeeded:
+        p.error(f"--data {a.data} is not a manifest.json: give its total sample count with --num-samples N")
     print(f"figures: {a.out}")
 
 

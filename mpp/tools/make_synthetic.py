@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="replace existing shards (by default a split made with the same settings is reused, "
                         "a different one refused)")
     a = p.parse_args(argv)
+    if a.size < 8 or a.train + a.test == 0:
+        p.error(f"--size must be >= 8 and --train plus --test >= 1, got {a.size}, {a.train} and {a.test}")
     ms = make_synthetic(a.out, train=a.train, test=a.test, size=a.size, seed=a.seed, shards=a.shards,
                         overwrite=a.overwrite)
     for split, m in ms.items():

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-after", type=float, nargs=2, default=(15.0, 60.0), metavar=("MIN", "MAX"),
                    help="seconds before each kill -9, drawn uniformly (default 15 60)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill times (default 0)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="pre-training settings (after the defaults)")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # default: optional when intermixed
+                   help="pre-training settings (after the defaults)")
     a = p.parse_intermixed_args(argv)  # overrides after the options too, as in the usage above
     low, high = a.kill_after
     if not (math.isfinite(a.minutes) and a.minutes >= 0 and math.isfinite(high) and 0 <= low <= high):
