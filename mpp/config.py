@@ -271,11 +271,12 @@ def valid_keys(cls=Config, prefix: str = "") -> list[str]:
 
 class YamlLoader(yaml.SafeLoader):
     """YAML with YAML 1.2's core schema for plain scalars: true and false are the only booleans and
-    numbers are written in decimal (or 0x / 0o), so that no, off, 010, 12:30 or 1_000 stay the text
-    written, where YAML 1.1 reads false, false, 8, 750 and 1000 (an output_dir=010 went to '8'), and
-    1e-3 is a number. Configs, overrides and the config.yaml of every run are read with it. An alias
-    (*name) may stand for a scalar, not for a list or mapping: nested ones grow tenfold a level (a
-    file of a few hundred bytes becomes a report of hundreds of megabytes), and a config needs none."""
+    numbers are written in decimal (or 0x / 0o), so that no, off, 010, 12:30, 1_000 or 2026-12-04
+    stay the text written, where YAML 1.1 reads false, false, 8, 750, 1000 and a date (an
+    output_dir=010 went to '8'), and 1e-3 is a number. Configs, overrides and the config.yaml of
+    every run are read with it. An alias (*name) may stand for a scalar, not for a list or mapping:
+    nested ones grow tenfold a level (a file of a few hundred bytes becomes a report of hundreds of
+    megabytes), and a config needs none."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -287,7 +288,7 @@ class YamlLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float")}
+_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "timestamp")}  # no timestamps in YAML 1.2
 YamlLoader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in _TAGS]
                                       for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 for _tag, _rx, _first in (

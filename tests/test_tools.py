@@ -78,15 +78,16 @@ def test_shipped_configs_pass_their_checks(path, monkeypatch):
 
 def test_values_are_read_as_written(tmp_path):
     """Overrides and config files keep the text of a string (YAML 1.1 reads 010 as 8, 12:30 as 750,
-    1_000 as 1000 and off as false, and a ' #' would start a comment) and read numbers in decimal."""
+    1_000 as 1000, off as false and 2026-12-04 as a date, and a ' #' would start a comment) and read
+    numbers in decimal."""
     from mpp.config import load_config
-    for text in ("010", "12:30", "1_000", "off", "runs/a #1"):
+    for text in ("010", "12:30", "1_000", "off", "runs/a #1", "2026-12-04", "2026-12-04 10:00:00"):
         assert load_config(None, [f"output_dir={text}"]).output_dir == text
     cfg = load_config(None, ["steps=010", "optim.lr=1e-3", "data.withhold=[[0.1,0,0.1]]"])
     assert (cfg.steps, cfg.optim.lr, cfg.data.withhold) == (10, 1e-3, ((0.1, 0, 0.1),))
-    (tmp_path / "c.yaml").write_text("output_dir: 010\nsteps: 2e3\ntrain:\n  precision: no\n")
+    (tmp_path / "c.yaml").write_text("output_dir: 2026-12-04\nsteps: 2e3\ntrain:\n  precision: no\n")
     cfg = load_config(tmp_path / "c.yaml")
-    assert (cfg.output_dir, cfg.steps, cfg.train.precision) == ("010", 2000, "no")
+    assert (cfg.output_dir, cfg.steps, cfg.train.precision) == ("2026-12-04", 2000, "no")
 
 
 
