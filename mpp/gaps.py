@@ -62,7 +62,8 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             seeds = ([(100.0 * sem[f], dof.get(f, math.inf)) for f in (a, b)] if paired is None
                      else [(100.0 * outcomes.paired_sem(*paired), len(paired[0]) - 1)])
             if test:  # the seed-by-image variance both parts hold, counted once
-                both = _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None and same)
+                both = _overlap(per_run, {a: 1.0, b: -1.0}, paired is not None and same, sem,
+                                None if paired is None else outcomes.paired_sem(*paired))
                 test = math.sqrt(max(0.0, test ** 2 - 1e4 * both))
             # degrees of freedom of the test part: the smaller test set's (the same images: one set)
             images = min(len(per_image[a][1]), len(per_image[b][1])) if test else 0
@@ -105,20 +106,24 @@ def _paired_draws(draws: dict, *families: str) -> list[np.ndarray] | None:
     return [np.asarray(v, np.float64) for _, v in got]
 
 
-def _overlap(per_run: dict, weights: dict, paired: bool) -> float:
+def _overlap(per_run: dict, weights: dict, paired: bool, sem: dict, paired_sem: float | None) -> float:
     """The seed-by-image variance (`outcomes.seed_image_overlap`) of a weighted sum of families'
     figures: of the weighted sum of their per-run scores where the runs pair (the same draws of
     shots, scored on the same images), else the weighted sum of each family's own. 0 where a
-    family has no per-run scores (`derive`'s `per_run`)."""
+    family has no per-run scores (`derive`'s `per_run`). Each is capped at what the seeds' part
+    holds (a family's `sem` squared, or the paired runs' `paired_sem`): the estimate can exceed
+    it, and an arm whose seeds tied holds none of it; taking out more made a null gap's noise too
+    small to give its t the seeds' degrees of freedom."""
     runs = [per_run.get(f) for f in weights]
     if not all(runs):
         return 0.0
     runs = [x for _, x in runs]
     if not paired:
-        return sum(w * w * outcomes.seed_image_overlap(x) for w, x in zip(weights.values(), runs))
+        return sum(w * w * min(outcomes.seed_image_overlap(x), sem[f] ** 2)
+                   for (f, w), x in zip(weights.items(), runs))
     if len({x.shape for x in runs}) > 1:
         return 0.0
-    return outcomes.seed_image_overlap(sum(w * x for w, x in zip(weights.values(), runs)))
+    return min(outcomes.seed_image_overlap(sum(w * x for w, x in zip(weights.values(), runs))), paired_sem ** 2)
 
 
 def _share_noise(acc: dict, sem: dict, per_run: dict, per_image: dict, draws: dict) -> float | None:
@@ -149,7 +154,8 @@ def _share_noise(acc: dict, sem: dict, per_run: dict, per_image: dict, draws: di
             groups.setdefault(digest, []).append(w * x)
         test = math.hypot(*((outcomes.sem(sum(parts)) or 0.0) for parts in groups.values()))
         same = len(groups) == 1
-        test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None and same)))
+        test = math.sqrt(max(0.0, test ** 2 - _overlap(per_run, weights, paired is not None and same, sem,
+                                                       None if paired is None else seeds)))
     return round(math.hypot(seeds, test), 4)
 
 
@@ -167,7 +173,8 @@ def added_noise(ends: list, starts: list, end_outcomes: list, start_outcomes: li
     if not (end and start and end[0] == start[0]):
         return round(100.0 * sd / math.sqrt(len(ends)), 4), None
     gains = end[1] - start[1]  # seeds x images
-    paired = math.sqrt(max(0.0, (outcomes.sem(gains.mean(0)) or 0.0) ** 2 - outcomes.seed_image_overlap(gains)))
+    held = min(outcomes.seed_image_overlap(gains), (sd / math.sqrt(len(ends))) ** 2)  # no more than the spread holds
+    paired = math.sqrt(max(0.0, (outcomes.sem(gains.mean(0)) or 0.0) ** 2 - held))
     noise, df = outcomes.combine((100.0 * sd / math.sqrt(len(ends)), len(ends) - 1),
                                  (100.0 * paired, gains.shape[1] - 1))
     return round(noise, 4), round(outcomes.critical(df), 4)
