@@ -163,11 +163,19 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
 def _check_optimizer_state(optimizer, saved) -> None:
     """Refuse (ValueError) a saved optimiser state whose per-parameter tensors do not have their
     parameter's shape (a scalar `step` aside): torch does not check, and the fused kernels index
-    them by the parameter's size, reading and writing past a smaller tensor's end."""
+    them by the parameter's size, reading and writing past a smaller tensor's end. torch gives
+    `state[k]` to the parameter at the position of id k in the groups' lists, so those lists must
+    number the parameters 0..n-1 in order (as `state_dict` writes them) for `state[i]` to be the
+    state of parameter i."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     per_param = saved.get("state") if isinstance(saved, dict) else None
-    if not isinstance(per_param, dict) or not isinstance(saved.get("param_groups"), list):
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(per_param, dict) or not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise ValueError("state.pt's optimizer state is malformed")
+    if [i for g in groups for i in g["params"]] != list(range(len(params))):
+        raise ValueError(f"state.pt's optimizer groups do not number its {len(params)} parameters 0..{len(params) - 1} "
+                         "in order")
     for i, st in per_param.items():
         if not isinstance(i, int) or not 0 <= i < len(params) or not isinstance(st, dict):
             raise ValueError(f"state.pt's optimizer state names parameter {i!r} of {len(params)}")
