@@ -382,6 +382,38 @@ def test_bad_sources(tmp_path: Path):
         with pytest.raises(ShardError, match="no readable images"):
             write_shards(flat, out, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["flat", "not.tar"]
+    huge = bytearray(tarfile.TarInfo("c/h.jpg").tobuf(tarfile.USTAR_FORMAT))  # size field: base-256, past any offset
+    huge[124:136] = b"\x80\x7f" + b"\xff" * 10
+    huge[148:156] = b" " * 8
+    huge[148:156] = b"%06o\0 " % sum(huge)
+    (tmp_path / "huge.tar").write_bytes(bytes(huge) + bytes(10240))
+    with pytest.raises(ShardError, match="neither a folder nor a readable tar|is damaged"):
+        write_shards(tmp_path / "huge.tar", tmp_path / "o7", progress=False)
+
+
+def test_a_phones_jpeg_and_long_file_names_are_written(tmp_path: Path):
+    """A JPEG with a multi-picture segment (Pillow's MPO, what phones write as .jpg) was a KeyError
+    that stopped the run, and names past the 100 bytes of a ustar header were skipped as
+    unreadable; the shards are PAX tars, which hold any name, and both come out of the loader."""
+    from PIL import Image
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+    mpo = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 0, 0)).save(mpo, "MPO", save_all=True,
+                                                  append_images=[Image.new("RGB", (16, 16), (0, 200, 0))])
+    assert Image.open(io.BytesIO(mpo.getvalue())).format == "MPO"
+    (src / "a" / "phone.jpg").write_bytes(mpo.getvalue())
+    (src / "b" / ("photo_taken_at_the_beach_" * 6 + ".jpg")).write_bytes(_image_bytes(1))
+    m = write_shards(src, tmp_path / "out", progress=False)
+    assert m["num_samples"] == 2 and m["skipped"]["count"] == 0, m["skipped"]
+    from mpp.config import DataConfig
+    from mpp.data import make_loader
+    loader = make_loader(str(tmp_path / "out" / "manifest.json"), batch_size=2, img_size=16, train=False,
+                         labeled=True, data_cfg=DataConfig(num_workers=0, eval_crop_pct=1.0))
+    batches = list(loader.epoch(0))
+    assert len(batches) == 1 and sorted(batches[0]["label"].tolist()) == [0, 1]
+    assert batches[0]["image"][batches[0]["label"].tolist().index(0)].float().mean((1, 2)).argmax() == 0  # red: frame 1
 
 
 def test_cli(folder: Path, tmp_path: Path, capsys):

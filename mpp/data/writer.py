@@ -73,6 +73,7 @@ def probe_image(data: bytes, max_pixels: int = DataConfig.max_pixels) -> str:
             fmt, (w, h) = im.format, im.size
             if w * h > max_pixels:
                 raise ValueError(f"too large ({w}x{h} pixels, limit {max_pixels})")
+            fmt = "JPEG" if fmt == "MPO" else fmt  # a phone's JPEG with a multi-picture segment: Pillow's JPEG opens it
             if fmt == "JPEG":
                 im.draft(im.mode, (1, 1))  # 1/8-scale decode: still reads every byte
             im.load()
@@ -211,8 +212,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                 name, read, label = items[i]
                 try:
                     data = read()
-                    ext = probe_image(data, max_pixels)
-                    tarfile.TarInfo(f"{keys[i]}.{ext}").tobuf(tarfile.USTAR_FORMAT)  # the name must fit a tar header
+                    ext = probe_image(data, max_pixels)  # names of any length: the shards are PAX tars
                 except (OSError, ValueError) as e:
                     skipped.append(f"{name}: {e}")
                     continue
@@ -394,13 +394,15 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
         _check_out(Path(out), overwrite)  # before any decompression
         try:
             tar = tarfile.open(src, "r:*")
-        except tarfile.TarError as e:
+        except (tarfile.TarError, ValueError, OverflowError) as e:  # ValueError: a size field past any offset
             raise ShardError(f"source '{src}' is neither a folder nor a readable tar archive ({e})") from None
         with contextlib.ExitStack() as stack:
             stack.enter_context(tar)
             try:
                 entries = _tar_entries(_random_access(tar, src, Path(out), stack))
-            except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
+            except ShardError:
+                raise
+            except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError, ValueError, OverflowError) as e:
                 raise ShardError(f"tar archive '{src}' is damaged ({e}); re-create or re-download it") from None
             items, classes = _label_items(*entries, unlabeled, src)
             return write_samples(items, out, classes=classes, **kw)
