@@ -138,7 +138,8 @@ def test_transforms_same_draws_and_pixels_on_both_decoders(size):
 def test_odd_decoder_errors_and_16_bit_images():
     """A JPEG with a chroma subsampling libjpeg-turbo's header reader does not know (4:4:1; it
     raised KeyError in a worker and stopped the run at the same step on every resume) goes to PIL;
-    a 16-bit greyscale PNG is scaled to 8 bits, not clipped white by PIL's conversion."""
+    a 16-bit greyscale PNG is scaled to 8 bits, not clipped white by PIL's conversion; a float one
+    is skipped and counted."""
     from mpp.config import DataConfig
     from mpp.data.decode import decode_batch
     from mpp.data.transforms import build_transform
@@ -153,6 +154,14 @@ def test_odd_decoder_errors_and_16_bit_images():
                              labeled=False, num_classes=None, max_pixels=CAP, skips=skips)
     assert len(images) == 2 and not skips
     assert images[1].float().mean().item() == pytest.approx(128.0, abs=1.0)
+    floats = io.BytesIO()  # a 0..1 float TIFF: PIL's conversion clipped it black and nothing was counted
+    Image.fromarray(np.full((20, 30), 0.5, np.float32)).save(floats, "TIFF")
+    images, _ = decode_batch([{"__key__": "c", "tiff": floats.getvalue()}], build_transform(16, False, DataConfig()),
+                             random.Random(0), labeled=False, num_classes=None, max_pixels=CAP, skips=skips)
+    assert images == [] and skips == {"corrupt_image": 1}
+    from mpp.data.writer import probe_image  # make_shards skips it, saying why
+    with pytest.raises(ValueError, match="floating-point pixels"):
+        probe_image(floats.getvalue())
 
 
 def test_randaugment_follows_the_crop_rng_and_is_off_at_zero_ops():

@@ -102,12 +102,17 @@ def test_a_probes_top1_and_its_per_image_record_count_the_same_images_when_logit
 
 def test_the_class_count_is_the_manifests_and_never_the_test_labels(tmp_path):
     """A class the training images lack still counts where the manifest lists it; without a
-    manifest, one past the largest training label (the test labels never decide it)."""
+    manifest, one past the largest training label (the test labels never decide it), unless that
+    makes more classes than labels."""
     from mpp.data.sources import class_count
     from shardutil import write_shards
     manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=5)
     assert class_count(manifest, 0, torch.tensor([0, 1])) == 5
-    assert class_count(str(tmp_path / "a" / "{000000..000001}.tar"), 8, torch.tensor([0, 3])) == 4
+    pattern = str(tmp_path / "a" / "{000000..000001}.tar")
+    assert class_count(pattern, 8, torch.tensor([0, 3, 1, 2])) == 4
+    from mpp.data.decode import DataError  # a stray label made a head of a billion classes (hundreds of GiB)
+    with pytest.raises(DataError, match="its largest label, 999999999, would make 1000000000 classes for 3 labeled"):
+        class_count(pattern, 8, torch.tensor([0, 1, 999_999_999]))
 
 
 def test_linear_probe_picks_interior_regulariser_on_weak_dense_signal():

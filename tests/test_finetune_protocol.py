@@ -155,3 +155,34 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     test = train(load_config(None, items[:-2] + [f"output_dir={tmp_path / 'test'}", "finetune.head_init=probe",
                                                  "data.eval_crop_pct=1.0"]))
     assert test["evaluated_on"] == "val" and test["start_outcomes"] == test["outcomes"]  # image by image, unmoved
+
+
+def test_a_subset_of_shards_without_a_label_index_reads_the_labels_the_stream_reads(tmp_path):
+    """Without labels.json the subset reads each shard's `cls` members itself. It took only names
+    ending in '.cls': samples labelled 'X.CLS' (the stream lower-cases a field) were in no subset,
+    unsaid, and a member named '.cls' at the top (no key: the stream ignores it) was a TypeError."""
+    import io
+    import json
+    import tarfile
+
+    from mpp.data.sources import read_shard
+
+    def add(tar, name, data):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        add(tar, ".cls", b"0")
+        for i in range(8):
+            add(tar, f"k{i}.png", b"png bytes")  # never decoded here
+            add(tar, f"k{i}.{'CLS' if i % 2 else 'cls'}", str(i // 4).encode())
+    streamed = {s["__key__"] for s in read_shard(str(tmp_path / "s.tar"), {}) if "cls" in s}
+    assert streamed == {f"k{i}" for i in range(8)}
+    manifest = {"num_samples": 8, "classes": ["a", "b"],  # no label index
+                "shards": [{"name": "s.tar", "num_samples": 8, "bytes": (tmp_path / "s.tar").stat().st_size}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    shards = resolve(str(tmp_path / "manifest.json"), 0)
+    whole, = select_subset(shards, 1.0, seed=0).keys
+    dev, = select_subset(shards, 1.0, seed=0, dev_fraction=0.5, dev=True).keys
+    assert set(whole) == streamed and len(dev) == 4 and {int(k[1:]) // 4 for k in dev} == {0, 1}  # 2 of each class

@@ -65,6 +65,8 @@ def _open_pil(data: bytes, max_pixels: int) -> Image.Image:
     img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
     if img.width * img.height > max_pixels:
         raise ValueError(f"{img.width}x{img.height} image exceeds data.max_pixels={max_pixels}")
+    if img.mode == "F":  # PIL's conversion clips values to 0..255: a 0..1 image came out black, uncounted
+        raise ValueError("a floating-point image (PIL mode F) has no one reading as 8-bit pixels")
     return img
 
 

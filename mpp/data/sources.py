@@ -190,9 +190,16 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
 def class_count(spec, num_samples: int, labels) -> int:
     """The number of classes of the labeled data `spec`: its manifest's list where it has one (a
     class its images lack still counts; test labels never decide it), else one past the largest
-    of its `labels`."""
+    of its `labels` (more classes than labels is refused: a stray label, not a class list)."""
     classes = resolve(spec, num_samples or 1).classes
-    return len(classes) if classes else int(labels.max()) + 1
+    if classes:
+        return len(classes)
+    count = int(labels.max()) + 1
+    if count > len(labels):  # a stray large label: a head (and one-hot targets) of that many classes
+        raise DataError(f"{spec!r} has no manifest listing its classes, and its largest label, {count - 1}, would make "
+                        f"{count} classes for {len(labels)} labeled images; give labels 0..C-1, or shards written by "
+                        "tools/make_shards.py (their manifest.json lists the classes)")
+    return count
 
 
 def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
@@ -272,10 +279,15 @@ def _error_kind(errors: list[Exception]) -> str:
     return "unreadable_shard"
 
 
+def member_ext(name: str) -> str:
+    """A member's field as a sample holds it: its extension after the base name's first dot, as
+    `base_plus_ext` splits it (without its regular expression: this runs for every member), lower-cased."""
+    return name.rpartition("/")[2].partition(".")[2].lower()
+
+
 def _used(name: str) -> bool:
-    """Whether decoding reads the member `name`: its extension (after the base name's first dot, as
-    `base_plus_ext` splits it, without its regular expression: this runs for every member) in USED."""
-    return name.rpartition("/")[2].partition(".")[2].lower() in USED
+    """Whether decoding reads the member `name`: its field (`member_ext`) in USED."""
+    return member_ext(name) in USED
 
 
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:

@@ -23,7 +23,7 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
 from mpp.data.decode import DataError, read_label
-from mpp.data.sources import ShardSet, tar_members
+from mpp.data.sources import ShardSet, member_ext, tar_members
 from mpp.specs import local_path
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,10 @@ def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
     read to its end is a DataError: every rank draws the subset from its own pass, and ranks that
     read a shard differently (a transient failure) would get other subsets and batch counts."""
     out, errors = [], []
-    for name, data in tar_members(url, errors, select=lambda name: name.endswith(".cls")):
+    for name, data in tar_members(url, errors, select=lambda name: member_ext(name) == "cls"):  # as the stream reads
         key, _ = base_plus_ext(name)
+        if key is None:  # a name the stream ignores ('.cls' at the top)
+            continue
         try:
             out.append((key, read_label(data, num_classes)))
         except (ValueError, UnicodeDecodeError):

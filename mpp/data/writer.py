@@ -73,6 +73,8 @@ def probe_image(data: bytes, max_pixels: int = DataConfig.max_pixels) -> str:
             fmt, (w, h) = im.format, im.size
             if w * h > max_pixels:
                 raise ValueError(f"too large ({w}x{h} pixels, limit {max_pixels})")
+            if im.mode == "F":  # the loader refuses it (decode._open_pil): no one reading as 8-bit pixels
+                raise ValueError("floating-point pixels (PIL mode F); convert it to 8 or 16 bits")
             fmt = "JPEG" if fmt == "MPO" else fmt  # a phone's JPEG with a multi-picture segment: Pillow's JPEG opens it
             if fmt == "JPEG":
                 im.draft(im.mode, (1, 1))  # 1/8-scale decode: still reads every byte
