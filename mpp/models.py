@@ -371,6 +371,10 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
         raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
     state = load_file(str(weights))
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:  # every figure read from it would be NaN or chance, and a probe's solver fails deep inside
+        raise ConfigError(f"{weights}: {len(bad)} of its {len(state)} tensors hold NaN or infinite weights (e.g. "
+                          f"{bad[0]}): a diverged encoder; give a finite one (a run exports only finite weights)")
     try:
         pos = state.get("pos_embed")
         if pos is not None and pos.shape != encoder.vit.pos_embed.shape:

@@ -824,3 +824,58 @@ def test_a_cache_entry_of_other_shapes_is_a_miss_not_a_crash(shards, tmp_path, c
         assert all(torch.equal(first[k], again[k]) for k in ("weight", "bias"))
         warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
         assert any(str(feats) in w for w in warned) and (not head_edit or any(str(head) in w for w in warned))
+
+
+def test_non_finite_encoders_and_features_are_refused_and_never_cached(shards, tmp_path, monkeypatch, caplog):
+    """A NaN encoder's probe failed deep in L-BFGS (a traceback) after caching its NaN features, and
+    partly NaN features scored as class 0; an entry of NaN features, or of labels past the data's
+    classes where the entry's own record allowed them, crashed every later run instead of missing.
+    Upgrading timm, Pillow or simplejpeg (the ViT, decoding, resizing) is a miss too."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from mpp.models import load_encoder
+    torch.manual_seed(0)
+    enc = create_encoder("vit_micro4_32", img_size=16)
+    save_encoder(enc, tmp_path / "enc")
+    weights = tmp_path / "enc" / "encoder.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["blocks.0.attn.qkv.weight"][0, 0] = float("nan")
+    save_file(tensors, str(weights))
+    with pytest.raises(ConfigError, match="1 of its .* tensors hold NaN or infinite weights .*blocks.0.attn.qkv"):
+        load_encoder(tmp_path / "enc")
+    cfg = _cfg(shards, tmp_path / "run")
+    kw = dict(cfg=cfg, cache_dir=tmp_path / "cache", progress=False)
+    finite = mpp.evaluators.features.encode_images
+
+    def some_nan(*a, **k):
+        out = finite(*a, **k)
+        out["avg"][0] = float("nan")  # one image a batch (3 batches)
+        return out
+    monkeypatch.setattr(mpp.evaluators.features, "encode_images", some_nan)
+    with pytest.raises(ValueError, match=r"avg features of 3 of 80 images .* are NaN or infinite"):
+        extract_features(enc, shards["test"], **kw)
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+    monkeypatch.undo()
+    first = extract_features(enc, shards["test"], **kw)
+    entry, = (tmp_path / "cache").glob("*.safetensors")
+    with safe_open(str(entry), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    for edit, record in ((lambda t: t["features.avg"].__setitem__((0, 0), float("nan")), "4"),
+                         (lambda t: t["labels"].__setitem__(0, 7), "20")):  # the data has 4 classes
+        changed = {k: v.clone() for k, v in tensors.items()}
+        edit(changed)
+        save_file(changed, str(entry), metadata={**meta, "num_classes": record})
+        caplog.clear()
+        again = extract_features(enc, shards["test"], **kw)
+        assert torch.equal(again.y, first.y) and torch.equal(again.x["avg"], first.x["avg"])
+        assert any("unreadable" in r.getMessage() for r in caplog.records)
+    import timm
+    before = mpp.evaluators.features.code_version()
+    monkeypatch.setattr(timm, "__version__", "0.0.0")
+    mpp.evaluators.features.code_version.cache_clear()
+    try:
+        assert mpp.evaluators.features.code_version() != before
+    finally:
+        monkeypatch.undo()
+        mpp.evaluators.features.code_version.cache_clear()

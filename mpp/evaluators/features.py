@@ -38,16 +38,19 @@ class Features(NamedTuple):
     skipped: dict[str, int]
 
 
-def _read_features(path: Path, pools: tuple[str, ...]) -> Features:
-    """A cache entry, checked (it is a file on disk: damaged, or written by someone else): 2-D float
-    features with one row per label, integer labels in [0, the data's class count), skip counts
-    >= 0. ValueError otherwise, which `read_cached` turns into a miss."""
+def _read_features(path: Path, pools: tuple[str, ...], classes: int | None = None) -> Features:
+    """A cache entry, checked (it is a file on disk: damaged, or written by someone else): 2-D
+    finite float features with one row per label, integer labels in [0, the data's class count)
+    (`classes`, its manifest's; the entry's own record where the data has none), skip counts >= 0.
+    ValueError otherwise, which `read_cached` turns into a miss."""
     with safe_open(str(path), "pt") as f:
         x, y = {p: f.get_tensor(f"features.{p}") for p in pools}, f.get_tensor("labels")
-        skipped, classes = json.loads(f.metadata()["skipped"]), int(f.metadata()["num_classes"])
+        skipped, classes = json.loads(f.metadata()["skipped"]), classes or int(f.metadata()["num_classes"])
     if y.dim() != 1 or y.dtype != torch.int64 or (len(y) and not 0 <= int(y.min()) <= int(y.max()) < classes) or any(
             v.dim() != 2 or len(v) != len(y) or not v.is_floating_point() for v in x.values()):
         raise ValueError("features and labels of other shapes or types than extract_features writes")
+    if not all(torch.isfinite(v).all() for v in x.values()):
+        raise ValueError("features that are NaN or infinite, which extract_features never writes")
     if not isinstance(skipped, dict) or not all(isinstance(n, int) and n >= 0 for n in skipped.values()):
         raise ValueError("skip counts that are not counts")
     return Features(x, y, skipped)
@@ -107,10 +110,15 @@ def _weights_hash(encoder) -> str:
 
 @functools.cache
 def code_version() -> str:
-    """Hash of the mpp package's source and the torch version: what other code (an upgrade, a local
-    change) cached in a reused run directory, features or probe heads, is computed again."""
+    """Hash of the mpp package's source and the versions of the libraries the features go through
+    (torch, timm's ViT, Pillow's and libjpeg-turbo's decoding and resizing): what other code (an
+    upgrade, a local change) cached in a reused run directory, features or probe heads, is computed
+    again."""
+    import PIL
+    import simplejpeg
+    import timm
     root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256(torch.__version__.encode())
+    h = hashlib.sha256(" ".join((torch.__version__, timm.__version__, PIL.__version__, simplejpeg.__version__)).encode())
     for path in sorted(root.rglob("*.py")):
         h.update(f"{path.relative_to(root)}\0".encode())
         h.update(path.read_bytes())
@@ -180,7 +188,8 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
         key = key or feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
                                        num_samples=num_samples, precision=precision, device=device, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
-        if (cached := read_cached(path, lambda f: _read_features(f, pools))) is not None:
+        classes = resolve(spec, num_samples).classes  # bounds a cached entry's labels
+        if (cached := read_cached(path, lambda f: _read_features(f, pools, len(classes or ()) or None))) is not None:
             return cached
     loader = make_loader(spec, batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True,
                          data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1, subset=subset)
@@ -194,6 +203,11 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     if not feats:
         raise ValueError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
     features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
+    for p, f in features.items():  # an overflow (fp16) or a diverged encoder: refused, never cached
+        if rows := int((~torch.isfinite(f).all(1)).sum()):
+            raise ValueError(f"the encoder's {p} features of {rows} of {len(f)} images from {spec!r} are NaN or "
+                             f"infinite (precision {precision}); probe it at train.precision=no, or give a finite "
+                             "encoder")
     skipped = loader.counters()
     num_classes = len(loader.classes) if loader.classes else int(labels.max()) + 1  # the cache's label bound
     if path is not None:

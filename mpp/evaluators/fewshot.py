@@ -118,10 +118,11 @@ class Evaluator:
     at construction, labeled and with the same classes (else they would fail, or score labels
     that mean nothing, only once training began), and decoded once, at the first call and the
     encoder's resolution, into memory (uint8): the test set capped at `fewshot.max_test` images
-    and the shot pool at `max(shots) * seeds` images per class, both class-balanced seeded
-    subsets. Each call puts the encoder in eval mode (restored after), runs it without grad under
-    autocast and solves the few-shot problems with fixed seeds; the global RNGs are left exactly
-    as they were.
+    and the shot pool at `max(shots) * seeds` images a class on average, both seeded subsets of
+    one fraction of every class (on an unbalanced set a small class gets fewer, and its draws
+    warn when they run short). Each call puts the encoder in eval mode (restored after), runs it
+    without grad under autocast and solves the few-shot problems with fixed seeds; the global RNGs
+    are left exactly as they were.
 
     Call it on the main process with the unwrapped encoder; returns {"{k}shot_mean", "{k}shot_std"},
     under `probe.pool=auto` for every candidate representation ({"token/{k}shot_mean", ...}: no
