@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not Path(a.data).is_file():
         raise UsageError(f"manifest '{a.data}' not found; write shards first (tools/make_synthetic.py) or give --data")
+    if not a.data.endswith(".json"):  # a shard list would need its count, which this benchmark does not take
+        raise UsageError(f"--data '{a.data}' is not a manifest.json; give the shards' manifest.json")
     if min(a.batch_size, a.workers) < 1 or a.epochs < 2 or not 0 <= a.fraction <= 1:
         raise UsageError("--batch-size and --workers must be >= 1, --epochs >= 2, --fraction in [0, 1]")
     r = run(a.data, batch_size=a.batch_size, workers=a.workers, epochs=a.epochs, fraction=a.fraction,

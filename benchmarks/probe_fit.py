@@ -76,7 +76,7 @@ def _read_features(path: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A feature-cache file's representations and labels; ValueError naming the file otherwise."""
     try:
         d = load_file(path)
-    except SafetensorError as e:
+    except (SafetensorError, OSError) as e:  # OSError: a folder, a missing file
         raise ValueError(f"{path} is not a safetensors file ({' '.join(str(e).split())}); give a run's "
                          "feature_cache/features-*.safetensors") from None
     x = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("features.")}

@@ -111,16 +111,16 @@ def _overlap(per_run: dict, weights: dict, paired: bool, sem: dict, paired_sem: 
     figures: of the weighted sum of their per-run scores where the runs pair (the same draws of
     shots, scored on the same images), else the weighted sum of each family's own. 0 where a
     family has no per-run scores (`derive`'s `per_run`). Each is capped at what the seeds' part
-    holds (a family's `sem` squared, or the paired runs' `paired_sem`): the estimate can exceed
-    it, and an arm whose seeds tied holds none of it; taking out more made a null gap's noise too
-    small to give its t the seeds' degrees of freedom."""
+    holds (a family's `sem` squared; where the draws pair, `paired_sem` squared, the part `derive`
+    uses then): the estimate can exceed it, and an arm whose seeds tied holds none of it; taking
+    out more made a null gap's noise too small to give its t the seeds' degrees of freedom."""
     runs = [per_run.get(f) for f in weights]
     if not all(runs):
         return 0.0
     runs = [x for _, x in runs]
-    if not paired:
-        return sum(w * w * min(outcomes.seed_image_overlap(x), sem[f] ** 2)
-                   for (f, w), x in zip(weights.items(), runs))
+    if not paired:  # each family's own; under draws that pair, no more than their paired part holds in all
+        own = sum(w * w * min(outcomes.seed_image_overlap(x), sem[f] ** 2) for (f, w), x in zip(weights.items(), runs))
+        return own if paired_sem is None else min(own, paired_sem ** 2)
     if len({x.shape for x in runs}) > 1:
         return 0.0
     return min(outcomes.seed_image_overlap(sum(w * x for w, x in zip(weights.values(), runs))), paired_sem ** 2)

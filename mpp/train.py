@@ -417,7 +417,7 @@ def finish(run: Run) -> dict:
 def summary(results: dict, out: Path) -> str:
     """The line a finished run prints: how long it trained, its last log window and, for a
     fine-tune, its top-1 and where it was measured; the rest is in metrics.json."""
-    parts = [f"{results['steps']:,} steps ({results['epochs']:.1f} epochs of {results['train_samples']:,} images) "
+    parts = [f"steps {results['steps']:,} ({results['epochs']:.1f} epochs of {results['train_samples']:,} images) "
              f"in {results['wall_time_s']:.1f} s",
              "last log window: " + ", ".join(f"{k} {results[k]:.4g}" for k in ("loss", "acc") if k in results)]
     if "top1" in results:

@@ -194,7 +194,8 @@ def test_probe_fit_times_the_layouts_and_the_probe_on_cached_features(tmp_path, 
         load("probe_fit").main(["--history", "0"])
     assert "--history: expected a whole number >= 1, got '0'" in capsys.readouterr().err
     (tmp_path / "bad.safetensors").write_bytes(b"x")  # not a feature-cache file: named, before the timings
-    for bad, why in (("bad.safetensors", "is not a safetensors file"), ("enc.safetensors", "holds no features and labels")):
+    for bad, why in (("bad.safetensors", "is not a safetensors file"),
+                     ("enc.safetensors", "holds no features and labels")):
         save_file({"w": torch.zeros(2)}, str(tmp_path / "enc.safetensors"))
         with pytest.raises(SystemExit):
             load("probe_fit").main(["--features", str(tmp_path / bad)])

@@ -879,3 +879,21 @@ def test_non_finite_encoders_and_features_are_refused_and_never_cached(shards, t
     finally:
         monkeypatch.undo()
         mpp.evaluators.features.code_version.cache_clear()
+
+
+def test_the_few_shot_watch_names_its_own_count_keys_and_refuses_a_stray_label(tmp_path):
+    """Shards named without a manifest: the few-shot watch's missing counts are its own keys (the
+    error named data.num_samples), and a stray label of 999999 (no manifest bounds it) is refused
+    as the probe refuses it, where it asked for a head of a million classes."""
+    from mpp.data.decode import DataError
+    from mpp.data.sources import CountNeeded
+    from shardutil import write_shards
+    write_shards(tmp_path / "d", [8, 8], classes=4, extra=lambda s, j: {"cls": b"999999"} if (s, j) == (1, 7) else {})
+    pattern = str(tmp_path / "d" / "{000000..000001}.tar")
+    fs = {"train": pattern, "test": pattern, "shots": [1], "seeds": 1}
+    with pytest.raises(CountNeeded, match=r"give its total sample count \(fewshot.train_num_samples\)"):
+        Evaluator(build_config({"fewshot": fs}), "cpu")
+    evaluator = Evaluator(build_config({"fewshot": {**fs, "train_num_samples": 16, "test_num_samples": 16},
+                                        "data": {"num_workers": 0}}), "cpu")
+    with pytest.raises(DataError, match="its largest label, 999999, would make 1000000 classes for 16 labeled images"):
+        evaluator.run(create_encoder("vit_micro4_32", img_size=16))

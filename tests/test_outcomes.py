@@ -271,6 +271,19 @@ def test_what_fine_tuning_added_on_few_images_takes_their_degrees_of_freedom():
     assert t == pytest.approx(2.571, abs=1e-3)
 
 
+def test_what_fine_tuning_added_by_seeds_that_tie_on_other_images_keeps_the_images_whole_part():
+    """Two seeds each +10.0 points from the same start on 100 images, partly other ones: their gains
+    tie, so the spread holds none of the seed-by-image variance and none comes out of the images'
+    part (taking it out left 2.0 where the images alone give 2.6)."""
+    start, e0, e1 = np.zeros(100), np.zeros(100), np.zeros(100)
+    e0[:10], e1[5:15] = 1, 1
+    gains = np.array([e0, e1]) - start
+    assert outcomes.seed_image_overlap(gains) > 0
+    noise, _ = added_noise([0.1, 0.1], [0.0, 0.0], [("d", e0), ("d", e1)], [("d", start)] * 2)
+    assert noise == pytest.approx(100 * outcomes.sem(gains.mean(0)), abs=1e-3)
+    assert noise > 100 * np.sqrt(outcomes.sem(gains.mean(0)) ** 2 - outcomes.seed_image_overlap(gains)) + 0.5
+
+
 def test_fewshot_gaps_carry_the_shot_draws_standard_error(tmp_path):
     """Few-shot figures of a probe that recorded no draws (written before they were) are a mean over
     `fewshot_seeds` draws with their population std: a gap's noise is the two means' standard
@@ -358,7 +371,8 @@ def test_a_gaps_noise_counts_the_seed_by_image_variance_once(paired):
 def test_shared_draws_scored_on_other_images_take_each_arms_own_overlap():
     """Draws that pair (the same shots) but were scored on other test images: the images' part is
     two independent samples, and so is what it shares with the draws' part: each arm's own
-    draw-by-image variance, not that of a difference image by image."""
+    draw-by-image variance, not that of a difference image by image, and no more of it than the
+    draws' paired part holds (all of it where the draws tie: none comes out)."""
     rng = np.random.default_rng(3)
     runs = {f: (rng.random((3, 500)) < p).astype(float)
             for f, p in (("supervised", 0.7), ("mpp", 0.5), ("scratch", 0.4))}
@@ -370,8 +384,14 @@ def test_shared_draws_scored_on_other_images_take_each_arms_own_overlap():
     own = outcomes.seed_image_overlap(a) + outcomes.seed_image_overlap(b)
     assert own != pytest.approx(outcomes.seed_image_overlap(a - b))  # the two readings differ here
     own = sum(min(outcomes.seed_image_overlap(runs[f]), given["sem"][f] ** 2) for f in ("mpp", "scratch"))
-    want = 100 * np.sqrt(outcomes.unpaired_sem(a.mean(0), b.mean(0)) ** 2 - own)
+    paired = outcomes.paired_sem(a.mean(1), b.mean(1))  # the draws' part: no more than it holds comes out
+    assert own > paired ** 2 > 0
+    want = 100 * np.sqrt(outcomes.unpaired_sem(a.mean(0), b.mean(0)) ** 2 - min(own, paired ** 2))
     assert g["noise_test"]["mpp_minus_scratch"] == pytest.approx(want, abs=1e-3)
+    # draws that pair and tie: the seeds' part (paired) is 0 and holds none of it, whatever each arm's own holds
+    tied = {**given["draws"], "scratch": ("shots", list(a.mean(1) - 0.1))}
+    g = derive(*(runs[f].mean() for f in ("supervised", "mpp", "scratch")), **{**given, "draws": tied})
+    assert g["noise"]["mpp_minus_scratch"] == pytest.approx(100 * outcomes.unpaired_sem(a.mean(0), b.mean(0)), abs=1e-3)
 
 
 def test_an_arm_whose_seeds_tie_takes_no_seed_by_image_variance_out_of_the_images_part():

@@ -495,8 +495,9 @@ def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
     assert 100 < metrics["train_samples"] < 160 and metrics["val_samples"] == 64  # half of 256
     assert 0 <= metrics["top1"] <= metrics["top5"] <= 1
     said = done.stdout.strip().splitlines()[-1]  # the run's one line of results (the rest: metrics.json)
-    assert said.startswith(f"classify {tmp_path}: 1 steps") and said.endswith(f"all figures: {tmp_path}/metrics.json")
-    assert f"top-1 {100 * metrics['top1']:.1f}% (top-5 {100 * metrics['top5']:.1f}%) on 64 images of the data.val" in said
+    assert said.startswith(f"classify {tmp_path}: steps 1 (") and said.endswith(f"figures: {tmp_path}/metrics.json")
+    top1, top5 = 100 * metrics["top1"], 100 * metrics["top5"]
+    assert f"top-1 {top1:.1f}% (top-5 {top5:.1f}%) on 64 images of the data.val" in said
     # the head starts at zero, so the first step leaves the encoder exactly as pre-trained
     assert_same(weights(tmp_path / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
 
@@ -613,7 +614,8 @@ def test_resumed_run_counts_skipped_samples_once(tmp_path, capsys):
                                        "train.ckpt_every": 6, "train.keep_ckpts": 5})
     whole = train(config(items))["skipped_samples"]
     assert whole["corrupt_image"] >= 20 * 8 // 5  # 20 steps of 8 read >= 160 of the 1-in-5 bad samples
-    assert f"; {sum(whole.values()):,} unreadable samples skipped (by kind: skipped_samples);" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"; {sum(whole.values()):,} unreadable samples skipped (by kind: skipped_samples);" in said
     for ckpt in sorted((out / "checkpoints").iterdir())[1:]:  # "crash" after the first checkpoint
         shutil.rmtree(ckpt)
     (out / "metrics.json").unlink()

@@ -155,8 +155,9 @@ class CountNeeded(DataError):
     count option names that option instead of the config keys)."""
 
 
-def resolve(spec, num_samples: int = 0) -> ShardSet:
-    """A ShardSet for a manifest path, a shard list, or a brace pattern (+ num_samples)."""
+def resolve(spec, num_samples: int = 0, count_key: str = "data.num_samples / data.val_num_samples") -> ShardSet:
+    """A ShardSet for a manifest path, a shard list, or a brace pattern (+ num_samples, which
+    `count_key` names where it is missing)."""
     if isinstance(spec, (list, tuple)) and len(spec) == 1:
         spec = spec[0]
     if not spec:
@@ -179,8 +180,7 @@ def resolve(spec, num_samples: int = 0) -> ShardSet:
     else:
         urls = [u for s in spec for u in braceexpand.braceexpand(s)]
     if num_samples <= 0:
-        raise CountNeeded(f"data spec {spec!r} is not a manifest.json: give its total sample count "
-                          "(data.num_samples / data.val_num_samples)")
+        raise CountNeeded(f"data spec {spec!r} is not a manifest.json: give its total sample count ({count_key})")
     _check_local(urls)
     n = len(urls)
     counts = [num_samples // n + (i < num_samples % n) for i in range(n)]

@@ -118,7 +118,8 @@ def code_version() -> str:
     import simplejpeg
     import timm
     root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256(" ".join((torch.__version__, timm.__version__, PIL.__version__, simplejpeg.__version__)).encode())
+    versions = (torch.__version__, timm.__version__, PIL.__version__, simplejpeg.__version__)
+    h = hashlib.sha256(" ".join(versions).encode())
     for path in sorted(root.rglob("*.py")):
         h.update(f"{path.relative_to(root)}\0".encode())
         h.update(path.read_bytes())

@@ -15,7 +15,7 @@ from mpp import outcomes
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.config import Config
 from mpp.data import make_loader
-from mpp.data.sources import check_same_classes, resolve
+from mpp.data.sources import check_same_classes, class_count, resolve
 from mpp.evaluators.features import (candidate_pools, encode_images, encoder_img_size, eval_batch_size, eval_mode,
                                      standardize)
 
@@ -131,7 +131,8 @@ class Evaluator:
 
     def __init__(self, cfg: Config, device: torch.device | str):
         fs = cfg.fewshot
-        resolve(fs.train, fs.train_num_samples), resolve(fs.test, fs.test_num_samples)  # bad specs fail now
+        for key in ("train", "test"):  # bad specs fail now
+            resolve(getattr(fs, key), getattr(fs, f"{key}_num_samples"), f"fewshot.{key}_num_samples")
         check_same_classes(fs.train, fs.test, fs.test_num_samples, names=("fewshot.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
@@ -159,7 +160,7 @@ class Evaluator:
             pools = candidate_pools(self.cfg.probe.pool)
             with eval_mode(encoder):
                 tr_f, te_f = self._features(encoder, tr_x, pools), self._features(encoder, te_x, pools)
-        out, classes = {}, int(tr_y.max()) + 1  # the shot pool holds every class (a balanced subset)
+        out, classes = {}, class_count(fs.train, fs.train_num_samples, tr_y)
         for p in pools:
             figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
                                    num_classes=classes)
