@@ -666,6 +666,7 @@ def test_evaluator_passes_l2_and_reads_enough_shots(monkeypatch):
         g = torch.Generator().manual_seed(len(limits))
         return torch.randint(0, 256, (16, 3, img_size, img_size), dtype=torch.uint8, generator=g), torch.arange(16) % 4
     monkeypatch.setattr(fs_mod, "_read_images", fake_read)
+    monkeypatch.setattr(fs_mod, "class_count", lambda spec, n, labels: int(labels.max()) + 1)  # no shards to read
     calls = []
     real = fs_mod.fewshot_eval
     monkeypatch.setattr(fs_mod, "fewshot_eval", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
