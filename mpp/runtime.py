@@ -21,9 +21,11 @@ ATTENTION = {"auto": lambda device_type: device_type == "cuda",
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, through oneDNN). Without it
-    bf16 matmuls take a slow emulated path, tens of times slower than fp32 (AVX2-only CPUs)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: absent means unknown
-    return bool(check and check())
+    bf16 matmuls take a slow emulated path, tens of times slower than fp32 (AVX2-only CPUs).
+    torch's own `_is_mkldnn_bf16_supported` says yes for any AVX-512 CPU (Skylake to Ice Lake
+    servers lack both): the two instruction sets are asked for by name (private: absent means no)."""
+    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(bool(check and check()) for check in checks)
 
 
 def check_run_settings(cfg, processes: int = 1, machine: bool = True) -> None:

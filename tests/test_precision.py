@@ -18,6 +18,17 @@ def test_auto_on_cpu_follows_native_bf16(monkeypatch, native, expected):
     assert (getattr(ctx, "fast_dtype", None) == torch.bfloat16) == native
 
 
+@pytest.mark.parametrize("avx512_bf16, amx, native", [(False, False, False), (True, False, True),
+                                                     (False, True, True)])
+def test_native_bf16_is_avx512_bf16_or_amx_not_any_avx512(monkeypatch, avx512_bf16, amx, native):
+    """torch's `_is_mkldnn_bf16_supported` is true on any AVX-512 CPU (a Skylake or Ice Lake
+    server, which has neither instruction set): auto picked bf16 there."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert runtime.cpu_has_bf16() is native
+
+
 def test_auto_on_cuda_and_other_devices(monkeypatch):
     def supported(native):  # a GPU with native bf16 (Ampere on), or one that only emulates it
         return lambda including_emulation=True: native or including_emulation
