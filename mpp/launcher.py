@@ -17,7 +17,8 @@ def follow_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-LAUNCHERS = {"torchrun", "accelerate", "torch.distributed.run", "torch.distributed.launch"}
+LAUNCHERS = {"torchrun", "accelerate", "accelerate-launch", "torch.distributed.run", "torch.distributed.launch",
+             "accelerate.commands.launch"}  # commands, and modules run with python -m
 INIT_CMDLINE = "/proc/1/cmdline"
 
 

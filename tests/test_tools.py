@@ -101,3 +101,19 @@ def test_true_or_false_for_a_string_key_is_refused_but_precision_false_means_off
                                               f"{key.rsplit('.')[-1]}: '{value}'"):
             load_config(None, [f"{key}={value}"])
     assert load_config(None, ["output_dir='false'"]).output_dir == "false"
+
+
+def test_a_launcher_as_init_is_known_by_each_of_its_forms(tmp_path, monkeypatch):
+    """A container whose entrypoint (pid 1) is the launcher starts its ranks as init's children:
+    `accelerate-launch` and `python -m accelerate.commands.launch` were not known as launchers, so
+    every rank exited at start-up saying its launcher had died."""
+    from mpp import launcher
+    cmdline = tmp_path / "cmdline"
+    monkeypatch.setattr(launcher, "INIT_CMDLINE", str(cmdline))
+    for args, known in ((["/usr/local/bin/accelerate-launch", "--num_processes", "2", "t.py"], True),
+                        (["/usr/bin/python3", "-m", "accelerate.commands.launch", "t.py"], True),
+                        (["/usr/bin/python3", "-m", "torch.distributed.run", "t.py"], True),
+                        (["torchrun", "--nproc_per_node", "2", "t.py"], True),
+                        (["/bin/bash", "-c", "sleep 1"], False)):
+        cmdline.write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
+        assert launcher._init_is_launcher() is known, args
