@@ -401,14 +401,19 @@ def _warn_own_label_choices(stages: list[Stage], resolved: dict[Path, Config]) -
 
 
 def launcher_words(launcher: str, machine: bool = True) -> list[str]:
-    """The command a stage runs under ([] for this Python): `launcher` split as a shell would;
-    one that does not split, or (`machine`) whose command is not on this machine's PATH, is a
+    """The command a stage runs under ([] for this Python): `launcher` split and its $VARIABLES
+    expanded as a shell would (stages run without one); one that does not split, or (`machine`)
+    whose command is not on this machine's PATH or that names a variable not set here, is a
     ConfigError."""
     try:
-        words = shlex.split(launcher)
+        words = [os.path.expandvars(w) for w in shlex.split(launcher)]
     except ValueError as e:
         raise ConfigError(f"compare config key 'launcher' ({launcher!r}) does not split into words ({e}); "
                           "close its quotes") from None
+    unset = [w for w in words if re.search(r"\$\{?\w", w)]  # what expandvars left: not set here
+    if machine and unset:
+        raise ConfigError(f"compare config key 'launcher' names {unset[0]!r}, a variable not set here (stages run "
+                          "without a shell); run the comparison where it is set (inside the job) or give its value")
     if machine and words and shutil.which(words[0]) is None:
         raise ConfigError(f"compare config key 'launcher' names {words[0]!r}, which is no command on PATH; give one "
                           "such as 'torchrun --nproc_per_node 2', or '' for this Python")
@@ -680,8 +685,8 @@ def run_stage(cmd: list[str], launcher: str) -> int:
                 _passing_sigterm(proc) as passed:
             try:
                 code = proc.wait()
-            except BaseException:
-                proc.kill()
+            except BaseException:  # Ctrl-C: a terminal's reached the launcher too, a lone kill -INT did not
+                _stop(proc)
                 raise
     else:
         ctx = multiprocessing.get_context("forkserver")
@@ -700,6 +705,23 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     if passed:
         raise StageTerminated(code)
     return code
+
+
+def _stop(launcher: subprocess.Popen, grace: float = 30.0) -> None:
+    """End a stage's launcher so that it stops its ranks: a few seconds to end on its own (a
+    terminal's Ctrl-C reached it too), then SIGTERM (torchrun and accelerate pass it on, and the
+    trainers save a checkpoint), then, `grace` seconds on, SIGKILL. A SIGKILL at once left a rank
+    that does not die with its launcher (accelerate's one-process launch) training on, orphaned."""
+    for sig, wait in ((None, 5.0), (signal.SIGTERM, grace)):
+        if sig is not None:
+            launcher.send_signal(sig)
+        try:
+            launcher.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    launcher.kill()
+    launcher.wait()
 
 
 class StageTerminated(Exception):

@@ -86,11 +86,13 @@ def test_data_of_another_source_or_other_sizes_is_refused_not_read_as_the_old(tm
                                               ("torchrun --nproc_per_node gpu", None),
                                               ("torchrun --nnodes $SLURM_NNODES --nproc_per_node 8", None),
                                               ("accelerate launch --multi_gpu", None), ("nice python", None)])
-def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher_states_it(tmp_path, launcher, stated):
+def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher_states_it(tmp_path, launcher, stated,
+                                                                                         monkeypatch):
     """The processes split the data, so a stage trained on 2 and resumed with another count is
     refused; where the launcher decides the count at run time (a GPU count, a config file, an
     unexpanded variable) it is not checked: resuming with the same launcher was refused."""
     from mpp.compare import _stated_processes, launcher_words
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
     assert _stated_processes(launcher_words(launcher, machine=False)) == stated
     stage = next(s for s in plan(load_compare_config(_write_configs(tmp_path, tmp_path / "d"))) if s.tool == "pretrain")
     stage.out.mkdir(parents=True)
@@ -100,6 +102,19 @@ def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher
     else:
         with pytest.raises(ConfigError, match=rf"on 2 process\(es\); the launcher now starts {stated}"):
             check_processes(stage, stated)
+
+
+def test_a_launchers_variables_are_expanded_as_a_shell_would_and_an_unset_one_refused(monkeypatch):
+    """Stages run without a shell: `--nnodes $SLURM_NNODES` reached torchrun as the text '$SLURM_NNODES'
+    (its int() failed at the first stage, after the data). Expanded now, and counted; unset, refused."""
+    from mpp.compare import _stated_processes, launcher_words
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    words = launcher_words("torchrun --nnodes $SLURM_NNODES --nproc_per_node=${SLURM_NNODES}", machine=False)
+    assert words == ["torchrun", "--nnodes", "2", "--nproc_per_node=2"] and _stated_processes(words) == 4
+    monkeypatch.delenv("SLURM_NNODES")
+    monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
+    with pytest.raises(ConfigError, match=r"names '\$SLURM_NNODES', a variable not set here"):
+        launcher_words("torchrun --nnodes $SLURM_NNODES --nproc_per_node 8")
 
 
 @pytest.mark.parametrize("out", [".", "runs/..", "/"])
@@ -617,6 +632,44 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err  # as every tool's Ctrl-C
     assert err.strip().splitlines()[-1].startswith("error: interrupted during stage 'pre-train mpp'; run the same")
+
+
+FAKE_LAUNCHER = """import signal, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # no death signal: a plain child
+open(sys.argv[1], "w").write(str(rank.pid))
+def stop(*_):
+    rank.terminate(); sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+rank.wait()
+"""
+
+
+def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path):
+    """Ctrl-C to the comparison alone (kill -INT) SIGKILLed a stage's launcher at once, and a rank
+    that does not die with it (accelerate's one-process launch) trained on, orphaned. The launcher
+    now gets SIGTERM, which it passes on, and its ranks end with it."""
+    import signal
+    import time
+    import psutil
+    from mpp.compare import run_stage
+    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
+    pid_file = tmp_path / "rank.pid"
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_stage([sys.executable, str(tmp_path / "launcher.py"), str(pid_file)], launcher="fake")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    rank = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while psutil.pid_exists(rank) and psutil.Process(rank).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
 
 
 def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path):
