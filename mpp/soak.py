@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from mpp.launcher import follow_parent
+
 ROOT = Path(__file__).resolve().parents[1]  # holds this mpp package: the runs import the same code
 PROGRESS = re.compile(r"(\d+)/(\d+) \[")  # tqdm's "step/total ["
 RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
@@ -51,29 +53,34 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     cmd = [sys.executable, "-m", "mpp.tools.pretrain", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0, samples, runs = time.time(), [], []
-    while time.time() - t0 < seconds:
-        log = out / f"run{len(runs)}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        ps, start = psutil.Process(proc.pid), time.time()
-        life = min(rng.uniform(*kill_after), seconds - (start - t0))
-        try:
-            while proc.poll() is None and time.time() - start < life:
-                samples.append((time.time() - t0, _tree_rss(ps)))
-                time.sleep(0.5)
-        finally:  # also when the soak itself is stopped (Ctrl-C): its run, in a session of its own, goes too
-            killed = proc.poll() is None
-            if killed:
-                os.killpg(proc.pid, signal.SIGKILL)  # the run and its data workers
-            proc.wait()
-        text = log.read_text(errors="replace")
-        reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
-        resumed = RESUMED.search(text)
-        runs.append({"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
-                     # None: killed before it resumed or trained (starved of CPU, or at the deadline)
-                     "resumed_at": int(resumed.group(1)) if resumed else (0 if reached else None),
-                     "reached": reached,
-                     "errors": [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback"))]})
+    stopped = signal.signal(signal.SIGTERM, _exit_143)  # a SIGTERM to the soak runs the `finally` below too
+    try:
+        while time.time() - t0 < seconds:
+            log = out / f"run{len(runs)}.log"
+            with open(log, "w") as f:
+                proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=follow_parent)  # a soak killed -9 takes its run along
+            ps, start = psutil.Process(proc.pid), time.time()
+            life = min(rng.uniform(*kill_after), seconds - (start - t0))
+            try:
+                while proc.poll() is None and time.time() - start < life:
+                    samples.append((time.time() - t0, _tree_rss(ps)))
+                    time.sleep(0.5)
+            finally:  # also when the soak itself is stopped (Ctrl-C, SIGTERM): its run, in a session of its own, goes
+                killed = proc.poll() is None
+                if killed:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the run and its data workers
+                proc.wait()
+            text = log.read_text(errors="replace")
+            reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
+            resumed = RESUMED.search(text)
+            runs.append({"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
+                         # None: killed before it resumed or trained (starved of CPU, or at the deadline)
+                         "resumed_at": int(resumed.group(1)) if resumed else (0 if reached else None),
+                         "reached": reached,
+                         "errors": [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback"))]})
+    finally:
+        signal.signal(signal.SIGTERM, stopped)
     count_lost(runs, _newest_checkpoint(out / "run"))
     buckets: dict[int, int] = {}
     for t, rss in samples:
@@ -84,6 +91,10 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             "steps_lost": sum(r.get("lost", 0) for r in runs),
             "peak_rss_mib_per_window": {f"{int(k * window)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
             "runs": runs}
+
+
+def _exit_143(*_) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 def count_lost(runs: list[dict], checkpointed: int) -> None:

@@ -1,5 +1,7 @@
 """The soak report's accounting of lost steps and its command line (the soak itself is not part of
 the suite)."""
+import os
+
 import pytest
 
 import mpp.soak
@@ -51,9 +53,12 @@ def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
                           f"(see {tmp_path / 'run1.log'})"
 
 
-def test_a_stopped_soak_takes_its_run_with_it(tmp_path, monkeypatch):
-    """Ctrl-C in the soak kills the run it started (in a session of its own, so the terminal's
-    signal does not reach it) instead of leaving it to train on, holding its directory's lock."""
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_stopped_soak_takes_its_run_with_it(tmp_path, monkeypatch, stop):
+    """Ctrl-C or SIGTERM to the soak kills the run it started (in a session of its own, so the
+    terminal's signal does not reach it) instead of leaving it to train on, holding its directory's
+    lock (a SIGTERM left it: no `finally` ran); the run is also asked to die with the soak (kill -9)."""
+    import signal
     import subprocess
     import sys
     import time
@@ -65,13 +70,19 @@ def test_a_stopped_soak_takes_its_run_with_it(tmp_path, monkeypatch):
     started = []
 
     def popen(cmd, **kw):  # a stand-in for the run, started the soak's way
+        assert kw["preexec_fn"] is mpp.soak.follow_parent
         started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
         return started[-1]
 
     def interrupt(_):
+        if stop == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
         raise KeyboardInterrupt
     monkeypatch.setattr(mpp.soak, "subprocess", types.SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
     monkeypatch.setattr(mpp.soak, "time", types.SimpleNamespace(time=time.time, sleep=interrupt))
-    with pytest.raises(KeyboardInterrupt):
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit if stop == "sigterm" else KeyboardInterrupt) as e:
         mpp.soak.soak(tmp_path, 60, (30, 40), [])
+    assert stop != "sigterm" or e.value.code == 143
     assert started and started[0].poll() is not None and not psutil.pid_exists(started[0].pid)
+    assert signal.getsignal(signal.SIGTERM) is before  # the soak's handler is its own while it runs
