@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import yaml
 
 from mpp import outcomes
@@ -401,19 +402,26 @@ def _warn_own_label_choices(stages: list[Stage], resolved: dict[Path, Config]) -
 
 
 def launcher_words(launcher: str, machine: bool = True) -> list[str]:
-    """The command a stage runs under ([] for this Python): `launcher` split and its $VARIABLES
-    expanded as a shell would (stages run without one); one that does not split, or (`machine`)
-    whose command is not on this machine's PATH or that names a variable not set here, is a
-    ConfigError."""
+    """The command a stage runs under ([] for this Python): `launcher` split as a shell would, its
+    variables ($NAME, ${NAME}, quoted or not) expanded from this environment (stages run without a
+    shell). One that does not split, uses another $ form, or (`machine`) whose command is not on
+    this machine's PATH or that names a variable not set here, is a ConfigError (without
+    `machine`, as for a dry run, an unset one is left as written)."""
     try:
-        words = [os.path.expandvars(w) for w in shlex.split(launcher)]
+        words = shlex.split(launcher)
     except ValueError as e:
         raise ConfigError(f"compare config key 'launcher' ({launcher!r}) does not split into words ({e}); "
                           "close its quotes") from None
-    unset = [w for w in words if re.search(r"\$\{?\w", w)]  # what expandvars left: not set here
-    if machine and unset:
-        raise ConfigError(f"compare config key 'launcher' names {unset[0]!r}, a variable not set here (stages run "
-                          "without a shell); run the comparison where it is set (inside the job) or give its value")
+    for word in words:
+        for m in re.finditer(r"\$(?:(\w+)|\{(\w+)\}|)", word):
+            name = m.group(1) or m.group(2)
+            if not name:
+                raise ConfigError(f"compare config key 'launcher' has {word!r}: only $NAME and ${{NAME}} are expanded "
+                                  "(stages run without a shell); give the value itself")
+            if machine and name not in os.environ:
+                raise ConfigError(f"compare config key 'launcher' names ${name}, a variable not set here; run the "
+                                  "comparison where it is set (inside the job) or give its value")
+    words = [re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: os.environ.get(m[1] or m[2], m[0]), w) for w in words]
     if machine and words and shutil.which(words[0]) is None:
         raise ConfigError(f"compare config key 'launcher' names {words[0]!r}, which is no command on PATH; give one "
                           "such as 'torchrun --nproc_per_node 2', or '' for this Python")
@@ -707,19 +715,37 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     return code
 
 
-def _stop(launcher: subprocess.Popen, grace: float = 30.0) -> None:
-    """End a stage's launcher so that it stops its ranks: a few seconds to end on its own (a
-    terminal's Ctrl-C reached it too), then SIGTERM (torchrun and accelerate pass it on, and the
-    trainers save a checkpoint), then, `grace` seconds on, SIGKILL. A SIGKILL at once left a rank
-    that does not die with its launcher (accelerate's one-process launch) training on, orphaned."""
-    for sig, wait in ((None, 5.0), (signal.SIGTERM, grace)):
-        if sig is not None:
-            launcher.send_signal(sig)
-        try:
-            launcher.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
+def _stop(launcher: subprocess.Popen, first: float = 5.0, grace: float = 30.0) -> None:
+    """End a stage's launcher and its ranks: `first` seconds to end on its own (a terminal's
+    Ctrl-C reached it too), then SIGTERM (torchrun and accelerate pass it on, and the trainers save
+    a checkpoint), then, `grace` seconds on, SIGKILL; a rank left behind (a launcher that does not
+    pass it on, as accelerate's one-process launch before 1.x) gets the same. A SIGKILL at once
+    left such a rank training on, orphaned. Another Ctrl-C meanwhile kills them at once."""
+    try:
+        ranks = psutil.Process(launcher.pid).children(recursive=True)
+    except psutil.Error:  # it has ended already
+        ranks = []
+    print(f"stopping the stage's launcher and its ranks (up to {first + 2 * grace:.0f} s; Ctrl-C again kills them)",
+          file=sys.stderr, flush=True)
+    try:
+        for sig, wait in ((None, first), (signal.SIGTERM, grace)):
+            if sig is not None:
+                launcher.send_signal(sig)
+            try:
+                launcher.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        left = [r for r in ranks if r.is_running()]
+        for rank in left:
+            with contextlib.suppress(psutil.Error):
+                rank.terminate()
+        psutil.wait_procs(left, timeout=grace)
+    except KeyboardInterrupt:
+        pass
+    for proc in ranks:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
     launcher.kill()
     launcher.wait()
 

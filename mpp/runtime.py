@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 
 import torch
 
@@ -20,12 +21,16 @@ ATTENTION = {"auto": lambda device_type: device_type == "cuda",
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, through oneDNN). Without it
-    bf16 matmuls take a slow emulated path, tens of times slower than fp32 (AVX2-only CPUs).
-    torch's own `_is_mkldnn_bf16_supported` says yes for any AVX-512 CPU (Skylake to Ice Lake
-    servers lack both): the two instruction sets are asked for by name (private: absent means no)."""
-    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(bool(check and check()) for check in checks)
+    """Whether this CPU multiplies bf16 natively (x86: AVX512-BF16 or AMX; ARM: its bf16
+    instructions, through oneDNN). Without it bf16 matmuls take a slow emulated path, tens of times
+    slower than fp32 (AVX2-only CPUs). On x86 torch's `_is_mkldnn_bf16_supported` says yes for any
+    AVX-512 CPU (Skylake to Ice Lake servers lack both), so the two are asked for by name there.
+    The checks are private to torch: an absent one means no."""
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(bool(check and check()) for check in (getattr(torch.cpu, name, None) for name in names))
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check and check())
 
 
 def check_run_settings(cfg, processes: int = 1, machine: bool = True) -> None:

@@ -80,7 +80,7 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
                          "reached": reached,
                          "errors": [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback"))]})
     finally:
-        signal.signal(signal.SIGTERM, stopped)
+        signal.signal(signal.SIGTERM, stopped or signal.SIG_DFL)  # None: a handler set outside Python
     count_lost(runs, _newest_checkpoint(out / "run"))
     buckets: dict[int, int] = {}
     for t, rss in samples:

@@ -106,15 +106,20 @@ def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher
 
 def test_a_launchers_variables_are_expanded_as_a_shell_would_and_an_unset_one_refused(monkeypatch):
     """Stages run without a shell: `--nnodes $SLURM_NNODES` reached torchrun as the text '$SLURM_NNODES'
-    (its int() failed at the first stage, after the data). Expanded now, and counted; unset, refused."""
+    (its int() failed at the first stage, after the data). $NAME and ${NAME} are expanded now, and
+    counted; an unset one refused (left as written in a dry run); a shell's other forms refused."""
     from mpp.compare import _stated_processes, launcher_words
     monkeypatch.setenv("SLURM_NNODES", "2")
     words = launcher_words("torchrun --nnodes $SLURM_NNODES --nproc_per_node=${SLURM_NNODES}", machine=False)
     assert words == ["torchrun", "--nnodes", "2", "--nproc_per_node=2"] and _stated_processes(words) == 4
     monkeypatch.delenv("SLURM_NNODES")
     monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
-    with pytest.raises(ConfigError, match=r"names '\$SLURM_NNODES', a variable not set here"):
+    with pytest.raises(ConfigError, match=r"names \$SLURM_NNODES, a variable not set here"):
         launcher_words("torchrun --nnodes $SLURM_NNODES --nproc_per_node 8")
+    assert launcher_words("torchrun --nnodes '$SLURM_NNODES'", machine=False)[-1] == "$SLURM_NNODES"  # a dry run
+    for other in ("${SLURM_NNODES:-1}", "$(hostname):29500", "$((2))"):  # a shell's, not expanded here: refused
+        with pytest.raises(ConfigError, match=r"only \$NAME and \$\{NAME\} are expanded"):
+            launcher_words(f"torchrun --rdzv_endpoint {other}", machine=False)
 
 
 @pytest.mark.parametrize("out", [".", "runs/..", "/"])
@@ -636,40 +641,51 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
 
 FAKE_LAUNCHER = """import signal, subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # no death signal: a plain child
+if sys.argv[2] == "passes":
+    signal.signal(signal.SIGTERM, lambda *_: (rank.terminate(), sys.exit(143)))
 open(sys.argv[1], "w").write(str(rank.pid))
-def stop(*_):
-    rank.terminate(); sys.exit(143)
-signal.signal(signal.SIGTERM, stop)
 rank.wait()
 """
 
 
-def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path):
+@pytest.mark.parametrize("launcher", ["passes", "dies"])
+def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeypatch, launcher):
     """Ctrl-C to the comparison alone (kill -INT) SIGKILLed a stage's launcher at once, and a rank
     that does not die with it (accelerate's one-process launch) trained on, orphaned. The launcher
-    now gets SIGTERM, which it passes on, and its ranks end with it."""
+    now gets SIGTERM, which it passes on to its ranks ('passes'); a rank it leaves behind (a
+    launcher that dies of it, as accelerate's before 1.x) gets it too."""
+    import contextlib
     import signal
+    import threading
     import time
+
     import psutil
+
+    import mpp.compare
     from mpp.compare import run_stage
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     pid_file = tmp_path / "rank.pid"
+    real = mpp.compare._stop
+    monkeypatch.setattr(mpp.compare, "_stop", lambda proc: real(proc, first=0.5))  # no terminal's Ctrl-C to wait for
 
     def interrupt(*_):
         raise KeyboardInterrupt
+
+    def when_started():  # the rank and the launcher's handler exist: then the comparison is stopped
+        deadline = time.time() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGALRM)
     old = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(3)
+    threading.Thread(target=when_started, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_stage([sys.executable, str(tmp_path / "launcher.py"), str(pid_file)], launcher="fake")
+            run_stage([sys.executable, str(tmp_path / "launcher.py"), str(pid_file), launcher], launcher="fake")
     finally:
-        signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     rank = int(pid_file.read_text())
-    deadline = time.time() + 10
-    while psutil.pid_exists(rank) and psutil.Process(rank).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
-        time.sleep(0.1)
-    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
 
 
 def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path):

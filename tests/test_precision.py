@@ -26,7 +26,10 @@ def test_native_bf16_is_avx512_bf16_or_amx_not_any_avx512(monkeypatch, avx512_bf
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "x86_64")
     assert runtime.cpu_has_bf16() is native
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "aarch64")  # ARM: oneDNN's check is its bf16
+    assert runtime.cpu_has_bf16() is True
 
 
 def test_auto_on_cuda_and_other_devices(monkeypatch):
