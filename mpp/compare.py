@@ -412,16 +412,16 @@ def launcher_words(launcher: str, machine: bool = True) -> list[str]:
     except ValueError as e:
         raise ConfigError(f"compare config key 'launcher' ({launcher!r}) does not split into words ({e}); "
                           "close its quotes") from None
-    for word in words:
-        for m in re.finditer(r"\$(?:(\w+)|\{(\w+)\}|)", word):
-            name = m.group(1) or m.group(2)
-            if not name:
-                raise ConfigError(f"compare config key 'launcher' has {word!r}: only $NAME and ${{NAME}} are expanded "
-                                  "(stages run without a shell); give the value itself")
-            if machine and name not in os.environ:
-                raise ConfigError(f"compare config key 'launcher' names ${name}, a variable not set here; run the "
-                                  "comparison where it is set (inside the job) or give its value")
-    words = [re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: os.environ.get(m[1] or m[2], m[0]), w) for w in words]
+    def expand(m: re.Match) -> str:
+        name = m[1] or m[2]
+        if not name:
+            raise ConfigError(f"compare config key 'launcher' has {m.string!r}: only $NAME and ${{NAME}} are expanded "
+                              "(stages run without a shell); give the value itself")
+        if machine and name not in os.environ:
+            raise ConfigError(f"compare config key 'launcher' names ${name}, a variable not set here; run the "
+                              "comparison where it is set (inside the job) or give its value")
+        return os.environ.get(name, m[0])
+    words = [re.sub(r"\$(?:(\w+)|\{(\w+)\}|)", expand, w) for w in words]
     if machine and words and shutil.which(words[0]) is None:
         raise ConfigError(f"compare config key 'launcher' names {words[0]!r}, which is no command on PATH; give one "
                           "such as 'torchrun --nproc_per_node 2', or '' for this Python")
@@ -728,14 +728,12 @@ def _stop(launcher: subprocess.Popen, first: float = 5.0, grace: float = 30.0) -
     print(f"stopping the stage's launcher and its ranks (up to {first + 2 * grace:.0f} s; Ctrl-C again kills them)",
           file=sys.stderr, flush=True)
     try:
-        for sig, wait in ((None, first), (signal.SIGTERM, grace)):
-            if sig is not None:
-                launcher.send_signal(sig)
-            try:
-                launcher.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        try:
+            launcher.wait(timeout=first)
+        except subprocess.TimeoutExpired:
+            launcher.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                launcher.wait(timeout=grace)
         left = [r for r in ranks if r.is_running()]
         for rank in left:
             with contextlib.suppress(psutil.Error):

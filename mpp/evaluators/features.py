@@ -189,8 +189,9 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
         key = key or feature_cache_key(encoder, spec, cfg=cfg, pools=pools, img_size=img_size,
                                        num_samples=num_samples, precision=precision, device=device, subset=subset)
         path = Path(cache_dir) / f"features-{key}.safetensors"
-        classes = resolve(spec, num_samples).classes  # bounds a cached entry's labels
-        if (cached := read_cached(path, lambda f: _read_features(f, pools, len(classes or ()) or None))) is not None:
+        def read(f: Path) -> Features:  # on a hit only: the data's classes bound the entry's labels
+            return _read_features(f, pools, len(resolve(spec, num_samples).classes or ()) or None)
+        if (cached := read_cached(path, read)) is not None:
             return cached
     loader = make_loader(spec, batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True,
                          data_cfg=cfg.data, num_samples=num_samples, rank=0, world_size=1, subset=subset)
