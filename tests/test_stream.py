@@ -644,6 +644,45 @@ def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_pa
     assert max(held) <= 2 * loader.workers, held
 
 
+def test_a_manifest_that_undercounts_a_shard_drops_the_surplus_and_holds_nothing(tmp_path):
+    """A manifest (hand-written, or from another tool) that says 16 samples for a shard of 24: its
+    counts are taken as exact, so its worker must stop at its share of the epoch's batches, the
+    surplus dropped and counted, instead of running ahead epoch after epoch while the main process
+    holds ever more of its batches."""
+    manifest, _ = write_shards(tmp_path, [24, 16, 16], size=8)
+    m = json.loads(Path(manifest).read_text())
+    m["shards"][0]["num_samples"], m["num_samples"] = 16, 48
+    Path(manifest).write_text(json.dumps(m))
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True,
+                         data_cfg=cfg(shuffle_buffer=0, cache_mb=0), seed=0)
+    held = []
+    for e in range(6):
+        assert sum(len(b["image"]) for b in loader.epoch(e)) == 48
+        held.append(sum(len(q) for q in loader._held.values()))
+    loader.close()
+    assert max(held) <= 2 * loader.workers, held
+    assert loader.counters() == {"dropped": 6 * 8}
+
+
+def test_a_shard_listed_twice_is_refused(tmp_path):
+    """Overlapping brace ranges, or one shard by two names: ranks and workers would read it twice."""
+    write_shards(tmp_path, [4, 4, 4, 4], size=8)
+    for spec in ([f"{tmp_path}/{{000000..000002}}.tar", f"{tmp_path}/{{000002..000003}}.tar"],
+                 [f"{tmp_path}/000000.tar", f"file:{tmp_path}/sub/../000000.tar"]):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        with pytest.raises(DataError, match=r"names shard '.*\.tar' twice"):
+            make_loader(spec, num_samples=16, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=cfg())
+
+
+def test_a_list_of_manifests_is_refused_in_one_line(tmp_path):
+    """A list names shards: a manifest in it would be read as a tar and called corrupt."""
+    a, _ = write_shards(tmp_path / "a", [4, 4], size=8)
+    b, _ = write_shards(tmp_path / "b", [4, 4], size=8)
+    for n in (0, 16):
+        with pytest.raises(DataError, match="a manifest: a list names shards; give one manifest.json"):
+            make_loader([a, b], num_samples=n, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=cfg())
+
+
 def _indexed(tmp_path, sizes: dict[int, int], shards: int = 2):
     """A ShardSet whose label index lists `sizes[c]` samples of class c over `shards` shards; the
     shards themselves are never read (a subset is drawn from the index alone)."""

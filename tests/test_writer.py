@@ -391,6 +391,19 @@ def test_bad_sources(tmp_path: Path):
         write_shards(tmp_path / "huge.tar", tmp_path / "o7", progress=False)
 
 
+def test_a_class_folder_without_images_is_refused(folder: Path, tmp_path: Path):
+    """A zip's __MACOSX folder (its '._x.jpg' are no images) sorts first: as a class it took label
+    0 and shifted every real class's label by one (torchvision's ImageFolder refuses it too)."""
+    junk = folder / "__MACOSX" / CLASSES[0]
+    junk.mkdir(parents=True)
+    (junk / "._000.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    with pytest.raises(ShardError, match=r"class folder\(s\) '__MACOSX' hold no readable image .*remove the folder"):
+        write_shards(folder, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    shutil.rmtree(folder / "__MACOSX")
+    assert write_shards(folder, tmp_path / "out", progress=False)["classes"] == sorted(CLASSES)
+
+
 def test_a_phones_jpeg_and_long_file_names_are_written(tmp_path: Path):
     """A JPEG with a multi-picture segment (Pillow's MPO, what phones write as .jpg) was a KeyError
     that stopped the run, and names past the 100 bytes of a ustar header were skipped as

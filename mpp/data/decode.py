@@ -34,11 +34,12 @@ SKIP_KINDS = {
     "bad_label": "'cls' that is not an integer in [0, number of classes)",
     "missing_label": "sample without a 'cls' member in a labeled (supervised / classify / probe) loader",
     "truncated_tar": "shard that ends mid-archive (its last, possibly incomplete sample is dropped)",
-    "corrupt_tar": ("shard whose tar headers are malformed or declare an oversized image or label (the rest of "
-                    "it is lost)"),
+    "corrupt_tar": ("shard whose tar headers are malformed or declare an oversized image or label, or that is "
+                    "compressed other than by gzip, bzip2 or xz (the rest of it is lost)"),
     "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
-    "dropped": "samples beyond a rank's expected count (shards without exact counts in a manifest)",
+    "dropped": ("samples beyond a rank's expected count (shards without exact counts in a manifest, or a "
+                "manifest that undercounts its shards)"),
 }
 # what PIL and libjpeg-turbo raise on corrupt, truncated or hostile bytes (a bug in our code still
 # raises): KeyError (simplejpeg on an unknown chroma subsampling), TypeError and OverflowError (PIL
@@ -55,7 +56,7 @@ class DataError(ValueError):
 def read_label(raw: bytes, num_classes: int | None) -> int:
     """The integer in a `cls` member; ValueError when it is not one or is out of range."""
     label = int(raw.decode("ascii").strip())
-    if label < 0 or (num_classes is not None and label >= num_classes):
+    if label < 0 or label >= (num_classes if num_classes is not None else 2**31):  # a class index, not damage
         raise ValueError(f"label {label} out of range")
     return label
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
+import lzma
 import logging
 import os
 import re
@@ -178,7 +179,19 @@ def resolve(spec, num_samples: int = 0, count_key: str = "data.num_samples / dat
             return shards
         urls = list(braceexpand.braceexpand(spec))
     else:
+        if manifests := [s for s in spec if str(s).endswith(".json")]:
+            raise DataError(f"data spec {list(spec)!r} lists {manifests[0]!r}, a manifest: a list names shards; "
+                            "give one manifest.json (or its folder), or list the shards' tar files")
         urls = [u for s in spec for u in braceexpand.braceexpand(s)]
+    seen: dict[str, str] = {}
+    for url in urls:  # ranks and workers would read its samples twice, as a manifest's check says
+        local = local_path(url)
+        same = os.path.realpath(local) if local is not None else url
+        if same in seen:
+            also = f" (as {seen[same]!r} before)" if seen[same] != url else ""
+            raise DataError(f"data spec {spec!r} names shard {url!r} twice{also}: no sample may be read twice in an "
+                            "epoch; give each shard once (check overlapping brace ranges)")
+        seen[same] = url
     if num_samples <= 0:
         raise CountNeeded(f"data spec {spec!r} is not a manifest.json: give its total sample count ({count_key})")
     _check_local(urls)
@@ -274,7 +287,8 @@ def _error_kind(errors: list[Exception]) -> str:
     """The skip counter for a shard that ended with these errors."""
     if all(isinstance(e, (TruncatedTar, EOFError)) for e in errors):
         return "truncated_tar"
-    if all(isinstance(e, (TruncatedTar, EOFError, CorruptTar, gzip.BadGzipFile, zlib.error)) for e in errors):
+    if all(isinstance(e, (TruncatedTar, EOFError, CorruptTar, gzip.BadGzipFile, zlib.error, lzma.LZMAError))
+           for e in errors):
         return "corrupt_tar"
     return "unreadable_shard"
 

@@ -263,9 +263,15 @@ class _ShardStream(IterableDataset):
             samples = shuffle(samples, self.shuffle_buffer, self.shuffle_bytes,
                               random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}:buffer"))
         num_classes = len(self.shards.classes) if self.shards.classes else None
+        # a following worker sends no more than its ticks (see _ticks): where a manifest undercounts
+        # its shards, the surplus is dropped and counted, not held by the main process ever longer
+        most = self._ticks(epoch) if self.follow else math.inf
         images, labels, sent = [], [], 0
         try:  # decode only as many samples as the batch still needs: batches stay in stream order
             while chunk := list(itertools.islice(samples, self.batch_size - len(images))):
+                if sent == most:
+                    skips["dropped"] = skips.get("dropped", 0) + len(chunk) + sum(1 for _ in samples)
+                    break
                 got = decode_batch(chunk, self.transform, rng, labeled=self.labeled, num_classes=num_classes,
                                    max_pixels=self.max_pixels, skips=skips)
                 images += got[0]
@@ -280,8 +286,8 @@ class _ShardStream(IterableDataset):
         if images:
             yield self._batch(images, labels, worker, epoch, skips)
             sent += 1
-        if self.follow:  # see _ticks
-            for _ in range(self._ticks(epoch) - sent):
+        if self.follow:
+            for _ in range(most - sent):
                 yield {"worker": worker, "epoch": epoch, "tick": True}
         yield {"worker": worker, "epoch": epoch, "skips": dict(skips), "end": True}  # the final counts
         return True

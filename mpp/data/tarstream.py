@@ -1,4 +1,4 @@
-"""A fast, bounded reader of the regular-file members of a (plain or gzip) tar stream.
+"""A fast, bounded reader of the regular-file members of a (plain, gzip, bzip2 or xz) tar stream.
 
 Python's tarfile costs several times more per member than this (docs/benchmarks.md) and its stream
 mode ends silently at a truncated header. This reader handles what shard writers produce (ustar +
@@ -10,7 +10,9 @@ header block moves the stream forward, so any byte string ends in bounded time a
 """
 from __future__ import annotations
 
+import bz2
 import gzip
+import lzma
 import tarfile
 import zlib
 from typing import BinaryIO, Callable, Iterator
@@ -129,15 +131,22 @@ class _Prefixed:
         return False
 
 
-def _gunzipped(f: BinaryIO) -> BinaryIO:
-    """`f`, or its decompressed stream if it starts as gzip does (.tar.gz shards), from any source:
-    webdataset's pipe and HTTP streams cannot peek, so their first bytes are read and put back."""
+def _decompressed(f: BinaryIO) -> BinaryIO:
+    """`f`, or its decompressed stream where it starts as gzip, bzip2 or xz does (.tar.gz, .tar.bz2,
+    .tar.xz shards, all of which webdataset's reader takes), from any source: webdataset's pipe and
+    HTTP streams cannot peek, so their first bytes are read and put back."""
     if hasattr(f, "peek"):
-        head = f.peek(2)[:2]
+        head = f.peek(6)[:6]
     else:
-        head = f.read(2)
+        head = f.read(6)
         f = _Prefixed(head, f)
-    return gzip.GzipFile(fileobj=f) if head == b"\x1f\x8b" else f
+    if head.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=f)
+    if head.startswith(b"BZh"):
+        return bz2.BZ2File(f)
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(f)
+    return f
 
 
 def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None, max_member: int = MAX_MEMBER,
@@ -146,7 +155,7 @@ def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None, max_memb
     only of the names it accepts (the others are skipped without being held in memory, whatever
     their size; with `unread`, yielded as (name, None), so that a caller still sees every name).
     A member larger than `max_member` bytes that would be read raises CorruptTar."""
-    f = _gunzipped(f)
+    f = _decompressed(f)
     seekable = f.seekable() if hasattr(f, "seekable") else False
     pax: dict[str, str] = {}
     longname = None

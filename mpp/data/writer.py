@@ -249,6 +249,11 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
         if not shards:
             raise ShardError(f"no readable images to write ({len(skipped)} files skipped"
                              + (f", e.g. {skipped[0]})" if skipped else ")"))
+        written = {label for shard in labels for _, label in shard}
+        if classes and (empty := [c for i, c in enumerate(classes) if i not in written]):
+            raise ShardError(f"class folder(s) {', '.join(map(repr, empty[:5]))} hold no readable image ({len(skipped)} "
+                             "files skipped): an empty class would shift the labels of every class after it; remove "
+                             "the folder (e.g. __MACOSX) or put its images in it")
         index = json.dumps(labels).encode()
         manifest = {
             "num_samples": sum(s["num_samples"] for s in shards),
