@@ -64,7 +64,7 @@ from mpp.config import (RESULT_NEUTRAL, TOOL_DEFAULTS, CompareConfig, Config, Co
                         flatten, load_config, parse_overrides, read_yaml, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import DATA_KEYS, data_key
+from mpp.specs import DATA_KEYS, data_key, local_path
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -315,12 +315,14 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
     """The probe override that chooses every linear probe's representation and L2 on the development
     split of all the labels (`probe.dev_split`), the one a 100%-label fine-tune draws, drawn (and
     withheld, `_withheld`) even where none runs or nothing is swept, instead of on a held-out part of
-    the training features, which the supervised pre-training fitted. Nothing where the probe reads
-    other data than the fine-tunes; the comparison's `overrides` come after it. A config that does
-    not load is left to `validate`."""
+    the training features, which the supervised pre-training fitted. A probe of other data than
+    the fine-tunes' (a pre-training's own, say) draws the split of the same seed and fraction from
+    its data, withheld as well from a pre-training on them. The comparison's `overrides` come after
+    it. A config that does not load is left to `validate`."""
     try:
         train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
-        splits = sorted(s[2:] for s in _dev_splits(cfg, [1.0], unswept=True) if s[0] == data_key(train))
+        drawn = _dev_splits(cfg, [1.0], unswept=True)
+        splits = sorted(s[2:] for s in drawn if s[0] == data_key(train)) or sorted(s[2:] for s in drawn)
     except ConfigError:
         return []
     return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
@@ -359,6 +361,15 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
         except ConfigError as e:
             raise ConfigError(f"stage '{s.name}' ({s.config}): {e}") from None
     _check_training(cfg, stages, resolved, machine)
+    points: dict[tuple, str] = {}
+    for s in stages:  # two spellings of one value ('0.01', 0.010) would train one recipe twice, a false toss-up
+        if s.out.name.startswith("sweep_"):
+            same = {k: v for k, v in flatten(to_dict(resolved[s.out])).items() if k != "output_dir"}
+            key = (s.out.parent, json.dumps(same, sort_keys=True, default=str))
+            if key in points:
+                raise ConfigError(f"stages '{points[key]}' and '{s.name}' resolve to the same settings: the sweep "
+                                  "names one value twice; give each value once")
+            points[key] = s.name
     for s in stages:  # each stage trains what its arm needs, and a fine-tune has test images
         c, need = resolved[s.out], {"pretrain": s.arm, "finetune": "classify"}.get(s.tool)
         if need and c.objective != need:
@@ -509,7 +520,7 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
     A fine-tune's test images must feed its `processes` (a shard each at least). `resolved`:
     `validate`'s configs of the stages."""
     from mpp.data.decode import DataError
-    from mpp.data.sources import check_feeds, resolve
+    from mpp.data.sources import check_feeds, check_same_classes, resolve
     from mpp.data.stream import select_shards
     from mpp.evaluators.fewshot import Evaluator as FewshotEvaluator
     from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
@@ -528,12 +539,36 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
                 if key not in done:
                     select_shards(spec, n, labeled, subset, withhold)
                     done.add(key)
+            if s.tool in ("linear_probe", "finetune"):  # as each checks its test images' classes at its start
+                check_same_classes(c.data.train, c.data.val, c.data.val_num_samples)
             if s.tool == "finetune":  # its final evaluation splits data.val over the launcher's processes
                 check_feeds(resolve(c.data.val, c.data.val_num_samples), processes, "data.val")
             if trained and c.fewshot.every:  # the trainer's few-shot evaluator: its sets, as it checks them
                 FewshotEvaluator(c, "cpu")
         except (DataError, ValueError) as e:
             raise DataError(f"stage '{s.name}' ({s.config}): {e}") from None
+    _check_withheld_spelling(stages, resolved)
+
+
+def _check_withheld_spelling(stages: list[Stage], resolved: dict[Path, Config]) -> None:
+    """A pre-training withholds the development splits drawn from the data it names the same way
+    (`data_key`); one that reads those shards under another name (a brace pattern over a manifest's
+    tars) would train on them, and is refused. Run once the data are made."""
+    from mpp.data.decode import DataError
+    from mpp.data.sources import resolve
+
+    def files(c: Config) -> set[str]:
+        urls = resolve(c.data.train, c.data.num_samples or 1).urls
+        return {os.path.realpath(p) if (p := local_path(u)) is not None else u for u in urls}
+    chosen = {data_key(c.data.train): c for s in stages for c in [resolved[s.out]]
+              if (s.tool == "finetune" and c.finetune.dev_fraction > 0) or (s.tool == "linear_probe" and c.probe.dev_split)}
+    for s in (s for s in stages if s.tool == "pretrain"):
+        c = resolved[s.out]
+        for key, dev in chosen.items():
+            if key != data_key(c.data.train) and files(c) & files(dev):
+                raise DataError(f"stage '{s.name}' ({s.config}) trains on data.train {c.data.train!r}, the shards of "
+                                f"{dev.data.train!r} under another name, so the development splits drawn from those "
+                                "cannot be withheld from it; name both data the same way (the manifest)")
 
 
 def check_unchanged(stage: Stage, finished: bool = True) -> None:

@@ -528,6 +528,13 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if cfg.pretrain_seeds > 1 and "seed" in {o.split("=", 1)[0].strip() for o in as_list(cfg.pretrain_overrides)}:
         raise ConfigError("compare config key 'pretrain_overrides' sets seed, which the repeats would ignore: with "
                           "pretrain_seeds > 1 they take seeds 0..N-1 themselves")
+    chosen = set(cfg.sweep) | ({"finetune.pool"} if cfg.finetune_pool == "auto" else set())
+    lost = sorted(k for k in {o.split("=", 1)[0].strip() for o in as_list(cfg.overrides)} & chosen
+                  if k.startswith("finetune."))  # read by the fine-tunes alone, each of which sets it after
+    if lost:
+        raise ConfigError(f"compare config key 'overrides' sets {', '.join(lost)}, which the sweep or finetune_pool: "
+                          "auto sets for every fine-tune after it (it would reach no stage); leave it out, or set "
+                          "finetune_pool: config to take finetune.pool from the overrides")
     if "auto" in cfg.sweep.get("finetune.pool", ()):
         raise ConfigError("compare config key 'sweep' gives finetune.pool the value auto, with which a final fine-tune "
                           "would choose its representation on its own training labels; sweep token and avg (or "
@@ -537,10 +544,11 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         if not all(isinstance(o, str) for o in extra):
             raise ConfigError(f"compare config key 'fraction_overrides' gives label fraction {frac} {extra!r}; give "
                               f"key=value overrides, e.g. {{{frac}: [steps=2400]}}")
-        taken = {o.split("=", 1)[0].strip() for o in extra} & (set(SET_BY_COMPARE) | set(cfg.sweep))
+        taken = {o.split("=", 1)[0].strip() for o in extra} & (set(SET_BY_COMPARE) | chosen)
         if taken:
             raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(taken))} for label "
-                              f"fraction {frac}, which the comparison or its sweep sets; override other keys")
+                              f"fraction {frac}, which the comparison, its sweep or finetune_pool: auto sets; "
+                              "override other keys")
     if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
                           f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")

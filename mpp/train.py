@@ -348,7 +348,8 @@ def loop(run: Run) -> None:
             for name, every, evaluator in run.periodic:
                 if main and done % every == 0:
                     for k, v in evaluator.run(run.task.encoder).items():
-                        run.writer.add_scalar(f"{name}/{k}", v, done)
+                        if v is not None:  # a std of one draw
+                            run.writer.add_scalar(f"{name}/{k}", v, done)
             profiler.step()
         # one that came during the last step's checkpoint or evaluators: that checkpoint is the run's last
         if run.start < run.steps and sigterm.now(accelerator, window=True):

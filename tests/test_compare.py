@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import os
 import re
 import subprocess
@@ -236,6 +237,19 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
 def test_bad_sweep_fails_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="sets itself"):
         load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {seed: [0, 1]}\n"))
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
+                              ['sweep={optim.lr: [0.01, "0.010"]}'])  # one value twice: one recipe, a false toss-up
+    with pytest.raises(ConfigError, match="sweep optim.lr=0.01' and .*sweep optim.lr=0.010' resolve to the same"):
+        validate(cfg, plan(cfg), machine=False)
+    # a fine-tune key that the sweep, or finetune_pool: auto, sets after the overrides would reach no stage
+    for compare_extra, overrides in ((SWEEP, ["overrides=[finetune.pool=avg]"]),
+                                     (SWEEP, ["fraction_overrides={0.5: [finetune.pool=avg]}"]),
+                                     ("sweep: {finetune.layer_decay: [0.5, 0.75]}\n",
+                                      ["overrides=[finetune.layer_decay=0.9]"])):
+        with pytest.raises(ConfigError, match=r"sets finetune\.(pool|layer_decay).* sweep"):
+            load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=compare_extra), overrides)
+    load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP + "finetune_pool: config\n"),
+                        ["overrides=[finetune.pool=avg]"])  # there the overrides' pool is every fine-tune's
     with pytest.raises(ConfigError, match="non-empty lists"):
         load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lr: 0.1}\n"))
     cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lrr: [1]}\n"))
@@ -453,6 +467,23 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
         resolved = validate(cfg, stages)
         with pytest.raises(DataError, match=match):
             check_data(stages, resolved)
+    shards = sorted((tmp_path / "d/train").glob("*.tar"))  # the fine-tunes' shards by a pattern: none withheld
+    cfg = load_compare_config(path, [f'pretrain_overrides=["data.train={tmp_path}/d/train/{{000000..'
+                                     f'{len(shards) - 1:06d}}}.tar",data.num_samples=120]'])
+    stages = plan(cfg)
+    with pytest.raises(DataError, match="pre-train mpp.*the shards of .*under another name.*name both data the same"):
+        check_data(stages, validate(cfg, stages))
+    other = tmp_path / "other"  # the test images under another class order: a typo for another data set
+    shutil.copytree(tmp_path / "d/test", other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["classes"] = m["classes"][::-1]
+    (other / "manifest.json").write_text(json.dumps(m))
+    for extra, overrides, match in (("", [f"fraction_overrides.0.5=[data.val={other}]"], "fine-tune scratch, 50% la"),
+                                    (f", data.val={other}", [], "linear probe mpp")):
+        cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", stage_extra=extra), overrides)
+        stages = plan(cfg)
+        with pytest.raises(DataError, match=f"{match}.*data.val '{other}' has other classes than data.train"):
+            check_data(stages, validate(cfg, stages))  # each stage refused it at its start: after the pre-trainings
     cfg = load_compare_config(path, ["pretrain_overrides=[fewshot.every=2,fewshot.train=]"])
     with pytest.raises(ConfigError, match="pre-train mpp.*'fewshot.every' > 0 needs labeled shards"):
         validate(cfg, plan(cfg))  # no few-shot set at all: refused with the stage's settings, earlier still
@@ -967,6 +998,15 @@ def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     off = plan(load_compare_config(path, ["overrides=['probe.dev_split=[]']"]))
     assert all(load_config(s.config, s.args()).probe.dev_split == ()
                for s in off if s.tool == "linear_probe")
+    # probes (and pre-trainings) on other data than the fine-tunes: the split of the same seed and
+    # fraction, drawn from the probes' data and withheld there (they chose on a held-out part of
+    # training features the supervised pre-training fitted)
+    other = tmp_path / "other"
+    transfer = plan(load_compare_config(path, [f"fraction_overrides={{0.5: [data.train={other}], "
+                                               f"1.0: [data.train={other}]}}"]))
+    assert splits(transfer) == [["probe.dev_split=[0,0.1]"]] * 3  # the unswept comparison written last
+    assert [[o for o in s.overrides if o.startswith("data.withhold=")] for s in transfer if s.tool == "pretrain"] == [
+        ["data.withhold=[[1.0,0,0.1]]"]] * 2
 
 
 def test_runner_up_false_plans_no_retrains_of_other_choices(tmp_path):

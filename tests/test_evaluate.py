@@ -75,6 +75,8 @@ def test_fewshot_eval_separable_and_deterministic():
         assert [outcomes.read(e)[1].mean() for e in full[f"{k}shot_outcomes"]] == full[f"{k}shot_draws"]
         assert out[f"{k}shot_std"] == pytest.approx(np.std(full[f"{k}shot_draws"], ddof=1))
         assert out[f"{k}shot_mean"] == pytest.approx(np.mean(full[f"{k}shot_draws"]))
+    one = fewshot_eval(x, y, xt, yt, shots=(1, 5), seeds=1, l2=1024.0)  # one draw: no spread to show, not 0
+    assert one["1shot_std"] is None and one["5shot_std"] is None and one["5shot_mean"] > 0.9
 
 
 def test_linear_probe_separable_beats_chance():

@@ -81,7 +81,7 @@ def fewshot_eval(train_x, train_y, test_x, test_y, *, shots, seeds: int, l2: flo
     for k, c in correct.items():
         a = [float(x.mean()) for x in c]
         out[f"{k}shot_mean"] = float(np.mean(a))
-        out[f"{k}shot_std"] = float(np.std(a, ddof=1)) if len(a) > 1 else 0.0
+        out[f"{k}shot_std"] = float(np.std(a, ddof=1)) if len(a) > 1 else None  # one draw shows no spread
         if draws:
             out[f"{k}shot_draws"] = a
             out[f"{k}shot_outcomes"] = [outcomes.record(x, test_y.numpy()) for x in c]
