@@ -50,7 +50,7 @@ def fewshot_correct(train_x, train_y, test_x, test_y, num_classes: int, l2: floa
 def fewshot_eval(train_x, train_y, test_x, test_y, *, shots, seeds: int, l2: float,
                  num_classes: int | None = None, draws: bool = False) -> dict:
     """`{k}shot_mean` / `{k}shot_std` accuracy over `seeds` draws of k training samples per class
-    (sample std; 0 for one draw).
+    (sample std; None for one draw).
 
     As big_vision: seed s permutes each class's indices with numpy's default_rng(s), the k shots
     are the first k of that permutation (nested across k); a class with fewer than k samples
