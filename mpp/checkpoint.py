@@ -18,7 +18,9 @@ need full unpickling to load.)
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import random
 import shutil
 from pathlib import Path
@@ -63,7 +65,22 @@ def _misstated(state: dict) -> list[str]:
             if k not in bad and state.get(k, 0) < 0]
     if "skipped" not in bad and not all(fits(n, int) and n >= 0 for n in state.get("skipped", {}).values()):
         bad.append("skipped")
+    if not _sound_scaler(state.get("scaler", ())):
+        bad.append("scaler")
     return bad
+
+
+def _sound_scaler(s) -> bool:
+    """A GradScaler's state (None: no scaler; {}: a disabled one) that fp16 training can go on
+    from: a NaN or zero scale makes every step an overflow, and it never recovers."""
+    def number(v, low: float, high: float = math.inf, kind=(int, float)) -> bool:
+        return isinstance(v, kind) and not isinstance(v, bool) and low < v < high
+    if s is None or s == {}:
+        return True
+    return (isinstance(s, dict) and set(s) == {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                                               "_growth_tracker"}
+            and number(s["scale"], 0) and number(s["growth_factor"], 1) and number(s["backoff_factor"], 0, 1)
+            and number(s["growth_interval"], 0, kind=int) and number(s["_growth_tracker"], -1, kind=int))
 
 
 def rng_state() -> dict:
@@ -88,10 +105,15 @@ def set_rng_state(state: dict) -> None:
     cuda, gpus = state["cuda"], torch.cuda.device_count()
     if cuda and len(cuda) == gpus:
         torch.cuda.set_rng_state_all(cuda)
-    elif cuda:  # another node shape (torch would index past this node's GPUs), or the GPUs hidden
+    elif gpus:  # none saved (CUDA unused then), or another node shape (torch would index past this node's
+        # GPUs): seeded from this rank's restored CPU RNG, as every rank left at the run's seed would draw
+        # the same corruption
+        torch.cuda.manual_seed_all(int.from_bytes(hashlib.sha256(state["torch"].numpy().tobytes()).digest()[:8],
+                                                  "little"))
+    if cuda and len(cuda) != gpus:
         log.warning("warning: the checkpoint holds the CUDA RNG states of %d GPUs and this process sees %d: the "
-                    "CUDA RNG goes on from the seed (a run resumed on other hardware is not bit-exact anyway)",
-                    len(cuda), gpus)
+                    "CUDA RNG goes on from a seed of this rank's (a run resumed on other hardware is not bit-exact "
+                    "anyway)", len(cuda), gpus)
 
 
 def checkpoint_name(step: int) -> str:
@@ -179,8 +201,11 @@ def _check_optimizer_state(optimizer, saved) -> None:
     for i, st in per_param.items():
         if not isinstance(i, int) or not 0 <= i < len(params) or not isinstance(st, dict):
             raise ValueError(f"state.pt's optimizer state names parameter {i!r} of {len(params)}")
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and (v.numel() != 1 if k == "step" else v.shape != params[i].shape):
+        for k, v in st.items():  # torch's own optimisers keep only tensors there: a list crashed the first step
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ValueError(f"state.pt's optimizer state {k} of parameter {i} is a {type(v).__name__}"
+                                 f"{f' of {v.dtype}' if isinstance(v, torch.Tensor) else ''}, not a float tensor")
+            if v.numel() != 1 if k == "step" else v.shape != params[i].shape:
                 raise ValueError(f"state.pt's optimizer state {k} of parameter {i} has shape {tuple(v.shape)}, "
                                  f"its parameter {tuple(params[i].shape)}")
 
@@ -231,7 +256,7 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
     optimizer.load_state_dict(state.pop("optimizer"))
     for group, mine in zip(optimizer.param_groups, settings):  # this run's optim.* (a change is warned of)
         group.update(mine)
-    scaler = state.pop("scaler")
+    scaler = state.pop("scaler", None)
     if accelerator.scaler is not None and scaler is not None:
         accelerator.scaler.load_state_dict(scaler)
     set_rng_state(torch.load(path / f"rng_{accelerator.process_index}.pt", weights_only=True))

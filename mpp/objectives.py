@@ -285,7 +285,11 @@ class Task(nn.Module):
     def __init__(self, encoder: nn.Module, data_cfg):
         super().__init__()
         self.encoder = encoder
-        self.mean, self.std = tuple(data_cfg.mean), tuple(data_cfg.std)
+        # data.mean and data.std on the model's device, as it moves: numbers copied to a GPU at every step
+        # would wait there for all the work queued on it. Not in checkpoints, nor broadcast by DDP.
+        self.register_buffer("norm_mean", torch.tensor(tuple(data_cfg.mean)).view(-1, 1, 1), persistent=False)
+        self.register_buffer("norm_std", torch.tensor(tuple(data_cfg.std)).view(-1, 1, 1), persistent=False)
+        self._ddp_params_and_buffers_to_ignore = ["norm_mean", "norm_std"]
 
     @classmethod
     def encoder_for(cls, cfg) -> nn.Module:
@@ -327,7 +331,7 @@ class Task(nn.Module):
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"images must be uint8 (B, 3, H, W), got {images.dtype} {tuple(images.shape)}")
         images01 = to_float01(images)
-        return images01, normalize(images01, self.mean, self.std)
+        return images01, normalize(images01, self.norm_mean, self.norm_std)
 
     def no_weight_decay(self) -> set[str]:
         return {f"encoder.{n}" for n in self.encoder.no_weight_decay()}

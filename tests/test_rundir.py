@@ -112,7 +112,7 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
 
 def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(run, tmp_path, caplog):
     """rng_0.pt written where the process saw more GPUs (another node shape): the run resumes, its
-    CUDA RNG going on from the seed with a warning; torch would fail on the missing devices, and
+    CUDA RNG going on from a seed of its own with a warning; torch would fail on the missing devices, and
     every checkpoint would then read as damaged."""
     data, done = run
     out = unfinished(done, tmp_path / "run")
@@ -128,6 +128,24 @@ def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(ru
     assert f"CUDA RNG states of {gpus} GPUs and this process sees {gpus - 2}" in caplog.text
     a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)  # the CPU's RNG and everything else restored
+
+
+def test_a_cuda_rng_not_restored_is_seeded_per_rank_not_left_at_the_runs_seed(monkeypatch):
+    """A checkpoint without this node's CUDA RNG states (a CPU run's, another node shape's) left the
+    CUDA RNG at the run's seed, the same on every rank: each rank drew the same corruption. It is
+    seeded from the rank's restored CPU RNG: ranks differ, a rank resumed twice draws alike."""
+    from mpp.checkpoint import rng_state, set_rng_state
+    seeds = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeds.append)
+    states = []
+    for rank in (0, 1, 0):
+        torch.manual_seed(100 + rank)  # each rank's own CPU stream, as a fresh run seeds it
+        states.append({**rng_state(), "cuda": []})
+    seeds.clear()  # torch.manual_seed seeds CUDA too
+    for st in states:
+        set_rng_state(st)
+    assert len(seeds) == 3 and seeds[0] != seeds[1] and seeds[0] == seeds[2]
 
 
 def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path):
@@ -278,6 +296,12 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
     (lambda s: s.update(overflow_run=-1), "overflow_run"),
     (lambda s: s.update(last={1: 0.5}), "last"),
     (lambda s: s.pop("elapsed"), "elapsed"),
+    # an fp16 run's loss scale: NaN or 0 makes every step an overflow, for good
+    (lambda s: s.update(scaler={"scale": float("nan"), "growth_factor": 2.0, "backoff_factor": 0.5,
+                                "growth_interval": 2000, "_growth_tracker": 0}), "scaler"),
+    (lambda s: s.update(scaler={"scale": 0.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                "growth_interval": 2000, "_growth_tracker": 0}), "scaler"),
+    (lambda s: s.update(scaler={"scale": "65536"}), "scaler"),
 ])
 def test_a_crafted_state_is_refused_whole_before_the_run_reads_it(tmp_path, edit, key):
     """Every plain value a resumed run reads from state.pt (counters, start-up figures, inputs) is
@@ -294,6 +318,8 @@ def test_a_crafted_state_is_refused_whole_before_the_run_reads_it(tmp_path, edit
     path = save_checkpoint(accelerator, tmp_path, 3, model, optimizer, scheduler, state)
     assert load_checkpoint(accelerator, path, model, optimizer)["begun"] == {"pool": "avg"}
     saved = torch.load(path / "state.pt", weights_only=True)
+    torch.save({**saved, "scaler": torch.amp.GradScaler("cpu").state_dict()}, path / "state.pt")
+    load_checkpoint(accelerator, path, model, optimizer)  # an fp16 run's sound scaler state loads
     edit(saved)
     torch.save(saved, path / "state.pt")
     with pytest.raises(ValueError, match=f"state.pt lacks, mistypes or misstates {key}$"):
@@ -320,6 +346,8 @@ def test_a_checkpoint_naming_an_unknown_pool_is_refused_in_one_line():
 @pytest.mark.parametrize("edit", [
     lambda o: o["state"][0].update(exp_avg=torch.zeros(3)),  # a fused kernel would write past its end
     lambda o: o["state"][0].update(step=torch.zeros(2)),
+    lambda o: o["state"][0].update(exp_avg=o["state"][0]["exp_avg"].tolist()),  # torch loads it; the step crashed
+    lambda o: o["state"][0].update(exp_avg_sq=o["state"][0]["exp_avg_sq"].long()),
     lambda o: o["state"].update({7: o["state"][0]}),
     lambda o: o.pop("param_groups"),
     # the weight's and the bias's ids swapped: torch gives state[k] to the parameter where id k is listed,

@@ -39,8 +39,10 @@ def to_float01(images: torch.Tensor) -> torch.Tensor:
     return images.to(torch.float32).div_(255.0)
 
 
-def normalize(images01: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """(images01 - mean) / std per channel; mean/std are 3 numbers (e.g. data.mean, data.std)."""
+def normalize(images01: torch.Tensor, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor
+              ) -> torch.Tensor:
+    """(images01 - mean) / std per channel; mean/std are 3 numbers (e.g. data.mean, data.std), or
+    tensors of them on the images' device (numbers are copied there on every call)."""
     m = torch.as_tensor(mean, dtype=images01.dtype, device=images01.device).view(-1, 1, 1)
     s = torch.as_tensor(std, dtype=images01.dtype, device=images01.device).view(-1, 1, 1)
     return (images01 - m) / s
