@@ -111,9 +111,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.manual_seed_all(int.from_bytes(hashlib.sha256(state["torch"].numpy().tobytes()).digest()[:8],
                                                   "little"))
     if cuda and len(cuda) != gpus:
-        log.warning("warning: the checkpoint holds the CUDA RNG states of %d GPUs and this process sees %d: the "
-                    "CUDA RNG goes on from a seed of this rank's (a run resumed on other hardware is not bit-exact "
-                    "anyway)", len(cuda), gpus)
+        log.warning("warning: the checkpoint holds the CUDA RNG states of %d GPUs and this process sees %d: %s (a "
+                    "run resumed on other hardware is not bit-exact anyway)", len(cuda), gpus,
+                    "the CUDA RNG goes on from a seed of this rank's" if gpus else "they are not used")
 
 
 def checkpoint_name(step: int) -> str:

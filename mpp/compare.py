@@ -317,15 +317,26 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
     withheld, `_withheld`) even where none runs or nothing is swept, instead of on a held-out part of
     the training features, which the supervised pre-training fitted. A probe of other data than
     the fine-tunes' (a pre-training's own, say) draws the split of the same seed and fraction from
-    its data, withheld as well from a pre-training on them. The comparison's `overrides` come after
-    it. A config that does not load is left to `validate`."""
+    its data, withheld as well from a pre-training on them, where they are named by a manifest (a
+    shard list or pattern has no label index to draw it from). The comparison's `overrides` come
+    after it. A config that does not load is left to `validate`."""
     try:
         train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
         drawn = _dev_splits(cfg, [1.0], unswept=True)
-        splits = sorted(s[2:] for s in drawn if s[0] == data_key(train)) or sorted(s[2:] for s in drawn)
+        splits = sorted(s[2:] for s in drawn if s[0] == data_key(train)) or (
+            sorted(s[2:] for s in drawn) if _manifest_named(train) else [])
     except ConfigError:
         return []
     return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
+
+
+def _manifest_named(spec) -> bool:
+    """Whether a data spec names a manifest (its file or folder), as `mpp.data.sources.resolve`
+    reads it, not a shard list or pattern (said from the spelling: the data may not be made yet)."""
+    if isinstance(spec, (list, tuple)):
+        spec = spec[0] if len(spec) == 1 else ""
+    return bool(spec) and isinstance(spec, str) and "{" not in spec and not re.search(
+        r"\.(tar(\.\w+)?|tgz)$", spec)
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256
@@ -528,16 +539,19 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
     for s in stages:
         c = resolved[s.out]
         trained = OBJECTIVES[c.objective] if s.tool in ("pretrain", "finetune") else None
-        reads = [(c.data.train, c.data.num_samples, trained is not None and trained.labeled,
-                  trained.subset(c) if trained else None, c.data.withhold if trained else ())]
+        # data.train as the stage's loader reads it (a probe's: its development split, where it has one)
+        subset = trained.subset(c) if trained else (1.0, *c.probe.dev_split, True) if (
+            s.tool == "linear_probe" and c.probe.dev_split) else None
+        reads = [(c.data.train, c.data.num_samples, trained is not None and trained.labeled or subset is not None,
+                  subset, c.data.withhold if trained else (), trained is not None and c.data.resampled)]
         # data.val: the test images of probes and fine-tunes, and the figures' images (the first MPP pre-training's)
         if c.data.val and (s.tool != "pretrain" or (s.arm == "mpp" and s.pretrain_seed == 0)):
-            reads.append((c.data.val, c.data.val_num_samples, False, None, ()))
+            reads.append((c.data.val, c.data.val_num_samples, False, None, (), False))
         try:
-            for spec, n, labeled, subset, withhold in reads:
-                key = json.dumps([spec, n, labeled, subset, withhold])
+            for spec, n, labeled, subset, withhold, repeats in reads:
+                key = json.dumps([spec, n, labeled, subset, withhold, repeats])
                 if key not in done:
-                    select_shards(spec, n, labeled, subset, withhold)
+                    select_shards(spec, n, labeled, subset, withhold, repeats)
                     done.add(key)
             if s.tool in ("linear_probe", "finetune"):  # as each checks its test images' classes at its start
                 check_same_classes(c.data.train, c.data.val, c.data.val_num_samples)

@@ -484,6 +484,11 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
         stages = plan(cfg)
         with pytest.raises(DataError, match=f"{match}.*data.val '{other}' has other classes than data.train"):
             check_data(stages, validate(cfg, stages))  # each stage refused it at its start: after the pre-trainings
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", stage_extra=", 'probe.dev_split=[0,0.999]'"),
+                              ['pretrain_overrides=["data.withhold=[]"]'])  # a probe's split that cannot be drawn
+    stages = plan(cfg)
+    with pytest.raises(DataError, match="linear probe mpp.*would take them all"):
+        check_data(stages, validate(cfg, stages))
     cfg = load_compare_config(path, ["pretrain_overrides=[fewshot.every=2,fewshot.train=]"])
     with pytest.raises(ConfigError, match="pre-train mpp.*'fewshot.every' > 0 needs labeled shards"):
         validate(cfg, plan(cfg))  # no few-shot set at all: refused with the stage's settings, earlier still
@@ -1007,6 +1012,13 @@ def test_probes_choose_on_the_development_split_of_all_the_labels(tmp_path):
     assert splits(transfer) == [["probe.dev_split=[0,0.1]"]] * 3  # the unswept comparison written last
     assert [[o for o in s.overrides if o.startswith("data.withhold=")] for s in transfer if s.tool == "pretrain"] == [
         ["data.withhold=[[1.0,0,0.1]]"]] * 2
+    # ... where they are named by a manifest: a pattern has no label index to draw a split from
+    pattern = plan(load_compare_config(
+        _write_configs(tmp_path, tmp_path / "data", stage_extra=f", 'data.train={tmp_path}/p/{{000000..000001}}.tar', "
+                                                               "data.num_samples=20"),
+        [f"fraction_overrides={{0.5: [data.train={other}], 1.0: [data.train={other}]}}"]))
+    assert splits(pattern) == [[]] * 3
+    assert not [o for s in pattern if s.tool == "pretrain" for o in s.overrides if o.startswith("data.withhold=")]
 
 
 def test_runner_up_false_plans_no_retrains_of_other_choices(tmp_path):

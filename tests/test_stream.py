@@ -672,6 +672,10 @@ def test_a_shard_listed_twice_is_refused(tmp_path):
         (tmp_path / "sub").mkdir(exist_ok=True)
         with pytest.raises(DataError, match=r"names shard '.*\.tar' twice"):
             make_loader(spec, num_samples=16, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=cfg())
+    # a resampled stream draws shards at random: a shard named twice is drawn twice as often, on purpose
+    loader = make_loader(spec, num_samples=16, batch_size=4, img_size=8, train=True, labeled=True,
+                         data_cfg=cfg(resampled=True, epoch_samples=16))
+    assert sum(len(b["image"]) for b in loader.epoch(0)) == 16
 
 
 def test_a_list_of_manifests_is_refused_in_one_line(tmp_path):

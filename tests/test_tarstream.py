@@ -129,9 +129,16 @@ def test_compressed_shards_read_from_any_source(tmp_path):
         got[url] = [{k: v for k, v in s.items() if k != "__url__"} for s in read_shard(url, skips)]
         assert not skips, (url, skips)
     assert len(set(map(repr, got.values()))) == 1 and len(got[plain]) == 2
-    for ext in ("bz2", "xz"):  # cut short: counted as such
+    for ext in ("gz", "bz2", "xz"):  # cut short, or damaged: counted as such
         whole = (tmp_path / f"s.tar.{ext}").read_bytes()
-        (tmp_path / f"cut.tar.{ext}").write_bytes(whole[:len(whole) // 2])
-        skips = {}
-        list(read_shard(str(tmp_path / f"cut.tar.{ext}"), skips))
-        assert skips == {"truncated_tar": 1}, ext
+        damaged = bytearray(whole)
+        damaged[len(whole) // 2:len(whole) // 2 + 16] = bytes(16)
+        for kind, data in (("truncated_tar", whole[:len(whole) // 2]), ("corrupt_tar", bytes(damaged))):
+            (tmp_path / f"bad.tar.{ext}").write_bytes(data)
+            skips = {}
+            list(read_shard(str(tmp_path / f"bad.tar.{ext}"), skips))
+            assert skips == {kind: 1}, (ext, kind)
+    # a plain tar whose first member's name starts as bzip2's magic ('BZh') is a plain tar
+    named = _tar(tmp_path / "named.tar", [("BZh_0001.jpg", b"a" * 300), ("BZh_0001.cls", b"1")])
+    skips = {}
+    assert [s["__key__"] for s in read_shard(named, skips)] == ["BZh_0001"] and not skips

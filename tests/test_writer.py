@@ -391,17 +391,26 @@ def test_bad_sources(tmp_path: Path):
         write_shards(tmp_path / "huge.tar", tmp_path / "o7", progress=False)
 
 
-def test_a_class_folder_without_images_is_refused(folder: Path, tmp_path: Path):
-    """A zip's __MACOSX folder (its '._x.jpg' are no images) sorts first: as a class it took label
-    0 and shifted every real class's label by one (torchvision's ImageFolder refuses it too)."""
-    junk = folder / "__MACOSX" / CLASSES[0]
-    junk.mkdir(parents=True)
-    (junk / "._000.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
-    with pytest.raises(ShardError, match=r"class folder\(s\) '__MACOSX' hold no readable image .*remove the folder"):
-        write_shards(folder, tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
-    shutil.rmtree(folder / "__MACOSX")
-    assert write_shards(folder, tmp_path / "out", progress=False)["classes"] == sorted(CLASSES)
+def test_folders_that_are_no_classes_take_no_label_and_an_empty_class_keeps_its_own(folder: Path, tmp_path: Path,
+                                                                                  caplog):
+    """A zip's __MACOSX folder (its '._x.jpg' are no images) sorts first: as a class it took label 0
+    and shifted every real class's label by one; it and hidden folders are no classes. A class
+    whose folder holds no image (a test split's) keeps its label, with a warning."""
+    for junk in ("__MACOSX", ".ipynb_checkpoints"):
+        (folder / junk / CLASSES[0]).mkdir(parents=True)
+        (folder / junk / CLASSES[0] / "._000.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    manifest = write_shards(folder, tmp_path / "out", progress=False)
+    assert manifest["classes"] == sorted(CLASSES)
+    for junk in ("__MACOSX", ".ipynb_checkpoints"):
+        assert [e for e in manifest["skipped"]["examples"] if e.startswith(f"{junk}/")] == [
+            f"{junk}/{CLASSES[0]}/._000.jpg: outside any class folder"]
+    shutil.rmtree(folder / CLASSES[1])
+    (folder / CLASSES[1]).mkdir()
+    (folder / CLASSES[1] / ".DS_Store").write_bytes(b"\0Bud1")
+    manifest = write_shards(folder, tmp_path / "out2", progress=False)
+    assert manifest["classes"] == sorted(CLASSES) and {lab for s in json.loads(
+        (tmp_path / "out2" / "labels.json").read_text()) for _, lab in s} == {0, 2}
+    assert f"class folder(s) '{CLASSES[1]}' hold no readable image (1 files skipped there)" in caplog.text
 
 
 def test_a_phones_jpeg_and_long_file_names_are_written(tmp_path: Path):

@@ -183,21 +183,29 @@ def resolve(spec, num_samples: int = 0, count_key: str = "data.num_samples / dat
             raise DataError(f"data spec {list(spec)!r} lists {manifests[0]!r}, a manifest: a list names shards; "
                             "give one manifest.json (or its folder), or list the shards' tar files")
         urls = [u for s in spec for u in braceexpand.braceexpand(s)]
-    seen: dict[str, str] = {}
-    for url in urls:  # ranks and workers would read its samples twice, as a manifest's check says
-        local = local_path(url)
-        same = os.path.realpath(local) if local is not None else url
-        if same in seen:
-            also = f" (as {seen[same]!r} before)" if seen[same] != url else ""
-            raise DataError(f"data spec {spec!r} names shard {url!r} twice{also}: no sample may be read twice in an "
-                            "epoch; give each shard once (check overlapping brace ranges)")
-        seen[same] = url
     if num_samples <= 0:
         raise CountNeeded(f"data spec {spec!r} is not a manifest.json: give its total sample count ({count_key})")
     _check_local(urls)
     n = len(urls)
     counts = [num_samples // n + (i < num_samples % n) for i in range(n)]
     return ShardSet(urls, counts, None, exact=False)
+
+
+def check_distinct(spec, shards: ShardSet) -> None:
+    """Refuse a shard list or pattern that names a shard twice (overlapping brace ranges, one file
+    by two paths): ranks and workers would read its samples twice in an epoch, as a manifest's own
+    check says. Not for a resampled stream, which draws shards at random and where repeating one
+    weights it."""
+    seen: dict[str, str] = {}
+    for url in shards.urls:
+        local = local_path(url)
+        same = os.path.realpath(local) if local is not None else url
+        if same in seen:
+            also = f" (as {seen[same]!r} before)" if seen[same] != url else ""
+            raise DataError(f"data spec {spec!r} names shard {url!r} twice{also}: no sample may be read twice in an "
+                            "epoch; give each shard once (check overlapping brace ranges), or data.resampled=true "
+                            "to weight it")
+        seen[same] = url
 
 
 def class_count(spec, num_samples: int, labels) -> int:

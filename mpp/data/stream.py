@@ -64,7 +64,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mpp.config import DataConfig
 from mpp.data.decode import SAMPLE_SKIPS, SKIP_KINDS, DataError, decode_batch
 from mpp.data.slots import BatchSlots
-from mpp.data.sources import ShardSet, assign, read_shard, resolve
+from mpp.data.sources import ShardSet, assign, check_distinct, read_shard, resolve
 from mpp.data.subset import select_subset, withhold_splits
 from mpp.data.transforms import build_transform, stack
 
@@ -581,17 +581,20 @@ def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: b
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if batch_size < 1 or img_size < 1:
         raise ValueError(f"batch_size and img_size must be >= 1, got {batch_size} and {img_size}")
-    shards = select_shards(spec, num_samples, labeled, subset, withhold)
+    shards = select_shards(spec, num_samples, labeled, subset, withhold, repeats=train and data_cfg.resampled)
     return ShardLoader(shards, batch_size=batch_size, img_size=img_size, train=train, labeled=labeled,
                        data_cfg=data_cfg, seed=seed, rank=rank, world_size=world_size)
 
 
 def select_shards(spec, num_samples: int = 0, labeled: bool = False, subset: tuple | None = None,
-                  withhold=()) -> ShardSet:
+                  withhold=(), repeats: bool = False) -> ShardSet:
     """The shards and samples a loader over `spec` reads (`make_loader`'s arguments of the same
-    names): resolved, labeled where asked, restricted to a label subset or with withheld
-    development splits left out. DataError where they cannot be."""
+    names): resolved, each shard once (`repeats`: a resampled stream may repeat one), labeled where
+    asked, restricted to a label subset or with withheld development splits left out. DataError
+    where they cannot be."""
     shards = resolve(spec, num_samples)
+    if not repeats:
+        check_distinct(spec, shards)
     if labeled and shards.exact and not shards.classes:
         raise DataError(f"data {spec!r} has no 'classes' in its manifest, but a labeled loader was asked "
                         "for: these shards look unlabeled; use labeled shards or an unlabeled objective (mpp)")

@@ -136,17 +136,44 @@ def _decompressed(f: BinaryIO) -> BinaryIO:
     .tar.xz shards, all of which webdataset's reader takes), from any source: webdataset's pipe and
     HTTP streams cannot peek, so their first bytes are read and put back."""
     if hasattr(f, "peek"):
-        head = f.peek(6)[:6]
+        head = f.peek(10)[:10]
     else:
-        head = f.read(6)
+        head = f.read(10)
         f = _Prefixed(head, f)
     if head.startswith(b"\x1f\x8b"):
         return gzip.GzipFile(fileobj=f)
-    if head.startswith(b"BZh"):
-        return bz2.BZ2File(f)
+    # bzip2's magic and its first block's: a plain tar's first member may be named 'BZh...'
+    if head[:3] == b"BZh" and head[3:4] in b"123456789" and head[4:10] == b"1AY&SY":
+        return _Bzip2(f)
     if head.startswith(b"\xfd7zXZ\x00"):
         return lzma.LZMAFile(f)
     return f
+
+
+class _Bzip2:
+    """A bzip2 stream whose damaged data raise CorruptTar, as damaged gzip and xz data count (bz2
+    raises a bare OSError, which a failed read of the shard's source raises too)."""
+
+    def __init__(self, f: BinaryIO):
+        self.f = bz2.BZ2File(f)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._call(self.f.read, n)
+
+    def seek(self, n: int, whence: int = 0) -> int:
+        return self._call(self.f.seek, n, whence)
+
+    def seekable(self) -> bool:
+        return self.f.seekable()
+
+    @staticmethod
+    def _call(fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.args == ("Invalid data stream",):
+                raise CorruptTar("bzip2 data are damaged: the shard is corrupt") from e
+            raise
 
 
 def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None, max_member: int = MAX_MEMBER,

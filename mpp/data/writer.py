@@ -251,9 +251,9 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                              + (f", e.g. {skipped[0]})" if skipped else ")"))
         written = {label for shard in labels for _, label in shard}
         if classes and (empty := [c for i, c in enumerate(classes) if i not in written]):
-            raise ShardError(f"class folder(s) {', '.join(map(repr, empty[:5]))} hold no readable image ({len(skipped)} "
-                             "files skipped): an empty class would shift the labels of every class after it; remove "
-                             "the folder (e.g. __MACOSX) or put its images in it")
+            there = sum(x.split("/", 1)[0] in empty for x in skipped)
+            log.warning("class folder(s) %s hold no readable image (%d files skipped there): each keeps its label, "
+                        "with no samples", ", ".join(map(repr, empty[:5])), there)
         index = json.dumps(labels).encode()
         manifest = {
             "num_samples": sum(s["num_samples"] for s in shards),
@@ -278,18 +278,26 @@ def _outside_class_folder() -> bytes:
     raise ValueError("outside any class folder")
 
 
+def _class_folder(name: str) -> str | None:
+    """The class of a file: its top folder, none for a file outside one or in a folder that is no
+    class (a zip's __MACOSX, a hidden folder such as .ipynb_checkpoints), which, sorted first as a
+    class, would shift every real class's label by one."""
+    top = name.split("/", 1)[0] if "/" in name else None
+    return None if top is None or top == "__MACOSX" or top.startswith(".") else top
+
+
 def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled: bool, src: Path
                  ) -> tuple[list[Item], list[str] | None]:
-    """Items labeled by their top folder (classes sorted by name give 0, 1, ..., as ImageFolder);
-    files outside any class folder become items that are reported and skipped."""
+    """Items labeled by their top folder (`_class_folder`; classes sorted by name give 0, 1, ...,
+    as ImageFolder); files outside any class folder become items that are reported and skipped."""
     if unlabeled:
         return [(n, r, None) for n, r in zip(names, readers)], None
-    classes = sorted({n.split("/", 1)[0] for n in names if "/" in n})
+    classes = sorted({c for n in names if (c := _class_folder(n))})
     if not classes:
         raise ShardError(f"source '{src}' has no class sub-folders; put each class in its own folder "
                          "or treat it as unlabeled (--unlabeled)")
     index = {c: i for i, c in enumerate(classes)}
-    return [(n, r, index[n.split("/", 1)[0]]) if "/" in n else (n, _outside_class_folder, None)
+    return [(n, r, index[c]) if (c := _class_folder(n)) else (n, _outside_class_folder, None)
             for n, r in zip(names, readers)], classes
 
 
