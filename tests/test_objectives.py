@@ -442,3 +442,17 @@ def test_the_prediction_figure_scores_the_colour_classes_training_does():
     figure = predict(task, images)
     training = mean_color_targets(images.float() / 255, 4, bits=3)
     assert len(set(training.flatten().tolist())) > 1 and torch.equal(quantize(figure.true, 3), training)
+
+
+def test_inputs_are_normalised_by_the_data_statistics_which_no_checkpoint_holds():
+    """data.mean and data.std travel with the task to its device (a copy of host numbers at every
+    step waits on a GPU's queue), but stay out of its state: checkpoints written before load, and
+    a run of other statistics resumes as it did."""
+    from mpp.data.transforms import normalize, to_float01
+    cfg = build_config({"objective": "mpp", "data": {"mean": [0.1, 0.2, 0.3], "std": [0.5, 0.25, 0.125]}})
+    task = build_task(cfg, create_encoder("vit_micro4_32", attn="math"), None)
+    assert not [k for k in task.state_dict() if "norm" in k and not k.startswith("encoder.")]
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    x01, x = task.inputs(images)
+    torch.testing.assert_close(x, normalize(to_float01(images), (0.1, 0.2, 0.3), (0.5, 0.25, 0.125)))
+    assert x[:, 2].mean() > x[:, 0].mean()  # the statistics of the config, not the defaults
