@@ -64,7 +64,7 @@ from mpp.config import (RESULT_NEUTRAL, TOOL_DEFAULTS, CompareConfig, Config, Co
                         flatten, load_config, parse_overrides, read_yaml, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import DATA_KEYS, data_key, local_path
+from mpp.specs import DATA_KEYS, data_key, name_key
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -539,11 +539,14 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
     for s in stages:
         c = resolved[s.out]
         trained = OBJECTIVES[c.objective] if s.tool in ("pretrain", "finetune") else None
-        # data.train as the stage's loader reads it (a probe's: its development split, where it has one)
-        subset = trained.subset(c) if trained else (1.0, *c.probe.dev_split, True) if (
-            s.tool == "linear_probe" and c.probe.dev_split) else None
-        reads = [(c.data.train, c.data.num_samples, trained is not None and trained.labeled or subset is not None,
-                  subset, c.data.withhold if trained else (), trained is not None and c.data.resampled)]
+        # data.train as the stage's loader reads it: (labeled, subset, withhold, repeats)
+        if trained:
+            how = (trained.labeled, trained.subset(c), c.data.withhold, c.data.resampled)
+        elif s.tool == "linear_probe" and c.probe.dev_split:  # the probe's development split
+            how = (True, (1.0, *c.probe.dev_split, True), (), False)
+        else:
+            how = (False, None, (), False)
+        reads = [(c.data.train, c.data.num_samples, *how)]
         # data.val: the test images of probes and fine-tunes, and the figures' images (the first MPP pre-training's)
         if c.data.val and (s.tool != "pretrain" or (s.arm == "mpp" and s.pretrain_seed == 0)):
             reads.append((c.data.val, c.data.val_num_samples, False, None, (), False))
@@ -571,9 +574,13 @@ def _check_withheld_spelling(stages: list[Stage], resolved: dict[Path, Config]) 
     from mpp.data.decode import DataError
     from mpp.data.sources import resolve
 
-    def files(c: Config) -> set[str]:
-        urls = resolve(c.data.train, c.data.num_samples or 1).urls
-        return {os.path.realpath(p) if (p := local_path(u)) is not None else u for u in urls}
+    read: dict[str, set[str]] = {}
+
+    def files(c: Config) -> set[str]:  # the shards a data spec names, each data read once
+        key = data_key(c.data.train)
+        if key not in read:
+            read[key] = {name_key(u) for u in resolve(c.data.train, c.data.num_samples or 1).urls}
+        return read[key]
     chosen = {data_key(c.data.train): c for s in stages for c in [resolved[s.out]]
               if (s.tool == "finetune" and c.finetune.dev_fraction > 0) or (s.tool == "linear_probe" and c.probe.dev_split)}
     for s in (s for s in stages if s.tool == "pretrain"):

@@ -287,8 +287,8 @@ class Task(nn.Module):
         self.encoder = encoder
         # data.mean and data.std on the model's device, as it moves: numbers copied to a GPU at every step
         # would wait there for all the work queued on it. Not in checkpoints, nor broadcast by DDP.
-        self.register_buffer("norm_mean", torch.tensor(tuple(data_cfg.mean)).view(-1, 1, 1), persistent=False)
-        self.register_buffer("norm_std", torch.tensor(tuple(data_cfg.std)).view(-1, 1, 1), persistent=False)
+        self.register_buffer("norm_mean", torch.tensor(tuple(data_cfg.mean)), persistent=False)
+        self.register_buffer("norm_std", torch.tensor(tuple(data_cfg.std)), persistent=False)
         self._ddp_params_and_buffers_to_ignore = ["norm_mean", "norm_std"]
 
     @classmethod

@@ -23,16 +23,19 @@ def local_path(url: str) -> str | None:
     return None if is_url(url) else url
 
 
+def name_key(s):
+    """One spelling of one name of a data spec (a shard, a manifest, a pattern): a local path
+    absolute, normalised and through its symbolic links, a shard directory and its manifest.json
+    alike; a URL as written."""
+    local = local_path(s) if isinstance(s, str) and s else None
+    if local is None:
+        return s
+    folder, name = os.path.split(os.path.abspath(local))
+    return os.path.realpath(folder if name == "manifest.json" else os.path.join(folder, name))
+
+
 def data_key(spec) -> str:
-    """One spelling of a data spec: local paths absolute, normalised and through their symbolic
-    links, a shard directory and its manifest.json alike, so that two configs naming the same
+    """One spelling of a data spec (`name_key` of each name), so that two configs naming the same
     shards in other words compare equal (a comparison withholds its development splits by it)."""
-    def one(s):
-        local = local_path(s) if isinstance(s, str) and s else None
-        if local is None:
-            return s
-        path = os.path.abspath(local)
-        folder, name = os.path.split(path)
-        return os.path.realpath(folder if name == "manifest.json" else path)
     spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
-    return json.dumps([one(s) for s in spec] if isinstance(spec, (list, tuple)) else one(spec))
+    return json.dumps([name_key(s) for s in spec] if isinstance(spec, (list, tuple)) else name_key(spec))

@@ -18,8 +18,8 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
-import lzma
 import logging
+import lzma
 import os
 import re
 import zlib
@@ -32,7 +32,7 @@ from webdataset.tariterators import base_plus_ext, url_opener
 
 from mpp.data.decode import IMAGE_EXTS, DataError
 from mpp.data.tarstream import CorruptTar, TruncatedTar, tar_files
-from mpp.specs import is_url, local_path
+from mpp.specs import is_url, local_path, name_key
 
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
 USED = frozenset((*IMAGE_EXTS, "cls"))  # the members decoding reads; others are kept empty
@@ -198,8 +198,7 @@ def check_distinct(spec, shards: ShardSet) -> None:
     weights it."""
     seen: dict[str, str] = {}
     for url in shards.urls:
-        local = local_path(url)
-        same = os.path.realpath(local) if local is not None else url
+        same = name_key(url)
         if same in seen:
             also = f" (as {seen[same]!r} before)" if seen[same] != url else ""
             raise DataError(f"data spec {spec!r} names shard {url!r} twice{also}: no sample may be read twice in an "
