@@ -249,6 +249,14 @@ def test_tar_sources_plain_compressed_and_with_top_folder(folder: Path, tmp_path
     m = write_shards(src, tmp_path / "out_stray", seed=3, progress=False)
     assert m["classes"] == CLASSES and m["num_samples"] == ref["num_samples"]
     assert any(e.startswith(".DS_Store") for e in m["skipped"]["examples"]), m["skipped"]
+    src = tmp_path / "mac.tar"  # macOS archives: 'train/' and '__MACOSX/train/' beside it, whose
+    with tarfile.open(src, "w") as tar:  # top folder made 'train' the one class of every image
+        tar.add(folder, arcname="train")
+        info = tarfile.TarInfo(f"__MACOSX/train/{CLASSES[0]}/._000.jpg")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"\0\5\26\7"))
+    m = write_shards(src, tmp_path / "out_mac", seed=3, progress=False)
+    _check_round_trip(tmp_path / "out_mac", folder, m)
 
 
 def test_unlabeled(folder: Path, tmp_path: Path):

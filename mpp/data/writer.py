@@ -283,7 +283,12 @@ def _class_folder(name: str) -> str | None:
     class (a zip's __MACOSX, a hidden folder such as .ipynb_checkpoints), which, sorted first as a
     class, would shift every real class's label by one."""
     top = name.split("/", 1)[0] if "/" in name else None
-    return None if top is None or top == "__MACOSX" or top.startswith(".") else top
+    return None if top is None or _junk(top) else top
+
+
+def _junk(folder: str) -> bool:
+    """A folder that is no class: a zip's __MACOSX, a hidden one."""
+    return folder == "__MACOSX" or folder.startswith(".")
 
 
 def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled: bool, src: Path
@@ -333,9 +338,10 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     members = sorted((m for m in tar.getmembers() if m.isfile() or m.islnk() or m.issym()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
     files = [n for n, m in zip(names, members) if m.isfile()]  # links, never written, decide nothing
-    tops = {n.split("/", 1)[0] for n in files}
+    tops = {t for n in files if not _junk(t := n.split("/", 1)[0])}
     # 'train/CLASS/x.jpg': the folder is 'train/', whatever else lies in it beside the class
-    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do
+    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do; a
+    # zip's '__MACOSX/' beside it (macOS archives hold both) decides nothing
     if (len(tops) == 1 and any(n.count("/") >= 2 for n in files)
             and not any(n.count("/") == 1 and _image_name(n) for n in files)):
         top = f"{tops.pop()}/"
