@@ -57,14 +57,13 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
-import yaml
 
 from mpp import outcomes
-from mpp.config import (RESULT_NEUTRAL, TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, build_config,
-                        flatten, load_config, parse_overrides, read_yaml, to_dict)
+from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, changed_settings,
+                        flatten, load_config, parse_overrides, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import DATA_KEYS, data_key, name_key
+from mpp.specs import data_key, name_key
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -596,24 +595,14 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
     """A finished stage (or, `finished` False, an interrupted one about to resume from its
     checkpoint) must have run with the settings planned now (its run-time choices read from the
     finished stages before it); else resuming would report a result of other settings, or train on
-    from weights trained with them. Its config.yaml is read through the schema (a key added since
-    takes its default, as it did then), output_dir is the stage's folder however spelled, and two
-    paths to the same file are equal. Keys of speed and logging alone (mpp.config.RESULT_NEUTRAL)
-    may differ."""
+    from weights trained with them (`mpp.config.changed_settings`: keys of speed and logging alone
+    may differ)."""
     state = "finished" if finished else "was interrupted"
-    try:
-        data = read_yaml((stage.out / "config.yaml").read_text()) or {}
-        saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
-    except (OSError, yaml.YAMLError, ConfigError):
-        saved = None
-    if saved is None:
+    changed = changed_settings(stage.out / "config.yaml", stage.settings())
+    if changed is None:
         raise ConfigError(f"stage '{stage.name}': {stage.out} has a {'metrics.json' if finished else 'checkpoint'} "
                           f"but no config.yaml this mpp can read, so what it ran is unknown; delete {stage.out} "
                           "to run it again")
-    now = flatten(to_dict(stage.settings()))
-    changed = [f"{k}: {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in sorted(set(saved) | set(now))
-               if k != "output_dir" and k not in RESULT_NEUTRAL
-               and not _same(saved.get(k), now.get(k), data=k in DATA_KEYS)]
     if changed:
         raise ConfigError(f"stage '{stage.name}' {state} earlier in {stage.out} with other settings ("
                           f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "
@@ -667,15 +656,6 @@ def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
         raise ConfigError(f"stage '{stage.name}' finished earlier in {stage.out} from another encoder than {file} "
                           f"now (its sha256 differs): delete {stage.out}, and the other stages that started from that "
                           "encoder, to run them again from this one")
-
-
-def _same(a, b, data: bool = False) -> bool:
-    """Equal settings, or two spellings of one existing path (relative and absolute); of `data`
-    (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key)."""
-    if a == b or (data and data_key(a) == data_key(b)):
-        return True
-    return isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b) \
-        and os.path.samefile(a, b)
 
 
 def prepare_data(cfg: CompareConfig) -> None:
@@ -769,6 +749,19 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     if passed:
         raise StageTerminated(code)
     return code
+
+
+def _killed(code: int) -> str:
+    """What a stage's exit code says beyond its own output: a stage killed by a signal (a negative
+    code) printed no cause, and its cut-off progress bar holds the line, which is ended here."""
+    if code >= 0:
+        return ""
+    print(file=sys.stderr, flush=True)
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f" (killed by {name}{', as the out-of-memory killer does' if -code == signal.SIGKILL else ''})"
 
 
 def _stop(launcher: subprocess.Popen, first: float = 5.0, grace: float = 30.0) -> None:
@@ -919,8 +912,8 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
                   "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
             raise SystemExit(128 + signal.SIGTERM)
         if code != 0:
-            raise RuntimeError(f"stage '{s.name}' failed; fix the cause and run the same command again "
-                               f"to resume (finished stages are kept). Command: {shlex.join(cmd)}")
+            raise RuntimeError(f"stage '{s.name}' failed{_killed(code)}; fix the cause and run the same command "
+                               f"again to resume (finished stages are kept). Command: {shlex.join(cmd)}")
         took = time.time() - t0
         split = time_split(s.out, took)
         if split is not None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from mpp.specs import DATA_KEYS, data_key
+
 
 MAX_BITS = 5  # mpp.bits: 32768 colour classes; 8 bits would ask for a 16.7M-class head
 
@@ -603,6 +605,34 @@ def to_dict(cfg: Config) -> dict:
 def save_config(cfg: Config, path: str | Path) -> None:
     from mpp.fileio import write_atomic
     write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def changed_settings(path: str | Path, now: Config) -> list[str] | None:
+    """The settings of `now` that differ from those a run wrote to its config.yaml at `path`, as
+    'key: then -> now', or None where no config.yaml this mpp can read is there. The file is read
+    through the schema (a key added since takes its default, as it did then); output_dir (the run's
+    folder, however spelled, moved or copied) and the keys of speed and logging alone
+    (RESULT_NEUTRAL) may differ, and two spellings of one path are the same setting."""
+    try:
+        data = read_yaml(Path(path).read_text()) or {}
+        saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
+    except (OSError, yaml.YAMLError, ConfigError):
+        saved = None
+    if saved is None:
+        return None
+    current = flatten(to_dict(now))
+    return [f"{k}: {saved.get(k, '(unset)')} -> {current.get(k, '(unset)')}" for k in sorted(set(saved) | set(current))
+            if k != "output_dir" and k not in RESULT_NEUTRAL
+            and not _same(saved.get(k), current.get(k), data=k in DATA_KEYS)]
+
+
+def _same(a, b, data: bool = False) -> bool:
+    """Equal settings, or two spellings of one existing path (relative and absolute); of `data`
+    (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key)."""
+    if a == b or (data and data_key(a) == data_key(b)):
+        return True
+    return isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b) \
+        and os.path.samefile(a, b)
 
 
 def validate(cfg: Config) -> None:

@@ -323,8 +323,8 @@ class Task(nn.Module):
         """What the run starts from beyond the settings a resume may change: recorded at the fresh
         start, and a resume from other inputs is refused (its checkpoints continue a run of the old
         ones). A pre-training's: the development splits withheld from its images, which a resume
-        with others would have trained on before it withheld them."""
-        return {"withheld_splits": [list(w) for w in cfg.data.withhold]}
+        with others would have trained on before it withheld them, and its inputs' normalisation."""
+        return {"withheld_splits": [list(w) for w in cfg.data.withhold], **normalisation(cfg)}
 
     def inputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 (B, 3, H, W) -> (pixels in [0, 1], normalised encoder input)."""
@@ -496,9 +496,17 @@ class ClassifyTask(LabelTask):
     def origin(self, cfg) -> dict:
         """The encoder file's digest (null from scratch), and the label subset and development split
         ([label_fraction, split_seed, dev_fraction]): a resume on another split would score on
-        images it had trained on."""
+        images it had trained on; and its inputs' normalisation."""
         f = cfg.finetune
-        return {"init_sha256": encoder_digest(f.init), "label_split": [f.label_fraction, f.split_seed, f.dev_fraction]}
+        return {"init_sha256": encoder_digest(f.init), "label_split": [f.label_fraction, f.split_seed, f.dev_fraction],
+                **normalisation(cfg)}
+
+
+def normalisation(cfg) -> dict:
+    """The statistics a run's inputs are normalised by (data.mean, data.std), part of every run's
+    origin: weights trained on inputs of one scale would go on with another, and the encoder's
+    model.json would record only the last."""
+    return {"normalisation": [list(cfg.data.mean), list(cfg.data.std)]}
 
 
 HEAD_INITS = ("zero", "probe")  # finetune.head_init: the paper's zero head | the linear probe's (LP-FT)

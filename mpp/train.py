@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from mpp import evaluators, rundir
 from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
-from mpp.config import RESULT_NEUTRAL, Config, ConfigError, read_yaml, save_config, to_dict
+from mpp.config import Config, ConfigError, changed_settings, save_config
 from mpp.data import make_loader, shield_workers
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
@@ -131,6 +131,7 @@ class Run:
     steps: int
     start: int
     state: dict                # totals of the earlier, checkpointed segments
+    damaged: list              # checkpoints the resume skipped as damaged, removed once a newer one is saved
     periodic: list             # (name, every, evaluator) run on the encoder during training
     final: Any                 # the Task's final evaluator, or None
     writer: Any                # TensorBoard (main process only, from the first step: `_record`)
@@ -185,13 +186,14 @@ def setup(cfg: Config) -> Run:
     device, world = accelerator.device, accelerator.num_processes
     check_run_settings(cfg, world)
     # lock the run directory before the heavy set-up: a directory another run holds, or one that
-    # train.resume=none may not reuse, stops the run before it loads encoders and data
+    # train.resume=none may not reuse, stops the run before it loads encoders and data (locked
+    # first: what a directory holds is told only of one no live run is writing)
     if accelerator.is_main_process:
+        rundir.lock(out)
         if cfg.train.resume == "none":
             rundir.check_fresh(out)
         elif cfg.train.resume == "auto":
             rundir.check_unfinished(out)
-        rundir.lock(out)
     accelerator.wait_for_everyone()
     # evaluators check their settings and data now, on every rank; they run on the main process
     periodic = evaluators.periodic(cfg, device)
@@ -220,7 +222,7 @@ def setup(cfg: Config) -> Run:
 
     # resume from the newest checkpoint that loads, or seed this rank's own RNG stream (corruption,
     # drop path)
-    resume, state = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
+    resume, state, damaged = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
     if state.get("step", 0) > steps:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
                           f"steps; give steps (or epochs) of at least {state['step']}, or train.resume=none and "
@@ -229,7 +231,7 @@ def setup(cfg: Config) -> Run:
     if resume:
         _check_origin(out, state.get("origin", {}), origin)
     if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
-        _warn_changes(read_yaml((out / "config.yaml").read_text()), to_dict(cfg))
+        _check_changes(out, cfg, finished=state["step"] == steps)
     begin_s = 0.0
     if not resume:
         t = time.time()
@@ -251,7 +253,7 @@ def setup(cfg: Config) -> Run:
         optimizer=optimizer, scheduler=scheduler, loader=loader,
         # `batches.counted`: the skips of the batches handed out, not the look-ahead's
         batches=DevicePrefetcher(_batches(loader, start * accum), device, counters=loader.counters),
-        steps=steps, start=start, state=state, periodic=periodic, final=final,
+        steps=steps, start=start, state=state, damaged=damaged, periodic=periodic, final=final,
         writer=None,  # opened by `_record` once a step is done
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
         t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"],
@@ -493,7 +495,7 @@ def _checkpoint(run: Run, done: int) -> None:
     _check_finite(run, done)
     epoch, batch_pos = divmod(done * run.cfg.train.grad_accum, run.loader.batches_per_epoch)
     save_checkpoint(run.accelerator, run.out / "checkpoints", done, run.task, run.optimizer, run.scheduler,
-                    keep=run.cfg.train.keep_ckpts,
+                    keep=run.cfg.train.keep_ckpts, superseded=run.damaged,
                     state={"epoch": epoch, "batch": batch_pos, "skipped": _skipped(run), "begun": run.state["begun"],
                            "origin": run.state["origin"],
                            "bad_run": int(run.bad.run.item()), "overflow_run": int(run.bad.overflow_run.item()),
@@ -641,12 +643,12 @@ def _check_export(encoder: torch.nn.Module, bad_run: int, checkpoints: list[Path
         raise NonFiniteError(f"the trained weights are not finite: no encoder was exported ({last}); lower optim.lr")
 
 
-def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) -> tuple[Path | None, dict]:
+def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) -> tuple[Path | None, dict, list]:
     """Load the checkpoint to continue from into `task` and `optimizer`: with resume=auto the newest
     that loads on every rank (the others are skipped and named), a given directory, or none.
-    Returns it and its saved state ({} when starting afresh)."""
+    Returns it, its saved state ({} when starting afresh) and the checkpoints that did not load."""
     if cfg.train.resume == "none":
-        return None, {}
+        return None, {}, []
     if cfg.train.resume == "auto":
         order, skipped = rundir.candidates(root)
     else:
@@ -654,6 +656,7 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
             raise ConfigError(f"train.resume={cfg.train.resume!r} is not a checkpoint directory (no state.pt); give "
                               "OUTPUT_DIR/checkpoints/step_NNNNNNN, auto (the newest) or none")
         order, skipped = [Path(cfg.train.resume)], []
+    damaged = []
     for path in order:
         try:
             state, why = load_checkpoint(accelerator, path, task, optimizer), ""
@@ -677,8 +680,9 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
                                   f"none): {'; '.join(skipped)}",
                                   file=sys.stderr)
             accelerator.print(f"resumed from {path} (step {state['step']})")
-            return path, state
+            return path, state, damaged
         skipped.append(f"{path.name} ({whys[0]})")
+        damaged.append(path)
     if order and cfg.train.resume != "auto":
         raise ConfigError(f"train.resume={cfg.train.resume!r} does not load ({whys[0]}); give a good checkpoint, "
                           "auto (the newest in output_dir) or none")
@@ -688,7 +692,7 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
     if skipped:
         accelerator.print(f"warning: no checkpoint to resume from, starting afresh; skipped: {'; '.join(skipped)}",
                           file=sys.stderr)
-    return None, {}
+    return None, {}, damaged
 
 
 def _check_origin(out: Path, then: dict, now: dict) -> None:
@@ -701,17 +705,24 @@ def _check_origin(out: Path, then: dict, now: dict) -> None:
                           "output_dir")
 
 
-def _warn_changes(old: dict, new: dict, prefix: str = "") -> None:
-    """Print the settings that differ from the interrupted run's config.yaml (the optimiser's
-    per-parameter state comes from the checkpoint; its settings, e.g. weight decay and betas, and
-    the schedule from the new config); not those of speed and logging alone
-    (mpp.config.RESULT_NEUTRAL)."""
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            _warn_changes(a, b, f"{prefix}{k}.")
-        elif a != b and prefix + k not in RESULT_NEUTRAL:
-            print(f"warning: resuming with {prefix}{k}={b!r} (the checkpointed run had {a!r})", file=sys.stderr)
+def _check_changes(out: Path, cfg: Config, finished: bool) -> None:
+    """Name the settings that differ from the resumed run's config.yaml (`changed_settings`: not
+    those of speed and logging alone); the run goes on with them (the optimiser's per-parameter
+    state comes from the checkpoint, its settings and the schedule from the new config). A finished
+    run, which would only export and evaluate again, is refused other settings but its length (a
+    run stopped early is finished with steps set to its last checkpoint): its metrics.json would
+    tell of settings that its weights and config.yaml do not, or, the output_dir mistaken, of a
+    run that never trained."""
+    changed = changed_settings(out / "config.yaml", cfg)
+    if changed is None:
+        print(f"warning: {out / 'config.yaml'} cannot be read, so the settings changed since it cannot be named",
+              file=sys.stderr)
+    elif finished and [c for c in changed if not c.startswith(("steps:", "epochs:"))]:
+        raise ConfigError(f"output_dir '{out}' holds a finished run of other settings ({'; '.join(changed[:4])}"
+                          f"{'; ...' if len(changed) > 4 else ''}); give it its own (its config.yaml) to export and "
+                          "evaluate it again, or choose a new output_dir")
+    for c in changed or ():
+        print(f"warning: resuming with {c}", file=sys.stderr)
 
 
 def _batches(loader, start: int):

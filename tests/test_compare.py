@@ -9,6 +9,7 @@ import json
 import shutil
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -1100,6 +1101,23 @@ def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
     monkeypatch.setattr(mpp.figures.inspection, "write_compare_figures", lambda *a, **k: None)
     monkeypatch.setattr(mpp.report, "write_report", lambda *a, **k: None)
     return ran
+
+
+def test_a_stage_killed_by_a_signal_is_said_on_a_line_of_its_own(tmp_path, monkeypatch, capsys):
+    """A stage killed by a signal (the out-of-memory killer's SIGKILL) printed no cause, and the
+    comparison's error line ran on from the stage's cut-off progress bar; the line now starts
+    afresh and names the signal."""
+    import mpp.compare
+    _fake_stages(monkeypatch, {})
+
+    def killed(cmd, launcher):
+        print("pre-train:  40%|####      | 4/10", end="", file=sys.stderr, flush=True)  # a bar, cut off
+        return -signal.SIGKILL
+    monkeypatch.setattr(mpp.compare, "run_stage", killed)
+    with pytest.raises(RuntimeError, match=r"stage 'pre-train mpp' failed \(killed by SIGKILL, as the out-of-memory "
+                                           r"killer does\); fix the cause"):
+        run(_cfg(tmp_path, ""))
+    assert capsys.readouterr().err.endswith("4/10\n")
 
 
 def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_choice(tmp_path, monkeypatch, capsys):

@@ -584,7 +584,8 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
     resumes: an interrupted fine-tune whose encoder has since been trained again is refused (its
     checkpoints continue a fine-tune of the old one; metrics.json would have named the new). So is
     one resumed on another label subset or development split, and a pre-training resumed with
-    other withheld splits: both only warned, and then scored on, or withheld, images trained on."""
+    other withheld splits: both only warned, and then scored on, or withheld, images trained on;
+    and one resumed with other normalisation statistics (only warned; model.json took the new)."""
     encoder = shutil.copytree(mpp_run, tmp_path / "encoder")
     digest = hashlib.sha256((encoder / "encoder.safetensors").read_bytes()).hexdigest()
     items = settings(data, tmp_path / "ft", steps=8, objective="classify", **{
@@ -598,6 +599,8 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
                               "finetune.dev_fraction=0.2"]))  # it would score on images it trained on
     with pytest.raises(ConfigError, match=r"other inputs \(withheld_splits: \[\] then, \[\[0.5, 0, 0.2\]\] now"):
         train(config(settings(data, encoder, steps=28, **{"data.withhold": "[[0.5,0,0.2]]"})))  # it trained on them
+    with pytest.raises(ConfigError, match=r"other inputs \(normalisation: \[\[0.5, 0.5, 0.5\], \[0.5, 0.5, 0.5\]\] then"):
+        train(config(settings(data, encoder, steps=28, **{"data.std": "[0.25,0.25,0.25]"})))  # model.json took it
     train(config(settings(data, encoder, steps=28)))  # the encoder trained further, in place
     with pytest.raises(ConfigError, match=f"started from other inputs \\(init_sha256: '{digest}' then"):
         train(config(items + ["steps=16"]))
@@ -680,13 +683,16 @@ def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
     assert scalars(tmp_path / "two", "train/loss") == pytest.approx(scalars(tmp_path / "one", "train/loss"), rel=1e-5)
 
 
-def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(capsys):
+def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_path, capsys):
     """A resumed run names the settings that differ from its config.yaml, not those of speed and
-    logging alone (mpp.config.RESULT_NEUTRAL), which a run changes on resume as a matter of course."""
-    old = {"train": {"log_every": 10, "ckpt_every": 500, "resume": "auto"}, "data": {"num_workers": 2}}
-    mpp.train._warn_changes(old, {"train": {"log_every": 1, "ckpt_every": 5, "resume": "none"},
-                                  "data": {"num_workers": 4}})
-    assert capsys.readouterr().err == "warning: resuming with data.num_workers=4 (the checkpointed run had 2)\n"
+    logging alone (mpp.config.RESULT_NEUTRAL), which a run changes on resume as a matter of course,
+    nor its output_dir (a run folder moved or copied)."""
+    from mpp.config import save_config
+    save_config(config(["train.log_every=10", "train.ckpt_every=500", "data.num_workers=2", "output_dir=a"]),
+                tmp_path / "config.yaml")
+    mpp.train._check_changes(tmp_path, config(["train.log_every=1", "train.ckpt_every=5", "train.resume=none",
+                                               "data.num_workers=4", "output_dir=b"]), finished=False)
+    assert capsys.readouterr().err == "warning: resuming with data.num_workers: 2 -> 4\n"
 
 
 def test_a_run_ends_when_the_prefetch_thread_is_stuck_in_the_loader(data, tmp_path, monkeypatch):
@@ -785,11 +791,26 @@ def test_a_resume_trains_with_the_optimiser_settings_it_warns_of_and_refuses_ano
         train(config(settings(data, out, steps=6, **{"optim.weight_decay": 0.5, "optim.layer_decay": 0.75})))
 
 
-def test_a_run_resumed_at_its_last_step_keeps_the_config_it_trained_with(tmp_path, data):
-    """A finished run started again with other settings trains nothing: its config.yaml keeps the
-    settings the steps ran with (the report reads it), not the new attempt's."""
+def test_a_finished_run_started_again_with_other_settings_is_refused(tmp_path, data, capsys):
+    """A finished run started again trains nothing and only exports and evaluates again: with other
+    settings its metrics.json (say, of another test set) and model.json (another normalisation)
+    told of settings that its weights and config.yaml (kept) do not. Refused, naming them; with its own it
+    exports again, also moved to another folder, and a config.yaml that cannot be read is said
+    (a resume of it was a traceback)."""
     out = tmp_path / "run"
     train(config(settings(data, out, steps=4)))
-    (out / "metrics.json").unlink()
-    train(config(settings(data, out, steps=4, **{"optim.lr": 5e-3})))
-    assert build_config(yaml.safe_load((out / "config.yaml").read_text())).optim.lr == 2e-3
+    files = ("config.yaml", "model.json", "metrics.json", "encoder.safetensors")
+    before = {n: (out / n).read_bytes() for n in files}
+    with pytest.raises(ConfigError, match=r"holds a finished run of other settings \(optim.lr: 0.002 -> 0.005; "
+                                          r"optim.weight_decay: 0.1 -> 0.2\); give it its own"):
+        train(config(settings(data, out, steps=4, **{"optim.lr": 5e-3, "optim.weight_decay": 0.2})))
+    with pytest.raises(ConfigError, match=r"other inputs \(normalisation: "):  # as any resume (model.json took it)
+        train(config(settings(data, out, steps=4, **{"data.mean": "[0.4,0.4,0.4]"})))
+    assert {n: (out / n).read_bytes() for n in files} == before
+    moved = Path(shutil.move(out, tmp_path / "moved"))
+    capsys.readouterr()
+    assert train(config(settings(data, moved, steps=4)))["loss"] == json.loads(before["metrics.json"])["loss"]
+    assert "warning: resuming" not in capsys.readouterr().err
+    (moved / "config.yaml").write_text("[1, 2")
+    train(config(settings(data, moved, steps=4)))
+    assert "config.yaml cannot be read, so the settings changed since it cannot be named" in capsys.readouterr().err
