@@ -143,10 +143,12 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Module,
-                    optimizer, scheduler, state: dict, keep: int = 2) -> Path:
+                    optimizer, scheduler, state: dict, keep: int = 2, superseded: list[Path] = ()) -> Path:
     """Write checkpoint `step` under `root` (all ranks call this) and keep the newest `keep`.
 
-    `model` is the unwrapped module; `state` holds plain values (step, data position, counters)."""
+    `model` is the unwrapped module; `state` holds plain values (step, data position, counters).
+    `superseded`: checkpoints a resume skipped as damaged; each older than `step` is removed first,
+    so that it takes no place of the `keep`."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp_{checkpoint_name(step)}"
@@ -176,10 +178,21 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         # the newest `keep` up to this step; later ones (ones resume=auto skipped as damaged) are
         # neither counted nor removed, so they never push out the checkpoint just written
         newest = checkpoint_order(final.name)
+        for old in superseded:
+            if checkpoint_order(old.name) < newest and is_checkpoint(old):
+                _remove(old)
         for old in [c for c in list_checkpoints(root) if checkpoint_order(c.name) <= newest][:-keep]:
-            shutil.rmtree(old)
+            _remove(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the checkpoints' names first, so that one cut off
+    while it is deleted is no half checkpoint to resume from (the next save sweeps `.tmp_*`)."""
+    gone = checkpoint.with_name(f".tmp_removed_{checkpoint.name}")
+    checkpoint.rename(gone)
+    shutil.rmtree(gone)
 
 
 def _check_optimizer_state(optimizer, saved) -> None:

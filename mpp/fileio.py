@@ -6,15 +6,21 @@ directory and is renamed over the target in one step. Files get mode 0666 minus 
 `open(..., "w")` (safetensors' and `tempfile`'s 0600 otherwise). A write that fails on a (nearly)
 full disk raises OSError(ENOSPC) whatever the writer raised, so the message can say so. The content
 is flushed to the disk before the rename and the rename after it (`fsync`), so a power cut leaves
-the old file or the new one, never an empty one."""
+the old file or the new one, never an empty one. A write cut off by kill -9 leaves its temporary
+file (named with the process and machine), which `sweep_orphans` removes later."""
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Iterator
+
+_HOST = socket.gethostname()
+_TMP = re.compile(r"\..+\.tmp(\d+)\.(.+)")  # `atomic_path`'s temporary names: .NAME.tmpPID.HOST
 
 
 def _umask() -> int:
@@ -28,7 +34,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; when the block ends without error, it becomes `path`
     (mode 0666 & ~umask); on error the temporary file is removed and `path` is untouched."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{_HOST}")
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
@@ -42,6 +48,27 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def sweep_orphans(directory: str | Path) -> None:
+    """Remove the temporary files that `atomic_path` left in `directory` when its process was
+    killed mid-write (kill -9, the out-of-memory killer): each can be a whole encoder or feature
+    array, and nothing else ever removes it. Only those of processes of this machine that no longer
+    run: a folder shared by several machines holds the writes of the others too."""
+    for f in Path(directory).glob(".*.tmp*"):
+        m = _TMP.fullmatch(f.name)
+        if m and m.group(2) == _HOST and not _alive(int(m.group(1))):
+            f.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def fsync(path: str | Path) -> None:

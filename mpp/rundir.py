@@ -27,6 +27,7 @@ from pathlib import Path
 
 from mpp.checkpoint import PREFIX, is_checkpoint, list_checkpoints
 from mpp.config import ConfigError
+from mpp.fileio import sweep_orphans
 
 RUN_FILES = ("metrics.json", "encoder.safetensors")  # what a finished run leaves besides checkpoints
 _held: dict[str, tuple] = {}  # OUTPUT_DIR -> (open lock file, whether lock() made the directory)
@@ -75,6 +76,7 @@ def lock(out: str | Path) -> None:
     f.write(f"{os.getpid()}\n")
     f.flush()
     _held[str(out)] = (f, created)
+    sweep_orphans(out)  # of a run of this directory killed as it wrote: no live one writes here now
 
 
 def _is_path_of(f, path: Path) -> bool:

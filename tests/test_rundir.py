@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -110,6 +111,20 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_skipped_as_damaged_takes_no_place_of_the_kept_ones(run, tmp_path):
+    """A resume that skipped a damaged step 3 went on from step 2 and, at its next save (step 4),
+    counted step 3 among train.keep_ckpts=2: it deleted step 2 and kept one checkpoint that loads.
+    Once a newer one is saved the damaged one is removed, and the kept ones all load."""
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    ck = out / "checkpoints"
+    shutil.rmtree(ck / "step_0000004")
+    (ck / "step_0000003/state.pt").write_bytes(b"cut short")
+    with cpu_only():
+        train(load_config(None, items(data, out, **{"train.keep_ckpts": 2, "train.ckpt_every": 2})))
+    assert sorted(os.listdir(ck)) == ["step_0000002", "step_0000004"]
+
+
 def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(run, tmp_path, caplog):
     """rng_0.pt written where the process saw more GPUs (another node shape): the run resumes, its
     CUDA RNG going on from a seed of its own with a warning; torch would fail on the missing devices, and
@@ -175,20 +190,23 @@ def test_a_failed_resume_changes_nothing(run, tmp_path):
 
 
 def test_a_second_run_in_the_same_directory_is_refused(run, tmp_path):
-    data, _ = run
-    (tmp_path / "run").mkdir()
+    """Whatever train.resume says: a run that holds checkpoints while it trains is no earlier run
+    to delete (resume=none said so, before it looked at the lock)."""
+    data, done = run
+    shutil.copytree(done / "checkpoints", tmp_path / "run/checkpoints")
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
                                "f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX)\n"
                                "f.write('4242\\n'); f.flush(); print('held', flush=True); time.sleep(120)",
                                str(tmp_path / "run/.lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"  # another process holds the lock
-        with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242\)"):
-            train(load_config(None, items(data, tmp_path / "run")))
+        for resume in ("auto", "none"):
+            with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242\)"):
+                train(load_config(None, items(data, tmp_path / "run", **{"train.resume": resume})))
     finally:
         holder.kill()
         holder.wait()
-    assert os.listdir(tmp_path / "run") == [".lock"]  # the holder's file, untouched
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "checkpoints"]  # the holder's files, untouched
 
 
 # another run's side of the lock, as `rundir.lock`/`unlock` do it (without importing torch):
@@ -200,6 +218,24 @@ if sys.stdin.readline():
     os.unlink(sys.argv[1]); f.close(); print("released", flush=True)
 time.sleep(120)
 """
+
+
+def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_next_locked(tmp_path):
+    """kill -9 as a run wrote its encoder (or a feature cache entry) left the whole temporary file,
+    which nothing removed; the next run of the directory removes those of this machine's dead
+    processes, not a live writer's nor another machine's."""
+    from mpp import rundir
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(gone.stdout), socket.gethostname()
+    names = {f".encoder.safetensors.tmp{dead}.{host}": False, f".metrics.json.tmp{os.getpid()}.{host}": True,
+             f".model.json.tmp{dead}.other-machine": True, "encoder.safetensors": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    rundir.lock(tmp_path)
+    try:
+        assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept} | {".lock"}
+    finally:
+        rundir.unlock(tmp_path)
 
 
 def test_a_lock_released_while_another_run_locks_has_one_holder(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import tarfile
 from pathlib import Path
 
@@ -347,7 +348,7 @@ def test_shards_manifest_and_their_folder_reach_the_disk_before_the_data_set_cou
     out = tmp_path / "out"
     m = write_shards(folder, out, samples_per_shard=8, progress=False)
     flushed = [Path(p).name for kind, p in events if kind == "fsync"]
-    assert {s["name"] for s in m["shards"]} | {".manifest.json.tmp%d" % os.getpid()} <= set(flushed)
+    assert {s["name"] for s in m["shards"]} | {".manifest.json.tmp%d.%s" % (os.getpid(), socket.gethostname())} <= set(flushed)
     manifest_in_place = events.index(("rename", str(out / "manifest.json")))
     assert all(events.index(("fsync", p)) < manifest_in_place for kind, p in events if kind == "fsync"
                and Path(p).name.endswith(".tar"))

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from mpp.config import Config
 from mpp.data import make_loader, normalize, to_float01
 from mpp.data.sources import resolve
-from mpp.fileio import atomic_path
+from mpp.fileio import atomic_path, sweep_orphans
 from mpp.models import POOLS
 from mpp.runtime import autocast
 from mpp.specs import local_path
@@ -214,6 +214,7 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     num_classes = len(loader.classes) if loader.classes else int(labels.max()) + 1  # the cache's label bound
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        sweep_orphans(path.parent)  # a killed writer's arrays
         with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
             save_file({**{f"features.{p}": f.contiguous() for p, f in features.items()}, "labels": labels.contiguous()},
                       str(tmp),
