@@ -19,7 +19,7 @@ from mpp.launcher import follow_parent
 
 ROOT = Path(__file__).resolve().parents[1]  # holds this mpp package: the runs import the same code
 PROGRESS = re.compile(r"(\d+)/(\d+) \[")  # tqdm's "step/total ["
-RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
+RESUMED = re.compile(r"resumed from .+ \(step (\d+)\)$", re.M)  # a path may hold spaces
 
 
 def _tree_rss(proc: psutil.Process) -> int:
@@ -108,7 +108,7 @@ def count_lost(runs: list[dict], checkpointed: int) -> None:
 
 
 def _newest_checkpoint(run_dir: Path) -> int:
-    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()]
+    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
     return max(steps, default=0)
 
 

@@ -27,6 +27,16 @@ def test_a_run_that_resumed_but_trained_nothing_loses_nothing():
     assert [r["lost"] for r in runs] == [10, 0, 5]
 
 
+def test_a_resume_and_the_newest_checkpoint_are_read_whatever_the_folder_names(tmp_path):
+    """A run folder whose path holds a space hid every resume (all steps counted lost), and a
+    user's copy 'step_0000004.bak' beside the checkpoints stopped the report."""
+    log = "mpp run:  0%|\nresumed from /data/my runs/run/checkpoints/step_0000020 (step 20)\nmpp run: 25%|"
+    assert mpp.soak.RESUMED.search(log).group(1) == "20"
+    for name in ("step_0000004", "step_0000008", "step_0000004.bak"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert mpp.soak._newest_checkpoint(tmp_path) == 8
+
+
 def test_overrides_follow_the_options_and_are_checked_before_anything_is_written(tmp_path, monkeypatch, capsys):
     """The documented `mpp-soak OUT --minutes M key=value` parses; a bad key stops it in one line
     (exit 2) before any data or run, instead of failing every run until the time is up."""
