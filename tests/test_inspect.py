@@ -298,6 +298,10 @@ def test_an_exported_encoder_alone_is_inspected_with_the_normalisation_it_record
     assert (tuple(seen.mean), tuple(seen.std)) == (imagenet.mean, imagenet.std)
     save_encoder(create_encoder("vit_micro4_32"), tmp_path / "old")
     assert load_inspected(str(tmp_path / "old")).data == DataConfig()
+    save_encoder(create_encoder("vit_micro4_32"), tmp_path / "lr=0.1" / "run", data=imagenet)  # a comparison's
+    seen = load_inspected(str(tmp_path / "lr=0.1" / "run"))  # output_dir=runs/lr=0.1: a path, not LABEL=PATH
+    assert seen.name == "run" and tuple(seen.data.mean) == imagenet.mean
+    assert load_inspected(f"mine={tmp_path / 'lr=0.1' / 'run'}").name == "mine"
 
 
 def test_image_every_is_checked_before_any_work():

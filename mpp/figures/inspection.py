@@ -48,8 +48,9 @@ class Inspected:
 
 def load_inspected(spec: str, seed: int = 0) -> Inspected:
     """An encoder from `[LABEL=]RUN_DIR | ENCODER.safetensors | none:PRESET[@IMG_SIZE]` (a random
-    init, at the preset's resolution or IMG_SIZE)."""
-    name, _, source = spec.partition("=") if "=" in spec else ("", "", spec)
+    init, at the preset's resolution or IMG_SIZE); a path that exists is a path, '=' in it or not
+    (a comparison's output_dir=runs/lr=0.1)."""
+    name, _, source = spec.partition("=") if "=" in spec and not Path(spec).exists() else ("", "", spec)
     if source.startswith("none:"):
         preset, at, size = source[5:].partition("@")
         if at and not (size.isdigit() and int(size) > 0):

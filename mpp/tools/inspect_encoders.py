@@ -5,7 +5,8 @@ layer, position-embedding similarity and patch-embedding filters, several encode
       --encoder none:vit_mini8_32 --data data/synthetic/test/manifest.json --out runs/synthetic/figures
 
 Writes OUT/{attention_distance,position_similarity,filters}.png, OUT/predictions_NAME.png for each
-MPP run, and OUT/inspect.json with the numbers behind them.
+MPP run whose target is a colour (not hog; none with --grid-images 0), and OUT/inspect.json with
+the numbers behind them.
 """
 from __future__ import annotations
 
