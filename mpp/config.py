@@ -230,6 +230,7 @@ WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "di
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
 # log window (train.log_every steps, fewer where a checkpoint closed it: train.ckpt_every not a
 # multiple of it), recorded beside those values in the run's config.yaml.
+MAX_TOKENS = 2 ** 16  # patches per image: 256 x 256 (ViT-H/14 at 896 px has 4,096); more is a typo, not a run
 RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
                   "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
 
@@ -278,7 +279,18 @@ class YamlLoader(yaml.SafeLoader):
     output_dir=010 went to '8'), and 1e-3 is a number. Configs, overrides and the config.yaml of
     every run are read with it. An alias (*name) may stand for a scalar, not for a list or mapping:
     nested ones grow tenfold a level (a file of a few hundred bytes becomes a report of hundreds of
-    megabytes), and a config needs none."""
+    megabytes), and a config needs none. A key given twice in one mapping is refused: the second
+    replaced the first without a word (a second `optim:` section dropped the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"'{key.value}' is given twice in one mapping; "
+                                                            "give each key once", key.start_mark)
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -350,6 +362,9 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return "no"
         raise ConfigError(f"config key '{key}' must be a string, got {value!r}; to mean the word, quote it: "
                           f"{key.rsplit('.', 1)[-1]}: '{str(value).lower()}'")
+    if kind == "str" and isinstance(value, float):  # its text is gone: 1.10, 1e3 and .5 read 1.1, 1000.0, 0.5
+        raise ConfigError(f"config key '{key}' must be a string, got the number {value!r}; to mean the text, "
+                          f"quote it: {key.rsplit('.', 1)[-1]}: 'TEXT' (on the command line \"{key}='TEXT'\")")
     if not isinstance(value, bool):
         if kind == "int" and isinstance(value, (int, float)) and float(value).is_integer():
             return int(value)
@@ -394,6 +409,7 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
             raise ConfigError(f"unknown config key '{key}'; {_suggest(key, valid_keys(root))}")
         cur = getattr(obj, k)
         if dataclasses.is_dataclass(cur):
+            v = {} if v is None else v  # a section whose entries are all commented out
             if not isinstance(v, dict):
                 raise ConfigError(f"config key '{key}' is a section; give it a mapping, "
                                   f"e.g. {key}.{dataclasses.fields(cur)[0].name}=...")
@@ -429,6 +445,8 @@ def _merge(base: dict, extra: dict, whole: tuple = ()) -> dict:
     """`extra` over `base`: mappings merge key by key, except the top-level keys in `whole`, which
     (like lists and scalars) `extra` replaces."""
     for k, v in extra.items():
+        if v is None and isinstance(base.get(k), dict):  # an empty section (entries commented out) changes none
+            continue
         if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in whole:
             _merge(base[k], v)
         else:
@@ -659,6 +677,9 @@ def validate(cfg: Config) -> None:
     img, patch = preset_geometry(cfg.model, cfg.img_size)
     fix = grid_fix(img, patch)
     check(not fix, f"config key 'img_size' is {img}: model {cfg.model}'s patch size is {patch}; give {fix}")
+    check((img // patch) ** 2 <= MAX_TOKENS, f"config key 'img_size' is {img}: {(img // patch) ** 2} patches of "
+                                             f"{patch} px, past the {MAX_TOKENS} a model here attends over; give an "
+                                             f"img_size of at most {patch * math.isqrt(MAX_TOKENS)}")
     chosen = math.floor(cfg.mpp.ratio * (img // patch) ** 2 + 0.5)
     check(cfg.objective != "mpp" or chosen >= 1,
           f"config key 'mpp.ratio' is {cfg.mpp.ratio}: it chooses {chosen} of {(img // patch) ** 2} patches; raise it")
@@ -703,6 +724,11 @@ def validate(cfg: Config) -> None:
           "with finetune.dev_fraction")
     check(not d.resampled or d.epoch_samples > 0,
           "data.resampled=true needs data.epoch_samples > 0 (the fixed epoch length)")
+    counts = {"data.num_samples": d.num_samples, "data.val_num_samples": d.val_num_samples,
+              "data.epoch_samples": d.epoch_samples, "fewshot.train_num_samples": cfg.fewshot.train_num_samples,
+              "fewshot.test_num_samples": cfg.fewshot.test_num_samples}
+    negative = [f"{k}={v}" for k, v in counts.items() if v < 0]
+    check(not negative, f"config keys of sample counts must be >= 0, got {', '.join(negative)}")
     o = cfg.optim
     check(0 < o.lr < math.inf, f"config key 'optim.lr' must be a finite number > 0, got {o.lr}")
     check(o.weight_decay >= 0 and o.min_lr >= 0 and o.warmup_steps >= 0 and o.clip_grad >= 0,

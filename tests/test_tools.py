@@ -91,6 +91,26 @@ def test_values_are_read_as_written(tmp_path):
 
 
 
+def test_a_config_that_would_lose_what_it_says_is_refused_and_an_empty_section_is_read(tmp_path):
+    """A number for a text key lost its spelling (output_dir=1.10 wrote to '1.1', 1e3 to
+    '1000.0'); a key given twice in one mapping dropped the first (a second optim: section the
+    first's rate); both are refused in one line. A section whose entries are all commented out
+    is an empty one (it was refused), and over a base file it changes nothing."""
+    from mpp.config import ConfigError, load_config
+    for text in ("1.10", "1e3", ".5"):
+        with pytest.raises(ConfigError, match=f"'output_dir' must be a string, got the number .* quote it"):
+            load_config(None, [f"output_dir={text}"])
+    assert load_config(None, ["output_dir='1.10'", "finetune.init=7"]).output_dir == "1.10"
+    (tmp_path / "twice.yaml").write_text("optim: {lr: 0.1}\nseed: 1\noptim: {name: sgd}\n")
+    with pytest.raises(ConfigError, match=r"'optim' is given twice in one mapping; give each key once .*line 3"):
+        load_config(tmp_path / "twice.yaml")
+    (tmp_path / "base.yaml").write_text("optim:\n  lr: 0.01\n")
+    (tmp_path / "c.yaml").write_text("base: base.yaml\noptim:\n  # lr: 0.1\nfewshot:\n  # shots: [1]\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.optim.lr == 0.01 and cfg.fewshot.shots == load_config(None).fewshot.shots
+
+
+
 def test_true_or_false_for_a_string_key_is_refused_but_precision_false_means_off():
     """YAML reads an unquoted false as a boolean: for train.precision it means off (no), for any
     other string key it is refused in one line saying how to quote it, never turned into a word."""
