@@ -41,11 +41,13 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
          window: float = 30.0) -> dict:
     """Run `mpp.tools.pretrain` in `out/run` again and again until `seconds` have passed, each run
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
-    The settings are checked first (ConfigError, nothing written): a bad one would fail every run."""
+    The settings are checked first, as a run checks them at its start (ConfigError, nothing
+    written): a bad one would fail every run."""
     from mpp.config import load_config
     from mpp.data.synthetic import make_synthetic
+    from mpp.runtime import check_run_settings
     overrides = [f"output_dir={out / 'run'}", f"data.train={out / 'data/train/manifest.json'}", *settings]
-    load_config(None, overrides)
+    check_run_settings(load_config(None, overrides))
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "data/train/manifest.json").exists():

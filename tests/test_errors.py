@@ -143,6 +143,13 @@ def _cut_tar(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:512 + 1024])
 
 
+def _finished(tmp: Path) -> None:
+    """TMP/out: a finished run of TRAIN's settings."""
+    from mpp.config import load_config
+    from mpp.train import train
+    train(load_config(None, TRAIN(tmp)))
+
+
 def _run_dir(tmp: Path, metrics: str, config: str) -> None:
     """TMP/run: a run directory with the given metrics.json and config.yaml texts."""
     (tmp / "run").mkdir()
@@ -211,6 +218,12 @@ CASES = [
     ("config file that is a folder", "pretrain", lambda t: ["--config", f"{t}/data"], None),
     ("malformed YAML config", "pretrain", lambda t: ["--config", f"{t}/bad.yaml"],
      lambda t: (t / "bad.yaml").write_text("steps: [1,\n")),
+    ("a key given twice in a config file", "pretrain", lambda t: ["--config", f"{t}/twice.yaml", *TRAIN(t)],
+     lambda t: (t / "twice.yaml").write_text("optim: {lr: 0.1}\noptim: {name: sgd}\n")),
+    ("a number where text is wanted (its spelling lost)", "pretrain", lambda t: [*TRAIN(t), "output_dir=1.10"], None),
+    ("a negative sample count", "pretrain", lambda t: [*TRAIN(t), "data.num_samples=-5"], None),
+    ("img_size of more patches than a model attends over", "pretrain", lambda t: [*TRAIN(t), "img_size=1e9"], None),
+    ("a negative generator seed", "make_synthetic", lambda t: [f"{t}/syn", "--seed", "-1"], None),
     ("config file that is not UTF-8 text", "pretrain", lambda t: ["--config", f"{t}/bin.yaml"],
      lambda t: (t / "bin.yaml").write_bytes(b"steps: 1\n\xff\xfe\n")),
     ("config whose base: includes itself", "pretrain", lambda t: ["--config", f"{t}/loop.yaml"],
@@ -261,6 +274,8 @@ CASES = [
      lambda t: (t / "out").mkdir() or (t / "out/metrics.json").write_text("{}")),
     ("a finished run whose checkpoints were deleted, started again", "pretrain", TRAIN,
      lambda t: (t / "out").mkdir() or (t / "out/encoder.safetensors").write_bytes(b"x")),
+    ("a finished run started again with other settings", "pretrain", lambda t: [*TRAIN(t), "optim.lr=0.01"],
+     lambda t: _finished(t)),
     ("resume: the only checkpoint is a pickle payload", "pretrain", TRAIN, lambda t: _ckpt_run(t, _pickle())),
     ("train.resume=PATH that is not a checkpoint", "pretrain", lambda t: [*TRAIN(t), f"train.resume={t}/data"], None),
     ("train.resume=PATH whose checkpoint does not load", "pretrain", lambda t: [*TRAIN(t), f"train.resume={OLD(t)}"],
@@ -477,6 +492,22 @@ def test_ctrl_c_is_one_line_and_exit_130():
         with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err), one_line_errors(interrupted=message):
             raise KeyboardInterrupt
         assert e.value.code == 130 and err.getvalue() == f"error: {message}\n"
+
+
+def test_out_of_memory_is_one_line_saying_what_to_lower():
+    """A failed allocation (the CPU allocator's RuntimeError, the GPU's OutOfMemoryError, Python's
+    MemoryError) ended in a traceback; a bug's RuntimeError still keeps its own."""
+    from mpp.cli import one_line_errors
+    for e in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
+                           "to allocate 1099545182464 bytes."), torch.OutOfMemoryError("CUDA out of memory."),
+              MemoryError()):
+        err = io.StringIO()
+        with pytest.raises(SystemExit) as exit, contextlib.redirect_stderr(err), one_line_errors():
+            raise e
+        assert exit.value.code == 1 and err.getvalue().startswith("error: out of memory (") and \
+            err.getvalue().count("\n") == 1 and "lower batch_size" in err.getvalue()
+    with pytest.raises(RuntimeError, match="a bug"), one_line_errors():
+        raise RuntimeError("a bug")
 
 
 class _Usage:

@@ -46,11 +46,13 @@ def test_overrides_follow_the_options_and_are_checked_before_anything_is_written
     main([str(tmp_path), "--minutes", "0", "batch_size=16"])
     assert seen[0][-1] == "batch_size=16"
     monkeypatch.undo()
-    with pytest.raises(SystemExit) as e:
-        main([str(tmp_path / "b"), "stepz=3", "--minutes", "0.01"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "unknown config key 'stepz'" in err, err
-    assert not (tmp_path / "b").exists()
+    for bad, said in (("stepz=3", "unknown config key 'stepz'"),  # and what a run checks at its start:
+                      ("train.grad_accum=5", "batch_size=32 is not divisible")):  # every run failed on it
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / "b"), bad, "--minutes", "0.01"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and said in err, err
+        assert not (tmp_path / "b").exists()
 
 
 def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
@@ -92,7 +94,7 @@ def test_a_stopped_soak_takes_its_run_with_it(tmp_path, monkeypatch, stop):
     monkeypatch.setattr(mpp.soak, "time", types.SimpleNamespace(time=time.time, sleep=interrupt))
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit if stop == "sigterm" else KeyboardInterrupt) as e:
-        mpp.soak.soak(tmp_path, 60, (30, 40), [])
+        mpp.soak.soak(tmp_path, 60, (30, 40), mpp.soak.SETTINGS)
     assert stop != "sigterm" or e.value.code == 143
     assert started and started[0].poll() is not None and not psutil.pid_exists(started[0].pid)
     assert signal.getsignal(signal.SIGTERM) is before  # the soak's handler is its own while it runs
