@@ -563,29 +563,42 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
                 FewshotEvaluator(c, "cpu")
         except (DataError, ValueError) as e:
             raise DataError(f"stage '{s.name}' ({s.config}): {e}") from None
-    _check_withheld_spelling(stages, resolved)
+    _check_shards_apart(stages, resolved)
 
 
-def _check_withheld_spelling(stages: list[Stage], resolved: dict[Path, Config]) -> None:
-    """A pre-training withholds the development splits drawn from the data it names the same way
-    (`data_key`); one that reads those shards under another name (a brace pattern over a manifest's
-    tars) would train on them, and is refused. Run once the data are made."""
+def _check_shards_apart(stages: list[Stage], resolved: dict[Path, Config]) -> None:
+    """What the shards each stage names must keep apart, once the data are made: no stage learns
+    from a shard that a fine-tune or probe is tested on (a typo would report figures of training
+    images as test figures, a supervised pre-training on them would fit the test labels); and a
+    pre-training withholds the development splits drawn from the data it names the same way
+    (`data_key`), so one that reads those shards under another name (a brace pattern over a
+    manifest's tars) would train on them, and is refused."""
     from mpp.data.decode import DataError
     from mpp.data.sources import resolve
 
     read: dict[str, set[str]] = {}
 
-    def files(c: Config) -> set[str]:  # the shards a data spec names, each data read once
-        key = data_key(c.data.train)
+    def files(spec, n: int) -> set[str]:  # the shards a data spec names, each data read once
+        key = data_key(spec)
         if key not in read:
-            read[key] = {name_key(u) for u in resolve(c.data.train, c.data.num_samples or 1).urls}
+            read[key] = {name_key(u) for u in resolve(spec, n or 1).urls}
         return read[key]
+    tests = {data_key(c.data.val): (s, c) for s in stages if s.tool in ("finetune", "linear_probe")
+             for c in [resolved[s.out]] if c.data.val}
+    for s in stages:
+        c = resolved[s.out]
+        for t, tc in tests.values():
+            if files(c.data.train, c.data.num_samples) & files(tc.data.val, tc.data.val_num_samples):
+                raise DataError(f"stage '{s.name}' ({s.config}) learns from data.train {c.data.train!r}, which holds "
+                                f"test images of stage '{t.name}' (data.val {tc.data.val!r}); test on shards that no "
+                                "stage trains on")
     chosen = {data_key(c.data.train): c for s in stages for c in [resolved[s.out]]
               if (s.tool == "finetune" and c.finetune.dev_fraction > 0) or (s.tool == "linear_probe" and c.probe.dev_split)}
     for s in (s for s in stages if s.tool == "pretrain"):
         c = resolved[s.out]
         for key, dev in chosen.items():
-            if key != data_key(c.data.train) and files(c) & files(dev):
+            if key != data_key(c.data.train) and (files(c.data.train, c.data.num_samples)
+                                                  & files(dev.data.train, dev.data.num_samples)):
                 raise DataError(f"stage '{s.name}' ({s.config}) trains on data.train {c.data.train!r}, the shards of "
                                 f"{dev.data.train!r} under another name, so the development splits drawn from those "
                                 "cannot be withheld from it; name both data the same way (the manifest)")

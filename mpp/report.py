@@ -352,7 +352,7 @@ def collect(runs: list[dict]) -> dict:
         if r["kind"] == "pretrain":
             place((r["family"], "pretrain"), r)
             row["pretrain"] = {"dir": r["dir"], "steps": m.get("steps"), "loss": m.get("loss"),
-                              "images": m.get("train_samples")}
+                              "images": m.get("train_samples"), "withheld": bool(r["settings"].get("data.withhold"))}
         elif r["kind"] == "finetune":
             key = f"{r['label_fraction']:g}"
             if r["evaluated_on"] == "dev":
@@ -510,6 +510,23 @@ def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in values.items()) or "—"
 
 
+def _withheld_note(t: dict, chosen: bool) -> str:
+    """What the pre-trainings left out, for the table's intro: the fine-tunes' development splits
+    (data.withhold), or, where recipes were `chosen` on such splits, the arms whose pre-training
+    did not leave them out (a comparison's override can empty data.withhold)."""
+    kept = [{"mpp": "MPP"}.get(f, f) for f in FAMILIES
+            if t[f]["pretrain"] and not t[f]["pretrain"].get("withheld", True)]
+    if not kept or not chosen:
+        return (" (the comparison leaves the fine-tunes' development splits out of a pre-training on their training "
+                "set, data.withhold, so that no fine-tune's learning rate or representation is chosen on images it "
+                "trained on).") if not kept else "."
+    many = len(kept) > 1
+    return (f". The {' and '.join(kept)} pre-training{'s' if many else ''} read the fine-tunes' development splits "
+            f"(data.withhold empty): the learning rates and representations chosen on those splits for "
+            f"{'their encoders' if many else 'its encoder'} were chosen on images {'they' if many else 'it'} "
+            "trained on.")
+
+
 def render_markdown(rep: dict) -> str:
     t, d, fracs, shots = rep["table"], rep["derived"], rep["label_fractions"], rep["shots"]
     head = (["", "pre-training"] + [f"fine-tune top-1 @ {100 * float(f):g}% labels" for f in fracs]
@@ -518,9 +535,7 @@ def render_markdown(rep: dict) -> str:
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
              "on training images its fit left out (below; token: [class] token, avg: mean of the patch tokens). Pre-training: its "
-             "steps and the images it read (the comparison leaves the fine-tunes' development splits out of a "
-             "pre-training on their training set, data.withhold, so that no fine-tune's learning rate or "
-             "representation is chosen on images it trained on).", "",
+             "steps and the images it read" + _withheld_note(t, any(rep["recipes"].get(f) for f in FAMILIES)), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
         row = t[f]

@@ -438,9 +438,9 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
 
 def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     """After the data are made, before the first stage: a missing test set or few-shot set, a
-    pattern without its count, a test set of fewer shards than a fine-tune's processes, and a label
+    pattern without its count, a test set of fewer shards than a fine-tune's processes, a label
     subset too small for its development split (withheld by a pre-training, or drawn by a fine-tune)
-    fail, naming the stage."""
+    and a stage that would learn from test images fail, naming the stage."""
     from mpp.compare import check_data, prepare_data
     from mpp.data.decode import DataError
     path = _write_configs(tmp_path, tmp_path / "d")
@@ -474,6 +474,14 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     stages = plan(cfg)
     with pytest.raises(DataError, match="pre-train mpp.*the shards of .*under another name.*name both data the same"):
         check_data(stages, validate(cfg, stages))
+    for overrides, learner in (  # a stage that learns from test images: the report's test figures were not
+            ([f"pretrain_overrides=[data.train={tmp_path}/d/test/manifest.json]"], "pre-train mpp"),
+            ([f"fraction_overrides.0.5=[data.val={tmp_path}/d/train]"], "pre-train mpp")):
+        cfg = load_compare_config(path, overrides)
+        stages = plan(cfg)
+        with pytest.raises(DataError, match=f"stage '{learner}.*learns from data.train .*which holds test images of "
+                                            "stage 'fine-tune"):
+            check_data(stages, validate(cfg, stages))
     other = tmp_path / "other"  # the test images under another class order: a typo for another data set
     shutil.copytree(tmp_path / "d/test", other)
     m = json.loads((other / "manifest.json").read_text())

@@ -305,6 +305,15 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
             in (tmp_path / "edge" / "report.md").read_text())
     (probe_sup / "metrics.json").write_text(json.dumps(m))
     assert "sweep_lr" not in md.split("Runs:")[1]  # dev runs are not listed as table runs
+    # these pre-trainings withheld nothing (an override can empty data.withhold): the intro said they did
+    assert "The supervised and MPP pre-trainings read the fine-tunes' development splits" in md
+    assert "leaves the fine-tunes' development splits out" not in md
+    for pre in (mpp, sup):
+        cfg = yaml.safe_load((pre / "config.yaml").read_text())
+        (pre / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"withhold": [[0.1, 0, 0.1]]}}))
+    write_report(runs, tmp_path / "held")
+    held = (tmp_path / "held" / "report.md").read_text()
+    assert "leaves the fine-tunes' development splits out" in held and "pre-training read the" not in held
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "optim": {"lr": 0.03},
                                                           "finetune": {"init": str(mpp), "label_fraction": 0.1,
