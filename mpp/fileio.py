@@ -24,6 +24,15 @@ _TMP = re.compile(r"\..+\.tmp(\d+)\.(.+)")  # `atomic_path`'s temporary names: .
 
 
 def _umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to read it (the fallback) leaves
+    it 0 for a moment, when a file another thread creates (TensorBoard's) would be world-writable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

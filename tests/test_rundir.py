@@ -63,6 +63,20 @@ def unfinished(done: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux shows the umask in /proc")
+def test_the_umask_is_read_without_setting_it(monkeypatch):
+    """Files get 0666 minus the umask; reading it by setting it left it 0 for a moment, when a file
+    another thread created (TensorBoard's) would have been world-writable."""
+    import mpp.fileio
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(mpp.fileio.os, "umask", lambda mask: pytest.fail(f"umask set to {mask:o}"))
+        assert mpp.fileio._umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+
+
 def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, capfd):
     """Newest checkpoint corrupt, the next with an empty model.safetensors, a `step_*` that is a
     file, a user's copy of an older checkpoint (its longer name sorted as the newest): resume skips
