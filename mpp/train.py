@@ -230,8 +230,8 @@ def setup(cfg: Config) -> Run:
     origin = task.origin(cfg)
     if resume:
         _check_origin(out, state.get("origin", {}), origin)
-    if accelerator.is_main_process and resume and (out / "config.yaml").is_file():
-        _check_changes(out, cfg, finished=state["step"] == steps)
+    if resume:
+        _check_changes(out, cfg, accelerator, finished=state["step"] == steps)
     begin_s = 0.0
     if not resume:
         t = time.time()
@@ -500,6 +500,8 @@ def _checkpoint(run: Run, done: int) -> None:
                            "origin": run.state["origin"],
                            "bad_run": int(run.bad.run.item()), "overflow_run": int(run.bad.overflow_run.item()),
                            **_totals(run)})
+    # removed, or (this step's) replaced by the checkpoint just written: a good one, never to be removed
+    run.damaged = [p for p in run.damaged if checkpoint_order(p.name) > checkpoint_order(checkpoint_name(done))]
 
 
 def _check_finite(run: Run, step: int) -> None:
@@ -705,24 +707,30 @@ def _check_origin(out: Path, then: dict, now: dict) -> None:
                           "output_dir")
 
 
-def _check_changes(out: Path, cfg: Config, finished: bool) -> None:
+def _check_changes(out: Path, cfg: Config, accelerator: Accelerator, finished: bool) -> None:
     """Name the settings that differ from the resumed run's config.yaml (`changed_settings`: not
     those of speed and logging alone); the run goes on with them (the optimiser's per-parameter
     state comes from the checkpoint, its settings and the schedule from the new config). A finished
     run, which would only export and evaluate again, is refused other settings but its length (a
     run stopped early is finished with steps set to its last checkpoint): its metrics.json would
     tell of settings that its weights and config.yaml do not, or, the output_dir mistaken, of a
-    run that never trained."""
-    changed = changed_settings(out / "config.yaml", cfg)
-    if changed is None:
-        print(f"warning: {out / 'config.yaml'} cannot be read, so the settings changed since it cannot be named",
-              file=sys.stderr)
-    elif finished and [c for c in changed if not c.startswith(("steps:", "epochs:"))]:
-        raise ConfigError(f"output_dir '{out}' holds a finished run of other settings ({'; '.join(changed[:4])}"
-                          f"{'; ...' if len(changed) > 4 else ''}); give it its own (its config.yaml) to export and "
-                          "evaluate it again, or choose a new output_dir")
-    for c in changed or ():
-        print(f"warning: resuming with {c}", file=sys.stderr)
+    run that never trained. The main process reads the file and says; every rank stops alike."""
+    refused = None
+    if accelerator.is_main_process and (out / "config.yaml").is_file():
+        changed = changed_settings(out / "config.yaml", cfg)
+        if changed is None:
+            print(f"warning: {out / 'config.yaml'} cannot be read, so the settings changed since it cannot be named",
+                  file=sys.stderr)
+        elif finished and [c for c in changed if not c.startswith(("steps:", "epochs:"))]:
+            refused = (f"output_dir '{out}' holds a finished run of other settings ({'; '.join(changed[:4])}"
+                       f"{'; ...' if len(changed) > 4 else ''}); give it its own (its config.yaml) to export and "
+                       "evaluate it again, or choose a new output_dir")
+        for c in [] if refused else changed or ():
+            print(f"warning: resuming with {c}", file=sys.stderr)
+    if accelerator.num_processes > 1:
+        refused = broadcast_object_list([refused])[0]
+    if refused:
+        raise ConfigError(refused)
 
 
 def _batches(loader, start: int):

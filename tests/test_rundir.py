@@ -128,7 +128,8 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
 def test_a_checkpoint_skipped_as_damaged_takes_no_place_of_the_kept_ones(run, tmp_path):
     """A resume that skipped a damaged step 3 went on from step 2 and, at its next save (step 4),
     counted step 3 among train.keep_ckpts=2: it deleted step 2 and kept one checkpoint that loads.
-    Once a newer one is saved the damaged one is removed, and the kept ones all load."""
+    Once a newer one is saved the damaged one is removed, and the kept ones all load; one the run
+    saved again at the damaged one's step is kept like any other."""
     data, done = run
     out = unfinished(done, tmp_path / "run")
     ck = out / "checkpoints"
@@ -137,6 +138,13 @@ def test_a_checkpoint_skipped_as_damaged_takes_no_place_of_the_kept_ones(run, tm
     with cpu_only():
         train(load_config(None, items(data, out, **{"train.keep_ckpts": 2, "train.ckpt_every": 2})))
     assert sorted(os.listdir(ck)) == ["step_0000002", "step_0000004"]
+    out = unfinished(done, tmp_path / "again")  # the damaged step saved again by the resumed run: that one is good
+    ck = out / "checkpoints"
+    (ck / "step_0000003/state.pt").write_bytes(b"cut short")
+    shutil.rmtree(ck / "step_0000004")
+    with cpu_only():
+        train(load_config(None, items(data, out, steps=5, **{"train.keep_ckpts": 3})))
+    assert sorted(os.listdir(ck)) == ["step_0000003", "step_0000004", "step_0000005"]
 
 
 def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(run, tmp_path, caplog):
@@ -237,12 +245,14 @@ time.sleep(120)
 def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_next_locked(tmp_path):
     """kill -9 as a run wrote its encoder (or a feature cache entry) left the whole temporary file,
     which nothing removed; the next run of the directory removes those of this machine's dead
-    processes, not a live writer's nor another machine's."""
-    from mpp import rundir
+    processes, not a live writer's nor another machine's or container's (its own pids)."""
+    from mpp import fileio, rundir
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, host = int(gone.stdout), socket.gethostname()
-    names = {f".encoder.safetensors.tmp{dead}.{host}": False, f".metrics.json.tmp{os.getpid()}.{host}": True,
-             f".model.json.tmp{dead}.other-machine": True, "encoder.safetensors": True}
+    dead, ns, host = int(gone.stdout), *fileio._WHERE.split(".", 1)
+    assert host == socket.gethostname()
+    names = {f".encoder.safetensors.tmp{dead}.{ns}.{host}": False, f".metrics.json.tmp{os.getpid()}.{ns}.{host}": True,
+             f".model.json.tmp{dead}.{ns}.other-machine": True, f".config.yaml.tmp{dead}.{int(ns) + 1}.{host}": True,
+             "encoder.safetensors": True}
     for name in names:
         (tmp_path / name).write_bytes(b"x")
     rundir.lock(tmp_path)

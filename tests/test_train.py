@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import timm
@@ -594,6 +595,8 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
     assert first["init_sha256"] == digest
     again = train(config(items + ["steps=12"]))  # the same encoder: resumes at step 8
     assert again["init_sha256"] == digest and again["steps"] == 12 and again["label_split"] == [1.0, 0, 0.0]
+    # finished, started again naming the same encoder by its file: no other setting, exported again
+    assert train(config(items + ["steps=12", f"finetune.init={encoder / 'encoder.safetensors'}"]))["steps"] == 12
     with pytest.raises(ConfigError, match=r"other inputs \(label_split: \[1.0, 0, 0.0\] then, \[0.5, 3, 0.2\] now"):
         train(config(items + ["steps=16", "finetune.label_fraction=0.5", "finetune.split_seed=3",
                               "finetune.dev_fraction=0.2"]))  # it would score on images it trained on
@@ -691,7 +694,8 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_pat
     save_config(config(["train.log_every=10", "train.ckpt_every=500", "data.num_workers=2", "output_dir=a"]),
                 tmp_path / "config.yaml")
     mpp.train._check_changes(tmp_path, config(["train.log_every=1", "train.ckpt_every=5", "train.resume=none",
-                                               "data.num_workers=4", "output_dir=b"]), finished=False)
+                                               "data.num_workers=4", "output_dir=b"]),
+                             SimpleNamespace(is_main_process=True, num_processes=1), finished=False)
     assert capsys.readouterr().err == "warning: resuming with data.num_workers: 2 -> 4\n"
 
 
