@@ -223,6 +223,8 @@ class CompareConfig:
 # and `KEY=...` the file's (`KEY.SUB=...` sets one entry); sections merge key by key, lists replace
 WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "dict")
 
+MAX_TOKENS = 2 ** 16  # patches per image: 256 x 256 (ViT-H/14 at 896 px has 4,096); more is a typo, not a run
+
 # Keys that change how fast a run goes or what it logs, never what it computes: a finished run of
 # other values is the run of these (compare resumes it, a resumed run does not warn about them).
 # Not data.num_workers: the workers' shard split orders the batches and the test images; nor
@@ -230,7 +232,6 @@ WHOLE = tuple(f.name for f in dataclasses.fields(CompareConfig) if f.type == "di
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
 # log window (train.log_every steps, fewer where a checkpoint closed it: train.ckpt_every not a
 # multiple of it), recorded beside those values in the run's config.yaml.
-MAX_TOKENS = 2 ** 16  # patches per image: 256 x 256 (ViT-H/14 at 896 px has 4,096); more is a typo, not a run
 RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
                   "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
 
@@ -286,10 +287,11 @@ class YamlLoader(yaml.SafeLoader):
         seen = set()
         for key, _ in node.value if isinstance(node, yaml.MappingNode) else ():
             if isinstance(key, yaml.ScalarNode):
-                if key.value in seen:
+                value = self.construct_object(key)  # the key's value: 0.1 and 0.10, 1 and 1.0 are one key
+                if value in seen:
                     raise yaml.constructor.ConstructorError(None, None, f"'{key.value}' is given twice in one mapping; "
                                                             "give each key once", key.start_mark)
-                seen.add(key.value)
+                seen.add(value)
         return super().construct_mapping(node, deep)
 
     def compose_node(self, parent, index):
@@ -445,7 +447,7 @@ def _merge(base: dict, extra: dict, whole: tuple = ()) -> dict:
     """`extra` over `base`: mappings merge key by key, except the top-level keys in `whole`, which
     (like lists and scalars) `extra` replaces."""
     for k, v in extra.items():
-        if v is None and isinstance(base.get(k), dict):  # an empty section (entries commented out) changes none
+        if v is None and isinstance(base.get(k), dict) and k not in whole:  # a section's entries commented out
             continue
         if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in whole:
             _merge(base[k], v)
@@ -641,16 +643,23 @@ def changed_settings(path: str | Path, now: Config) -> list[str] | None:
     current = flatten(to_dict(now))
     return [f"{k}: {saved.get(k, '(unset)')} -> {current.get(k, '(unset)')}" for k in sorted(set(saved) | set(current))
             if k != "output_dir" and k not in RESULT_NEUTRAL
-            and not _same(saved.get(k), current.get(k), data=k in DATA_KEYS)]
+            and not _same(saved.get(k), current.get(k), data=k in DATA_KEYS, encoder=k in ENCODER_KEYS)]
 
 
-def _same(a, b, data: bool = False) -> bool:
+ENCODER_KEYS = ("finetune.init", "probe.encoder")  # a run folder or its encoder.safetensors
+
+
+def _same(a, b, data: bool = False, encoder: bool = False) -> bool:
     """Equal settings, or two spellings of one existing path (relative and absolute); of `data`
-    (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key)."""
+    (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key); of `encoder`,
+    a run folder and its encoder.safetensors."""
     if a == b or (data and data_key(a) == data_key(b)):
         return True
-    return isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b) \
-        and os.path.samefile(a, b)
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    if encoder:
+        a, b = (os.path.join(p, "encoder.safetensors") if os.path.isdir(p) else p for p in (a, b))
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
 def validate(cfg: Config) -> None:

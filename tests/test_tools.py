@@ -98,12 +98,15 @@ def test_a_config_that_would_lose_what_it_says_is_refused_and_an_empty_section_i
     is an empty one (it was refused), and over a base file it changes nothing."""
     from mpp.config import ConfigError, load_config
     for text in ("1.10", "1e3", ".5"):
-        with pytest.raises(ConfigError, match=f"'output_dir' must be a string, got the number .* quote it"):
+        with pytest.raises(ConfigError, match="'output_dir' must be a string, got the number .* quote it"):
             load_config(None, [f"output_dir={text}"])
     assert load_config(None, ["output_dir='1.10'", "finetune.init=7"]).output_dir == "1.10"
     (tmp_path / "twice.yaml").write_text("optim: {lr: 0.1}\nseed: 1\noptim: {name: sgd}\n")
     with pytest.raises(ConfigError, match=r"'optim' is given twice in one mapping; give each key once .*line 3"):
         load_config(tmp_path / "twice.yaml")
+    (tmp_path / "same.yaml").write_text("optim: {lr: 0.1}\nfraction_overrides: {0.1: [steps=6], 0.10: [steps=8]}\n")
+    with pytest.raises(ConfigError, match=r"'0.10' is given twice in one mapping"):  # one value, two spellings
+        load_config(tmp_path / "same.yaml")
     (tmp_path / "base.yaml").write_text("optim:\n  lr: 0.01\n")
     (tmp_path / "c.yaml").write_text("base: base.yaml\noptim:\n  # lr: 0.1\nfewshot:\n  # shots: [1]\n")
     cfg = load_config(tmp_path / "c.yaml")
