@@ -44,7 +44,7 @@ from mpp import outcomes
 from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
-from mpp.specs import DATA_KEYS
+from mpp.specs import DATA_KEYS, data_key
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -352,7 +352,7 @@ def collect(runs: list[dict]) -> dict:
         if r["kind"] == "pretrain":
             place((r["family"], "pretrain"), r)
             row["pretrain"] = {"dir": r["dir"], "steps": m.get("steps"), "loss": m.get("loss"),
-                              "images": m.get("train_samples"), "withheld": bool(r["settings"].get("data.withhold"))}
+                              "images": m.get("train_samples"), "read_dev_splits": _read_dev_splits(r, runs)}
         elif r["kind"] == "finetune":
             key = f"{r['label_fraction']:g}"
             if r["evaluated_on"] == "dev":
@@ -510,12 +510,23 @@ def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in values.items()) or "—"
 
 
+def _read_dev_splits(pretrain: dict, runs: list[dict]) -> bool:
+    """Whether a pre-training trained on the development splits that fine-tunes or probes of its
+    data chose on: it withheld nothing (a comparison's override can empty data.withhold) from the
+    data.train they split. One on other data has nothing to withhold."""
+    if pretrain["settings"].get("data.withhold") or not pretrain["settings"].get("data.train"):
+        return False
+    mine = data_key(pretrain["settings"]["data.train"])
+    return any(data_key(r["settings"].get("data.train")) == mine for r in runs
+               if r.get("evaluated_on") == "dev" or (r["kind"] == "probe" and r["settings"].get("probe.dev_split")))
+
+
 def _withheld_note(t: dict, chosen: bool) -> str:
     """What the pre-trainings left out, for the table's intro: the fine-tunes' development splits
     (data.withhold), or, where recipes were `chosen` on such splits, the arms whose pre-training
-    did not leave them out (a comparison's override can empty data.withhold)."""
+    read them."""
     kept = [{"mpp": "MPP"}.get(f, f) for f in FAMILIES
-            if t[f]["pretrain"] and not t[f]["pretrain"].get("withheld", True)]
+            if t[f]["pretrain"] and t[f]["pretrain"].get("read_dev_splits")]
     if not kept or not chosen:
         return (" (the comparison leaves the fine-tunes' development splits out of a pre-training on their training "
                 "set, data.withhold, so that no fine-tune's learning rate or representation is chosen on images it "
