@@ -127,8 +127,8 @@ def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupte
         if isinstance(e, OSError):
             _fail(os_message(e), 1)
         if _out_of_memory(e):
-            _fail(f"out of memory ({' '.join(str(e).split())[:160]}); lower batch_size (or raise train.grad_accum), "
-                  "img_size or the model", 1)
+            _fail(f"out of memory ({' '.join(str(e).split())[:160]}); lower the batch size, the image size or the "
+                  "model", 1)
         raise
 
 

@@ -7,7 +7,8 @@ directory and is renamed over the target in one step. Files get mode 0666 minus 
 full disk raises OSError(ENOSPC) whatever the writer raised, so the message can say so. The content
 is flushed to the disk before the rename and the rename after it (`fsync`), so a power cut leaves
 the old file or the new one, never an empty one. A write cut off by kill -9 leaves its temporary
-file (named with the process and machine), which `sweep_orphans` removes later."""
+file (named with the process, its PID namespace and the machine), which `sweep_orphans` removes
+later."""
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,17 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
-_HOST = socket.gethostname()
-_TMP = re.compile(r"\..+\.tmp(\d+)\.(.+)")  # `atomic_path`'s temporary names: .NAME.tmpPID.HOST
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (containers that share a host name each have their own)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_WHERE = f"{_pid_namespace()}.{socket.gethostname()}"  # whose pids a temporary file's pid is
+_TMP = re.compile(r"\..+\.tmp(\d+)\.(\d+\..+)")  # `atomic_path`'s temporary names: .NAME.tmpPID.NS.HOST
 
 
 def _umask() -> int:
@@ -43,7 +53,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; when the block ends without error, it becomes `path`
     (mode 0666 & ~umask); on error the temporary file is removed and `path` is untouched."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{_HOST}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{_WHERE}")
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
@@ -63,10 +73,11 @@ def sweep_orphans(directory: str | Path) -> None:
     """Remove the temporary files that `atomic_path` left in `directory` when its process was
     killed mid-write (kill -9, the out-of-memory killer): each can be a whole encoder or feature
     array, and nothing else ever removes it. Only those of processes of this machine that no longer
-    run: a folder shared by several machines holds the writes of the others too."""
+    run (in this PID namespace): a folder shared by several machines or containers holds the writes
+    of the others too."""
     for f in Path(directory).glob(".*.tmp*"):
         m = _TMP.fullmatch(f.name)
-        if m and m.group(2) == _HOST and not _alive(int(m.group(1))):
+        if m and m.group(2) == _WHERE and not _alive(int(m.group(1))):
             f.unlink(missing_ok=True)
 
 

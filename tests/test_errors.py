@@ -505,7 +505,7 @@ def test_out_of_memory_is_one_line_saying_what_to_lower():
         with pytest.raises(SystemExit) as exit, contextlib.redirect_stderr(err), one_line_errors():
             raise e
         assert exit.value.code == 1 and err.getvalue().startswith("error: out of memory (") and \
-            err.getvalue().count("\n") == 1 and "lower batch_size" in err.getvalue()
+            err.getvalue().count("\n") == 1 and "lower the batch size" in err.getvalue()
     with pytest.raises(RuntimeError, match="a bug"), one_line_errors():
         raise RuntimeError("a bug")
 

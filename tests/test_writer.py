@@ -6,7 +6,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import tarfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+import mpp.fileio
 from mpp.data.writer import ShardError, sample_keys, write_shards
 
 def _tool_main(name: str):
@@ -250,14 +250,15 @@ def test_tar_sources_plain_compressed_and_with_top_folder(folder: Path, tmp_path
     m = write_shards(src, tmp_path / "out_stray", seed=3, progress=False)
     assert m["classes"] == CLASSES and m["num_samples"] == ref["num_samples"]
     assert any(e.startswith(".DS_Store") for e in m["skipped"]["examples"]), m["skipped"]
-    src = tmp_path / "mac.tar"  # macOS archives: 'train/' and '__MACOSX/train/' beside it, whose
-    with tarfile.open(src, "w") as tar:  # top folder made 'train' the one class of every image
-        tar.add(folder, arcname="train")
-        info = tarfile.TarInfo(f"__MACOSX/train/{CLASSES[0]}/._000.jpg")
-        info.size = 4
-        tar.addfile(info, io.BytesIO(b"\0\5\26\7"))
-    m = write_shards(src, tmp_path / "out_mac", seed=3, progress=False)
-    _check_round_trip(tmp_path / "out_mac", folder, m)
+    for i, junk in enumerate((f"__MACOSX/train/{CLASSES[0]}/._000.jpg", ".thumbnails/t.jpg")):  # macOS archives:
+        src = tmp_path / "mac.tar"  # 'train/' and '__MACOSX/train/' beside it, whose top folder made 'train' the
+        with tarfile.open(src, "w") as tar:  # one class of every image; an image in a hidden folder did too
+            tar.add(folder, arcname="train")
+            info = tarfile.TarInfo(junk)
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"\0\5\26\7"))
+        m = write_shards(src, tmp_path / f"out_mac{i}", seed=3, progress=False)
+        _check_round_trip(tmp_path / f"out_mac{i}", folder, m)
 
 
 def test_unlabeled(folder: Path, tmp_path: Path):
@@ -348,7 +349,7 @@ def test_shards_manifest_and_their_folder_reach_the_disk_before_the_data_set_cou
     out = tmp_path / "out"
     m = write_shards(folder, out, samples_per_shard=8, progress=False)
     flushed = [Path(p).name for kind, p in events if kind == "fsync"]
-    assert {s["name"] for s in m["shards"]} | {".manifest.json.tmp%d.%s" % (os.getpid(), socket.gethostname())} <= set(flushed)
+    assert {s["name"] for s in m["shards"]} | {".manifest.json.tmp%d.%s" % (os.getpid(), mpp.fileio._WHERE)} <= set(flushed)
     manifest_in_place = events.index(("rename", str(out / "manifest.json")))
     assert all(events.index(("fsync", p)) < manifest_in_place for kind, p in events if kind == "fsync"
                and Path(p).name.endswith(".tar"))

@@ -337,11 +337,11 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     would): their readers raise, and each is skipped and counted."""
     members = sorted((m for m in tar.getmembers() if m.isfile() or m.islnk() or m.issym()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
-    files = [n for n, m in zip(names, members) if m.isfile()]  # links, never written, decide nothing
-    tops = {t for n in files if not _junk(t := n.split("/", 1)[0])}
+    # links, never written, decide nothing, nor a zip's '__MACOSX/' or a hidden folder (macOS archives hold both)
+    files = [n for n, m in zip(names, members) if m.isfile() and not _junk(n.split("/", 1)[0])]
+    tops = {n.split("/", 1)[0] for n in files}
     # 'train/CLASS/x.jpg': the folder is 'train/', whatever else lies in it beside the class
-    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do; a
-    # zip's '__MACOSX/' beside it (macOS archives hold both) decides nothing
+    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do
     if (len(tops) == 1 and any(n.count("/") >= 2 for n in files)
             and not any(n.count("/") == 1 and _image_name(n) for n in files)):
         top = f"{tops.pop()}/"
