@@ -286,7 +286,7 @@ class YamlLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key, _ in node.value if isinstance(node, yaml.MappingNode) else ():
-            if isinstance(key, yaml.ScalarNode):
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":  # `<<:` merges, later
                 value = self.construct_object(key)  # the key's value: 0.1 and 0.10, 1 and 1.0 are one key
                 if value in seen:
                     raise yaml.constructor.ConstructorError(None, None, f"'{key.value}' is given twice in one mapping; "
@@ -561,7 +561,14 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError("compare config key 'sweep' gives finetune.pool the value auto, with which a final fine-tune "
                           "would choose its representation on its own training labels; sweep token and avg (or "
                           "leave finetune.pool out of the sweep: finetune_pool: auto chooses it on the dev split)")
-    cfg.fraction_overrides = {_fraction(k, cfg.label_fractions): v for k, v in cfg.fraction_overrides.items()}
+    by_fraction: dict = {}
+    for k, v in cfg.fraction_overrides.items():
+        frac = _fraction(k, cfg.label_fractions)
+        if frac in by_fraction:  # 0.1 and '0.10': one would be dropped
+            raise ConfigError(f"compare config key 'fraction_overrides' names label fraction {frac:g} twice "
+                              f"({by_fraction[frac][0]!r} and {k!r}); give each fraction once")
+        by_fraction[frac] = (k, v)
+    cfg.fraction_overrides = {frac: v for frac, (_, v) in by_fraction.items()}
     for frac, extra in cfg.fraction_overrides.items():
         if not all(isinstance(o, str) for o in extra):
             raise ConfigError(f"compare config key 'fraction_overrides' gives label fraction {frac} {extra!r}; give "

@@ -7,8 +7,8 @@ directory and is renamed over the target in one step. Files get mode 0666 minus 
 full disk raises OSError(ENOSPC) whatever the writer raised, so the message can say so. The content
 is flushed to the disk before the rename and the rename after it (`fsync`), so a power cut leaves
 the old file or the new one, never an empty one. A write cut off by kill -9 leaves its temporary
-file (named with the process, its PID namespace and the machine), which `sweep_orphans` removes
-later."""
+file (named with the process, its PID namespace, the kernel's boot and the machine), which
+`sweep_orphans` removes later."""
 from __future__ import annotations
 
 import contextlib
@@ -21,16 +21,21 @@ from pathlib import Path
 from typing import Iterator
 
 
-def _pid_namespace() -> int:
-    """This process's PID namespace (containers that share a host name each have their own)."""
+def _pids() -> str:
+    """Whose pids this process's are, in hex: its PID namespace (containers that share a host name
+    each have their own) and the kernel's boot (machines that share a host name, or a namespace's
+    number, each have their own)."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        ns = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:12]
     except OSError:
-        return 0
+        return "0"
+    return f"{ns:x}{boot}"
 
 
-_WHERE = f"{_pid_namespace()}.{socket.gethostname()}"  # whose pids a temporary file's pid is
-_TMP = re.compile(r"\..+\.tmp(\d+)\.(\d+\..+)")  # `atomic_path`'s temporary names: .NAME.tmpPID.NS.HOST
+_WHERE = f"{_pids()}.{socket.gethostname()}"  # whose pids a temporary file's pid is
+_TMP = re.compile(r"\..+\.tmp(\d+)\.([0-9a-f]+\..+)")  # `atomic_path`'s temporary names: .NAME.tmpPID.WHO.HOST
 
 
 def _umask() -> int:
@@ -73,8 +78,8 @@ def sweep_orphans(directory: str | Path) -> None:
     """Remove the temporary files that `atomic_path` left in `directory` when its process was
     killed mid-write (kill -9, the out-of-memory killer): each can be a whole encoder or feature
     array, and nothing else ever removes it. Only those of processes of this machine that no longer
-    run (in this PID namespace): a folder shared by several machines or containers holds the writes
-    of the others too."""
+    run (in this PID namespace, since this boot): a folder shared by several machines or containers
+    holds the writes of the others too."""
     for f in Path(directory).glob(".*.tmp*"):
         m = _TMP.fullmatch(f.name)
         if m and m.group(2) == _WHERE and not _alive(int(m.group(1))):

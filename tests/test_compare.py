@@ -356,7 +356,8 @@ def test_a_sweep_override_replaces_the_grid(tmp_path):
 def test_a_files_sweep_replaces_its_bases_grid(tmp_path):
     """A compare config's `sweep` is one grid: a file that inherits another (`base:`) and sweeps
     optim.lr sweeps only that, as `sweep=...` on the command line does (it was merged into the
-    base's: both keys swept); a file without `sweep` keeps the base's, and sections still merge."""
+    base's: both keys swept); a file without `sweep` keeps the base's, and sections still merge;
+    an emptied `sweep:` is refused, and a label fraction named twice in fraction_overrides."""
     base = _write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.weight_decay: [0, 0.1]}\n")
     child = tmp_path / "child.yaml"
     child.write_text("base: compare.yaml\nsweep: {optim: {lr: [0.1, 0.3]}}\nprepare: {synthetic_test: 20}\n")
@@ -365,6 +366,11 @@ def test_a_files_sweep_replaces_its_bases_grid(tmp_path):
     assert (cfg.prepare.synthetic_test, cfg.prepare.synthetic_train) == (20, 120)
     child.write_text("base: compare.yaml\nseeds: 2\n")
     assert load_compare_config(child).sweep == load_compare_config(base).sweep == {"optim.weight_decay": [0, 0.1]}
+    child.write_text("base: compare.yaml\nsweep:\n  # optim.lr: [0.1]\n")  # emptied by comments: it kept the
+    with pytest.raises(ConfigError, match="'sweep' must be a mapping"):  # base's grid without a word
+        load_compare_config(child)
+    with pytest.raises(ConfigError, match=r"names label fraction 0.5 twice \('0.5' and '0.50'\)"):  # one was dropped
+        load_compare_config(base, ['fraction_overrides={0.5: [steps=6], "0.50": [steps=8]}'])
 
 
 def test_bad_stage_key_fails_before_any_work(tmp_path):

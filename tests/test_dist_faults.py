@@ -38,7 +38,7 @@ def torchrun(out: Path, manifest: str, steps: int, *extra: str, ranks: int = 2,
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
 
 
-def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks(tmp_path):
+def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks_and_refuse_other_settings_once_finished(tmp_path):
     manifest, _ = write_shards(tmp_path / "data", [20, 3, 13, 6], classes=None)
     (tmp_path / "data/000002.tar").write_bytes(os.urandom(20_000))  # random bytes where 13 samples were
     done = subprocess.run(torchrun(tmp_path / "run", manifest, 6), cwd=ROOT, env=ENV, capture_output=True,
@@ -46,6 +46,13 @@ def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "run/metrics.json").read_text())
     assert metrics["steps"] == 6 and sum(metrics["skipped_samples"].values()) > 0, metrics
+    # started again with another rate: every rank stops with the refusal's line (rank 1 went on into
+    # a collective and died with a traceback while rank 0 refused)
+    again = subprocess.run(torchrun(tmp_path / "run", manifest, 6, "optim.lr=0.01"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+    refusals = [ln for ln in again.stderr.splitlines() if ln.startswith("error: ")]
+    assert again.returncode != 0 and len(refusals) == 2 and "holds a finished run of other settings" in refusals[0]
+    assert "[rank1]" not in again.stderr and "Connection closed" not in again.stderr, again.stderr[-3000:]
 
 
 ORPHAN = """import os, sys, time

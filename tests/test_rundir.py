@@ -248,11 +248,11 @@ def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_ne
     processes, not a live writer's nor another machine's or container's (its own pids)."""
     from mpp import fileio, rundir
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, ns, host = int(gone.stdout), *fileio._WHERE.split(".", 1)
+    dead, who, host = int(gone.stdout), *fileio._WHERE.split(".", 1)  # who: the PID namespace and boot
     assert host == socket.gethostname()
-    names = {f".encoder.safetensors.tmp{dead}.{ns}.{host}": False, f".metrics.json.tmp{os.getpid()}.{ns}.{host}": True,
-             f".model.json.tmp{dead}.{ns}.other-machine": True, f".config.yaml.tmp{dead}.{int(ns) + 1}.{host}": True,
-             "encoder.safetensors": True}
+    names = {f".encoder.safetensors.tmp{dead}.{who}.{host}": False,
+             f".metrics.json.tmp{os.getpid()}.{who}.{host}": True, f".model.json.tmp{dead}.{who}.other-machine": True,
+             f".config.yaml.tmp{dead}.{who}1.{host}": True, "encoder.safetensors": True}
     for name in names:
         (tmp_path / name).write_bytes(b"x")
     rundir.lock(tmp_path)

@@ -107,6 +107,8 @@ def test_a_config_that_would_lose_what_it_says_is_refused_and_an_empty_section_i
     (tmp_path / "same.yaml").write_text("optim: {lr: 0.1}\nfraction_overrides: {0.1: [steps=6], 0.10: [steps=8]}\n")
     with pytest.raises(ConfigError, match=r"'0.10' is given twice in one mapping"):  # one value, two spellings
         load_config(tmp_path / "same.yaml")
+    (tmp_path / "merge.yaml").write_text("optim: {<<: {lr: 0.1}, name: sgd}\n")  # a YAML merge key is no key twice
+    assert load_config(tmp_path / "merge.yaml").optim.lr == 0.1
     (tmp_path / "base.yaml").write_text("optim:\n  lr: 0.01\n")
     (tmp_path / "c.yaml").write_text("base: base.yaml\noptim:\n  # lr: 0.1\nfewshot:\n  # shots: [1]\n")
     cfg = load_config(tmp_path / "c.yaml")

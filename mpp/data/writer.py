@@ -299,8 +299,8 @@ def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled
         return [(n, r, None) for n, r in zip(names, readers)], None
     classes = sorted({c for n in names if (c := _class_folder(n))})
     if not classes:
-        raise ShardError(f"source '{src}' has no class sub-folders; put each class in its own folder "
-                         "or treat it as unlabeled (--unlabeled)")
+        raise ShardError(f"source '{src}' has no class sub-folders (__MACOSX and hidden folders are none); put "
+                         "each class in its own folder or treat it as unlabeled (--unlabeled)")
     index = {c: i for i, c in enumerate(classes)}
     return [(n, r, index[c]) if (c := _class_folder(n)) else (n, _outside_class_folder, None)
             for n, r in zip(names, readers)], classes
