@@ -63,7 +63,7 @@ from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_li
                         flatten, load_config, parse_overrides, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import data_key, name_key
+from mpp.specs import data_key
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -574,14 +574,14 @@ def _check_shards_apart(stages: list[Stage], resolved: dict[Path, Config]) -> No
     (`data_key`), so one that reads those shards under another name (a brace pattern over a
     manifest's tars) would train on them, and is refused."""
     from mpp.data.decode import DataError
-    from mpp.data.sources import resolve
+    from mpp.data.sources import resolve, shard_names
 
     read: dict[str, set[str]] = {}
 
     def files(spec, n: int) -> set[str]:  # the shards a data spec names, each data read once
         key = data_key(spec)
         if key not in read:
-            read[key] = {name_key(u) for u in resolve(spec, n or 1).urls}
+            read[key] = shard_names(resolve(spec, n or 1))
         return read[key]
     tests = {data_key(c.data.val): (s, c) for s in stages if s.tool in ("finetune", "linear_probe")
              for c in [resolved[s.out]] if c.data.val}

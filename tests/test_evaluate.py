@@ -721,6 +721,20 @@ def test_a_fine_tunes_test_set_of_fewer_shards_than_processes_stops_before_train
     classify.Evaluator(build_config({**to_dict(cfg), "finetune": {"dev_fraction": 0.2}}), "cpu")  # scores a dev split
 
 
+def test_a_test_set_sharing_shards_with_the_training_set_is_warned_of(tmp_path, caplog):
+    """A lone fine-tune or probe whose data.val shares shards with data.train reported the figures
+    of images it trained on as held-out ones without a word (a comparison refuses it outright)."""
+    from mpp.data.sources import check_same_classes
+    from shardutil import write_shards
+    train, _ = write_shards(tmp_path / "train", [4, 4])
+    check_same_classes(train, str(tmp_path / "train" / "." / "000001.tar"), 4)  # one of its shards, spelled otherwise
+    assert "data.val shares 1 shard(s) with data.train" in caplog.text and "not held-out ones" in caplog.text
+    caplog.clear()
+    test, _ = write_shards(tmp_path / "test", [4])
+    check_same_classes(train, test)
+    assert "shares" not in caplog.text
+
+
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):
     """A test set with a corrupt image and a corrupt shard: the classify evaluation scores every
     readable image exactly once (no repeated batch filling the rank's short tail) and records the

@@ -228,7 +228,8 @@ def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
     lists the same classes in the same order as `train_spec`'s (specs without a manifest have no
     list to compare). A manifest without `classes` on either side holds unlabeled shards: refused
     here, before any training, not when the evaluation first reads them. `names`: the config keys
-    of the two specs, for the message. Raises DataError naming the first difference."""
+    of the two specs, for the message. Raises DataError naming the first difference; warns where
+    the two share a shard."""
     train_set, val_set = resolve(train_spec, 1), resolve(val_spec, val_num_samples or 1)
     held_out = f"held-out labeled shards of {names[0]}'s label set"
     for shards, spec, name, fix in ((train_set, train_spec, names[0], "labeled shards"),
@@ -236,6 +237,9 @@ def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
         if shards.exact and not shards.classes:
             raise DataError(f"{name} {spec!r} has no 'classes' in its manifest: these shards look unlabeled, "
                             f"but the evaluation needs labels; give {fix}")
+    if shared := shard_names(train_set) & shard_names(val_set):  # a lone tool's; a comparison refuses it
+        log.warning("warning: %s shares %d shard(s) with %s (%s): its figures are of images the run trains on, not "
+                    "held-out ones", names[1], len(shared), names[0], sorted(shared)[0])
     train, val = train_set.classes, val_set.classes
     if train is None or val is None or list(train) == list(val):
         return
@@ -244,6 +248,11 @@ def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
     raise DataError(f"{names[1]} {val_spec!r} has other classes than {names[0]} {train_spec!r} ({len(val)} vs "
                     f"{len(train)}; class {diff} is {at(val)} vs {at(train)}): labels would not match; "
                     "evaluate on held-out shards of the same label set")
+
+
+def shard_names(shards: ShardSet) -> set[str]:
+    """One spelling of each shard of a set (`mpp.specs.name_key`), to find two sets that share one."""
+    return {name_key(u) for u in shards.urls}
 
 
 def _check_local(urls: list[str]) -> None:
