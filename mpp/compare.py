@@ -869,13 +869,17 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     resolved = validate(cfg, stages, machine=not dry_run)
     launcher = launcher_words(cfg.launcher, machine=False) or [sys.executable]
     total = len(stages) + 2
-    if dry_run:
+    if dry_run:  # every step the run takes, the first and last too
+        made = (f"{cfg.prepare.synthetic} (synthetic)" if cfg.prepare.synthetic
+                else ", ".join(as_list(cfg.prepare.shards_out)) or "none: the stages' own")
+        print(f"[1/{total}] data: made where missing ({made}), then every set the stages read is checked")
         for i, s in enumerate(stages, 2):
             print(f"[{i}/{total}] {s.name}: {shlex.join(s.command(launcher, resolved=False))}")
             for c in s.choices:
                 print(f"    chosen when it starts: {c.what} (shown: {' '.join(c.placeholder)})")
             if s.when:
                 print(f"    runs only if {s.when.what}")
+        print(f"[{total}/{total}] figures and report")
         return Path(cfg.output_dir) / "report.md"
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)

@@ -233,6 +233,8 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     assert "runs only if the best value's dev lead over it is under t times its standard error" in out
     assert f"{sys.executable} -m mpp.tools.pretrain --config" in out  # the installed module, not a repo path
     assert not (tmp_path / "data").exists()  # a dry run makes nothing
+    total = len(plan(cfg)) + 2  # its listing began at step 2: the data and figures steps were left out
+    assert out.startswith(f"[1/{total}] data: made where missing") and f"[{total}/{total}] figures and report" in out
 
 
 def test_bad_sweep_fails_before_any_work(tmp_path):

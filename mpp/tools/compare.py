@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     cfg = load_compare_config(a.config, a.overrides)
     from mpp.compare import run
-    print(f"report: {run(cfg, dry_run=a.dry_run)}")
+    report = run(cfg, dry_run=a.dry_run)
+    print(f"report (when it has run): {report}" if a.dry_run else f"report: {report}")
 
 
 if __name__ == "__main__":
