@@ -60,7 +60,7 @@ import psutil
 
 from mpp import outcomes
 from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, changed_settings,
-                        flatten, load_config, parse_overrides, to_dict)
+                        flatten, load_config, parse_overrides, said, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
 from mpp.specs import data_key
@@ -618,7 +618,7 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
                           "to run it again")
     if changed:
         raise ConfigError(f"stage '{stage.name}' {state} earlier in {stage.out} with other settings ("
-                          f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): delete {stage.out} and "
+                          f"{said(changed)}): delete {stage.out} and "
                           "the stages that used it to run them with these, or set another output_dir")
 
 

@@ -653,6 +653,11 @@ def changed_settings(path: str | Path, now: Config) -> list[str] | None:
             and not _same(saved.get(k), current.get(k), data=k in DATA_KEYS, encoder=k in ENCODER_KEYS)]
 
 
+def said(changed: list[str], most: int = 4) -> str:
+    """The first `most` of `changed_settings`' lines, for a one-line message."""
+    return "; ".join(changed[:most]) + ("; ..." if len(changed) > most else "")
+
+
 ENCODER_KEYS = ("finetune.init", "probe.encoder")  # a run folder or its encoder.safetensors
 
 

@@ -20,6 +20,8 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
+import psutil
+
 
 def _pids() -> str:
     """Whose pids this process's are, in hex: its PID namespace (containers that share a host name
@@ -82,18 +84,8 @@ def sweep_orphans(directory: str | Path) -> None:
     holds the writes of the others too."""
     for f in Path(directory).glob(".*.tmp*"):
         m = _TMP.fullmatch(f.name)
-        if m and m.group(2) == _WHERE and not _alive(int(m.group(1))):
+        if m and m.group(2) == _WHERE and not psutil.pid_exists(int(m.group(1))):
             f.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def fsync(path: str | Path) -> None:

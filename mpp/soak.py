@@ -110,8 +110,9 @@ def count_lost(runs: list[dict], checkpointed: int) -> None:
 
 
 def _newest_checkpoint(run_dir: Path) -> int:
-    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return max(steps, default=0)
+    from mpp.checkpoint import PREFIX, list_checkpoints
+    found = list_checkpoints(run_dir / "checkpoints")
+    return int(found[-1].name[len(PREFIX):]) if found else 0
 
 
 def write_report(report: dict, path: Path) -> None:

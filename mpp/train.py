@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from mpp import evaluators, rundir
 from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, load_checkpoint, save_checkpoint
 from mpp.compiled import compile_task, use_compile
-from mpp.config import Config, ConfigError, changed_settings, save_config
+from mpp.config import Config, ConfigError, changed_settings, said, save_config
 from mpp.data import make_loader, shield_workers
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
@@ -722,11 +722,11 @@ def _check_changes(out: Path, cfg: Config, accelerator: Accelerator, finished: b
             print(f"warning: {out / 'config.yaml'} cannot be read, so the settings changed since it cannot be named",
                   file=sys.stderr)
         elif finished and [c for c in changed if not c.startswith(("steps:", "epochs:"))]:
-            refused = (f"output_dir '{out}' holds a finished run of other settings ({'; '.join(changed[:4])}"
-                       f"{'; ...' if len(changed) > 4 else ''}); give it its own (its config.yaml) to export and "
-                       "evaluate it again, or choose a new output_dir")
-        for c in [] if refused else changed or ():
-            print(f"warning: resuming with {c}", file=sys.stderr)
+            refused = (f"output_dir '{out}' holds a finished run of other settings ({said(changed)}); give it its own "
+                       "(its config.yaml) to export and evaluate it again, or choose a new output_dir")
+        else:
+            for c in changed:
+                print(f"warning: resuming with {c}", file=sys.stderr)
     if accelerator.num_processes > 1:
         refused = broadcast_object_list([refused])[0]
     if refused:
