@@ -189,6 +189,7 @@ CASES = [
     ("mpp.ratio=.nan", "pretrain", lambda t: [*TRAIN(t), "mpp.ratio=.nan"], None),
     ("optim.beta2 of 1 or more", "pretrain", lambda t: [*TRAIN(t), "optim.beta2=1"], None),
     ("optim.min_lr above optim.lr", "pretrain", lambda t: [*TRAIN(t), "optim.min_lr=0.5"], None),
+    ("both steps and epochs (one would be ignored)", "pretrain", lambda t: [*TRAIN(t), "epochs=3"], None),
     ("unlabeled few-shot training set (checked before training)", "pretrain",
      lambda t: [*FS(t), f"fewshot.train={t}/data/unlabeled"], None),
     ("unlabeled few-shot test set (checked before training)", "pretrain",
