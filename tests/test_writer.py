@@ -259,6 +259,29 @@ def test_tar_sources_plain_compressed_and_with_top_folder(folder: Path, tmp_path
             tar.addfile(info, io.BytesIO(b"\0\5\26\7"))
         m = write_shards(src, tmp_path / f"out_mac{i}", seed=3, progress=False)
         _check_round_trip(tmp_path / f"out_mac{i}", folder, m)
+    src = tmp_path / "readme.tar"  # a file beside 'train/' made 'train' the one class of every image
+    with tarfile.open(src, "w") as tar:
+        tar.add(folder, arcname="train")
+        info = tarfile.TarInfo("README.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"notes"))
+    m = write_shards(src, tmp_path / "out_readme", seed=3, progress=False)
+    _check_round_trip(tmp_path / "out_readme", folder, m)
+    assert any(e.startswith("README.txt") for e in m["skipped"]["examples"]), m["skipped"]
+
+
+def test_a_source_of_one_class_folder_is_warned_of(folder: Path, tmp_path: Path, caplog):
+    """A folder that holds the class folders one level down (SRC/train/CLASS/...) is read as one
+    class, every label 0: written, as a set may be meant so, but said."""
+    (folder / "loose.jpg").unlink()
+    (tmp_path / "up").mkdir()
+    folder.rename(tmp_path / "up/train")
+    m = write_shards(tmp_path / "up", tmp_path / "out", progress=False)
+    assert m["classes"] == ["train"]
+    assert "one class folder, 'train'" in caplog.text
+    caplog.clear()
+    write_shards(tmp_path / "up/train", tmp_path / "out2", progress=False)
+    assert "one class folder" not in caplog.text
 
 
 def test_unlabeled(folder: Path, tmp_path: Path):

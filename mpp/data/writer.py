@@ -301,6 +301,10 @@ def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled
     if not classes:
         raise ShardError(f"source '{src}' has no class sub-folders (__MACOSX and hidden folders are none); put "
                          "each class in its own folder or treat it as unlabeled (--unlabeled)")
+    if len(classes) == 1:
+        log.warning("source '%s' has one class folder, '%s': every image gets label 0 (a supervised run or a "
+                    "fine-tune needs 2 or more); if it holds the class folders, give it as the source",
+                    src, classes[0])
     index = {c: i for i, c in enumerate(classes)}
     return [(n, r, index[c]) if (c := _class_folder(n)) else (n, _outside_class_folder, None)
             for n, r in zip(names, readers)], classes
@@ -339,9 +343,10 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
     # links, never written, decide nothing, nor a zip's '__MACOSX/' or a hidden folder (macOS archives hold both)
     files = [n for n, m in zip(names, members) if m.isfile() and not _junk(n.split("/", 1)[0])]
-    tops = {n.split("/", 1)[0] for n in files}
+    tops = {n.split("/", 1)[0] for n in files if "/" in n}
     # 'train/CLASS/x.jpg': the folder is 'train/', whatever else lies in it beside the class
-    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do
+    # folders ('train/.DS_Store' is then a file outside any class folder), unless images do; a
+    # file beside 'train/' (a README.txt) is outside any class folder and decides nothing
     if (len(tops) == 1 and any(n.count("/") >= 2 for n in files)
             and not any(n.count("/") == 1 and _image_name(n) for n in files)):
         top = f"{tops.pop()}/"
