@@ -733,6 +733,14 @@ def test_a_test_set_sharing_shards_with_the_training_set_is_warned_of(tmp_path, 
     test, _ = write_shards(tmp_path / "test", [4])
     check_same_classes(train, test)
     assert "shares" not in caplog.text
+    from mpp.evaluators.fewshot import Evaluator as FewshotEvaluator  # a pre-training watching its own images
+    shots, _ = write_shards(tmp_path / "shots", [4])
+    watch = {"model": "vit_micro4_32", "data": {"train": train}, "fewshot": {"every": 1, "train": shots}}
+    FewshotEvaluator(build_config({**watch, "fewshot": {**watch["fewshot"], "test": train}}), "cpu")
+    assert "fewshot.test shares 2 shard(s) with data.train" in caplog.text
+    caplog.clear()
+    FewshotEvaluator(build_config({**watch, "fewshot": {**watch["fewshot"], "test": test}}), "cpu")
+    assert "shares" not in caplog.text
 
 
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):

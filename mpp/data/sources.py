@@ -237,9 +237,7 @@ def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
         if shards.exact and not shards.classes:
             raise DataError(f"{name} {spec!r} has no 'classes' in its manifest: these shards look unlabeled, "
                             f"but the evaluation needs labels; give {fix}")
-    if shared := shard_names(train_set) & shard_names(val_set):  # a lone tool's; a comparison refuses it
-        log.warning("warning: %s shares %d shard(s) with %s (%s): its figures are of images the run trains on, not "
-                    "held-out ones", names[1], len(shared), names[0], sorted(shared)[0])
+    warn_shared(train_set, val_set, names)  # a lone tool's; a comparison refuses it
     train, val = train_set.classes, val_set.classes
     if train is None or val is None or list(train) == list(val):
         return
@@ -248,6 +246,13 @@ def check_same_classes(train_spec, val_spec, val_num_samples: int = 0,
     raise DataError(f"{names[1]} {val_spec!r} has other classes than {names[0]} {train_spec!r} ({len(val)} vs "
                     f"{len(train)}; class {diff} is {at(val)} vs {at(train)}): labels would not match; "
                     "evaluate on held-out shards of the same label set")
+
+
+def warn_shared(train_set: ShardSet, test_set: ShardSet, names: tuple[str, str]) -> None:
+    """Warn where a set figures are taken on (`names[1]`) shares a shard with one a run learns from."""
+    if shared := shard_names(train_set) & shard_names(test_set):
+        log.warning("warning: %s shares %d shard(s) with %s (%s): its figures are of images the run trains on, not "
+                    "held-out ones", names[1], len(shared), names[0], sorted(shared)[0])
 
 
 def shard_names(shards: ShardSet) -> set[str]:

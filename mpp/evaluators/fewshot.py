@@ -15,7 +15,7 @@ from mpp import outcomes
 from mpp.checkpoint import rng_state, set_rng_state
 from mpp.config import Config
 from mpp.data import make_loader
-from mpp.data.sources import check_same_classes, class_count, resolve
+from mpp.data.sources import check_same_classes, class_count, resolve, warn_shared
 from mpp.evaluators.features import (candidate_pools, encode_images, encoder_img_size, eval_batch_size, eval_mode,
                                      standardize)
 
@@ -131,9 +131,11 @@ class Evaluator:
 
     def __init__(self, cfg: Config, device: torch.device | str):
         fs = cfg.fewshot
-        for key in ("train", "test"):  # bad specs fail now
-            resolve(getattr(fs, key), getattr(fs, f"{key}_num_samples"), f"fewshot.{key}_num_samples")
+        sets = {key: resolve(getattr(fs, key), getattr(fs, f"{key}_num_samples"), f"fewshot.{key}_num_samples")
+                for key in ("train", "test")}  # bad specs fail now
         check_same_classes(fs.train, fs.test, fs.test_num_samples, names=("fewshot.train", "fewshot.test"))
+        if cfg.data.train:  # the encoder watched learns from data.train, with or without its labels
+            warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), sets["test"], ("data.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
 
