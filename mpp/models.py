@@ -357,6 +357,9 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     except Exception as e:  # timm's own errors on odd kwargs: TypeError, AttributeError, ZeroDivisionError, ...
         raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+    if meta.grid_size[0] != meta.grid_size[1]:  # every loader here reads square images
+        raise ConfigError(f"{spec_file}: a grid of {meta.grid_size[0]}x{meta.grid_size[1]} patches; mpp reads square "
+                          "images: give a square img_size")
     if odd:
         raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
                           f"of another shape, e.g. {odd[0]}); give the model.json it was exported with")

@@ -782,7 +782,10 @@ def _figures_section(out: Path) -> str:
     fig = out / "figures"
     if not (fig / "inspect.json").is_file():
         return ""
-    names = [n for n in FIGURES if (fig / n).is_file()] + sorted(p.name for p in fig.glob("predictions_*.png"))
+    drawn = _read_json(fig / "inspect.json").get("encoders")  # this drawing's grids, not an earlier one's left there
+    grids = {e.get("predictions_png") for e in (drawn.values() if isinstance(drawn, dict) else ()) if isinstance(e, dict)}
+    names = [n for n in FIGURES if (fig / n).is_file()] + sorted(
+        n for n in grids if isinstance(n, str) and n.startswith("predictions_") and "/" not in n and (fig / n).is_file())
     lines = ["", "## What the encoders learned", ""]
     lines += [f"- {FIGURES.get(n, 'MPP predictions: ' + n[len('predictions_'):-4])}: ![{n}](figures/{n})"
               for n in names]

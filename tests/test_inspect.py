@@ -325,3 +325,60 @@ def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):
     save_model(task, str(tmp_path / "checkpoints/step_0000002/model.safetensors"))
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
     assert torch.equal(predict(task, images).predicted, predict(load_mpp_task(tmp_path), images).predicted)
+
+
+def test_a_drawing_again_leaves_no_earlier_grid_and_the_accuracy_is_of_the_images_asked_for(data, tmp_path):
+    """A grid an earlier drawing left (another target, --grid-images 0 now) was kept and linked by the
+    report as this drawing's; the colour accuracy covered the grid's images too, not --images alone,
+    and the grid's corruption changed with --images (one draw over all images read)."""
+    from mpp.figures.inspection import _first, _predict, inspect_encoders
+    from mpp.report import _figures_section
+    saved_mpp_run(tmp_path / "mpp")
+    out = tmp_path / "cmp/figures"
+    run = lambda **kw: inspect_encoders([str(tmp_path / "mpp")], data, out, batch_size=2, **kw)  # noqa: E731
+    wide = run(images=2, grid_images=6)["encoders"]["mpp"]
+    assert "figures/predictions_mpp.png" in _figures_section(tmp_path / "cmp")
+    narrow = run(images=2, grid_images=2)["encoders"]["mpp"]
+    assert narrow["mpp_chosen_color_accuracy"] == wide["mpp_chosen_color_accuracy"]
+    assert run(images=6, grid_images=6)["encoders"]["mpp"]["mpp_chosen_color_accuracy"] != \
+        wide["mpp_chosen_color_accuracy"]
+    task, images = load_mpp_task(tmp_path / "mpp"), torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
+    few, many = _predict(task, images[:2], 2, 0), _predict(task, images, 2, 0)  # batch by batch, seeded each
+    assert all(torch.equal(a, b) for a, b in zip(vars(few).values(), vars(_first(many, 2)).values()))
+    (out / "predictions_stray.png").write_bytes((out / "predictions_mpp.png").read_bytes())  # not of this drawing: not linked
+    assert "predictions_stray" not in _figures_section(tmp_path / "cmp")
+    run(images=2, grid_images=0)
+    assert not list(out.glob("predictions_*.png")) and "predictions" not in _figures_section(tmp_path / "cmp")
+
+
+def test_a_bad_mpp_head_or_encoder_file_is_refused_in_one_line(tmp_path):
+    """A head file that is no safetensors, of other mpp settings, without the [mask] embedding or
+    diverged ended in a traceback of safetensors or torch; so did a hand-made non-square encoder,
+    and a missing path with '=' in it was named by its tail."""
+    from safetensors.torch import load_file, save_file
+    from mpp.config import ConfigError
+    from mpp.figures.inspection import load_inspected
+    from mpp.models import load_encoder
+    saved_mpp_run(tmp_path / "run")
+    head = tmp_path / "run" / HEAD_FILE
+    good = {k: v.clone() for k, v in load_file(str(head)).items()}  # not mapped from the file rewritten below
+    for name, state, why in (("garbage", None, "not a readable safetensors"),
+                             ("other bits", {**good, "head.weight": torch.zeros(64, 64), "head.bias": torch.zeros(64)},
+                              "not the MPP head of this run's mpp.target=mean_color, mpp.bits=3"),
+                             ("no mask", {k: v for k, v in good.items() if k != "mask_token"}, "e.g. mask_token"),
+                             ("NaN", {**good, "head.bias": torch.full_like(good["head.bias"], float("nan"))}, "NaN")):
+        if state is None:
+            head.write_bytes(b"\x80\x04junk")
+        else:
+            save_file(state, str(head))
+        with pytest.raises(ConfigError, match=why):
+            load_mpp_task(tmp_path / "run")
+    spec = json.loads((tmp_path / "run/model.json").read_text())
+    (tmp_path / "flat").mkdir()
+    save_encoder(create_encoder("vit_micro4_32", 32, attn="math"), tmp_path / "flat")
+    spec["kwargs"]["img_size"] = [32, 48]
+    (tmp_path / "flat/model.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="a grid of 8x12 patches; mpp reads square images"):
+        load_encoder(tmp_path / "flat")
+    with pytest.raises(FileNotFoundError, match=r"--encoder runs/lr=0\.1/mpp: no such file"):
+        load_inspected("runs/lr=0.1/mpp")

@@ -26,7 +26,7 @@ from mpp.figures import plots
 from mpp.figures.attention import attention_distance_sum, patch_distances, record_attention
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
-from mpp.figures.predictions import load_mpp_task, predict, prediction_grid
+from mpp.figures.predictions import Prediction, load_mpp_task, predict, prediction_grid
 from mpp.fileio import write_atomic
 from mpp.models import (PRESETS, MaskedEncoder, create_encoder, grid_fix, load_encoder, preset_geometry,
                         read_model_json)
@@ -64,8 +64,8 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
         return Inspected(name or f"random {source[5:]}", encoder, DataConfig(), None, random=True)
     path = Path(source)
     run = path if path.is_dir() else path.parent
-    if not path.exists():
-        raise FileNotFoundError(f"--encoder {source}: no such file or directory; give a run dir, an "
+    if not path.exists():  # named as given: 'runs/lr=0.1/mpp' is no label 'runs/lr' of '0.1/mpp'
+        raise FileNotFoundError(f"--encoder {spec}: no such file or directory; give a run dir, an "
                                 "encoder.safetensors with model.json beside it, or none:PRESET")
     if (run / "config.yaml").is_file():
         data = load_config(run / "config.yaml").data
@@ -107,6 +107,18 @@ def mean_attention_distance(encoder: MaskedEncoder, images: torch.Tensor, data: 
             encoder(normalize(to_float01(images[i:i + batch_size]), data.mean, data.std))
             total = torch.stack(sums) if total is None else total + torch.stack(sums)
     return total / (len(images) * encoder.num_patches)
+
+
+def _predict(task: MPPTask, images: torch.Tensor, batch_size: int, seed: int) -> Prediction:
+    """`predict` over `images` in batches of `batch_size` (the whole set at once would hold every
+    image's activations), each batch's corruption seeded by its offset: the first images are
+    corrupted alike whatever the count after them."""
+    parts = [predict(task, images[i:i + batch_size], seed=seed + i) for i in range(0, len(images), batch_size)]
+    return Prediction(**{k: torch.cat([getattr(p, k) for p in parts]) for k in vars(parts[0])})
+
+
+def _first(pred: Prediction, count: int) -> Prediction:
+    return dataclasses.replace(pred, **{k: v[:count] for k, v in vars(pred).items()})
 
 
 def _unique(names: list[str], form: str = "{} ({})") -> list[str]:
@@ -166,19 +178,22 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
                  "position_similarity": sims[m.name].tolist(),
                  "filter_pc_variance_share": share.tolist()}
         if m.task is not None and m.task.target.colors is not None:
-            # the colour accuracy over all images read, the grid (grid_images > 0) of the first few
-            pred = predict(m.task, batch, seed=seed)
-            entry["mpp_chosen_color_accuracy"] = pred.accuracy(m.task.cfg.bits)
+            # the colour accuracy over the `images` every figure reads, the grid (grid_images > 0) of the first few
+            pred = _predict(m.task, batch, batch_size, seed)
+            entry["mpp_chosen_color_accuracy"] = _first(pred, images).accuracy(m.task.cfg.bits)
             if grid_images:
-                shown = dataclasses.replace(pred, **{k: v[:grid_images] for k, v in vars(pred).items()})
                 file = out / f"predictions_{stem}.png"
-                plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
+                plots.predictions(prediction_grid(_first(pred, grid_images), m.encoder.patch_size), m.name,
                                   entry["mpp_chosen_color_accuracy"], file)
                 entry["predictions_png"] = file.name
         numbers["encoders"][m.name] = entry
     plots.attention_distance(distances, patch, out / "attention_distance.png")
     plots.position_similarity(sims, grids, out / "position_similarity.png")
     plots.filters(comps, out / "filters.png")
+    drawn = {e.get("predictions_png") for e in numbers["encoders"].values()}
+    for old in out.glob("predictions_*.png"):  # an earlier drawing's, of encoders or targets no longer there
+        if old.name not in drawn:
+            old.unlink()
     write_atomic(out / "inspect.json", json.dumps(numbers, indent=1) + "\n")  # last: the comparison's "figures done"
     return numbers
 

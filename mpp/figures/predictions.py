@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from mpp.checkpoint import list_checkpoints
-from mpp.config import load_config
+from mpp.config import ConfigError, load_config
 from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
 from mpp.models import load_encoder, take_rows
@@ -40,7 +40,8 @@ def save_mpp_head(task: MPPTask, out_dir: str | Path) -> Path:
 
 def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
     """The MPP task (encoder, [mask] embedding, head) of a pre-training run dir; None when the run
-    is not an MPP run or has neither a head file nor a checkpoint."""
+    is not an MPP run or has neither a head file nor a checkpoint. A head file that is no
+    safetensors, or whose tensors are not those of the run's `mpp` settings, is refused in one line."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         return None
@@ -48,14 +49,25 @@ def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
     if cfg.objective != "mpp":
         return None
     if (run / HEAD_FILE).is_file():
-        state = load_file(str(run / HEAD_FILE))
+        file, prefix = run / HEAD_FILE, ""
     elif ckpts := list_checkpoints(run / "checkpoints"):
-        full = load_file(str(ckpts[-1] / "model.safetensors"))
-        state = {k.removeprefix("encoder."): v for k, v in full.items()
-                 if k.startswith("head.") or k == "encoder.mask_token"}
+        file, prefix = ckpts[-1] / "model.safetensors", "encoder."
     else:
         return None
+    try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
+        full = load_file(str(file))
+    except Exception as e:
+        raise ConfigError(f"{file} is not a readable safetensors file ({' '.join(str(e).split())[:80]}); "
+                          "train or export the run again") from None
+    state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith("head.") or k == f"{prefix}mask_token"}
     task = MPPTask(load_encoder(run, attn=attn), cfg.mpp, cfg.data)
+    want = {f"head.{k}": v.shape for k, v in task.head.state_dict().items()} | {"mask_token": task.encoder.mask_token.shape}
+    if odd := sorted(set(want) ^ set(state)) + [k for k in want if k in state and state[k].shape != want[k]]:
+        raise ConfigError(f"{file}: not the MPP head of this run's mpp.target={cfg.mpp.target}, mpp.bits={cfg.mpp.bits} "
+                          f"({len(odd)} tensors missing, extra or of another shape, e.g. {odd[0]}); train the run again")
+    if bad := [k for k, v in state.items() if not torch.isfinite(v).all()]:
+        raise ConfigError(f"{file}: {len(bad)} of its tensors hold NaN or infinite weights (e.g. {bad[0]}): a "
+                          "diverged run; give a finite one")
     task.head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
     with torch.no_grad():
         task.encoder.mask_token.copy_(state["mask_token"])
