@@ -62,8 +62,9 @@ class StepProfiler:
         if count and self.steps > 0:
             cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
             # Kineto's start-up messages (a failed GPU probe on a CUDA build without a GPU) mean nothing here
-            if not cuda:
-                os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            self.quieted = not cuda and "KINETO_LOG_LEVEL" not in os.environ  # unset again at the end
+            if self.quieted:
+                os.environ["KINETO_LOG_LEVEL"] = "6"
             self.prof = torch.profiler.profile(
                 activities=[ProfilerActivity.CPU, *cuda], on_trace_ready=self._write,
                 acc_events=True,  # one cycle either way; torch 2.11 warns without it
@@ -79,7 +80,11 @@ class StepProfiler:
     def __exit__(self, *exc) -> None:
         if self.prof is not None:
             self.failed = exc[0] is not None  # stop the profiler, but report no half-recorded window
-            self.prof.__exit__(*exc)
+            try:
+                self.prof.__exit__(*exc)
+            finally:
+                if self.quieted:  # the process's later runs and children see what they saw before
+                    os.environ.pop("KINETO_LOG_LEVEL", None)
 
     def step(self) -> None:
         if self.prof is not None:

@@ -108,9 +108,12 @@ def train(cfg: Config) -> dict:
             try:
                 loop(run)
                 return finish(run)
-            finally:
-                run.bar.close()  # finish closed it (and the prefetch thread) already when it got there
-                run.batches.close()
+            finally:  # finish closed these already when it got there; an error or Ctrl-C did not
+                run.bar.close()
+                if run.batches.close():  # the prefetch thread first: it reads the loader
+                    run.loader.close()  # the data workers
+                if run.writer:
+                    run.writer.close()  # TensorBoard's writer thread and file
     finally:
         rundir.unlock(cfg.output_dir)
 
@@ -314,7 +317,7 @@ def loop(run: Run) -> None:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
                 finite = torch.isfinite(grad_norm)
                 overflow = _scaler_overflow(accelerator, finite, losses)
-                run.optimizer.optimizer.found_inf = (~finite).float()  # fused kernels skip the update when set
+                _skip_unless_finite(accelerator.scaler, run.optimizer.optimizer, finite)
                 run.optimizer.step()
                 run.optimizer.zero_grad(set_to_none=True)
             done = step + 1
@@ -541,6 +544,18 @@ def _skipped(run: Run) -> dict[str, int]:
     for counters in gather_object([run.batches.counted]):
         total.update(counters)
     return dict(total)
+
+
+def _skip_unless_finite(scaler, optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """Make the coming `step` skip the update where the clipped gradient's norm is not finite,
+    without a host sync: fused kernels read `optimizer.found_inf`. Under fp16, GradScaler.step
+    sets that from what it saw while unscaling, before clipping (finite gradients whose norm
+    overflows then stepped, to NaN weights without clipping), so the verdict goes into its record
+    too: the step is skipped and the scale lowered."""
+    optimizer.found_inf = (~finite).float()
+    if scaler is not None:  # unscaled by clip_grad_norm_: GradScaler's record of this optimizer exists
+        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            torch.maximum(found, optimizer.found_inf.to(found.device), out=found)
 
 
 def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor,

@@ -818,3 +818,20 @@ def test_a_finished_run_started_again_with_other_settings_is_refused(tmp_path, d
     (moved / "config.yaml").write_text("[1, 2")
     train(config(settings(data, moved, steps=4)))
     assert "config.yaml cannot be read, so the settings changed since it cannot be named" in capsys.readouterr().err
+
+
+def test_a_run_stopped_by_an_error_leaves_no_data_worker_or_writer_thread(data, tmp_path, monkeypatch):
+    """Ctrl-C (or an error) in the loop left the data worker and TensorBoard's writer thread, its
+    file open, behind: one more of each per failed train() in a long-lived process."""
+    import multiprocessing
+    import threading
+    import mpp.train as T
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(T, "_log", interrupt)
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(KeyboardInterrupt):
+        T.train(config(settings(data, tmp_path / "run")))
+    assert not multiprocessing.active_children()
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
