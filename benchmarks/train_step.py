@@ -6,8 +6,8 @@
 Take final figures on a quiet machine and record them in docs/benchmarks.md.
 
 Methods, each a full optimiser step (forward, backward, gradient clipping, AdamW) on the same
-in-memory uint8 batch, at equal precision (bf16 autocast, or fp32), timed one step at a time in
-turn and summarised by the median step time:
+in-memory uint8 batch laid out as the loader's, at equal precision (bf16 autocast, or fp32), timed
+a block of `--block` steps at a time in turn and summarised by the median step time:
 - `mpp`: `build_task` + `create_optimizer` exactly as the trainer builds them (attention path
   "auto", fused AdamW, corruption sampled on the device, the last block's row-wise parts, head
   and loss on the chosen patches only, no host sync), optionally `torch.compile`d;
@@ -25,7 +25,7 @@ with a large bf16 matmul; the `ceiling` column is the images/s the step would re
 FLOPs ran at the matmul peak of its precision and everything else were free. The loader check
 (`loader_check`) times the `mpp` step in steady state on batches from `make_loader` over
 generated synthetic shards (through `mpp.prefetch`, as the trainer) against the same step on an
-in-memory batch. `device`: cpu or cuda (CUDA steps are timed with a synchronize after each; peak
+in-memory batch. `device`: cpu or cuda (CUDA steps are timed with a synchronize after each block; peak
 memory is each method's own: what it holds between steps plus CUDA's allocator peak above that
 in one step, with the CUDA graphs' pools, see `peak_memory`; the other methods' weights and
 optimiser states, alive beside it, are not counted).
@@ -229,10 +229,13 @@ BUILDERS = {"mpp": ours, "mpp+compile": functools.partial(ours, compile="default
             "timm+compile": functools.partial(timm_loop, compile=True), "vit-pytorch": vit_pytorch}
 
 
-def time_interleaved(steps: dict[str, Callable], images: torch.Tensor, warmup: int, rounds: int) -> dict[str, float]:
-    """Median seconds per step of each method, timed one step at a time in turn (A, B, C, A, B, C,
-    ...) after `warmup` untimed steps each: drift or a burst of other work on the machine hits all
-    methods alike, and the median drops the bursts."""
+def time_interleaved(steps: dict[str, Callable], images: torch.Tensor, warmup: int, rounds: int,
+                     block: int = 1) -> dict[str, float]:
+    """Median seconds per step of each method, timed a block of `block` steps at a time in turn (A,
+    B, C, A, B, C, ...) after `warmup` untimed steps each: drift or a burst of other work on the
+    machine hits all methods alike, and the median drops the bursts. The device is synchronised at
+    a block's ends only: inside it the host queues a step while the device runs the last, as in
+    the trainer (a sync after every step would charge the in-memory step with the host's time)."""
     for step in steps.values():
         for _ in range(warmup):
             step(images)
@@ -241,10 +244,17 @@ def time_interleaved(steps: dict[str, Callable], images: torch.Tensor, warmup: i
         for name, step in steps.items():
             _sync(images.device)
             start = time.perf_counter()
-            step(images)
+            for _ in range(block):
+                step(images)
             _sync(images.device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start) / block)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def batch_like_the_loader(B: int, img: int, device: torch.device) -> torch.Tensor:
+    """A random uint8 batch (B, 3, img, img) laid out as the loader's (channels last: it decodes
+    HWC images and permutes them), so a compiled step meets the same strides as in training."""
+    return torch.randint(0, 256, (B, img, img, 3), dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
 
 
 def step_flops(step: Callable, images: torch.Tensor) -> int:
@@ -280,7 +290,7 @@ def peak_memory(step: Callable, images: torch.Tensor, held: int, graphs: bool = 
 
 
 def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METHODS["cpu"], *, steps: int = 5,
-        warmup: int = 2, batch_size: int = 0, device: torch.device = CPU,
+        warmup: int = 2, batch_size: int = 0, block: int = 1, device: torch.device = CPU,
         progress: Callable[[str], None] = print) -> list[dict]:
     """One row per (model, precision, method): images/s, speed-up of each `mpp` method over the
     faster other method at the same precision and over each other method (`vs`), the model FLOPs of
@@ -290,7 +300,7 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
         preset = MODELS[key]
         B = batch_size or DEFAULT_BATCH[device.type][key]
         img = _arch(preset)[2]["img"]
-        images = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8, device=device)
+        images = batch_like_the_loader(B, img, device)
         for prec in precisions:
             built, held = {}, {}
             for method in methods:
@@ -302,7 +312,7 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
                 _sync(device)
                 held[method] = allocated(device) - before
             progress(f"{key} {prec}: timing {', '.join(methods)} in turn")
-            seconds = time_interleaved(built, images, warmup, steps)
+            seconds = time_interleaved(built, images, warmup, steps, block)
             group = []
             for method, sec in seconds.items():
                 row = dict(model=key, preset=preset, batch=B, precision=prec, method=method,
@@ -367,7 +377,7 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
     cfg = build_config({"model": preset, "data": {"num_workers": num_workers, "shuffle_buffer": shuffle_buffer}})
     loader = make_loader(str(Path(work_dir) / "train" / "manifest.json"), batch_size=B, img_size=img,
                          train=True, labeled=False, data_cfg=cfg.data)
-    memory = torch.randint(0, 256, (B, 3, img, img), dtype=torch.uint8, device=device)
+    memory = batch_like_the_loader(B, img, device)
     for _ in range(warmup):
         step(memory)
     times: dict[str, list[float]] = {"memory": [], "loader": []}
@@ -452,8 +462,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: " + "; ".join(f"{d}: {' '.join(m)}" for d, m in DEFAULT_METHODS.items()))
     p.add_argument("--device", choices=list(DEFAULT_METHODS), default="cpu")
     p.add_argument("--steps", type=int, default=5,
-                   help="timed steps per method, one at a time in turn with the other methods; "
+                   help="timed blocks per method, one at a time in turn with the other methods; "
                         "the median counts (default 5)")
+    p.add_argument("--block", type=int, default=0,
+                   help="steps per timed block, the device synchronised at its ends only (default: 4 on "
+                        "cuda, where the host queues a step while the device runs the last; 1 on cpu)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--batch-size", type=int, default=0, help="0: per model and device, " + "; ".join(
         f"{d}: " + " ".join(f"{m} {b}" for m, b in bs.items()) for d, bs in DEFAULT_BATCH.items()))
@@ -466,15 +479,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", default="", help="synthetic shards for the loader check (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     a = p.parse_args(argv)
-    if min(a.steps, a.loader_blocks, a.loader_block_steps) < 1 or min(a.warmup, a.batch_size, a.workers) < 0:
-        raise UsageError("--steps, --loader-blocks and --loader-block-steps must be >= 1, --warmup, --batch-size "
-                         "and --workers >= 0")
+    if min(a.steps, a.loader_blocks, a.loader_block_steps) < 1 or min(a.warmup, a.batch_size, a.workers,
+                                                                          a.block) < 0:
+        raise UsageError("--steps, --loader-blocks and --loader-block-steps must be >= 1, --warmup, --batch-size, "
+                         "--block and --workers >= 0")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no CUDA device; use --device cpu")
     device = torch.device(a.device)
     models = a.only or DEFAULT_MODELS[a.device]
     rows, peaks = run_with_peaks(models, a.precision, a.methods or DEFAULT_METHODS[a.device], steps=a.steps,
                                  warmup=a.warmup, batch_size=a.batch_size, device=device,
+                                 block=a.block or (4 if device.type == "cuda" else 1),
                                  progress=lambda m: print(m, flush=True))
     gemms = {m: gemm_rates(m, a.batch_size, device) for m in models} if "bf16" in a.precision else {}
     loader = None

@@ -6,6 +6,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,6 +54,27 @@ def test_train_step_benchmark_times_every_method_and_counts_flops(monkeypatch):
     assert "timm+loop" in table and "mpp" in table and "matmul peak: bf16 1.000 TFLOP/s" in table
     assert f"micro fp32 mpp: {rows[0]['vs']['timm+loop']:.2f}x timm+loop" in table
 
+
+
+def test_steps_are_timed_in_blocks_synchronised_at_their_ends_only_on_batches_laid_out_as_the_loaders(monkeypatch):
+    """A sync after every step charged the in-memory step with the host's time that the trainer
+    overlaps with the device's; a contiguous batch met a compiled step with other strides than
+    the loader's channels-last batches (a graph of its own)."""
+    b = load("train_step")
+    log = []
+    monkeypatch.setattr(b, "_sync", lambda device: log.append("sync"))
+    seconds = b.time_interleaved({"a": lambda x: log.append("a"), "b": lambda x: log.append("b")}, torch.zeros(1),
+                                 warmup=1, rounds=2, block=3)
+    assert log == ["a", "b"] + (["sync", "a", "a", "a", "sync", "sync", "b", "b", "b", "sync"]) * 2
+    assert set(seconds) == {"a", "b"}
+    batch = b.batch_like_the_loader(2, 8, torch.device("cpu"))
+    assert batch.shape == (2, 3, 8, 8) and batch.dtype == torch.uint8
+    with tempfile.TemporaryDirectory() as tmp:
+        make_synthetic(tmp, train=4, test=0, size=8, progress=False)
+        loader = make_loader(f"{tmp}/train/manifest.json", batch_size=2, img_size=8, train=True, labeled=False)
+        real = next(iter(loader.epoch(0)))["image"]
+        loader.close()
+    assert batch.stride() == real.stride()
 
 
 def test_peak_memory_of_a_step_is_its_own_and_counts_a_cuda_graphs_pools(monkeypatch):
