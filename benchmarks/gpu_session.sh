@@ -9,7 +9,10 @@
 #   bash benchmarks/gpu_session.sh wheels          here, once: wheels into .whl (git ignores it)
 #   bash benchmarks/gpu_session.sh session         on the GPU: what the first ten sessions (docs/benchmarks.md)
 #                                                  left, each under its own time limit: `trainer`, then
-#                                                  Ti/4's in-memory compiled step, then `workers 14 11`
+#                                                  Ti/4's in-memory compiled step, then `workers 14 11`,
+#                                                  then `ratio`
+#   bash benchmarks/gpu_session.sh ratio           after trainer and step ti4 (what session ends with): the
+#                                                  trainer's median window over the in-memory compiled step
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -45,12 +48,12 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
-parts="wheels | session | cuda-tests | step MODEL... | trainer | workers | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | deterministic | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
+parts="wheels | session | ratio | cuda-tests | step MODEL... | trainer | workers | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | deterministic | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
 what=${1:?"say what: $parts"}
 shift
 case "$what" in
     -h|--help) sed -n '2,/^set -euo/p' "$self" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    wheels|session|cuda-tests|step|trainer|workers|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
+    wheels|session|ratio|cuda-tests|step|trainer|workers|finetune|graphs|trainer-b16|graphs-b16|recompiles|deterministic|mainjob|probe-threads|tests) ;;
     *) echo "unknown part '$what': $parts" >&2; exit 2 ;;
 esac
 [ "$what" != step ] || [ $# -gt 0 ] || { echo "step needs models, e.g. step ti4 s16" >&2; exit 2; }
@@ -89,7 +92,7 @@ fi
 
 windows() {  # a finished run's images/s and data wait per log window (TensorBoard), and in all
     python3 - "$1" "$2" <<'PY' | tee -a "$OUT/trainer.txt"
-import json, statistics, sys
+import json, os, statistics, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 run, what = sys.argv[1:]
 ea = EventAccumulator(run + "/tensorboard", size_guidance={"scalars": 0})
@@ -102,6 +105,8 @@ print(f"{what}: windows after the first (compile) and before the last (profile, 
       f"{statistics.median(ips[mid]):.0f} images/s ({min(ips[mid]):.0f}-{max(ips[mid]):.0f}), "
       f"data wait median {100 * statistics.median(wait[mid]):.1f}%, max {100 * max(wait[mid]):.1f}%; "
       f"whole run {m['images_per_s']:.0f} images/s, wait {100 * m['data_wait_frac']:.1f}%, {m['wall_time_s']:.0f} s")
+with open(os.environ["OUT"] + "/windows.jsonl", "a") as f:  # what `ratio` sets against the in-memory step
+    f.write(json.dumps({"run": run, "what": what, "median_images_per_s": statistics.median(ips[mid])}) + "\n")
 print("  per window images/s:", " ".join(f"{x:.0f}" for x in ips))
 print("  per window wait %:  ", " ".join(f"{100 * x:.1f}" for x in wait))
 PY
@@ -142,7 +147,21 @@ session)  # one lent session's worth, most wanted first, each part under its own
     for spec in "260 trainer" "110 step ti4 --methods mpp+compile --no-loader" "180 workers 14 11"; do
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
-    done ;;
+    done
+    bash "$self" ratio ;;
+ratio)  # the trainer's Ti/4 windows against the in-memory compiled step, both measured in this call
+    python3 - <<'PY' | tee -a "$OUT/session.txt"
+import json, os
+out = os.environ["OUT"]
+runs = [json.loads(line) for line in open(f"{out}/windows.jsonl")]
+trainer = next(r for r in runs if r["run"] == "/tmp/runs/pre_vit_ti4_32_default")
+step = next(r for r in json.load(open(f"{out}/step_ti4.json"))["rows"]
+            if r["method"] == "mpp+compile" and r["precision"] == "bf16")
+print(f"Ti/4 batch {step['batch']}: trainer {trainer['median_images_per_s']:.0f} images/s (median window) / in-memory "
+      f"compiled step {step['images_per_s']:.0f} images/s = {trainer['median_images_per_s'] / step['images_per_s']:.2f} "
+      "(target >= 0.90)")
+PY
+    ;;
 cuda-tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_compiled.py tests/test_precision.py tests/test_prefetch.py tests/test_profiling.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
 step)  # eager, compiled and CUDA-graph steps against the plain timm loop, MFU, memory

@@ -3,6 +3,8 @@ package, so nothing else imports them), and their tables carry every method they
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
@@ -243,6 +245,22 @@ def test_gpu_session_script_parses_and_names_its_parts():
     assert r.returncode == 2 and "no test file 'tests/test_nope.py'" in r.stderr, r.stderr
     r = subprocess.run(["bash", script, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("Every GPU figure") and "tests [K/N" in r.stdout, r.stdout
+
+
+def test_the_gpu_session_sets_the_trainer_against_the_in_memory_step_it_measured(tmp_path):
+    """The trainer / in-memory ratio was worked out by hand from two outputs; `session` now prints
+    it from the trainer's windows and the step table of the same call."""
+    (tmp_path / "windows.jsonl").write_text(
+        json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default_w8_1", "median_images_per_s": 1.0}) + "\n"
+        + json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default", "median_images_per_s": 45000.0}) + "\n")
+    rows = [{"method": "mpp+compile", "precision": "bf16", "batch": 1024, "images_per_s": 50000.0},
+            {"method": "mpp", "precision": "bf16", "batch": 1024, "images_per_s": 1.0}]
+    (tmp_path / "step_ti4.json").write_text(json.dumps({"rows": rows}))
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "ratio"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert ("Ti/4 batch 1024: trainer 45000 images/s (median window) / in-memory compiled step 50000 images/s = 0.90"
+            in r.stdout), r.stdout
 
 
 def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_difference(tmp_path, capsys):
