@@ -227,3 +227,11 @@ def test_randaugment_leaves_the_global_torch_rng_to_other_threads():
     loader.join()
     torch.manual_seed(0)
     assert len(drawn) > 10 and drawn == [torch.rand(1).item() for _ in drawn]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.2])
+def test_a_flip_comes_with_its_configured_probability(p):
+    """Every other test flips always or never: a draw that ignored data.hflip between them passed."""
+    t, img, rng = TrainTransform(16, hflip=p), Image.new("RGB", (24, 20)), random.Random(0)
+    rate = sum(t.params(img, rng)[1] for _ in range(4000)) / 4000
+    assert abs(rate - p) < 0.03, rate  # 4 standard errors at most

@@ -393,6 +393,46 @@ def test_pixels_and_regression_colors():
     assert out.tolist() == [[[1.0, 0.0, 0.5]]]
 
 
+@pytest.mark.parametrize("target", ["pixels", "mean_color_regression"])
+def test_the_regression_targets_are_least_at_the_truth_in_its_own_order(target):
+    """The pixel target in channel, row, column order and the mean colour in RGB: the loss is 0 with
+    no gradient at the truth, and more for the truth transposed or with its channels swapped."""
+    torch.manual_seed(0)
+    pix = torch.rand(2, 3, 3, 4, 4, dtype=torch.float64)
+    pix[..., :2, :] += 0.5  # rows unlike columns, channels unlike each other: a permutation shows
+    pix[:, :, 1] *= 0.5
+    truth = pix.flatten(2) if target == "pixels" else pix.mean((-1, -2))
+    pred = truth.float().clone().requires_grad_(True)
+    loss, guess, true = TARGETS[target].loss(pred, pix, 3)
+    loss.backward()
+    assert loss.item() < 1e-12 and pred.grad.abs().max() < 1e-6 and torch.equal(guess, true)
+    swapped = pix.flip(2)
+    others = [swapped.flatten(2) if target == "pixels" else swapped.mean((-1, -2))]
+    if target == "pixels":
+        others.append(pix.transpose(-1, -2).flatten(2))
+    for other in others:
+        assert TARGETS[target].loss(other.float(), pix, 3)[0].item() > 1e-3
+
+
+@pytest.mark.parametrize("objective", ["supervised", "classify"])
+def test_the_label_heads_read_their_token_and_smooth_their_labels_as_configured(objective):
+    """The supervised head reads the [class] token, the fine-tune's the pool it is given, and both
+    smooth the labels by their own setting: the loss is torch's cross-entropy of those logits."""
+    key = "supervised" if objective == "supervised" else "finetune"
+    task = task_for(objective, num_classes=5, **{key: {"label_smoothing": 0.2, **({"pool": "avg"} if key == "finetune"
+                                                                                   else {})}})
+    for p in task.head.parameters():
+        torch.nn.init.normal_(p)
+    images, labels = batch(6), torch.arange(6) % 5
+    features = task.encoder(task.inputs(images)[1])
+    pooled = features[:, 0] if objective == "supervised" else features[:, task.encoder.vit.num_prefix_tokens:].mean(1)
+    logits = task.head(pooled.float())
+    torch.testing.assert_close(task.logits(images), logits)
+    loss, _ = task(images, labels)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, labels, label_smoothing=0.2))
+    assert abs(loss.item() - F.cross_entropy(logits, labels).item()) > 1e-3
+
+
 def test_random_other_patch_offsets_uniform():
     """The other patch of a random replacement is any patch of the image but itself, each equally likely."""
     c = sample_corruption(4000, 8, 0.5, 0.0, 1.0, 0.0, generator=torch.Generator().manual_seed(0))
