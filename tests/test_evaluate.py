@@ -590,6 +590,24 @@ def test_linear_probe_tool_end_to_end(shards, tmp_path, monkeypatch, capsys):
     assert exc.value.code == 2 and err.count("\n") == 1 and "missing" in err
 
 
+def test_the_probe_tool_gives_its_settings_to_its_fits(shards, tmp_path, monkeypatch):
+    """probe.val_fraction, probe.l2_grid, fewshot.l2, shots and seeds reach the fits that use them
+    (metrics.json records the config's values, so a value dropped on the way showed nowhere)."""
+    import mpp.evaluators.linear_probe as lp
+    from mpp.config import load_config
+    seen, lin, few = {}, lp.linear_probe, lp.fewshot_eval
+    monkeypatch.setattr(lp, "linear_probe", lambda *a, **k: (seen.setdefault("lin", k), lin(*a, **k))[1])
+    monkeypatch.setattr(lp, "fewshot_eval", lambda *a, **k: (seen.setdefault("few", k), few(*a, **k))[1])
+    save_encoder(create_encoder("vit_micro4_32", img_size=16), tmp_path / "pretrain")
+    lp.run_linear_probe(load_config(None, [
+        "model=vit_micro4_32", "img_size=16", "batch_size=32", f"output_dir={tmp_path / 'probe'}",
+        f"probe.encoder={tmp_path / 'pretrain'}", f"data.train={shards['train']}", f"data.val={shards['test']}",
+        "data.num_workers=0", "probe.val_fraction=0.3", "probe.l2_grid=[0.5]", "fewshot.l2=7.5",
+        "fewshot.shots=[2]", "fewshot.seeds=3"]))
+    assert (seen["lin"]["val_fraction"], list(seen["lin"]["l2_grid"])) == (0.3, [0.5])
+    assert (seen["few"]["l2"], list(seen["few"]["shots"]), seen["few"]["seeds"]) == (7.5, [2], 3)
+
+
 def test_probe_l2_grid_is_a_config_key(tmp_path):
     """probe.l2_grid reads YAML 1.1's string-typed 1e-6 as a number; an empty or non-positive grid
     is refused before any work, naming the key."""

@@ -108,3 +108,13 @@ def test_make_synthetic_over_a_foreign_manifest_says_what_to_do(tmp_path: Path, 
         make_synthetic(tmp_path, train=10, test=0, shards=1, progress=False)
     ms = make_synthetic(tmp_path, train=10, test=0, shards=1, overwrite=True, progress=False)
     assert ms["train"]["num_samples"] == 10
+
+
+def test_the_tool_gives_its_settings_to_the_generator(tmp_path: Path):
+    from mpp.tools.make_synthetic import main
+    main([str(tmp_path / "tool"), "--train", "12", "--test", "0", "--shards", "2", "--size", "16", "--seed", "4"])
+    make_synthetic(tmp_path / "lib", train=12, test=0, shards=2, size=16, seed=4, progress=False)
+    make_synthetic(tmp_path / "seed0", train=12, test=0, shards=2, size=16, progress=False)
+    for shard in ("000000.tar", "000001.tar"):
+        tool = (tmp_path / "tool/train" / shard).read_bytes()
+        assert tool == (tmp_path / "lib/train" / shard).read_bytes() != (tmp_path / "seed0/train" / shard).read_bytes()

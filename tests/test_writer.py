@@ -479,6 +479,13 @@ def test_cli(folder: Path, tmp_path: Path, capsys):
         make_shards_main([str(folder), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.startswith("error: output folder") and "not empty" in err and err.count("\n") == 1
+    write_shards(folder, tmp_path / "ref", samples_per_shard=10, seed=5, progress=False)  # the options reach the writer
+    assert _read_shards(tmp_path / "out") == _read_shards(tmp_path / "ref")
+    write_shards(folder, tmp_path / "seed0", samples_per_shard=10, progress=False)
+    assert _read_shards(tmp_path / "out") != _read_shards(tmp_path / "seed0")
+    make_shards_main([str(folder), str(tmp_path / "small"), "--bytes-per-shard", str(40 * 1024)])
+    small = json.loads((tmp_path / "small" / "manifest.json").read_text())["shards"]
+    assert len(small) > 1 and max((tmp_path / "small" / s["name"]).stat().st_size for s in small) <= 40 * 1024
 
 
 def test_every_written_format_is_one_the_loader_decodes():
