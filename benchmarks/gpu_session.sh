@@ -148,15 +148,19 @@ session)  # one lent session's worth, most wanted first, each part under its own
         set -- $spec
         timeout "$1" bash "$self" "${@:2}" || echo "part '${*:2}' ended with status $?" | tee -a "$OUT/session.txt"
     done
-    bash "$self" ratio ;;
+    bash "$self" ratio || echo "part 'ratio' ended with status $?" | tee -a "$OUT/session.txt" ;;
 ratio)  # the trainer's Ti/4 windows against the in-memory compiled step, both measured in this call
     python3 - <<'PY' | tee -a "$OUT/session.txt"
-import json, os
+import json, os, sys
 out = os.environ["OUT"]
-runs = [json.loads(line) for line in open(f"{out}/windows.jsonl")]
-trainer = next(r for r in runs if r["run"] == "/tmp/runs/pre_vit_ti4_32_default")
-step = next(r for r in json.load(open(f"{out}/step_ti4.json"))["rows"]
-            if r["method"] == "mpp+compile" and r["precision"] == "bf16")
+try:  # the latest of each: an OUT used by earlier calls holds theirs too
+    trainer = [r for r in map(json.loads, open(f"{out}/windows.jsonl"))
+               if r["run"] == "/tmp/runs/pre_vit_ti4_32_default"][-1]
+    step = [r for r in json.load(open(f"{out}/step_ti4.json"))["rows"]
+            if r["method"] == "mpp+compile" and r["precision"] == "bf16"][-1]
+except (OSError, IndexError, KeyError, ValueError) as e:
+    sys.exit(f"ratio: no Ti/4 trainer window or compiled step in {out} ({type(e).__name__}: {e}); did trainer "
+             "or step ti4 time out?")
 print(f"Ti/4 batch {step['batch']}: trainer {trainer['median_images_per_s']:.0f} images/s (median window) / in-memory "
       f"compiled step {step['images_per_s']:.0f} images/s = {trainer['median_images_per_s'] / step['images_per_s']:.2f} "
       "(target >= 0.90)")

@@ -694,8 +694,6 @@ def validate(cfg: Config) -> None:
     for key, seed in (("seed", cfg.seed), ("finetune.split_seed", cfg.finetune.split_seed)):  # numpy's range
         check(0 <= seed < 2**32, f"config key '{key}' must be a whole number in 0..{2**32 - 1}, got {seed}")
     check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")
-    check(not (cfg.steps and cfg.epochs), f"config keys 'steps' ({cfg.steps}) and 'epochs' ({cfg.epochs:g}) both "
-          f"set the run length; give one and 0 for the other (steps=0 epochs={cfg.epochs:g}, or epochs=0)")
     check(cfg.img_size >= 0, "config key 'img_size' must be >= 0 (0: the preset's)")
     img, patch = preset_geometry(cfg.model, cfg.img_size)
     fix = grid_fix(img, patch)

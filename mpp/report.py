@@ -782,7 +782,11 @@ def _figures_section(out: Path) -> str:
     fig = out / "figures"
     if not (fig / "inspect.json").is_file():
         return ""
-    drawn = _read_json(fig / "inspect.json").get("encoders")  # this drawing's grids, not an earlier one's left there
+    try:  # this drawing's grids, not an earlier one's left there
+        drawn = json.loads((fig / "inspect.json").read_text()).get("encoders")
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON, but no object
+        raise ReportError(f"{fig / 'inspect.json'} is no record of the figures ({type(e).__name__}); delete it: the "
+                          "comparison, resumed, draws them again") from None
     grids = {e.get("predictions_png") for e in (drawn.values() if isinstance(drawn, dict) else ()) if isinstance(e, dict)}
     names = [n for n in FIGURES if (fig / n).is_file()] + sorted(
         n for n in grids if isinstance(n, str) and n.startswith("predictions_") and "/" not in n and (fig / n).is_file())

@@ -39,6 +39,9 @@ def check_run_settings(cfg, processes: int = 1, machine: bool = True) -> None:
     `machine`, what this machine must offer (a GPU for fp16's loss scaling)."""
     if not cfg.steps and not cfg.epochs:
         raise ConfigError("set the run length: steps=N (optimiser steps) or epochs=E (passes over data.train)")
+    if cfg.steps and cfg.epochs:  # here, not in validate: run dirs saved with both must still load
+        raise ConfigError(f"config keys 'steps' ({cfg.steps}) and 'epochs' ({cfg.epochs:g}) both set the run length; "
+                          f"give one and 0 for the other (steps=0 epochs={cfg.epochs:g}, or epochs=0)")
     accum = cfg.train.grad_accum
     if cfg.batch_size % (processes * accum):
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by processes x train.grad_accum = "

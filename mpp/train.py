@@ -107,15 +107,27 @@ def train(cfg: Config) -> dict:
             run = setup(cfg)
             try:
                 loop(run)
-                return finish(run)
-            finally:  # finish closed these already when it got there; an error or Ctrl-C did not
-                run.bar.close()
-                if run.batches.close():  # the prefetch thread first: it reads the loader
-                    run.loader.close()  # the data workers
-                if run.writer:
-                    run.writer.close()  # TensorBoard's writer thread and file
+            except BaseException:
+                _close_after_error(run)
+                raise
+            return finish(run)  # which closes them itself
     finally:
         rundir.unlock(cfg.output_dir)
+
+
+def _close_after_error(run: Run) -> None:
+    """What a run stopped by an error or Ctrl-C leaves open: its progress bar, the prefetch thread
+    (first: it reads the loader), the data workers, TensorBoard's writer thread and file. A failure
+    here is said and the original error still raised: a full disk refusing TensorBoard's last flush
+    must not turn a Ctrl-C into an OSError."""
+    closers = [("progress bar", run.bar.close),
+               ("data loader", lambda: run.batches.close() and run.loader.close()),
+               ("TensorBoard writer", run.writer.close if run.writer else lambda: None)]
+    for what, close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - said, and the run's own error goes on
+            print(f"warning: closing the {what} after the error failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 @dataclass
@@ -228,7 +240,7 @@ def setup(cfg: Config) -> Run:
     resume, state, damaged = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
     if state.get("step", 0) > steps:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
-                          f"steps; give steps (or epochs) of at least {state['step']}, or train.resume=none and "
+                          f"steps; give steps of at least {state['step']} (or epochs with steps=0), or train.resume=none and "
                           "another output_dir")
     origin = task.origin(cfg)
     if resume:

@@ -251,7 +251,8 @@ def test_the_gpu_session_sets_the_trainer_against_the_in_memory_step_it_measured
     """The trainer / in-memory ratio was worked out by hand from two outputs; `session` now prints
     it from the trainer's windows and the step table of the same call."""
     (tmp_path / "windows.jsonl").write_text(
-        json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default_w8_1", "median_images_per_s": 1.0}) + "\n"
+        json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default", "median_images_per_s": 1.0}) + "\n"  # an earlier call's
+        + json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default_w8_1", "median_images_per_s": 2.0}) + "\n"
         + json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default", "median_images_per_s": 45000.0}) + "\n")
     rows = [{"method": "mpp+compile", "precision": "bf16", "batch": 1024, "images_per_s": 50000.0},
             {"method": "mpp", "precision": "bf16", "batch": 1024, "images_per_s": 1.0}]
@@ -261,6 +262,10 @@ def test_the_gpu_session_sets_the_trainer_against_the_in_memory_step_it_measured
     assert r.returncode == 0, r.stderr
     assert ("Ti/4 batch 1024: trainer 45000 images/s (median window) / in-memory compiled step 50000 images/s = 0.90"
             in r.stdout), r.stdout
+    (tmp_path / "step_ti4.json").unlink()  # the step part timed out: said in one line
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "ratio"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 1 and r.stderr.startswith("ratio: no Ti/4 trainer window or compiled step in"), r.stderr
 
 
 def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_difference(tmp_path, capsys):

@@ -577,3 +577,13 @@ def test_a_figure_that_fails_to_draw_leaves_the_old_one(tmp_path):
     with pytest.raises(ValueError):
         save_figure(fig, tmp_path / "f.png")
     assert (tmp_path / "f.png").read_bytes() == old and old.startswith(b"\x89PNG") and os.listdir(tmp_path) == ["f.png"]
+
+
+def test_a_run_dir_saved_with_both_steps_and_epochs_still_loads():
+    """Runs saved before the refusal hold both keys: reading their config.yaml (figures, reports,
+    a comparison's checks) must work; only a run's start refuses them."""
+    from mpp.config import ConfigError, load_config
+    from mpp.runtime import check_run_settings
+    cfg = load_config(None, ["output_dir=x", "steps=600", "epochs=5"])
+    with pytest.raises(ConfigError, match=r"'steps' \(600\) and 'epochs' \(5\) both set the run length"):
+        check_run_settings(cfg)

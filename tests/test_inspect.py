@@ -342,9 +342,9 @@ def test_a_drawing_again_leaves_no_earlier_grid_and_the_accuracy_is_of_the_image
     assert narrow["mpp_chosen_color_accuracy"] == wide["mpp_chosen_color_accuracy"]
     assert run(images=6, grid_images=6)["encoders"]["mpp"]["mpp_chosen_color_accuracy"] != \
         wide["mpp_chosen_color_accuracy"]
-    task, images = load_mpp_task(tmp_path / "mpp"), torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
-    few, many = _predict(task, images[:2], 2, 0), _predict(task, images, 2, 0)  # batch by batch, seeded each
-    assert all(torch.equal(a, b) for a, b in zip(vars(few).values(), vars(_first(many, 2)).values()))
+    task, images = load_mpp_task(tmp_path / "mpp"), torch.randint(0, 256, (7, 3, 32, 32), dtype=torch.uint8)
+    few, many = _predict(task, images[:3], 32, 0), _predict(task, images, 2, 0)  # image by image, seeded each
+    assert all(torch.equal(a, b) for a, b in zip(vars(few).values(), vars(_first(many, 3)).values()))
     (out / "predictions_stray.png").write_bytes((out / "predictions_mpp.png").read_bytes())  # not of this drawing: not linked
     assert "predictions_stray" not in _figures_section(tmp_path / "cmp")
     run(images=2, grid_images=0)
@@ -382,3 +382,12 @@ def test_a_bad_mpp_head_or_encoder_file_is_refused_in_one_line(tmp_path):
         load_encoder(tmp_path / "flat")
     with pytest.raises(FileNotFoundError, match=r"--encoder runs/lr=0\.1/mpp: no such file"):
         load_inspected("runs/lr=0.1/mpp")
+
+
+def test_a_report_over_a_damaged_figures_record_says_to_delete_it(tmp_path):
+    from mpp.report import ReportError, _figures_section
+    (tmp_path / "figures").mkdir()
+    for text in ("{not json", "[1, 2]"):
+        (tmp_path / "figures/inspect.json").write_text(text)
+        with pytest.raises(ReportError, match="inspect.json is no record of the figures .*; delete it"):
+            _figures_section(tmp_path)

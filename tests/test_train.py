@@ -833,7 +833,19 @@ def test_a_run_stopped_by_an_error_leaves_no_data_worker_or_writer_thread(data, 
         raise KeyboardInterrupt
     monkeypatch.setattr(T, "_log", interrupt)
     before = {t.ident for t in threading.enumerate()}
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as held:  # held: the run's frames stay alive, as in a caller's handler
         T.train(config(settings(data, tmp_path / "run")))
     assert not multiprocessing.active_children()
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    flush, calls = RecordWriter.flush, []
+
+    def full(self):  # the disk fills after the writer's first flush: its last fails, the Ctrl-C still stops the run
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        flush(self)
+    monkeypatch.setattr(RecordWriter, "flush", full)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(config(settings(data, tmp_path / "full")))
+    del held

@@ -303,8 +303,8 @@ def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled
                          "each class in its own folder or treat it as unlabeled (--unlabeled)")
     if len(classes) == 1:
         log.warning("source '%s' has one class folder, '%s': every image gets label 0 (a supervised run or a "
-                    "fine-tune needs 2 or more); if it holds the class folders, give it as the source",
-                    src, classes[0])
+                    "fine-tune needs 2 or more); if the class folders lie one level down, give a source with them at "
+                    "its top (that folder, or a tar packed from it)", src, classes[0])
     index = {c: i for i, c in enumerate(classes)}
     return [(n, r, index[c]) if (c := _class_folder(n)) else (n, _outside_class_folder, None)
             for n, r in zip(names, readers)], classes

@@ -135,7 +135,8 @@ class Evaluator:
                 for key in ("train", "test")}  # bad specs fail now
         check_same_classes(fs.train, fs.test, fs.test_num_samples, names=("fewshot.train", "fewshot.test"))
         if cfg.data.train:  # the encoder watched learns from data.train, with or without its labels
-            warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), sets["test"], ("data.train", "fewshot.test"))
+            warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), sets["test"],
+                        ("data.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
 

@@ -30,7 +30,7 @@ from mpp.figures.predictions import Prediction, load_mpp_task, predict, predicti
 from mpp.fileio import write_atomic
 from mpp.models import (PRESETS, MaskedEncoder, create_encoder, grid_fix, load_encoder, preset_geometry,
                         read_model_json)
-from mpp.objectives import MPPTask
+from mpp.objectives import Corruption, MPPTask
 
 
 # how filters.png shows the filters (inspect.json records it: figures drawn otherwise are drawn again)
@@ -111,9 +111,15 @@ def mean_attention_distance(encoder: MaskedEncoder, images: torch.Tensor, data: 
 
 def _predict(task: MPPTask, images: torch.Tensor, batch_size: int, seed: int) -> Prediction:
     """`predict` over `images` in batches of `batch_size` (the whole set at once would hold every
-    image's activations), each batch's corruption seeded by its offset: the first images are
-    corrupted alike whatever the count after them."""
-    parts = [predict(task, images[i:i + batch_size], seed=seed + i) for i in range(0, len(images), batch_size)]
+    image's activations), image i corrupted by a draw of its own seeded `seed + i`: an image is
+    corrupted alike whatever the images and batches around it."""
+    def corruption(start: int, count: int) -> Corruption:
+        draws = [task.corrupt(1, images.device, torch.Generator(device=images.device).manual_seed(seed + start + i))
+                 for i in range(count)]
+        return Corruption(**{f.name: torch.cat([getattr(d, f.name) for d in draws])
+                             for f in dataclasses.fields(Corruption)})
+    parts = [predict(task, images[i:i + batch_size], corruption=corruption(i, len(images[i:i + batch_size])))
+             for i in range(0, len(images), batch_size)]
     return Prediction(**{k: torch.cat([getattr(p, k) for p in parts]) for k in vars(parts[0])})
 
 

@@ -22,7 +22,7 @@ from mpp.config import ConfigError, load_config
 from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
 from mpp.models import load_encoder, take_rows
-from mpp.objectives import MPPTask, exact, patches, quantize
+from mpp.objectives import Corruption, MPPTask, exact, patches, quantize
 
 HEAD_FILE = "mpp_head.safetensors"
 MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
@@ -59,12 +59,15 @@ def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
     except Exception as e:
         raise ConfigError(f"{file} is not a readable safetensors file ({' '.join(str(e).split())[:80]}); "
                           "train or export the run again") from None
-    state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith("head.") or k == f"{prefix}mask_token"}
+    state = {k.removeprefix(prefix): v for k, v in full.items()
+             if k.startswith("head.") or k == f"{prefix}mask_token"}
     task = MPPTask(load_encoder(run, attn=attn), cfg.mpp, cfg.data)
-    want = {f"head.{k}": v.shape for k, v in task.head.state_dict().items()} | {"mask_token": task.encoder.mask_token.shape}
+    want = {f"head.{k}": v.shape for k, v in task.head.state_dict().items()}
+    want["mask_token"] = task.encoder.mask_token.shape
     if odd := sorted(set(want) ^ set(state)) + [k for k in want if k in state and state[k].shape != want[k]]:
-        raise ConfigError(f"{file}: not the MPP head of this run's mpp.target={cfg.mpp.target}, mpp.bits={cfg.mpp.bits} "
-                          f"({len(odd)} tensors missing, extra or of another shape, e.g. {odd[0]}); train the run again")
+        raise ConfigError(f"{file}: not the MPP head of this run's mpp.target={cfg.mpp.target}, "
+                          f"mpp.bits={cfg.mpp.bits} ({len(odd)} tensors missing, extra or of another shape, e.g. "
+                          f"{odd[0]}); train the run again")
     if bad := [k for k, v in state.items() if not torch.isfinite(v).all()]:
         raise ConfigError(f"{file}: {len(bad)} of its tensors hold NaN or infinite weights (e.g. {bad[0]}): a "
                           "diverged run; give a finite one")
@@ -91,15 +94,16 @@ class Prediction:
 
 
 @torch.no_grad()
-def predict(task: MPPTask, images: torch.Tensor, seed: int = 0) -> Prediction:
-    """Corrupt uint8 `images` as in training (a seeded draw: the training RNG is not touched) and
-    run the encoder and head on them."""
+def predict(task: MPPTask, images: torch.Tensor, seed: int = 0, corruption: Corruption | None = None) -> Prediction:
+    """Corrupt uint8 `images` as in training (a seeded draw: the training RNG is not touched; or
+    `corruption`, drawn by the caller) and run the encoder and head on them."""
     enc, c = task.encoder, task.cfg
     if task.target.colors is None:
         raise ValueError(f"mpp.target={c.target} predicts no colours: there is no prediction figure for it")
     images01, x = task.inputs(images)
     B, N, p = images.shape[0], enc.num_patches, enc.patch_size
-    corruption = task.corrupt(B, images.device, generator=torch.Generator(device=images.device).manual_seed(seed))
+    if corruption is None:
+        corruption = task.corrupt(B, images.device, generator=torch.Generator(device=images.device).manual_seed(seed))
     with eval_mode(task):
         pred = task.predict(x, corruption)
     pix = patches(images01, p)
