@@ -34,7 +34,7 @@ from mpp.config import ConfigError
 from mpp.fileio import atomic_path, write_atomic
 from mpp.runtime import ATTENTION
 
-# name -> (timm architecture, keyword arguments). Paper sizes (Ti/S/B/L/H at 224 px) and
+# name -> (timm architecture, keyword arguments). The paper's sizes (B/L/H, its Table 1; Ti/S are DeiT's) and
 # small-image presets (patch 4 or 8 at 32 px) for CIFAR-scale work on CPU.
 PRESETS: dict[str, tuple[str, dict]] = {
     "vit_ti16": ("vit_tiny_patch16_224", dict()),
@@ -268,11 +268,6 @@ def _check_normalisation(weights: Path, norm: dict, data) -> None:
                           f"normalises with {spell(ours)}; set {spell(norm)} (the encoder's)")
 
 
-def _grid(img_size, patch_size: int) -> list[int]:
-    size = img_size if isinstance(img_size, (list, tuple)) else (img_size, img_size)
-    return [s // patch_size for s in size]
-
-
 def mismatched(module: nn.Module, shapes: dict) -> list[str]:
     """The tensors of `module` missing from `shapes` (name -> shape, as saved weights hold them), those
     extra there and those of another shape: why the weights do not load into it."""
@@ -339,7 +334,6 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
                           "encoder was exported with")
     if data is not None:
         _check_normalisation(weights, norm, data)
-    old_img = kwargs.get("img_size", 224)
     try:  # safetensors only: a pickle or a truncated file is refused by the header check, never unpickled
         with safe_open(str(weights), "pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -382,7 +376,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
         pos = state.get("pos_embed")
         if pos is not None and pos.shape != encoder.vit.pos_embed.shape:
             state["pos_embed"] = resample_abs_pos_embed(
-                pos, new_size=list(encoder.grid_size), old_size=_grid(old_img, encoder.patch_size),
+                pos, new_size=list(encoder.grid_size), old_size=list(meta.grid_size),  # as saved, 224 or not
                 num_prefix_tokens=encoder.vit.num_prefix_tokens)
         encoder.vit.load_state_dict(state)
     except (RuntimeError, ValueError, TypeError):

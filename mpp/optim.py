@@ -31,8 +31,9 @@ SCHEDULES = {
 
 class _LayerView:
     """A model as timm's layer-decay grouping sees it: the ViT inside keeps timm's layer ids
-    (embeddings 0, block i -> i + 1, final norm last), the [mask] token joins the embeddings and
-    anything outside the ViT (objective heads) comes after the last layer."""
+    (embeddings 0, block i -> i + 1, the final norm with the last block: timm's grouping, where
+    BEiT's and MAE's give it the head's rate), the [mask] token joins the embeddings and anything
+    outside the ViT (objective heads) comes after the last layer."""
 
     def __init__(self, model: torch.nn.Module):
         vit_name, vit = next((n, m) for n, m in model.named_modules() if isinstance(m, VisionTransformer))
@@ -85,9 +86,10 @@ def warmup_note(cfg: Config, total_steps: int) -> str:
 
 
 def create_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
-    """timm scheduler stepped per optimiser step (`step_update(n)`): linear warmup from 0 over
-    `optim.warmup_steps`, then cosine / linear decay to `optim.min_lr` over the remaining steps,
-    or constant."""
+    """timm scheduler stepped per optimiser step (`step_update(n)` before step n + 1): linear
+    warmup from 0 over `optim.warmup_steps`, then cosine / linear decay over the remaining steps
+    towards `optim.min_lr` (times each group's layer-decay scale), which the step after the last
+    would take (timm's and big_vision's convention); or constant."""
     o = cfg.optim
     common = dict(warmup_t=o.warmup_steps, warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
     return SCHEDULES[o.schedule](optimizer, o, max(1, total_steps - o.warmup_steps), total_steps, common)

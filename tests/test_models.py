@@ -83,6 +83,18 @@ def test_an_encoder_loads_at_an_img_size_its_own_patch_divides(tmp_path):
         load_encoder(tmp_path, img_size=36)
 
 
+def test_an_encoder_whose_model_json_leaves_the_resolution_to_its_timm_name_resamples_from_that(tmp_path):
+    """A model.json without img_size (a timm name of 384 px) was resampled as if saved at 224 px and
+    refused as 'weights do not match' the model.json it was exported with."""
+    torch.manual_seed(0)
+    enc = MaskedEncoder("vit_tiny_patch16_384", {"depth": 1, "embed_dim": 32, "num_heads": 2}, attn="math")
+    save_encoder(enc, tmp_path)
+    assert "img_size" not in json.loads((tmp_path / "model.json").read_text())["kwargs"]
+    small = load_encoder(tmp_path, img_size=224)
+    assert small.grid_size == (14, 14)
+    torch.testing.assert_close(small.vit.pos_embed[0, 0], enc.vit.pos_embed[0, 0])
+
+
 def test_load_encoder_same_and_new_resolution(encoder, tmp_path):
     save_encoder(encoder, tmp_path)
     x = torch.randn(2, 3, 32, 32)
