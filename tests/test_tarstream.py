@@ -142,3 +142,23 @@ def test_compressed_shards_read_from_any_source(tmp_path):
     named = _tar(tmp_path / "named.tar", [("BZh_0001.jpg", b"a" * 300), ("BZh_0001.cls", b"1")])
     skips = {}
     assert [s["__key__"] for s in read_shard(named, skips)] == ["BZh_0001"] and not skips
+
+
+@pytest.mark.parametrize("compress", [bz2.compress, lzma.compress])
+def test_a_compression_bomb_ends_as_corrupt_in_bounded_time(compress, monkeypatch):
+    """A few bytes of bzip2 can declare a member of a terabyte and hold gigabytes of zeros: skipping
+    it decompressed them all (a 1.6 KB shard took 5 s for 2 GiB, an hour for a crafted 1 MB one).
+    A compressed shard now yields at most MAX_INFLATE bytes a byte read (plus a slack, made small
+    here so that 32 MiB of zeros shows it)."""
+    import time
+    from mpp.data import tarstream
+    monkeypatch.setattr(tarstream, "INFLATE_SLACK", 1 << 20)
+    info = tarfile.TarInfo("k.bin")
+    info.size = 1 << 40
+    bomb = compress(info.tobuf(tarfile.PAX_FORMAT) + bytes(32 << 20))
+    start = time.perf_counter()
+    with pytest.raises(tarstream.CorruptTar, match="compression bomb"):
+        list(tar_files(io.BytesIO(bomb), select=lambda n: False))
+    assert time.perf_counter() - start < 5
+    plain = make_tar(tarfile.PAX_FORMAT)  # an ordinary compressed shard reads as before
+    assert list(tar_files(io.BytesIO(compress(plain)))) == list(tar_files(io.BytesIO(plain)))

@@ -22,6 +22,8 @@ MAX_MEMBER = 256 << 20   # largest member read into memory (an image or a label)
 MAX_HEADER = 1 << 20     # largest PAX / GNU long-name header
 SKIP_CHUNK = 1 << 20     # unselected members of unseekable streams are discarded in chunks of this
 MAX_SIZE = 1 << 62       # a declared size past this is corrupt (no file holds it; a seek past it overflows)
+MAX_INFLATE = 1000       # a compressed shard yields at most this many bytes a byte read, plus INFLATE_SLACK
+INFLATE_SLACK = 16 << 20
 
 
 class TruncatedTar(tarfile.ReadError):
@@ -140,14 +142,48 @@ def _decompressed(f: BinaryIO) -> BinaryIO:
     else:
         head = f.read(10)
         f = _Prefixed(head, f)
+    raw = _Counted(f)
     if head.startswith(b"\x1f\x8b"):
-        return gzip.GzipFile(fileobj=f)
+        return _Inflated(gzip.GzipFile(fileobj=raw), raw)
     # bzip2's magic and its first block's: a plain tar's first member may be named 'BZh...'
     if head[:3] == b"BZh" and head[3:4] in b"123456789" and head[4:10] == b"1AY&SY":
-        return _Bzip2(f)
+        return _Inflated(_Bzip2(raw), raw)
     if head.startswith(b"\xfd7zXZ\x00"):
-        return lzma.LZMAFile(f)
+        return _Inflated(lzma.LZMAFile(raw), raw)
     return f
+
+
+class _Counted:
+    """A stream that counts the bytes read from it."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.n = f, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.n += len(data)
+        return data
+
+
+class _Inflated:
+    """A decompressed stream that yields at most MAX_INFLATE bytes a compressed byte (plus
+    INFLATE_SLACK): a few KB of bzip2 can declare and hold terabytes of zeros, which skipping a
+    member would decompress for hours; past the bound it is CorruptTar. Unseekable, so a skip
+    reads (and counts) what a seek would have decompressed anyway."""
+
+    def __init__(self, f, raw: _Counted):
+        self.f, self.raw, self.n = f, raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.n += len(data)
+        if self.n > MAX_INFLATE * self.raw.n + INFLATE_SLACK:
+            raise CorruptTar(f"the shard decompresses to more than {MAX_INFLATE} times its size (a compression "
+                             f"bomb: {self.n} bytes from {self.raw.n})")
+        return data
+
+    def seekable(self) -> bool:
+        return False
 
 
 class _Bzip2:
@@ -159,12 +195,6 @@ class _Bzip2:
 
     def read(self, n: int = -1) -> bytes:
         return self._call(self.f.read, n)
-
-    def seek(self, n: int, whence: int = 0) -> int:
-        return self._call(self.f.seek, n, whence)
-
-    def seekable(self) -> bool:
-        return self.f.seekable()
 
     @staticmethod
     def _call(fn, *args):
