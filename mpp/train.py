@@ -46,6 +46,7 @@ from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, 
 from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, changed_settings, said, save_config
 from mpp.data import make_loader, shield_workers
+from mpp.data.decode import SAMPLE_SKIPS, SHARD_SKIPS
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
@@ -442,9 +443,12 @@ def summary(results: dict, out: Path) -> str:
         where = "development split" if results.get("evaluated_on") == "dev" else "data.val"
         parts.append(f"top-1 {100 * results['top1']:.1f}% (top-5 {100 * results['top5']:.1f}%) on "
                      f"{results['val_samples']:,} images of the {where}")
-    skipped = sum(results["skipped_samples"].values())
-    if skipped:
-        parts.append(f"{skipped:,} unreadable samples skipped (by kind: skipped_samples)")
+    skipped = results["skipped_samples"]
+    samples = sum(n for kind, n in skipped.items() if kind in SAMPLE_SKIPS)
+    shards = sum(n for kind, n in skipped.items() if kind in SHARD_SKIPS)
+    if samples or shards:
+        parts.append(f"{samples:,} samples unreadable or lost" + (f", {shards:,} damaged shard reads" if shards else "")
+                     + " (by kind: skipped_samples)")
     return f"{results['objective']} {out}: " + "; ".join(parts) + f"; all figures: {out / 'metrics.json'}"
 
 

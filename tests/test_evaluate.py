@@ -789,7 +789,7 @@ def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it
     m = ClassifyEvaluator(cfg, "cpu").run(Classifier())
     readable = {px.tobytes() for key, (_, px) in source.items() if key.startswith("s0_") and key != "s0_2"}
     assert len(seen) == len(set(seen)) == m["val_samples"] < 12 and readable <= set(seen)
-    assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1}
+    assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1, "lost_samples": 6}  # the broken shard's
     assert "padded" not in m["val_skipped_samples"]
 
 
@@ -813,7 +813,7 @@ def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them
     for _ in range(2):  # features computed, then read from the cache
         m = ProbeEvaluator(cfg, "cpu").run(encoder)
         assert m["skipped_samples"] == {"corrupt_image": 6} and m["num_train"] == 18
-        assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1} and m["num_test"] == 5
+        assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1, "lost_samples": 6} and m["num_test"] == 5
     assert len(list((tmp_path / "feature_cache").glob("features-*"))) == 3
 
 

@@ -206,3 +206,20 @@ def test_members_decoding_never_reads_are_not_held_in_memory(tmp_path):
     loader = make_loader(manifest, batch_size=5, img_size=8, train=False, labeled=True,
                          data_cfg=DataConfig(num_workers=0))
     assert sum(len(b["image"]) for b in loader.epoch(0)) == 5 and loader.counters() == {"missing_image": 1}
+
+
+def test_the_samples_a_broken_shard_loses_are_counted(tmp_path):
+    """A shard whose header breaks half-way counted the shard, not the samples after the break:
+    a tenth of an epoch could go untrained and unreported. They are `lost_samples` now (the
+    manifest's count less those read), and the rank's batches shrink by them."""
+    import tarfile
+    manifest, _ = write_shards(tmp_path, [10, 10])
+    with tarfile.open(tmp_path / "000001.tar") as tar:
+        offset = tar.getmembers()[9].offset  # the 5th sample's second member: 4 samples read before it
+    data = bytearray((tmp_path / "000001.tar").read_bytes())
+    data[offset + 100] ^= 0xFF  # a bad header checksum; the file keeps its size, as the manifest records
+    (tmp_path / "000001.tar").write_bytes(bytes(data))
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=False, labeled=True,
+                         data_cfg=DataConfig(num_workers=0))
+    images = sum(len(b["image"]) for b in loader.epoch(0))
+    assert loader.counters() == {"corrupt_tar": 1, "lost_samples": 6} and images == 14

@@ -37,6 +37,8 @@ SKIP_KINDS = {
     "corrupt_tar": ("shard whose tar headers are malformed or declare an oversized image or label, or that is "
                     "compressed other than by gzip, bzip2 or xz (the rest of it is lost)"),
     "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
+    "lost_samples": ("samples a damaged shard held past where it broke: its manifest's count (of the subset's "
+                     "samples, under a subset) less those read; not known for shards without exact counts"),
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": ("samples beyond a rank's expected count (shards without exact counts in a manifest, or a "
                 "manifest that undercounts its shards)"),
@@ -46,7 +48,8 @@ SKIP_KINDS = {
 # on mistyped or out-of-range TIFF tags) came from mutated images that a fuzzer fed through decode_batch
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError, OverflowError,
                 ZeroDivisionError, struct.error, Image.DecompressionBombError)
-SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label", "missing_label")  # kinds that are one sample each
+SAMPLE_SKIPS = ("corrupt_image", "missing_image", "bad_label", "missing_label", "lost_samples")  # one sample each
+SHARD_SKIPS = ("truncated_tar", "corrupt_tar", "unreadable_shard")  # one shard each (its lost samples apart)
 
 
 class DataError(ValueError):

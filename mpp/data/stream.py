@@ -210,11 +210,19 @@ class _ShardStream(IterableDataset):
                         pass
 
     def _read(self, shard: int, skips: dict) -> Iterator[dict]:
-        """The raw samples of a shard that belong to the subset (all without one)."""
+        """The raw samples of a shard that belong to the subset (all without one). A shard that
+        breaks (`read_shard` counts it) loses the samples after the break: counted as `lost_samples`
+        where the manifest's counts are exact."""
         keys = self.shards.keys[shard] if self.shards.keys is not None else None
+        before, read = dict(skips), 0
         for sample in read_shard(self.shards.urls[shard], skips):
             if keys is None or sample["__key__"] in keys:
+                read += 1
                 yield sample
+        if skips != before and self.shards.exact:
+            held = len(keys) if keys is not None else self.shards.counts[shard]
+            if held > read:
+                skips["lost_samples"] = skips.get("lost_samples", 0) + held - read
 
     def _read_keep(self, shard: int, skips: dict) -> Iterator[dict]:
         """`_read`, caching a completely read shard's raw samples in this worker while the worker's
