@@ -76,23 +76,42 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             text = log.read_text(errors="replace")
             reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
             resumed = RESUMED.search(text)
-            runs.append({"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
-                         # None: killed before it resumed or trained (starved of CPU, or at the deadline)
-                         "resumed_at": int(resumed.group(1)) if resumed else (0 if reached else None),
-                         "reached": reached,
-                         "errors": [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback"))]})
+            run = {"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
+                   # None: killed before it resumed or trained (starved of CPU, or at the deadline)
+                   "resumed_at": int(resumed.group(1)) if resumed else (0 if reached else None),
+                   "reached": reached}
+            runs.append({**run, "problems": problems(run, text)})
     finally:
         signal.signal(signal.SIGTERM, stopped or signal.SIG_DFL)  # None: a handler set outside Python
     count_lost(runs, _newest_checkpoint(out / "run"))
     buckets: dict[int, int] = {}
     for t, rss in samples:
         buckets[int(t // window)] = max(buckets.get(int(t // window), 0), rss)
+    if runs and not any(r["reached"] for r in runs):  # not one step in the whole soak: every run stalled
+        runs[-1]["problems"].append(f"no run trained a step in {time.time() - t0:.0f} s")
     return {"seconds": round(time.time() - t0), "restarts": len(runs) - 1,
-            "kills": sum(r["killed"] for r in runs), "failed_runs": sum(bool(r["errors"]) for r in runs),
+            "kills": sum(r["killed"] for r in runs), "failed_runs": sum(bool(r["problems"]) for r in runs),
             "final_step": max(r["reached"] for r in runs) if runs else 0,
             "steps_lost": sum(r.get("lost", 0) for r in runs),
             "peak_rss_mib_per_window": {f"{int(k * window)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
             "runs": runs}
+
+
+STALL_S = 60  # a run alive this long that trained no step past where it began has stalled
+
+
+def problems(run: dict, log: str) -> list[str]:
+    """What went wrong in one run of the soak, from its record and its log: an error line or a
+    traceback; an exit the soak did not cause (a crash, the kernel's OOM kill); a resume that
+    skipped checkpoints that do not load (a kill broke a write the checkpoints promise is whole);
+    no step past where it began in STALL_S seconds (a hang)."""
+    found = [ln for ln in log.splitlines() if ln.startswith(("error:", "Traceback"))]
+    if not run["killed"] and run["exit"] != 0 and not found:
+        found.append(f"exited {run['exit']} without being killed")
+    found += [ln for ln in log.splitlines() if ln.startswith("warning: resume skipped checkpoints")]
+    if run["killed"] and run["seconds"] >= STALL_S and run["reached"] <= (run["resumed_at"] or 0):
+        found.append(f"no step past step {run['resumed_at'] or 0} in {run['seconds']:.0f} s: stalled")
+    return found
 
 
 def _exit_143(*_) -> None:

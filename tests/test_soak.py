@@ -57,12 +57,28 @@ def test_overrides_follow_the_options_and_are_checked_before_anything_is_written
 
 def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
     """A run that ended in an error makes the soak exit 1 with one line naming it and its log."""
-    runs = [{"errors": []}, {"errors": ["error: the disk is full"]}, {"errors": []}]
+    runs = [{"problems": []}, {"problems": ["error: the disk is full"]}, {"problems": []}]
     monkeypatch.setattr(mpp.soak, "soak", lambda *a, **k: {"failed_runs": 1, "runs": runs})
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--minutes", "0"])
-    assert e.value.code == f"error: 1 of 3 soak runs failed; the first, run1, said: error: the disk is full " \
+    assert e.value.code == f"error: 1 of 3 soak runs failed; the first, run1: error: the disk is full " \
                           f"(see {tmp_path / 'run1.log'})"
+
+
+def test_a_crash_a_skipped_checkpoint_or_a_stall_is_a_failed_run():
+    """Only error lines failed a run: a SIGSEGV or the kernel's OOM kill (no line), a resume that
+    skipped a checkpoint a kill broke, and a run that hung until killed all passed as kills."""
+    from mpp.soak import problems
+    run = dict(killed=True, exit=-9, seconds=30.0, resumed_at=20, reached=35)
+    assert problems(run, "resumed from x (step 20)\n") == []  # a kill the soak made
+    assert problems({**run, "killed": False, "exit": -11}, "") == ["exited -11 without being killed"]
+    assert problems({**run, "killed": False, "exit": 0}, "") == []  # a run that finished
+    skipped = "warning: resume skipped checkpoints that do not load (and step_* entries that are none): step_40 (x)"
+    assert problems(run, skipped + "\n") == [skipped]
+    assert problems({**run, "seconds": 90.0, "reached": 20}, "") == ["no step past step 20 in 90 s: stalled"]
+    assert problems({**run, "seconds": 90.0, "resumed_at": None, "reached": 0}, "") == \
+        ["no step past step 0 in 90 s: stalled"]
+    assert problems({**run, "killed": False, "exit": 1}, "error: bad\n") == ["error: bad"]  # said once
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])

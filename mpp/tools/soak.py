@@ -3,7 +3,9 @@ run at random moments and resume it, then report restarts, steps lost and peak m
 
   nice mpp-soak runs/soak --minutes 60 [key=value ...]     (report: runs/soak/soak.json)
 
-The settings are checked before any run; the exit is 1 when a run failed (not killed: an error).
+The settings are checked before any run; the exit is 1 when a run failed: an error, an exit the
+soak did not cause (a crash), a resume that skipped damaged checkpoints, or a stall (no step in a
+minute; or none in the whole soak).
 """
 from __future__ import annotations
 
@@ -34,11 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     report = soak(Path(a.out), a.minutes * 60, (low, high), SETTINGS + a.overrides, seed=a.seed)
     write_report(report, Path(a.out) / "soak.json")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
-    failed = [i for i, r in enumerate(report["runs"]) if r["errors"]]
+    failed = [i for i, r in enumerate(report["runs"]) if r["problems"]]
     if failed:  # the soak found a fault: its exit says so, not only soak.json
         first = failed[0]
-        raise SystemExit(f"error: {len(failed)} of {len(report['runs'])} soak runs failed; the first, run{first}, "
-                         f"said: {report['runs'][first]['errors'][0]} (see {Path(a.out) / f'run{first}.log'})")
+        raise SystemExit(f"error: {len(failed)} of {len(report['runs'])} soak runs failed; the first, run{first}: "
+                         f"{report['runs'][first]['problems'][0]} (see {Path(a.out) / f'run{first}.log'})")
 
 
 if __name__ == "__main__":
