@@ -48,6 +48,8 @@ class DataConfig:
     max_pixels: int = 64_000_000     # larger images are rejected as corrupt (decompression bombs)
     cache_mb: int = 512        # per worker: keep a train set's raw samples in memory after the
                                # first epoch when they fit (small sets read many times); 0: off
+    timeout: int = 600         # seconds the data workers may take for a batch before the run stops: a shard
+                               # read that stalls (a hung mount or stream) ends in an error, not forever; 0: none
     withhold: tuple = ()       # pre-training: [[label_fraction, split_seed, dev_fraction], ...], the development
                                # splits that fine-tunes on `train` draw (finetune.*), left out of this run so that
                                # their recipes are chosen on images it never saw; tools/compare.py sets it
@@ -232,7 +234,7 @@ MAX_TOKENS = 2 ** 16  # patches per image: 256 x 256 (ViT-H/14 at 896 px has 4,0
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
 # log window (train.log_every steps, fewer where a checkpoint closed it: train.ckpt_every not a
 # multiple of it), recorded beside those values in the run's config.yaml.
-RESULT_NEUTRAL = ("data.cache_mb", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
+RESULT_NEUTRAL = ("data.cache_mb", "data.timeout", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
                   "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
 
 
@@ -720,8 +722,8 @@ def validate(cfg: Config) -> None:
               f"mpp.target={m.target} at mpp.bits={m.bits} asks for a head of {width(m.bits, patch)} outputs a "
               f"chosen patch, above the {most} of the widest colour head; give mpp.bits <= {max(fits, default=1)}")
     d = cfg.data
-    check(d.num_workers >= 0 and d.shuffle_buffer >= 0 and d.cache_mb >= 0,
-          "config keys data.num_workers, data.shuffle_buffer and data.cache_mb must be >= 0")
+    check(d.num_workers >= 0 and d.shuffle_buffer >= 0 and d.cache_mb >= 0 and d.timeout >= 0,
+          "config keys data.num_workers, data.shuffle_buffer, data.cache_mb and data.timeout must be >= 0")
     check(d.shuffle_mb >= 1, f"config key 'data.shuffle_mb' must be >= 1 (MiB a worker's shuffle buffer may hold), "
           f"got {d.shuffle_mb}")
     check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,

@@ -9,6 +9,7 @@ import os
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
 from mpp.config import DataConfig
@@ -223,3 +224,23 @@ def test_the_samples_a_broken_shard_loses_are_counted(tmp_path):
                          data_cfg=DataConfig(num_workers=0))
     images = sum(len(b["image"]) for b in loader.epoch(0))
     assert loader.counters() == {"corrupt_tar": 1, "lost_samples": 6} and images == 14
+
+
+def test_a_shard_read_that_stalls_ends_in_one_error_after_data_timeout(tmp_path):
+    """A shard that blocks its reader (a FIFO here; a hung mount or stream in life) held the run
+    forever, SIGTERM noted but never acted on: the wait for a batch is bounded by data.timeout."""
+    import time
+    from mpp.data.decode import DataError
+    manifest, _ = write_shards(tmp_path, [4, 4])
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True,
+                         data_cfg=DataConfig(num_workers=1, timeout=2, shuffle_buffer=0))
+    (tmp_path / "000000.tar").unlink()
+    os.mkfifo(tmp_path / "000000.tar")  # after the start's checks, as a mount hangs mid-run
+    start = time.perf_counter()
+    try:
+        with pytest.raises(DataError, match=r"no batch in data.timeout=2 s: a shard read stalls"):
+            list(loader.epoch(0))
+        assert time.perf_counter() - start < 30
+    finally:  # the worker waits in open(): a writer that comes and goes lets it go
+        os.close(os.open(tmp_path / "000000.tar", os.O_WRONLY | os.O_NONBLOCK))
+        loader.close()

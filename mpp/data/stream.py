@@ -382,8 +382,9 @@ class ShardLoader:
         # persistent workers: forked once, not every epoch (a fork costs start-up time and cold caches);
         # own generator: creating the iterator draws a base seed, which must not come from (and
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
+        self.timeout = data_cfg.timeout if self.num_workers else 0  # one process: no worker to wait for
         self._dataloader = functools.partial(
-            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers,
+            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers, timeout=self.timeout,
             persistent_workers=self.num_workers > 0, generator=torch.Generator(),
             multiprocessing_context=WORKER_START if self.num_workers else None)
         self._loader = self._dataloader()
@@ -423,6 +424,16 @@ class ShardLoader:
                         "(ShardLoader.counters())", kind, SKIP_KINDS.get(kind, kind), self.rank)
         self._skips[kind] = self._skips.get(kind, 0) + n
 
+    def _next_item(self) -> dict:
+        try:
+            return next(self._items)
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader timed out"):
+                raise
+            raise DataError(f"the data workers gave no batch in data.timeout={self.timeout} s: a shard read stalls "
+                            "(a hung network mount or stream, a pipe that never ends); check the storage of the "
+                            "shards, or raise data.timeout where a batch really takes that long") from None
+
     def _worker_items(self, epoch: int, tally: dict[str, int]) -> Iterator[dict]:
         """The rank's worker items of `epoch` in the order a fresh start of the DataLoader gives
         (round robin over the workers, each left out once it ended), whether the workers start
@@ -439,7 +450,7 @@ class ShardLoader:
         while active:
             worker = active[turn]
             while not self._held[worker]:  # a later epoch's items wait for it
-                item = next(self._items)
+                item = self._next_item()
                 self._held[item["worker"]].append(item)
             item = self._held[worker].popleft()
             if item.get("tick"):  # this worker's batches of the epoch are done: its turn passes
