@@ -862,7 +862,7 @@ def test_a_finished_stage_is_compared_through_the_schema_and_its_paths(tmp_path,
 
 
 def test_a_finished_stage_resumes_with_other_speed_and_logging_keys(tmp_path):
-    """Workers' cache, logging, checkpointing, profiling, the ranks' time-out and the feature cache's
+    """Workers' cache, their time-out, logging, checkpointing, profiling, the ranks' time-out and the feature cache's
     place change how a stage ran, not what it computed: a comparison resumed with other values
     reuses it. The data workers' count orders the batches and the test images: a stage of another
     count is refused."""
@@ -870,7 +870,7 @@ def test_a_finished_stage_resumes_with_other_speed_and_logging_keys(tmp_path):
     stage = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))[0]
     stage.out.mkdir(parents=True)
     (stage.out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(stage.config, stage.args()))))
-    other = ["data.cache_mb=0", "train.log_every=7", "train.ckpt_every=3", "train.keep_ckpts=5", "train.resume=none",
+    other = ["data.cache_mb=0", "data.timeout=30", "train.log_every=7", "train.ckpt_every=3", "train.keep_ckpts=5", "train.resume=none",
              "train.image_every=4", "train.profile=[2,1]", "train.dist_timeout=60",
              f"probe.cache_dir={tmp_path / 'features'}"]
     quoted = ",".join(f"'{o}'" for o in other)  # YAML: a list value inside the list stays one item
