@@ -724,6 +724,8 @@ def validate(cfg: Config) -> None:
     d = cfg.data
     check(d.num_workers >= 0 and d.shuffle_buffer >= 0 and d.cache_mb >= 0 and d.timeout >= 0,
           "config keys data.num_workers, data.shuffle_buffer, data.cache_mb and data.timeout must be >= 0")
+    check(d.timeout <= 8_640_000, f"config key 'data.timeout' is {d.timeout} seconds; give at most 8640000 (100 days: "
+          "longer overflows a timer), or 0 for no limit")
     check(d.shuffle_mb >= 1, f"config key 'data.shuffle_mb' must be >= 1 (MiB a worker's shuffle buffer may hold), "
           f"got {d.shuffle_mb}")
     check(len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1,

@@ -87,8 +87,9 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     buckets: dict[int, int] = {}
     for t, rss in samples:
         buckets[int(t // window)] = max(buckets.get(int(t // window), 0), rss)
-    if runs and not any(r["reached"] for r in runs):  # not one step in the whole soak: every run stalled
-        runs[-1]["problems"].append(f"no run trained a step in {time.time() - t0:.0f} s")
+    mark_stalls(runs)
+    if runs and not any(r["reached"] for r in runs) and not any(r["problems"] for r in runs):
+        runs[-1]["problems"].append(f"no run trained a step in {time.time() - t0:.0f} s")  # a short soak's stall
     return {"seconds": round(time.time() - t0), "restarts": len(runs) - 1,
             "kills": sum(r["killed"] for r in runs), "failed_runs": sum(bool(r["problems"]) for r in runs),
             "final_step": max(r["reached"] for r in runs) if runs else 0,
@@ -97,21 +98,32 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             "runs": runs}
 
 
-STALL_S = 60  # a run alive this long that trained no step past where it began has stalled
+STALL_S = 120  # runs in a row alive this long in all without a step past where each began: stalled
 
 
 def problems(run: dict, log: str) -> list[str]:
     """What went wrong in one run of the soak, from its record and its log: an error line or a
     traceback; an exit the soak did not cause (a crash, the kernel's OOM kill); a resume that
-    skipped checkpoints that do not load (a kill broke a write the checkpoints promise is whole);
-    no step past where it began in STALL_S seconds (a hang)."""
+    skipped checkpoints that do not load (a kill broke a write the checkpoints promise is whole)."""
     found = [ln for ln in log.splitlines() if ln.startswith(("error:", "Traceback"))]
     if not run["killed"] and run["exit"] != 0 and not found:
         found.append(f"exited {run['exit']} without being killed")
-    found += [ln for ln in log.splitlines() if ln.startswith("warning: resume skipped checkpoints")]
-    if run["killed"] and run["seconds"] >= STALL_S and run["reached"] <= (run["resumed_at"] or 0):
-        found.append(f"no step past step {run['resumed_at'] or 0} in {run['seconds']:.0f} s: stalled")
-    return found
+    return found + [ln for ln in log.splitlines() if ln.startswith("warning: resume skipped checkpoints")]
+
+
+def mark_stalls(runs: list[dict]) -> None:
+    """Add a stall to the run with which runs in a row that trained no step past where each began
+    (a hang, or a resume that deadlocks, killed before the soak's kill times add up) reach STALL_S
+    seconds alive; a run or two starved of CPU at their start stay below it."""
+    idle, count = 0.0, 0
+    for run in runs:
+        if run["reached"] > (run["resumed_at"] or 0):
+            idle, count = 0.0, 0
+            continue
+        idle, count = idle + run["seconds"], count + 1
+        if idle >= STALL_S:
+            run["problems"].append(f"no step in {idle:.0f} s over {count} run(s) in a row: stalled")
+            idle, count = 0.0, 0
 
 
 def _exit_143(*_) -> None:

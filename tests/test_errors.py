@@ -204,6 +204,7 @@ CASES = [
     ("data.eval_crop_pct resizing images 100 times over", "pretrain", lambda t: [*TRAIN(t), "data.eval_crop_pct=0.01"],
      None),
     ("a shuffle buffer bounded to no bytes", "pretrain", lambda t: [*TRAIN(t), "data.shuffle_mb=0"], None),
+    ("a data timeout past what a timer holds", "pretrain", lambda t: [*TRAIN(t), "data.timeout=1e14"], None),
     ("data.withhold of unlabeled shards", "pretrain",
      lambda t: [*TRAIN(t), f"data.train={t}/data/unlabeled", "data.withhold=[[0.5,0,0.1]]"], None),
     ("a negative seed", "pretrain", lambda t: [*TRAIN(t), "seed=-1"], None),

@@ -75,10 +75,14 @@ def test_a_crash_a_skipped_checkpoint_or_a_stall_is_a_failed_run():
     assert problems({**run, "killed": False, "exit": 0}, "") == []  # a run that finished
     skipped = "warning: resume skipped checkpoints that do not load (and step_* entries that are none): step_40 (x)"
     assert problems(run, skipped + "\n") == [skipped]
-    assert problems({**run, "seconds": 90.0, "reached": 20}, "") == ["no step past step 20 in 90 s: stalled"]
-    assert problems({**run, "seconds": 90.0, "resumed_at": None, "reached": 0}, "") == \
-        ["no step past step 0 in 90 s: stalled"]
     assert problems({**run, "killed": False, "exit": 1}, "error: bad\n") == ["error: bad"]  # said once
+    # a resume that deadlocks, killed each time after 13-49 s: no run alone reaches a minute
+    stuck = [dict(run, seconds=t, reached=20, problems=[]) for t in (49.3, 34.2, 13.1, 40.0, 30.0)]
+    starved = dict(run, seconds=25.0, resumed_at=None, reached=0, problems=[])  # killed before it began
+    runs = [dict(run, problems=[]), starved, dict(run, problems=[]), *stuck]
+    mpp.soak.mark_stalls(runs)
+    assert [r["problems"] for r in runs] == [[], [], [], [], [], [], ["no step in 137 s over 4 run(s) in a row: stalled"],
+                                             []]
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])

@@ -238,9 +238,40 @@ def test_a_shard_read_that_stalls_ends_in_one_error_after_data_timeout(tmp_path)
     os.mkfifo(tmp_path / "000000.tar")  # after the start's checks, as a mount hangs mid-run
     start = time.perf_counter()
     try:
-        with pytest.raises(DataError, match=r"no batch in data.timeout=2 s: a shard read stalls"):
+        with pytest.raises(DataError, match=r"read nothing and gave no batch in 2 s \(data.timeout\): a shard read"):
             list(loader.epoch(0))
         assert time.perf_counter() - start < 30
     finally:  # the worker waits in open(): a writer that comes and goes lets it go
         os.close(os.open(tmp_path / "000000.tar", os.O_WRONLY | os.O_NONBLOCK))
         loader.close()
+
+
+def test_workers_that_read_slowly_are_no_stall(tmp_path):
+    """The wait for a batch counts towards data.timeout only while the workers read nothing: a
+    worker filling its cache from every shard of the rank at its first epoch's end (here slow
+    shards, 1 s each, under a 3 s timeout) made the run stop as stalled."""
+    manifest, _ = write_shards(tmp_path, [4] * 6)
+    slow = [f"pipe:sleep 1; cat {tmp_path}/{i:06d}.tar" for i in range(6)]
+    loader = make_loader(slow, batch_size=4, img_size=8, train=True, labeled=True, num_samples=24,
+                         data_cfg=DataConfig(num_workers=2, timeout=3, shuffle_buffer=0, cache_mb=64))
+    try:
+        assert [sum(len(b["image"]) for b in loader.epoch(e)) for e in (0, 1)] == [24, 24]
+    finally:
+        loader.close()
+
+
+def test_a_broken_shard_leaves_the_batches_of_an_endless_stream_whole(tmp_path):
+    """Resampled, the stream never ends: a broken shard's lost samples (counted per draw) must not
+    shrink the batches, which ran down to 1 sample where the skips were taken off what was left."""
+    import tarfile
+    manifest, _ = write_shards(tmp_path, [40, 40, 40, 40])
+    for shard in ("000001.tar", "000002.tar", "000003.tar"):  # each broken after its first sample
+        with tarfile.open(tmp_path / shard) as tar:
+            offset = tar.getmembers()[3].offset
+        data = bytearray((tmp_path / shard).read_bytes())
+        data[offset + 100] ^= 0xFF
+        (tmp_path / shard).write_bytes(bytes(data))
+    loader = make_loader(manifest, batch_size=8, img_size=8, train=True, labeled=True,
+                         data_cfg=DataConfig(num_workers=0, resampled=True, epoch_samples=160, shuffle_buffer=0))
+    sizes = [len(b["image"]) for b in loader.epoch(0)]
+    assert sizes == [8] * 20 and loader.counters()["lost_samples"] >= 39

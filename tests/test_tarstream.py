@@ -162,3 +162,10 @@ def test_a_compression_bomb_ends_as_corrupt_in_bounded_time(compress, monkeypatc
     assert time.perf_counter() - start < 5
     plain = make_tar(tarfile.PAX_FORMAT)  # an ordinary compressed shard reads as before
     assert list(tar_files(io.BytesIO(compress(plain)))) == list(tar_files(io.BytesIO(plain)))
+    buf = io.BytesIO()  # and so does one of members far more redundant than the bound, which are read
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(8):
+            info = tarfile.TarInfo(f"{i}.png")
+            info.size = 1 << 20
+            tar.addfile(info, io.BytesIO(bytes(1 << 20)))
+    assert [len(d) for _, d in tar_files(io.BytesIO(compress(buf.getvalue())))] == [1 << 20] * 8

@@ -171,6 +171,7 @@ class _ShardStream(IterableDataset):
         self.follow = train and not resampled and shards.exact
         # the epoch to start from: set by ShardLoader before it (re)starts its persistent workers
         self.epoch = multiprocessing.RawValue("q", 0)
+        self.beats = multiprocessing.RawValue("Q", 0)  # moved by the workers at every shard and sample they read
         self.shield = _SHIELD  # shared with the workers, set by `shield_workers`
         self.slots: BatchSlots | None = None  # set by ShardLoader when its workers may use slots
         # raw samples by shard id, kept by each persistent worker across epochs (see _read_keep)
@@ -215,7 +216,9 @@ class _ShardStream(IterableDataset):
         where the manifest's counts are exact."""
         keys = self.shards.keys[shard] if self.shards.keys is not None else None
         before, read = dict(skips), 0
+        self.beats.value += 1  # alive, for the main process's watchdog (`ShardLoader._next_item`)
         for sample in read_shard(self.shards.urls[shard], skips):
+            self.beats.value += 1
             if keys is None or sample["__key__"] in keys:
                 read += 1
                 yield sample
@@ -384,7 +387,8 @@ class ShardLoader:
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
         self.timeout = data_cfg.timeout if self.num_workers else 0  # one process: no worker to wait for
         self._dataloader = functools.partial(
-            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers, timeout=self.timeout,
+            DataLoader, self.stream, batch_size=None, num_workers=self.num_workers,
+            timeout=min(self.timeout, WATCH_S),
             persistent_workers=self.num_workers > 0, generator=torch.Generator(),
             multiprocessing_context=WORKER_START if self.num_workers else None)
         self._loader = self._dataloader()
@@ -425,14 +429,21 @@ class ShardLoader:
         self._skips[kind] = self._skips.get(kind, 0) + n
 
     def _next_item(self) -> dict:
-        try:
-            return next(self._items)
-        except RuntimeError as e:
-            if not str(e).startswith("DataLoader timed out"):
-                raise
-            raise DataError(f"the data workers gave no batch in data.timeout={self.timeout} s: a shard read stalls "
-                            "(a hung network mount or stream, a pipe that never ends); check the storage of the "
-                            "shards, or raise data.timeout where a batch really takes that long") from None
+        """The next worker item. The wait is cut into watches of up to WATCH_S seconds: one in
+        which no worker read anything (`beats` did not move) counts towards data.timeout, one in
+        which they did (a worker filling its cache from every shard at its first epoch's end, a
+        slow first shuffle buffer) does not; a process suspended meanwhile loses one watch."""
+        idle = 0.0
+        while True:
+            beats = self.stream.beats.value
+            try:
+                return next(self._items)
+            except RuntimeError as e:
+                if not str(e).startswith("DataLoader timed out"):
+                    raise
+            idle = 0.0 if self.stream.beats.value != beats else idle + min(self.timeout, WATCH_S)
+            if idle >= self.timeout:
+                raise _stalled(self.timeout)
 
     def _worker_items(self, epoch: int, tally: dict[str, int]) -> Iterator[dict]:
         """The rank's worker items of `epoch` in the order a fresh start of the DataLoader gives
@@ -443,7 +454,12 @@ class ShardLoader:
         this epoch's `tally`; worker errors are raised here."""
         if self._next != epoch:
             self.stream.epoch.value = epoch
-            self._items, self._held = iter(self._loader), collections.defaultdict(collections.deque)
+            try:  # persistent workers are asked to start over: each answers once it has sent its item
+                self._items, self._held = iter(self._loader), collections.defaultdict(collections.deque)
+            except RuntimeError as e:
+                if not str(e).startswith("DataLoader timed out"):
+                    raise
+                raise _stalled(min(self.timeout, WATCH_S)) from None
         self._next = None  # until this epoch is read to its end
         slots, seen = self.stream.slots, {}
         active, turn = list(range(self.workers)), 0
@@ -509,7 +525,8 @@ class ShardLoader:
         have, last, ended, k = 0, None, False, self.batches_per_epoch
         for i in range(k):
             while True:
-                left = expected - sum(tally.get(kind, 0) for kind in SAMPLE_SKIPS)
+                # skips shrink what is left to come, but not of an endless (resampled) stream
+                left = expected - (0 if self.resampled else sum(tally.get(kind, 0) for kind in SAMPLE_SKIPS))
                 size = first_batch(max(left, k - i), k - i, self.batch_size)
                 if have >= size or ended:
                     break
@@ -576,6 +593,15 @@ def _take(pieces: list[dict], n: int, keys) -> dict:
             pieces[0] = {k: p[k][m:] for k in keys}
         got += m
     return {k: torch.cat([p[k] for p in parts]) for k in keys}
+
+
+WATCH_S = 60  # the longest single wait for a worker item (see ShardLoader._next_item)
+
+
+def _stalled(seconds: float) -> DataError:
+    return DataError(f"the data workers read nothing and gave no batch in {seconds:g} s (data.timeout): a shard "
+                     "read stalls (a hung network mount or stream, a pipe that never ends); check the storage of "
+                     "the shards, or raise data.timeout")
 
 
 def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg=None,

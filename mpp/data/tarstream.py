@@ -11,6 +11,7 @@ header block moves the stream forward, so any byte string ends in bounded time a
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import lzma
 import tarfile
@@ -108,12 +109,14 @@ def _read_chunks(f: BinaryIO, n: int) -> bytes:
 
 
 def _skip(f: BinaryIO, n: int, seekable: bool) -> None:
-    """Move past n bytes without holding them: seek where possible, else read in bounded chunks."""
+    """Move past n bytes without holding them: seek where possible, else read in bounded chunks
+    (through `_Inflated.skip` in a compressed stream, which bounds them)."""
     if seekable:
         f.seek(n, 1)
         return
+    read = f.skip if isinstance(f, _Inflated) else functools.partial(_read, f)
     while n > 0:
-        n -= len(_read(f, min(n, SKIP_CHUNK)))
+        n -= len(read(min(n, SKIP_CHUNK)))
 
 
 class _Prefixed:
@@ -166,20 +169,25 @@ class _Counted:
 
 
 class _Inflated:
-    """A decompressed stream that yields at most MAX_INFLATE bytes a compressed byte (plus
-    INFLATE_SLACK): a few KB of bzip2 can declare and hold terabytes of zeros, which skipping a
-    member would decompress for hours; past the bound it is CorruptTar. Unseekable, so a skip
-    reads (and counts) what a seek would have decompressed anyway."""
+    """A decompressed stream whose skipped bytes (of members nothing reads) come to at most
+    MAX_INFLATE a compressed byte (plus INFLATE_SLACK): a few KB of bzip2 can declare and hold
+    terabytes of zeros, which skipping the member would decompress for hours; past the bound it is
+    CorruptTar. What is read is bounded already (a member by MAX_MEMBER, a header by MAX_HEADER),
+    so a shard of highly redundant images reads whatever its ratio. Unseekable, so a skip reads (and
+    counts) what a seek would have decompressed anyway."""
 
     def __init__(self, f, raw: _Counted):
-        self.f, self.raw, self.n = f, raw, 0
+        self.f, self.raw, self.skipped = f, raw, 0
 
     def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.n += len(data)
-        if self.n > MAX_INFLATE * self.raw.n + INFLATE_SLACK:
-            raise CorruptTar(f"the shard decompresses to more than {MAX_INFLATE} times its size (a compression "
-                             f"bomb: {self.n} bytes from {self.raw.n})")
+        return self.f.read(n)
+
+    def skip(self, n: int) -> bytes:
+        data = _read(self.f, n)
+        self.skipped += len(data)
+        if self.skipped > MAX_INFLATE * self.raw.n + INFLATE_SLACK:
+            raise CorruptTar(f"the shard's skipped members decompress to more than {MAX_INFLATE} times its size (a "
+                             f"compression bomb: {self.skipped} bytes from {self.raw.n})")
         return data
 
     def seekable(self) -> bool:

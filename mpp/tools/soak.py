@@ -4,8 +4,8 @@ run at random moments and resume it, then report restarts, steps lost and peak m
   nice mpp-soak runs/soak --minutes 60 [key=value ...]     (report: runs/soak/soak.json)
 
 The settings are checked before any run; the exit is 1 when a run failed: an error, an exit the
-soak did not cause (a crash), a resume that skipped damaged checkpoints, or a stall (no step in a
-minute; or none in the whole soak).
+soak did not cause (a crash), a resume that skipped damaged checkpoints, or a stall (runs in a row
+without a step for two minutes in all; or none in the whole soak).
 """
 from __future__ import annotations
 
