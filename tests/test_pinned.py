@@ -2,6 +2,7 @@
 one, these fail by name instead of a run failing (or, worse, silently changing) later."""
 from __future__ import annotations
 
+import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -52,6 +53,30 @@ def test_under_loss_scaling_a_step_whose_clipped_norm_is_not_finite_is_skipped_a
         scaler.step(optimizer)
         scaler.update()
         assert torch.allclose(p.detach(), torch.full((3,), 0.9)) and scaler.get_scale() == 512.0, opt
+
+
+def test_a_dataloader_iterator_reads_its_timeout_at_every_wait():
+    # mpp.data.stream.ShardLoader sets its iterator's `_timeout`: the whole data.timeout for a
+    # restart of the persistent workers, a watch of at most a minute for each item
+    import itertools
+    import time
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Slow(IterableDataset):
+        def __iter__(self):
+            for i in itertools.count():
+                time.sleep(0.5 if i else 0)
+                yield i
+    it = iter(DataLoader(Slow(), batch_size=None, num_workers=1, timeout=30))
+    assert it._timeout == 30 and next(it) == 0
+    it._timeout = 0.1
+    try:
+        with pytest.raises(RuntimeError, match="DataLoader timed out after 0.1 seconds"):
+            next(it)
+        it._timeout = 30
+        assert next(it) == 1  # nothing lost to the timed-out wait
+    finally:
+        it._shutdown_workers()
 
 
 def test_timm_vit_keeps_the_steps_the_masked_encoder_calls():

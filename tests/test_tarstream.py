@@ -162,6 +162,12 @@ def test_a_compression_bomb_ends_as_corrupt_in_bounded_time(compress, monkeypatc
     assert time.perf_counter() - start < 5
     plain = make_tar(tarfile.PAX_FORMAT)  # an ordinary compressed shard reads as before
     assert list(tar_files(io.BytesIO(compress(plain)))) == list(tar_files(io.BytesIO(plain)))
+    entry = tarfile.TarInfo("d")  # nor may headers alone: 32 MiB of one directory entry in a few KB
+    entry.type = tarfile.DIRTYPE
+    start = time.perf_counter()
+    with pytest.raises(tarstream.CorruptTar, match="compression bomb"):
+        list(tar_files(io.BytesIO(compress(entry.tobuf(tarfile.USTAR_FORMAT) * (1 << 16))), select=lambda n: False))
+    assert time.perf_counter() - start < 5
     buf = io.BytesIO()  # and so does one of members far more redundant than the bound, which are read
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for i in range(8):

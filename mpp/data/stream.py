@@ -388,7 +388,7 @@ class ShardLoader:
         self.timeout = data_cfg.timeout if self.num_workers else 0  # one process: no worker to wait for
         self._dataloader = functools.partial(
             DataLoader, self.stream, batch_size=None, num_workers=self.num_workers,
-            timeout=min(self.timeout, WATCH_S),
+            timeout=self.timeout,  # a restart's wait (`_worker_items`); each item's is a watch (`_next_item`)
             persistent_workers=self.num_workers > 0, generator=torch.Generator(),
             multiprocessing_context=WORKER_START if self.num_workers else None)
         self._loader = self._dataloader()
@@ -454,12 +454,16 @@ class ShardLoader:
         this epoch's `tally`; worker errors are raised here."""
         if self._next != epoch:
             self.stream.epoch.value = epoch
-            try:  # persistent workers are asked to start over: each answers once it has sent its item
+            if self._items is not None and self.timeout:  # persistent workers answer a restart once they
+                self._items._timeout = self.timeout          # have sent what they were asked for: the whole time
+            try:
                 self._items, self._held = iter(self._loader), collections.defaultdict(collections.deque)
             except RuntimeError as e:
                 if not str(e).startswith("DataLoader timed out"):
                     raise
-                raise _stalled(min(self.timeout, WATCH_S)) from None
+                raise _stalled(self.timeout) from None
+            if self.timeout:  # torch's iterator reads it at every wait: watches from here on
+                self._items._timeout = min(self.timeout, WATCH_S)
         self._next = None  # until this epoch is read to its end
         slots, seen = self.stream.slots, {}
         active, turn = list(range(self.workers)), 0
@@ -599,9 +603,9 @@ WATCH_S = 60  # the longest single wait for a worker item (see ShardLoader._next
 
 
 def _stalled(seconds: float) -> DataError:
-    return DataError(f"the data workers read nothing and gave no batch in {seconds:g} s (data.timeout): a shard "
-                     "read stalls (a hung network mount or stream, a pipe that never ends); check the storage of "
-                     "the shards, or raise data.timeout")
+    return DataError(f"the data workers read nothing and gave no batch in data.timeout={seconds:g} s: a shard read "
+                     "stalls (a hung network mount or stream, a pipe that never ends); check the storage of the "
+                     "shards, or raise data.timeout")
 
 
 def make_loader(spec, *, batch_size: int, img_size: int, train: bool, labeled: bool, data_cfg=None,

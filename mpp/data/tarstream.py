@@ -11,7 +11,6 @@ header block moves the stream forward, so any byte string ends in bounded time a
 from __future__ import annotations
 
 import bz2
-import functools
 import gzip
 import lzma
 import tarfile
@@ -109,14 +108,12 @@ def _read_chunks(f: BinaryIO, n: int) -> bytes:
 
 
 def _skip(f: BinaryIO, n: int, seekable: bool) -> None:
-    """Move past n bytes without holding them: seek where possible, else read in bounded chunks
-    (through `_Inflated.skip` in a compressed stream, which bounds them)."""
+    """Move past n bytes without holding them: seek where possible, else read in bounded chunks."""
     if seekable:
         f.seek(n, 1)
         return
-    read = f.skip if isinstance(f, _Inflated) else functools.partial(_read, f)
     while n > 0:
-        n -= len(read(min(n, SKIP_CHUNK)))
+        n -= len(_read(f, min(n, SKIP_CHUNK)))
 
 
 class _Prefixed:
@@ -169,26 +166,28 @@ class _Counted:
 
 
 class _Inflated:
-    """A decompressed stream whose skipped bytes (of members nothing reads) come to at most
-    MAX_INFLATE a compressed byte (plus INFLATE_SLACK): a few KB of bzip2 can declare and hold
-    terabytes of zeros, which skipping the member would decompress for hours; past the bound it is
-    CorruptTar. What is read is bounded already (a member by MAX_MEMBER, a header by MAX_HEADER),
-    so a shard of highly redundant images reads whatever its ratio. Unseekable, so a skip reads (and
-    counts) what a seek would have decompressed anyway."""
+    """A decompressed stream in which all but the members read (headers, extended headers, skipped
+    members) comes to at most MAX_INFLATE bytes a compressed byte (plus INFLATE_SLACK): a few KB of
+    bzip2 can declare and hold terabytes of zeros, or of headers, which reading past would
+    decompress for hours; past the bound it is CorruptTar. The members read (`payload`) are bounded
+    already (MAX_MEMBER each) and decode to samples, so a shard of highly redundant images reads
+    whatever its ratio. Unseekable, so a skip reads (and counts) what a seek would have
+    decompressed anyway."""
 
     def __init__(self, f, raw: _Counted):
-        self.f, self.raw, self.skipped = f, raw, 0
+        self.f, self.raw, self.counted = f, raw, 0
 
     def read(self, n: int = -1) -> bytes:
-        return self.f.read(n)
-
-    def skip(self, n: int) -> bytes:
-        data = _read(self.f, n)
-        self.skipped += len(data)
-        if self.skipped > MAX_INFLATE * self.raw.n + INFLATE_SLACK:
-            raise CorruptTar(f"the shard's skipped members decompress to more than {MAX_INFLATE} times its size (a "
-                             f"compression bomb: {self.skipped} bytes from {self.raw.n})")
+        data = self.f.read(n)
+        self.counted += len(data)
+        if self.counted > MAX_INFLATE * self.raw.n + INFLATE_SLACK:
+            raise CorruptTar(f"the shard's headers and skipped members decompress to more than {MAX_INFLATE} times "
+                             f"its size (a compression bomb: {self.counted} bytes from {self.raw.n})")
         return data
+
+    def payload(self, n: int) -> bytes:
+        """n bytes of a member that is read, not counted."""
+        return _read(self.f, n)
 
     def seekable(self) -> bool:
         return False
@@ -251,7 +250,7 @@ def tar_files(f: BinaryIO, select: Callable[[str], bool] | None = None, max_memb
         if kind in (b"0", b"\0", b"7") and (select is None or select(name)):
             if size > max_member:
                 raise CorruptTar(f"tar member '{name}' declares {size} bytes (limit {max_member})")
-            data = _read(f, padded)
+            data = f.payload(padded) if isinstance(f, _Inflated) else _read(f, padded)
             yield name, data[:size] if padded != size else data
             continue
         if padded:
