@@ -234,8 +234,8 @@ MAX_TOKENS = 2 ** 16  # patches per image: 256 x 256 (ViT-H/14 at 896 px has 4,0
 # train.precision (other kernels, other rounding). metrics.json's `loss` is the mean of the last
 # log window (train.log_every steps, fewer where a checkpoint closed it: train.ckpt_every not a
 # multiple of it), recorded beside those values in the run's config.yaml.
-RESULT_NEUTRAL = ("data.cache_mb", "data.timeout", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.resume",
-                  "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
+RESULT_NEUTRAL = ("data.cache_mb", "data.timeout", "train.log_every", "train.ckpt_every", "train.keep_ckpts",
+                  "train.resume", "train.image_every", "train.profile", "train.dist_timeout", "probe.cache_dir")
 
 
 def choices() -> dict[str, tuple[str, ...]]:

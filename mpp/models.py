@@ -268,12 +268,18 @@ def _check_normalisation(weights: Path, norm: dict, data) -> None:
                           f"normalises with {spell(ours)}; set {spell(norm)} (the encoder's)")
 
 
-def mismatched(module: nn.Module, shapes: dict) -> list[str]:
-    """The tensors of `module` missing from `shapes` (name -> shape, as saved weights hold them), those
-    extra there and those of another shape: why the weights do not load into it."""
-    want = module.state_dict()
+def mismatched(module: nn.Module | dict, shapes: dict) -> list[str]:
+    """The tensors of `module` (or of a name -> tensor mapping) missing from `shapes` (name -> shape,
+    as saved weights hold them), those extra there and those of another shape: why the weights do
+    not load into it."""
+    want = module.state_dict() if isinstance(module, nn.Module) else module
     return sorted(set(want) ^ set(shapes)) + [k for k in want if k in shapes and
                                               tuple(want[k].shape) != tuple(shapes[k])]
+
+
+def nonfinite(state: dict) -> list[str]:
+    """The names of the floating-point tensors of `state` that hold NaN or infinite values."""
+    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
 
 
 def encoder_file(path: str | Path) -> Path:
@@ -368,8 +374,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
         raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
                           f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
     state = load_file(str(weights))
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:  # every figure read from it would be NaN or chance, and a probe's solver fails deep inside
+    if bad := nonfinite(state):  # every figure read from it would be NaN or chance, and a probe's solver fails deep inside
         raise ConfigError(f"{weights}: {len(bad)} of its {len(state)} tensors hold NaN or infinite weights (e.g. "
                           f"{bad[0]}): a diverged encoder; give a finite one (a run exports only finite weights)")
     try:

@@ -241,8 +241,8 @@ def setup(cfg: Config) -> Run:
     resume, state, damaged = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
     if state.get("step", 0) > steps:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
-                          f"steps; give steps of at least {state['step']} (or epochs with steps=0), or train.resume=none and "
-                          "another output_dir")
+                          f"steps; give steps of at least {state['step']} (or epochs with steps=0), or "
+                          "train.resume=none and another output_dir")
     origin = task.origin(cfg)
     if resume:
         _check_origin(out, state.get("origin", {}), origin)

@@ -439,7 +439,7 @@ class ShardLoader:
             try:
                 return next(self._items)
             except RuntimeError as e:
-                if not str(e).startswith("DataLoader timed out"):
+                if not _timed_out(e):
                     raise
             idle = 0.0 if self.stream.beats.value != beats else idle + min(self.timeout, WATCH_S)
             if idle >= self.timeout:
@@ -459,7 +459,7 @@ class ShardLoader:
             try:
                 self._items, self._held = iter(self._loader), collections.defaultdict(collections.deque)
             except RuntimeError as e:
-                if not str(e).startswith("DataLoader timed out"):
+                if not _timed_out(e):
                     raise
                 raise _stalled(self.timeout) from None
             if self.timeout:  # torch's iterator reads it at every wait: watches from here on
@@ -600,6 +600,11 @@ def _take(pieces: list[dict], n: int, keys) -> dict:
 
 
 WATCH_S = 60  # the longest single wait for a worker item (see ShardLoader._next_item)
+
+
+def _timed_out(e: RuntimeError) -> bool:
+    """Whether torch's DataLoader gave up waiting for a worker item (its `timeout`)."""
+    return str(e).startswith("DataLoader timed out")
 
 
 def _stalled(seconds: float) -> DataError:

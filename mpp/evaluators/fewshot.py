@@ -131,12 +131,11 @@ class Evaluator:
 
     def __init__(self, cfg: Config, device: torch.device | str):
         fs = cfg.fewshot
-        sets = {key: resolve(getattr(fs, key), getattr(fs, f"{key}_num_samples"), f"fewshot.{key}_num_samples")
-                for key in ("train", "test")}  # bad specs fail now
+        resolve(fs.train, fs.train_num_samples, "fewshot.train_num_samples")  # bad specs fail now
+        test = resolve(fs.test, fs.test_num_samples, "fewshot.test_num_samples")
         check_same_classes(fs.train, fs.test, fs.test_num_samples, names=("fewshot.train", "fewshot.test"))
         if cfg.data.train:  # the encoder watched learns from data.train, with or without its labels
-            warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), sets["test"],
-                        ("data.train", "fewshot.test"))
+            warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), test, ("data.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
 

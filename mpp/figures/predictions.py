@@ -21,7 +21,7 @@ from mpp.checkpoint import list_checkpoints
 from mpp.config import ConfigError, load_config
 from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
-from mpp.models import load_encoder, take_rows
+from mpp.models import load_encoder, mismatched, nonfinite, take_rows
 from mpp.objectives import Corruption, MPPTask, exact, patches, quantize
 
 HEAD_FILE = "mpp_head.safetensors"
@@ -62,13 +62,12 @@ def load_mpp_task(run_dir: str | Path, attn: str = "auto") -> MPPTask | None:
     state = {k.removeprefix(prefix): v for k, v in full.items()
              if k.startswith("head.") or k == f"{prefix}mask_token"}
     task = MPPTask(load_encoder(run, attn=attn), cfg.mpp, cfg.data)
-    want = {f"head.{k}": v.shape for k, v in task.head.state_dict().items()}
-    want["mask_token"] = task.encoder.mask_token.shape
-    if odd := sorted(set(want) ^ set(state)) + [k for k in want if k in state and state[k].shape != want[k]]:
+    want = {f"head.{k}": v for k, v in task.head.state_dict().items()} | {"mask_token": task.encoder.mask_token}
+    if odd := mismatched(want, {k: v.shape for k, v in state.items()}):
         raise ConfigError(f"{file}: not the MPP head of this run's mpp.target={cfg.mpp.target}, "
                           f"mpp.bits={cfg.mpp.bits} ({len(odd)} tensors missing, extra or of another shape, e.g. "
                           f"{odd[0]}); train the run again")
-    if bad := [k for k, v in state.items() if not torch.isfinite(v).all()]:
+    if bad := nonfinite(state):
         raise ConfigError(f"{file}: {len(bad)} of its tensors hold NaN or infinite weights (e.g. {bad[0]}): a "
                           "diverged run; give a finite one")
     task.head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
