@@ -52,7 +52,8 @@ from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.compiled import compile_task
 from mpp.config import build_config
 from mpp.models import create_encoder
-from mpp.objectives import build_task, mean_color_targets
+from mpp.objectives import build_task
+from mpp.targets import mean_color_targets
 from mpp.optim import create_optimizer
 from mpp.runtime import autocast
 

@@ -62,7 +62,7 @@ class MPPConfig:
     mask: float = 0.8          # of the chosen: replaced by the [mask] embedding
     random: float = 0.1        # ... by the embedding of a random other patch of the same image
     keep: float = 0.1          # ... left unchanged
-    target: str = "mean_color"  # an entry of mpp.objectives.TARGETS (a wrong name's error lists them)
+    target: str = "mean_color"  # an entry of mpp.targets.TARGETS (a wrong name's error lists them)
     bits: int = 3              # colour quantisation per channel (512 classes at 3)
 
 
@@ -243,7 +243,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     themselves (imported here, not with this module, so that reading a config stays cheap)."""
     from mpp.compiled import COMPILE, COMPILE_MODES
     from mpp.models import POOLS, PRESETS
-    from mpp.objectives import HEAD_INITS, OBJECTIVES, TARGETS
+    from mpp.objectives import HEAD_INITS, OBJECTIVES
+    from mpp.targets import TARGETS
     from mpp.optim import OPTIMIZERS, SCHEDULES
     from mpp.runtime import ATTENTION, PRECISIONS
     return {"objective": tuple(OBJECTIVES), "model": tuple(PRESETS), "mpp.target": tuple(TARGETS),
@@ -714,7 +715,7 @@ def validate(cfg: Config) -> None:
           f"config keys mpp.mask + mpp.random + mpp.keep must sum to 1, got {m.mask + m.random + m.keep:g}")
     check(1 <= m.bits <= MAX_BITS, f"config key 'mpp.bits' must be in 1..{MAX_BITS} (2^(3 bits) colour classes: "
           f"{2 ** (3 * MAX_BITS)} at {MAX_BITS}), got {m.bits}")
-    from mpp.objectives import TARGETS
+    from mpp.targets import TARGETS
     if cfg.objective == "mpp":  # the target and the bits are known good here
         width, most = TARGETS[m.target].outputs, 2 ** (3 * MAX_BITS)  # the widest head mean_color can ask for
         fits = [b for b in range(1, MAX_BITS + 1) if width(b, patch) <= most]
@@ -785,7 +786,7 @@ def validate(cfg: Config) -> None:
     check(not t.image_every or cfg.objective == "mpp",
           f"train.image_every logs MPP predictions; set it to 0 for objective={cfg.objective}")
     if t.image_every and cfg.objective == "mpp":
-        from mpp.objectives import TARGETS
+        from mpp.targets import TARGETS
         check(TARGETS[cfg.mpp.target].colors is not None,  # a known target: the choices checked above
               f"train.image_every paints predicted colours, which mpp.target={cfg.mpp.target} does not predict; "
               f"set it to 0")

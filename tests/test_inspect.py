@@ -21,7 +21,8 @@ from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
 from mpp.figures.predictions import HEAD_FILE, load_mpp_task, predict, prediction_grid, save_mpp_head
 from mpp.models import create_encoder, save_encoder
-from mpp.objectives import MPPTask, class_colors, quantize
+from mpp.objectives import MPPTask
+from mpp.targets import class_colors, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tool imports this checkout's mpp

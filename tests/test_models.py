@@ -7,7 +7,7 @@ import torch
 
 from mpp.config import ConfigError, DataConfig
 from mpp.models import PRESETS, MaskedEncoder, create_encoder, load_encoder, save_encoder
-from mpp.objectives import Corruption
+from mpp.corruption import Corruption
 
 PRESET = "vit_micro4_32"  # 2 blocks, dim 64, 8x8 patches of 4 px
 

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from mpp.config import build_config
 from mpp.models import create_encoder
-from mpp.objectives import (HOG_BINS, HOG_CELLS, TARGETS, Target, build_task, class_colors, hog, mean_color_targets,
-                            patches, quantize, sample_corruption)
+from mpp.corruption import sample_corruption
+from mpp.objectives import build_task
+from mpp.targets import HOG_BINS, HOG_CELLS, TARGETS, Target, class_colors, hog, mean_color_targets, patches, quantize
 
 PRESET = "vit_micro4_32"
 
@@ -467,7 +468,8 @@ def test_the_prediction_figure_scores_the_colour_classes_training_does():
     from mpp.config import build_config
     from mpp.figures.predictions import predict
     from mpp.models import create_encoder
-    from mpp.objectives import build_task, mean_color_targets, quantize
+    from mpp.objectives import build_task
+    from mpp.targets import mean_color_targets, quantize
     rng = np.random.default_rng(0)
     patches = []
     while len(patches) < 64:  # 4x4 uint8 patches summing to 255 * 16 * k / 8 (a mean of exactly k/8)

@@ -30,7 +30,8 @@ from mpp.figures.predictions import Prediction, load_mpp_task, predict, predicti
 from mpp.fileio import write_atomic
 from mpp.models import (PRESETS, MaskedEncoder, create_encoder, grid_fix, load_encoder, preset_geometry,
                         read_model_json)
-from mpp.objectives import Corruption, MPPTask
+from mpp.corruption import Corruption
+from mpp.objectives import MPPTask
 
 
 # how filters.png shows the filters (inspect.json records it: figures drawn otherwise are drawn again)

@@ -22,7 +22,9 @@ from mpp.config import ConfigError, load_config
 from mpp.evaluators.features import eval_mode
 from mpp.fileio import atomic_path
 from mpp.models import load_encoder, mismatched, nonfinite, take_rows
-from mpp.objectives import Corruption, MPPTask, exact, patches, quantize
+from mpp.corruption import Corruption
+from mpp.objectives import MPPTask
+from mpp.targets import exact, patches, quantize
 
 HEAD_FILE = "mpp_head.safetensors"
 MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
