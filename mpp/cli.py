@@ -1,6 +1,7 @@
 """What every tool shares: `one_line_errors`, which each tool's `main` runs under, turning bad input,
 a diverged run and a full or read-only disk into one line on stderr and a non-zero exit (2 for a bad
-argument or config, 1 for the rest) instead of a traceback; an `ArgumentParser` whose usage errors
+argument or config, 130 for Ctrl-C, 143 for a run stopped by SIGTERM, 1 for the rest) instead of a
+traceback; an `ArgumentParser` whose usage errors
 are one such line too; and `--config FILE key=value ...` parsing."""
 from __future__ import annotations
 

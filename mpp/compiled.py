@@ -5,8 +5,8 @@ before the first trace and not re-applied while tracing, see mpp.models), and th
 is dynamic, so an epoch's smaller tail batches and a resumed run reuse the compiled graph instead
 of recompiling (a batch of one specialises, and a tail batch on the other side of a size inductor
 guards on compiles once more: on CPU, a sum over more than 4,096 rows). "auto" compiles CUDA runs of at least
-AUTO_MIN_STEPS steps (the whole run's, so a resumed run decides as the run did): there the fused
-kernels and fewer launches pay for the compile time. A shorter run (the fine-tunes and probes of
+AUTO_MIN_STEPS steps (the whole run's, so a resumed run decides as the run did): about where the
+fused kernels and fewer launches pay for the compile time. A shorter run (the fine-tunes and probes of
 a comparison's many stages) would spend longer compiling than stepping eagerly, and on CPU the
 compile takes minutes for a gain that short runs never recover: both run eagerly unless asked
 (figures in docs/benchmarks.md).
@@ -22,7 +22,10 @@ import torch
 from mpp.models import MaskedEncoder
 
 
-AUTO_MIN_STEPS = 4000  # "auto": the steps a CUDA run must have to win its compile time back
+# "auto": the steps a CUDA run must have. About where the models timed win their compile time back:
+# a larger model sooner, a small one (Ti/4) later, later still when an epoch's tail batch
+# recompiles (docs/benchmarks.md)
+AUTO_MIN_STEPS = 4000
 
 # train.compile -> whether the step is compiled on a device type for a run of so many steps
 COMPILE = {"auto": lambda device_type, steps: device_type == "cuda" and steps >= AUTO_MIN_STEPS,

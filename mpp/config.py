@@ -1,8 +1,8 @@
 """One config schema for every tool: dataclasses, loaded from YAML plus `key=value` overrides.
 
 `load_config(path, overrides)` returns a validated `Config`; any unknown key or bad value raises
-`ConfigError` with a one-line message before any work starts. Keys other code relies on:
-`output_dir`, `objective`, `model`, `data.train`, `batch_size`, `steps`.
+`ConfigError` with a one-line message before any work starts. A comparison's own schema
+(`CompareConfig`, `load_compare_config`) names these configs, one for each of its stages.
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ class DataConfig:
     max_pixels: int = 64_000_000     # larger images are rejected as corrupt (decompression bombs)
     cache_mb: int = 512        # per worker: keep a train set's raw samples in memory after the
                                # first epoch when they fit (small sets read many times); 0: off
-    timeout: int = 600         # seconds the data workers may take for a batch before the run stops: a shard
-                               # read that stalls (a hung mount or stream) ends in an error, not forever; 0: none
+    timeout: int = 600         # seconds the data workers may read nothing while the run waits for a batch: a
+                               # shard read that stalls (a hung mount or stream) ends in an error, not forever;
+                               # 0: none (nor with num_workers=0: no worker to watch)
     withhold: tuple = ()       # pre-training: [[label_fraction, split_seed, dev_fraction], ...], the development
                                # splits that fine-tunes on `train` draw (finetune.*), left out of this run so that
                                # their recipes are chosen on images it never saw; tools/compare.py sets it

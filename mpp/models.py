@@ -355,14 +355,12 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     except ConfigError as e:  # built, but no ViT
         raise ConfigError(f"{spec_file}: {e}") from None
     except Exception as e:  # timm's own errors on odd kwargs: TypeError, AttributeError, ZeroDivisionError, ...
-        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
-                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+        raise _unbuildable(spec_file, name, kwargs, e) from None
     if meta.grid_size[0] != meta.grid_size[1]:  # every loader here reads square images
         raise ConfigError(f"{spec_file}: a grid of {meta.grid_size[0]}x{meta.grid_size[1]} patches; mpp reads square "
                           "images: give a square img_size")
     if odd:
-        raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
-                          f"of another shape, e.g. {odd[0]}); give the model.json it was exported with")
+        raise _unmatched(weights, name, kwargs, odd)
     if img_size:
         if fix := grid_fix(img_size, meta.patch_size):  # as built: model.json may leave it to the timm name
             raise ConfigError(f"img_size={img_size} does not suit the encoder of {spec_file}: its patch size is "
@@ -371,8 +369,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     try:
         encoder = MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
     except Exception as e:  # at another img_size
-        raise ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
-                          f"{type(e).__name__}: {' '.join(str(e).split())[:100]}") from None
+        raise _unbuildable(spec_file, name, kwargs, e) from None
     state = load_file(str(weights))
     if bad := nonfinite(state):  # every figure read from it would be NaN or chance, and a probe's solver fails deep inside
         raise ConfigError(f"{weights}: {len(bad)} of its {len(state)} tensors hold NaN or infinite weights (e.g. "
@@ -385,8 +382,15 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
                 num_prefix_tokens=encoder.vit.num_prefix_tokens)
         encoder.vit.load_state_dict(state)
     except (RuntimeError, ValueError, TypeError):
-        odd = mismatched(encoder.vit, {k: v.shape for k, v in state.items()})
-        raise ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
-                          f"of another shape, e.g. {odd[0] if odd else '?'}); give the model.json it was exported "
-                          "with") from None
+        raise _unmatched(weights, name, kwargs, mismatched(encoder.vit, {k: v.shape for k, v in state.items()})) from None
     return encoder
+
+
+def _unbuildable(spec_file: Path, name: str, kwargs: dict, e: Exception) -> ConfigError:
+    return ConfigError(f"{spec_file}: timm cannot build {name} with {kwargs}: "
+                       f"{type(e).__name__}: {' '.join(str(e).split())[:100]}")
+
+
+def _unmatched(weights: Path, name: str, kwargs: dict, odd: list) -> ConfigError:
+    return ConfigError(f"{weights}: weights do not match {name} {kwargs} ({len(odd)} tensors missing, extra or "
+                       f"of another shape, e.g. {odd[0] if odd else '?'}); give the model.json it was exported with")

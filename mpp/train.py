@@ -7,8 +7,9 @@ logging, checkpoints, periodic evaluators), `finish` exports it (encoder, the Ta
 final evaluation, metrics.json). The objective's Task (mpp.objectives) says what differs.
 
 Host syncs: the hot loop reads nothing from the device. Loss, metrics, gradient norm and the
-non-finite counters stay device tensors and are read every `train.log_every` steps (one gather),
-before checkpoints and at the end. A non-finite step is skipped by the fused optimiser kernel
+non-finite counters stay device tensors and are read every `train.log_every` steps (a gather of
+the window's sums and one of the skip counters; on several processes the SIGTERM check's
+all-reduce too), before checkpoints and at the end. A non-finite step is skipped by the fused optimiser kernel
 (`optimizer.found_inf`, see mpp.optim); the run stops when the longest run of consecutive
 non-finite steps reaches `train.max_bad_steps`, noticed at the next log or checkpoint step.
 
@@ -246,7 +247,6 @@ def setup(cfg: Config) -> Run:
     origin = task.origin(cfg)
     if resume:
         _check_origin(out, state.get("origin", {}), origin)
-    if resume:
         _check_changes(out, cfg, accelerator, finished=state["step"] == steps)
     begin_s = 0.0
     if not resume:
@@ -346,7 +346,7 @@ def loop(run: Run) -> None:
             run.bar.update(1)
             _record(run)
 
-            # -- log: one gather of the window's sums every log_every steps
+            # -- log: the window's sums gathered every log_every steps
             if log_now:
                 _log(run, done, lr)
 
@@ -434,8 +434,9 @@ def finish(run: Run) -> dict:
 
 
 def summary(results: dict, out: Path) -> str:
-    """The line a finished run prints: how long it trained, its last log window and, for a
-    fine-tune, its top-1 and where it was measured; the rest is in metrics.json."""
+    """The line a finished run prints: its steps and wall time (set-up and final evaluation
+    included), its last log window and, for a fine-tune, its top-1 and where it was measured; the
+    rest is in metrics.json."""
     parts = [f"steps {results['steps']:,} ({results['epochs']:.1f} epochs of {results['train_samples']:,} images) "
              f"in {results['wall_time_s']:.1f} s",
              "last log window: " + ", ".join(f"{k} {results[k]:.4g}" for k in ("loss", "acc") if k in results)]

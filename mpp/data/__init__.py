@@ -1,4 +1,4 @@
-"""Shards -> exactly sized uint8 batches on every rank (see mpp.data.stream), plus transforms."""
+"""Shards -> uint8 batches, the same number on every rank (see mpp.data.stream), plus transforms."""
 from mpp.data.decode import DataError
 from mpp.data.stream import ShardLoader, make_loader, shield_workers
 from mpp.data.transforms import normalize, to_float01

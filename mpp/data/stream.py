@@ -331,7 +331,7 @@ class ShardLoader:
     def __init__(self, shards: ShardSet, *, batch_size: int, img_size: int, train: bool,
                  labeled: bool, data_cfg, seed: int, rank: int, world_size: int):
         self.shards, self.classes = shards, shards.classes
-        self.batch_size, self.train, self.seed = batch_size, train, seed
+        self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.resampled = bool(train and data_cfg.resampled)
         workers = max(1, data_cfg.num_workers)

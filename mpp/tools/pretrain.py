@@ -4,7 +4,8 @@
   torchrun --nproc_per_node N -m mpp.tools.pretrain --config ...      (or: accelerate launch -m ...)
 
 Writes OUTPUT_DIR/{config.yaml, metrics.json, encoder.safetensors, model.json, tensorboard/,
-checkpoints/}; train.resume=auto (the default) continues an interrupted run.
+checkpoints/}, an MPP run also mpp_head.safetensors (its head and [mask] embedding, for
+tools/inspect_encoders.py), a profiled one profile/; train.resume=auto (the default) continues an interrupted run.
 """
 from __future__ import annotations
 
