@@ -55,7 +55,7 @@ from tqdm import tqdm
 from mpp.cli import ArgumentParser, UsageError, one_line_errors
 from mpp.config import DataConfig
 from mpp.data.decode import decode_batch
-from mpp.data.stream import make_loader
+from mpp.data import make_loader
 from mpp.data.synthetic import render
 from mpp.data.transforms import TrainTransform, crop_box, stack
 from mpp.data.writer import MANIFEST, write_shards

@@ -531,7 +531,7 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
     `validate`'s configs of the stages."""
     from mpp.data.decode import DataError
     from mpp.data.sources import check_feeds, check_same_classes, resolve
-    from mpp.data.stream import select_shards
+    from mpp.data.loader import select_shards
     from mpp.evaluators.fewshot import Evaluator as FewshotEvaluator
     from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
     done = set()

@@ -13,7 +13,7 @@ import torch
 
 import mpp.train
 from mpp.config import load_config
-from mpp.data.stream import ShardLoader
+from mpp.data.loader import ShardLoader
 from mpp.runtime import leave_process_group
 
 

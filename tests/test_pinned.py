@@ -56,7 +56,7 @@ def test_under_loss_scaling_a_step_whose_clipped_norm_is_not_finite_is_skipped_a
 
 
 def test_a_dataloader_iterator_reads_its_timeout_at_every_wait():
-    # mpp.data.stream.ShardLoader sets its iterator's `_timeout`: the whole data.timeout for a
+    # mpp.data.loader.ShardLoader sets its iterator's `_timeout`: the whole data.timeout for a
     # restart of the persistent workers, a watch of at most a minute for each item
     import itertools
     import time

@@ -14,7 +14,7 @@ import torch
 from mpp.config import DataConfig
 from mpp.data import make_loader
 from mpp.data.slots import FILLING, FREE, HELD, BatchSlots
-from mpp.data.stream import SLOTS_PER_WORKER
+from mpp.data.loader import SLOTS_PER_WORKER
 from mpp.prefetch import DevicePrefetcher
 from shardutil import write_shards
 

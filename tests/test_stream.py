@@ -24,7 +24,8 @@ from mpp.config import DataConfig
 from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.decode import open_image
 from mpp.data.sources import ShardSet
-from mpp.data.stream import first_batch, shuffle
+from mpp.data.loader import first_batch
+from mpp.data.stream import shuffle
 from mpp.data.subset import select_subset
 from mpp.data.transforms import TORCH_RESIZE_FROM, EvalTransform, TrainTransform, _load, resized_crop, stack
 from shardutil import encode, write_shards

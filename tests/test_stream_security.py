@@ -280,8 +280,8 @@ def test_a_broken_shard_leaves_the_batches_of_an_endless_stream_whole(tmp_path):
 def test_a_restart_of_the_workers_waits_the_whole_timeout(tmp_path, monkeypatch):
     """An endless stream restarts its workers at every epoch, and each answers once it has sent
     what it was asked for: a wait cut at one watch stopped a run whose shard reads take longer."""
-    import mpp.data.stream as stream
-    monkeypatch.setattr(stream, "WATCH_S", 1)
+    import mpp.data.loader
+    monkeypatch.setattr(mpp.data.loader, "WATCH_S", 1)
     write_shards(tmp_path, [4] * 3)
     slow = [f"pipe:sleep 2; cat {tmp_path}/{i:06d}.tar" for i in range(3)]
     loader = make_loader(slow, batch_size=4, img_size=8, train=True, labeled=True, num_samples=12,
