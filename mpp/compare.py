@@ -396,6 +396,7 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               "finetune.pool over token and avg, or give finetune.pool token or avg")
     if not cfg.sweep:  # a final may choose on its own labels; a sweep of one value chooses on a withheld split
         _warn_own_label_choices(stages, resolved)
+    _warn_short_withhold(cfg, stages, resolved)
     for s in stages:  # an encoder fed other inputs than it was trained on would stop its stage hours in
         c = resolved[s.out]
         up = resolved.get(Path(flatten(to_dict(c))[STARTS_FROM[s.tool][0]])) if s.tool in STARTS_FROM else None
@@ -404,6 +405,26 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               f"data.std={list(c.data.std)}, but its encoder is pre-trained with data.mean="
                               f"{list(up.data.mean)} data.std={list(up.data.std)}; give both configs the same")
     return resolved
+
+
+def _warn_short_withhold(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path, Config]) -> None:
+    """Warn where `pretrain_overrides` gave a pre-training a data.withhold that lists some of the
+    development splits its comparison chooses on but not all: those recipes would be chosen on
+    images it trained on (an empty list is a plain choice, which the report states)."""
+    probe = _probe_dev(cfg, _probe_split(cfg))
+    chosen = _dev_splits(cfg) | ({probe} if probe else set())
+    for s in stages:
+        c = resolved[s.out]
+        if s.tool != "pretrain" or not c.data.withhold:
+            continue
+        given = {(float(f), int(seed), float(d)) for f, seed, d in c.data.withhold}
+        short = sorted((float(f), int(seed), float(d)) for key, f, seed, d in chosen if key == data_key(c.data.train)
+                       and (float(f), int(seed), float(d)) not in given)
+        if short:
+            print(f"warning: stage '{s.name}' withholds data.withhold={[list(w) for w in c.data.withhold]} but not the "
+                  f"development split(s) {[list(w) for w in short]} that fine-tunes or probes choose on: recipes "
+                  "chosen there are chosen on images it trained on; give every split, or leave data.withhold to the "
+                  "comparison", file=sys.stderr)
 
 
 def _warn_own_label_choices(stages: list[Stage], resolved: dict[Path, Config]) -> None:

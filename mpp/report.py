@@ -199,7 +199,7 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
                               f"differ in {', '.join(differ)} ({group[0]['dir']} and {r['dir']}), and a cell's mean "
                               f"± std is over seeds of one setting; pass the finals of one setting, or the "
                               f"development-split runs that chose among them")
-    if len(groups) == 1:
+    if len(groups) == 1 and not dev_runs:
         return finals, []
     rank: dict = {}  # best dev top-1 first; an exact tie as the comparison breaks it (mpp.compare._ranked)
     for r in dev_runs:
@@ -217,6 +217,12 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
                           f"and it used values no development-split run tried, so the report cannot tell which runs "
                           f"are the cell; pass the finals of one value, or the sweep stages of each")
     order = sorted(groups, key=place)
+    best = min(by_values, key=by_values.get)
+    if order[0][0] != best:  # only a runner-up's finals: the best value's were left out
+        raise ReportError(f"{groups[order[0]][0]['dir']}: the final runs of its cell used {', '.join(varied)} "
+                          f"{order[0][0]}, which did not score best on the development split ({best} did), and the "
+                          "protocol retrains the best; pass the best value's final runs too (the comparison's seed* "
+                          "stages)")
     return groups[order[0]], [groups[g] for g in order[1:]]
 
 
@@ -511,14 +517,33 @@ def _short(values: dict) -> str:
 
 
 def _read_dev_splits(pretrain: dict, runs: list[dict]) -> bool:
-    """Whether a pre-training trained on the development splits that fine-tunes or probes of its
-    data chose on: it withheld nothing (a comparison's override can empty data.withhold) from the
-    data.train they split. One on other data has nothing to withhold."""
-    if pretrain["settings"].get("data.withhold") or not pretrain["settings"].get("data.train"):
+    """Whether a pre-training trained on a development split that fine-tunes or probes of its data
+    chose on: one its data.withhold does not list (a comparison's override can empty or shorten
+    it). One on other data has nothing to withhold."""
+    if not pretrain["settings"].get("data.train"):
         return False
     mine = data_key(pretrain["settings"]["data.train"])
-    return any(data_key(r["settings"].get("data.train")) == mine for r in runs
-               if r.get("evaluated_on") == "dev" or (r["kind"] == "probe" and r["settings"].get("probe.dev_split")))
+    withheld = {_split(*w) for w in pretrain["settings"].get("data.withhold") or ()}
+    return not _chosen_on(mine, runs) <= withheld
+
+
+def _split(fraction, seed, dev_fraction) -> tuple:
+    """A development split as (label_fraction, split_seed, dev_fraction), in one spelling."""
+    return float(fraction), int(seed), float(dev_fraction)
+
+
+def _chosen_on(data: str, runs: list[dict]) -> set[tuple]:
+    """The development splits (`_split`) of `data` that fine-tunes scored on or probes chose on."""
+    splits = set()
+    for r in runs:
+        s = r["settings"]
+        if data_key(s.get("data.train")) != data:
+            continue
+        if r.get("evaluated_on") == "dev":
+            splits.add(_split(s["finetune.label_fraction"], s["finetune.split_seed"], s["finetune.dev_fraction"]))
+        elif r["kind"] == "probe" and s.get("probe.dev_split"):
+            splits.add(_split(1.0, *s["probe.dev_split"]))
+    return splits
 
 
 def _withheld_note(t: dict, chosen: bool) -> str:
@@ -532,8 +557,8 @@ def _withheld_note(t: dict, chosen: bool) -> str:
                 "set, data.withhold, so that no fine-tune's learning rate or representation is chosen on images it "
                 "trained on).") if not kept else "."
     many = len(kept) > 1
-    return (f". The {' and '.join(kept)} pre-training{'s' if many else ''} read the fine-tunes' development splits "
-            f"(data.withhold empty): the learning rates and representations chosen on those splits for "
+    return (f". The {' and '.join(kept)} pre-training{'s' if many else ''} read fine-tunes' development splits "
+            f"(data.withhold empty or short of them): the learning rates and representations chosen on those splits for "
             f"{'their encoders' if many else 'its encoder'} were chosen on images {'they' if many else 'it'} "
             "trained on.")
 
@@ -645,7 +670,7 @@ def render_markdown(rep: dict) -> str:
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
                      "beyond it does not do better." if edge else "")]
-    lines += _pretrain_seeds_section(rep.get("pretrain_seeds") or {})
+    lines += _pretrain_seeds_section(rep.get("pretrain_seeds") or {}, _pretrain_seeds(rep))
     starts = [(f, fr) for f in FAMILIES for fr in fracs if fr in t[f]["finetune_start"]]
     if starts:
         lines += ["", "## What fine-tuning added to its start", "",
@@ -700,12 +725,16 @@ def render_markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _pretrain_seeds_section(across: dict) -> list[str]:
-    """The report's lines for `across_pretrain_seeds` (none without repeats)."""
+def _pretrain_seeds_section(across: dict, seeds: set[tuple]) -> list[str]:
+    """The report's lines for `across_pretrain_seeds` (none without repeats); `seeds`: the (arm,
+    seed) of this report's own pre-trainings."""
     if not across:
         return []
+    own = sorted({s for _, s in seeds})
+    said = f" (seed {own[0]})" if len(own) == 1 else (
+        " (seeds " + ", ".join(f"{FAMILY_NAMES.get(f, f)} {s}" for f, s in sorted(seeds)) + ")" if own else "")
     lines = ["", f"## Across {across['seeds']} pre-training seeds", "",
-             "The figures above come from one pre-training of each arm (seed 0), and their ± counts the "
+             f"The figures above come from one pre-training of each arm{said}, and their ± counts the "
              "fine-tune seeds, shot draws and test images, not the pre-training's own seed. The whole "
              "comparison was repeated with each pre-training seed (the scratch arm, which no pre-training "
              "touches, shared); each gap over the repeats, their mean ± its standard error: the repeats' spread "
@@ -910,6 +939,7 @@ def _check_distinct(out: Path, rep: dict, repeats: list[dict], named: str) -> No
         return {Path(x["dir"]).resolve() for x in r.get("runs") or [] if isinstance(x, dict)
                 and x.get("kind") == "pretrain" and isinstance(x.get("dir"), str)}
     seen, read = {out.resolve(): "the report's own folder"}, {d: "this report" for d in pretrainings(rep)}
+    seeded = {k: "this report" for k in _pretrain_seeds(rep)}
     for r in repeats:
         where = Path(r["out_dir"]).resolve()
         if where in seen:
@@ -919,8 +949,21 @@ def _check_distinct(out: Path, rep: dict, repeats: list[dict], named: str) -> No
             raise ReportError(f"{named} {r['out_dir']} read the pre-training {both[0]}, as {read[both[0]]} did, so it "
                               "would count twice in the gaps over pre-training seeds; a repeat is the comparison run "
                               "with another pre-training seed (OUTPUT_DIR_pretrain_seedN)")
+        if both := sorted(_pretrain_seeds(r) & seeded.keys()):
+            family, seed = both[0]
+            raise ReportError(f"{named} {r['out_dir']} made its {FAMILY_NAMES.get(family, family)} with seed {seed}, "
+                              f"as {seeded[both[0]]} did: a copy, not another pre-training seed, which would "
+                              "shrink the gaps' spread over the seeds; a repeat is the comparison run with another "
+                              "pre-training seed (pretrain_seeds: N)")
         seen[where] = "a folder named already"
         read.update(dict.fromkeys(pretrainings(r), f"the repeat {r['out_dir']}"))
+        seeded.update(dict.fromkeys(_pretrain_seeds(r), f"the repeat {r['out_dir']}"))
+
+
+def _pretrain_seeds(rep: dict) -> set[tuple]:
+    """(arm, seed) of each pre-training a report (or its report.json) records."""
+    return {(x.get("family"), x["seed"]) for x in rep.get("runs") or [] if isinstance(x, dict)
+            and x.get("kind") == "pretrain" and isinstance(x.get("seed"), int)}
 
 
 def _skipped(metrics: dict) -> dict:

@@ -960,6 +960,18 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
         assert withheld(plan(load_compare_config(alone))) == [[f"data.withhold=[[0.5,0,0.2]{split}]"]] * 2, told
 
 
+def test_a_withheld_list_short_of_the_splits_chosen_on_is_warned_of(tmp_path, capsys):
+    """pretrain_overrides may give data.withhold; one that lists some of the development splits the
+    comparison chooses on but not all would have recipes chosen on images the pre-training read."""
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP)
+    for given, warned in (("[[0.5,0,0.2]]", True), ("[[1.0,0,0.2],[0.5,0,0.2]]", False), ("[]", False)):
+        cfg = load_compare_config(path, [f'pretrain_overrides=["data.withhold={given}"]'])
+        validate(cfg, plan(cfg), machine=False)
+        err = capsys.readouterr().err
+        assert ("withholds data.withhold=[[0.5, 0, 0.2]] but not the development split(s) [[1.0, 0, 0.2]]"
+                in err) is warned, (given, err)
+
+
 def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):
     """A stage stopped after a checkpoint, whose planned settings have changed since (here its
     steps), is refused before it resumes: its weights were trained with the old settings."""

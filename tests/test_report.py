@@ -27,11 +27,11 @@ def _run(root: Path, name: str, config: dict, metrics: dict) -> Path:
     return d
 
 
-def _paper_runs(root: Path) -> list[Path]:
+def _paper_runs(root: Path, seed: int = 0) -> list[Path]:
     """The paper's ViT-B/16 ImageNet figures (84.0 / 79.9 / 77.9) at 100% labels, plus a 10% column
-    and probes."""
-    mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 100, "loss": 3.2})
-    sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 100})
+    and probes; the pre-trainings of `seed`."""
+    mpp = _run(root, "mpp", {"objective": "mpp", "seed": seed}, {"steps": 100, "loss": 3.2})
+    sup = _run(root, "sup", {"objective": "supervised", "seed": seed}, {"steps": 100})
     runs = [mpp, sup]
     for fam, init, top1 in (("mpp", mpp, (0.799, 0.60)), ("sup", sup / "encoder.safetensors", (0.840, 0.70)),
                             ("scratch", "none", (0.779, 0.50))):
@@ -48,9 +48,10 @@ def _paper_runs(root: Path) -> list[Path]:
 
 def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(tmp_path, capsys):
     runs = _paper_runs(tmp_path / "runs")
-    write_report(_paper_runs(tmp_path / "runs1"), tmp_path / "seed1", [])
+    write_report(_paper_runs(tmp_path / "runs1", seed=1), tmp_path / "seed1", [])
     first = write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "seed1")])
     assert first["pretrain_seeds"]["repeats"] == ["../seed1"]
+    assert "from one pre-training of each arm (seed 0)" in (tmp_path / "out" / "report.md").read_text()
     assert write_report(runs, tmp_path / "out")["pretrain_seeds"] == first["pretrain_seeds"]
     assert "../seed1" in capsys.readouterr().out
     (tmp_path / "seed1" / "report.json").rename(tmp_path / "moved.json")
@@ -65,17 +66,20 @@ def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(t
 
 
 def test_a_repeat_passed_twice_or_of_the_same_pre_trainings_is_refused(tmp_path):
-    """A repeat named twice, the report's own folder, or a report of the same pre-training runs
-    would count one pre-training twice in the gaps over pre-training seeds and shrink their spread
-    with a copy of itself; a re-render whose report.json names one so says where it was named."""
+    """A repeat named twice, the report's own folder, a report of the same pre-training runs, or
+    one of other runs pre-trained with the same seed (a copy of the comparison) would count one
+    pre-training twice in the gaps over pre-training seeds and shrink their spread with a copy of
+    itself; a re-render whose report.json names one so says where it was named."""
     runs = _paper_runs(tmp_path / "runs")
-    write_report(_paper_runs(tmp_path / "runs1"), tmp_path / "seed1", [])  # other pre-training runs
+    write_report(_paper_runs(tmp_path / "runs1", seed=1), tmp_path / "seed1", [])  # other pre-training runs
+    write_report(_paper_runs(tmp_path / "runs0"), tmp_path / "seed0", [])  # other runs, the same seed
     write_report(runs, tmp_path / "copy", [])  # the same runs, reported elsewhere
     write_report(runs, tmp_path / "out", [])
     (tmp_path / "x").mkdir()  # the same folder spelled another way
     for repeats, what in (([tmp_path / "seed1", tmp_path / "x" / ".." / "seed1"], "is a folder named already"),
                           ([tmp_path / "out"], "is the report's own folder"),
-                          ([tmp_path / "copy"], f"read the pre-training {tmp_path / 'runs'}/(mpp|sup), as this")):
+                          ([tmp_path / "copy"], f"read the pre-training {tmp_path / 'runs'}/(mpp|sup), as this"),
+                          ([tmp_path / "seed0"], "made its MPP pre-training with seed 0, as this report did")):
         with pytest.raises(ReportError, match=f"^--repeat .*{what}"):
             write_report(runs, tmp_path / "out", [read_repeat(d) for d in repeats])
     assert write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "seed1")])["pretrain_seeds"]["repeats"] == \
@@ -317,11 +321,16 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     data(mpp, {"train": "/data/imagenet/train"})
     write_report(runs, tmp_path / "read")
     read = (tmp_path / "read" / "report.md").read_text()
-    assert "The supervised pre-training read the fine-tunes' development splits (data.withhold empty)" in read
+    assert "The supervised pre-training read fine-tunes' development splits (data.withhold empty or short" in read
     data(sup, {"withhold": [[0.1, 0, 0.1]]})
     write_report(runs, tmp_path / "held")
     held = (tmp_path / "held" / "report.md").read_text()
-    assert "leaves the fine-tunes' development splits out" in held and "pre-training read the" not in held
+    assert "leaves the fine-tunes' development splits out" in held and "pre-training read" not in held
+    # a withheld list short of the splits chosen on (another seed's) is no withholding of them
+    data(sup, {"withhold": [[0.1, 1, 0.1], [0.5, 0, 0.1]]})
+    write_report(runs, tmp_path / "short")
+    assert "The supervised pre-training read fine-tunes' development splits" in (
+        tmp_path / "short" / "report.md").read_text()
     with pytest.raises(ReportError, match="same report cell"):  # one seed twice in a cell
         write_report(runs + [_run(root, "ft_mpp/again", {"objective": "classify", "seed": 1, "optim": {"lr": 0.03},
                                                           "finetune": {"init": str(mpp), "label_fraction": 0.1,
@@ -375,13 +384,14 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| fine-tune @ 10% labels"))
     assert [c.strip().endswith("†") for c in row.strip("| ").split(" | ")[1:]] == [True, False, True, True]
     assert "† an arm of this figure" in md
-    # a final that used the value the split ranked second leads by a negative margin: never clear
+    # finals of the value the split ranked second alone are no cell of the protocol, which retrains the best
     other = _run(root, "ft_mpp/seed0_lr0.01", {"objective": "classify", "seed": 0, "optim": {"lr": 0.01},
                                                "finetune": {"init": str(mpp), "label_fraction": 0.1}},
                  {"top1": 0.6, "evaluated_on": "val"})
     runs = [r for r in runs if r != root / "ft_mpp/seed0"] + [other]
-    assert write_report(runs, tmp_path / "out2")["recipes"]["mpp"]["0.1"]["lead"] == {
-        "points": pytest.approx(-5.0), "noise": pytest.approx(clear_se, abs=1e-3), "t": t, "clear": False}
+    with pytest.raises(ReportError, match=r"seed0_lr0.01: the final runs of its cell used optim.lr \[0.01\], which "
+                                          r"did not score best on the development split \(\[0.03\] did\)"):
+        write_report(runs, tmp_path / "out2")
 
 
 def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
