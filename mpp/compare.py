@@ -542,16 +542,15 @@ def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path
         print(f"warning: stage '{late[0].name}': {warmup_note(late[1], late[1].steps)}", file=sys.stderr)
 
 
-def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int = 1) -> None:
+def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:
     """After the data are made and before the first stage: every data set a stage will read
     resolves (it exists, a shard list or pattern has its count), and each trained stage's samples
     can be drawn as its loader will draw them (a fine-tune's label subset and development split, a
     pre-training's withheld splits), so that a typo in a probe's or fine-tune's data, or in the
     few-shot sets a trained stage watches (fewshot.every), fails now, not after the pre-trainings.
-    A fine-tune's test images must feed its `processes` (a shard each at least). `resolved`:
-    `validate`'s configs of the stages."""
+    `resolved`: `validate`'s configs of the stages."""
     from mpp.data.decode import DataError
-    from mpp.data.sources import check_feeds, check_same_classes, resolve
+    from mpp.data.sources import check_same_classes
     from mpp.data.loader import select_shards
     from mpp.evaluators.fewshot import Evaluator as FewshotEvaluator
     from mpp.objectives import OBJECTIVES  # here: it imports torch, planning does not
@@ -578,8 +577,6 @@ def check_data(stages: list[Stage], resolved: dict[Path, Config], processes: int
                     done.add(key)
             if s.tool in ("linear_probe", "finetune"):  # as each checks its test images' classes at its start
                 check_same_classes(c.data.train, c.data.val, c.data.val_num_samples)
-            if s.tool == "finetune":  # its final evaluation splits data.val over the launcher's processes
-                check_feeds(resolve(c.data.val, c.data.val_num_samples), processes, "data.val")
             if trained and c.fewshot.every:  # the trainer's few-shot evaluator: its sets, as it checks them
                 FewshotEvaluator(c, "cpu")
         except (DataError, ValueError) as e:
@@ -905,7 +902,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     print(f"[1/{total}] data", flush=True)
     prepare_data(cfg)
     words = launcher_words(cfg.launcher)
-    check_data(stages, resolved, _processes(words))
+    check_data(stages, resolved)
     for s in stages:  # a stage with run-time choices is checked when reached: they read stages before it
         if (s.out / "metrics.json").exists():
             check_processes(s, _stated_processes(words))

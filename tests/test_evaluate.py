@@ -722,23 +722,6 @@ def test_a_class_short_of_the_shots_is_named_and_the_rest_are_not():
         fewshot_eval(x[keep], y[keep], xt, yt, shots=(1, 3), seeds=1, l2=1024.0)
 
 
-def test_a_fine_tunes_test_set_of_fewer_shards_than_processes_stops_before_training(tmp_path, monkeypatch):
-    """Two processes cannot split one test shard: said when the evaluator is built, before any step
-    (it stopped at the final evaluation, after the whole fine-tune); a fine-tune scored on its
-    development split does not read the test set."""
-    import mpp.evaluators.classify as classify
-    from mpp.data.decode import DataError
-    from shardutil import write_shards
-    manifest, _ = write_shards(tmp_path / "test", [6])
-    cfg = build_config({"model": "vit_micro4_32", "objective": "classify",
-                        "data": {"train": manifest, "val": manifest, "num_workers": 0}})
-    classify.Evaluator(cfg, "cpu")  # one process: fine
-    monkeypatch.setattr(classify, "PartialState", lambda: SimpleNamespace(num_processes=2))
-    with pytest.raises(DataError, match="data.val has 1 shard.*fewer than the 2 processes"):
-        classify.Evaluator(cfg, "cpu")
-    classify.Evaluator(build_config({**to_dict(cfg), "finetune": {"dev_fraction": 0.2}}), "cpu")  # scores a dev split
-
-
 def test_a_test_set_sharing_shards_with_the_training_set_is_warned_of(tmp_path, caplog):
     """A lone fine-tune or probe whose data.val shares shards with data.train reported the figures
     of images it trained on as held-out ones without a word (a comparison refuses it outright)."""

@@ -283,6 +283,34 @@ def test_too_few_shards(tmp_path):
                     rank=0, world_size=2)
 
 
+def test_an_evaluation_reads_each_ranks_share_whole_whatever_the_shards(tmp_path):
+    """No step of an evaluation waits for another rank, so it is held to no equal batch count: over
+    shards of 9 and 1 images, or fewer shards than ranks, each rank reads its own share (none
+    without a shard) and together they score every image once (a fine-tune stopped at its final
+    evaluation, after all its training, on such a test set under two processes); and a shard
+    pattern whose count is an estimate has every image it holds scored (a rank held more than the
+    estimate dropped the rest under several processes, so top-1 moved with the process count)."""
+    def read(spec, ranks, **kw):
+        seen = []
+        for rank in range(ranks):
+            loader = make_loader(spec, batch_size=4, img_size=8, train=False, labeled=True,
+                                 data_cfg=DataConfig(num_workers=1), rank=rank, world_size=ranks, **kw)
+            batches = list(loader.epoch(0))
+            loader.close()
+            assert len(batches) <= loader.batches_per_epoch or kw, (rank, batches)
+            assert not loader.counters()
+            seen.append(sorted(x for b in batches for x in b["label"].tolist()))
+        return seen
+    for counts, ranks in (([9, 1], 2), ([7], 2), ([6], 3), ([9, 5, 4], 2)):
+        manifest, source = write_shards(tmp_path / f"{counts}_{ranks}", counts, classes=100)
+        seen = read(manifest, ranks)
+        assert sorted(x for s in seen for x in s) == sorted(lab for lab, _ in source.values()), (counts, ranks)
+        assert [] in seen or len(counts) >= ranks
+    _, source = write_shards(tmp_path / "pattern", [9, 5, 4], classes=100)
+    seen = read(str(tmp_path / "pattern" / "{000000..000002}.tar"), 2, num_samples=18)
+    assert sorted(x for s in seen for x in s) == sorted(lab for lab, _ in source.values()) and len(seen[0]) == 13
+
+
 def test_specs_brace_list_urls_pipe(tmp_path):
     manifest, source = write_shards(tmp_path, [6, 6, 6])
     n = len(source)

@@ -14,9 +14,11 @@ was emitted and what workers reported skipped), so per-sample skips shrink the t
 worker batch that already has the planned size is passed through untouched. If a rank still
 runs dry (a truncated or unreadable shard, counts that were only estimated), its last batch is
 repeated (counted as `padded`); a surplus beyond its count is `dropped`. So no rank ever waits
-for another at an epoch end. An evaluation loader (`train=False`) repeats nothing, since a
-repeat would score its images twice: it ends short, its skips counted, and its evaluator
-scores the images it read.
+for another at an epoch end. An evaluation loader (`train=False`) is held to none of this, as
+no step of it waits for another rank: each rank reads its own share whole, in its own number of
+batches (none where it has no shard), a surplus over an inexact count included, and repeats
+nothing, since a repeat would score its images twice: a rank that runs short ends short, its
+skips counted, and its evaluator scores the images it read.
 In resampled mode the epoch ends after K batches of the fixed `data.epoch_samples / world_size`
 samples per rank.
 `epoch(e, start_batch=k)` replays epoch e and discards its first k batches, so resuming yields
@@ -64,7 +66,8 @@ SLOTS_PER_WORKER = 7
 
 
 class ShardLoader:
-    """Exactly `batches_per_epoch` batches per epoch on every rank; see the module docstring."""
+    """Exactly `batches_per_epoch` batches per epoch on every rank (an evaluation's: its own share's
+    batches, each image once); see the module docstring."""
 
     def __init__(self, shards: ShardSet, *, batch_size: int, img_size: int, train: bool,
                  labeled: bool, data_cfg, seed: int, rank: int, world_size: int):
@@ -74,16 +77,16 @@ class ShardLoader:
         self.resampled = bool(train and data_cfg.resampled)
         workers = max(1, data_cfg.num_workers)
         if not self.resampled:
-            if len(shards.urls) < world_size:
+            if train and len(shards.urls) < world_size:  # an evaluation's rank without a shard scores nothing
                 raise DataError(
                     f"{len(shards.urls)} shard(s) cannot feed {world_size} ranks: need at least "
                     f"{world_size * workers} shards ({world_size} ranks x {workers} workers, {world_size} at "
                     "the very least); rewrite the data with more, smaller shards "
                     "(tools/make_shards.py --samples-per-shard)")
             if len(shards.urls) < world_size * workers:  # documented fallback: fewer workers
+                workers = max(1, len(shards.urls) // world_size)
                 log.info("mpp.data: %d shards for %d ranks x %d workers: using %d worker(s) per rank",
-                         len(shards.urls), world_size, workers, len(shards.urls) // world_size)
-                workers = len(shards.urls) // world_size
+                         len(shards.urls), world_size, data_cfg.num_workers, workers)
         self.workers = workers
         self.num_workers = workers if data_cfg.num_workers > 0 else 0
         if self.resampled:
@@ -96,7 +99,7 @@ class ShardLoader:
                       for b in assign(shards.counts, list(range(len(shards.urls))), world_size)]
             most, least = max(totals), min(totals)
         self.batches_per_epoch = math.ceil(most / batch_size)
-        if least < self.batches_per_epoch or self.batches_per_epoch == 0:
+        if train and (least < self.batches_per_epoch or self.batches_per_epoch == 0):
             raise DataError(
                 f"{self.num_samples} samples cannot give {world_size} rank(s) equal batch counts at batch_size "
                 f"{batch_size}: the largest rank share ({most}) needs {self.batches_per_epoch} batches but the "
@@ -117,6 +120,8 @@ class ShardLoader:
             shuffle_bytes=data_cfg.shuffle_mb << 20, resampled=self.resampled, seed=seed, train=train, rank=rank,
             world_size=world_size, workers=workers,
             cache_bytes=data_cfg.cache_mb << 20 if self.num_workers and train else 0)  # persistent workers keep it
+        if not train:  # no step waits for another rank: each reads its own share whole
+            self.batches_per_epoch = math.ceil(self.stream.plan(0).num_samples / batch_size)
         self._skips: dict[str, int] = {}
         if self.num_workers:  # CUDA too: the trainer pins a copy itself (mpp.prefetch), freeing the slot
             self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
@@ -300,6 +305,16 @@ class ShardLoader:
             last = _take(pieces, size, keys)
             have -= size
             expected -= size
+            if i == k - 1 and not self.stream.train:  # scores every image read, also past an inexact count
+                yield last
+                for item in items:
+                    pieces.append(item)
+                    have += len(item["image"])
+                while have:
+                    last = _take(pieces, min(have, self.batch_size), keys)
+                    have -= len(last["image"])
+                    yield last
+                return
             if i == k - 1:
                 self._end_counts(items, have)
             yield last

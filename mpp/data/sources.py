@@ -142,15 +142,6 @@ def _beside(base: str, name: str) -> str:
     return name if (is_url(name) or os.path.isabs(name)) else f"{base}/{name}"
 
 
-def check_feeds(shards: ShardSet, ranks: int, name: str) -> None:
-    """`shards` split over `ranks` that each read whole shards (an evaluation's test images) need a
-    shard a rank at least; said before the work that ends in reading them."""
-    if len(shards.urls) < ranks:
-        raise DataError(f"{name} has {len(shards.urls)} shard(s), fewer than the {ranks} processes that each read "
-                        "whole shards of it; rewrite it with more, smaller shards (tools/make_shards.py "
-                        "--samples-per-shard) or launch fewer processes")
-
-
 class CountNeeded(DataError):
     """Shards named without a manifest.json and without their sample count (a tool with its own
     count option names that option instead of the config keys)."""

@@ -19,21 +19,19 @@ from tqdm.auto import tqdm
 from mpp import outcomes
 from mpp.config import Config, ConfigError
 from mpp.data import make_loader
-from mpp.data.sources import check_feeds, check_same_classes, resolve
+from mpp.data.sources import check_same_classes, resolve
 from mpp.evaluators.features import encoder_img_size
 from mpp.runtime import autocast
 
 
 class Evaluator:
-    """Built before training, so a missing or mismatched `data.val`, or one of fewer shards than
-    processes, fails before any step."""
+    """Built before training, so a missing or mismatched `data.val` fails before any step. Each
+    process scores its own share of the images (none where it has no shard), gathered at the end."""
 
     def __init__(self, cfg: Config, device: torch.device | str):
         if not cfg.data.val:
             raise ConfigError("objective=classify evaluates on held-out labeled shards; set data.val")
-        val = resolve(cfg.data.val, cfg.data.val_num_samples)
-        if cfg.finetune.dev_fraction == 0:  # else it scores the development split of data.train
-            check_feeds(val, PartialState().num_processes, "data.val")
+        resolve(cfg.data.val, cfg.data.val_num_samples)  # it exists, a shard list or pattern has its count
         check_same_classes(cfg.data.train, cfg.data.val, cfg.data.val_num_samples)
         self.cfg, self.device = cfg, torch.device(device)
 
