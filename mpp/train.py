@@ -679,12 +679,14 @@ def _check_export(encoder: torch.nn.Module, bad_run: int, checkpoints: list[Path
 
 def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) -> tuple[Path | None, dict, list]:
     """Load the checkpoint to continue from into `task` and `optimizer`: with resume=auto the newest
-    that loads on every rank (the others are skipped and named), a given directory, or none.
+    in the main process's listing that loads on every rank (the others are skipped and named), a
+    given directory, or none.
     Returns it, its saved state ({} when starting afresh) and the checkpoints that did not load."""
     if cfg.train.resume == "none":
         return None, {}, []
-    if cfg.train.resume == "auto":
-        order, skipped = rundir.candidates(root)
+    if cfg.train.resume == "auto":  # the main process's listing for all: another node's may lag (NFS), and
+        # ranks resuming from different steps would pair their gradients' all-reduces across steps
+        order, skipped = broadcast_object_list([rundir.candidates(root)])[0]
     else:
         if not Path(cfg.train.resume, "state.pt").is_file():
             raise ConfigError(f"train.resume={cfg.train.resume!r} is not a checkpoint directory (no state.pt); give "

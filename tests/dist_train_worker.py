@@ -2,7 +2,9 @@
 with the settings given (mpp.train.train, as tools/pretrain.py would) and writes to
 OUTPUT_DIR/rank{r}.json the pixel hashes of the samples its loader gave, the steps it took and a
 digest of its final weights (encoder and head). With MPP_TEST_SLOW_BEGIN=S the main rank's
-start-up work (Task.begin, which the other ranks wait for) takes S seconds longer."""
+start-up work (Task.begin, which the other ranks wait for) takes S seconds longer; with
+MPP_TEST_STALE_LISTING=1 the other ranks' listing of checkpoints misses the newest (as another
+node's view of a network file system can for a while)."""
 import hashlib
 import json
 import os
@@ -11,6 +13,7 @@ import time
 
 import torch
 
+import mpp.rundir
 import mpp.train
 from mpp.config import load_config
 from mpp.data.loader import ShardLoader
@@ -33,6 +36,9 @@ def main(*overrides: str) -> None:
     if slow:
         begin = mpp.train.Task.begin
         mpp.train.Task.begin = lambda self, *a: time.sleep(slow) or begin(self, *a)
+    if os.environ.get("MPP_TEST_STALE_LISTING") and os.environ.get("RANK") != "0":
+        candidates = mpp.rundir.candidates
+        mpp.rundir.candidates = lambda root: (lambda found, bad: (found[1:], bad))(*candidates(root))
     metrics = mpp.train.train(cfg)
     weights = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in tasks[0].state_dict().values()))
     rank = torch.distributed.get_rank()

@@ -215,6 +215,25 @@ def test_four_ranks_disjoint_data_equal_steps_identical_weights(tmp_path):
     assert len({r["weights"] for r in ranks}) == 1
 
 
+def test_ranks_resume_from_the_checkpoint_the_main_process_lists(tmp_path):
+    """resume=auto: every rank continues from the main process's newest checkpoint though another
+    rank's listing misses it (a network file system's lag): each rank took its own newest, the
+    ranks resumed from steps 4 and 2, paired their all-reduces across steps and hung."""
+    manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
+    out, common = tmp_path / "run", ("data.num_workers=0", "img_size=16", "train.keep_ckpts=3",
+                                     "train.dist_timeout=60")
+    first = subprocess.run(torchrun(out, manifest, 4, *common, script="tests/dist_train_worker.py"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = subprocess.run(torchrun(out, manifest, 6, *common, "train.ckpt_every=100",
+                                   script="tests/dist_train_worker.py"), cwd=ROOT,
+                          env={**ENV, "MPP_TEST_STALE_LISTING": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step_0000004 (step 4)" in done.stdout + done.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [6, 6] and ranks[0]["weights"] == ranks[1]["weights"]
+
+
 def test_a_rank_waits_train_dist_timeout_for_the_main_ones_start_up(tmp_path):
     """train.dist_timeout reaches the process group: with 2 s, a main rank whose start-up work
     (a probe-head fit, in a fine-tune) takes 10 s leaves the other rank timed out at the broadcast
