@@ -698,7 +698,9 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_pat
     mpp.train._check_changes(tmp_path, config(["train.log_every=1", "train.ckpt_every=5", "train.resume=none",
                                                "data.num_workers=4", "output_dir=b"]),
                              SimpleNamespace(is_main_process=True, num_processes=1), finished=False)
-    assert capsys.readouterr().err == "warning: resuming with data.num_workers: 2 -> 4\n"
+    assert capsys.readouterr().err == ("warning: resuming with data.num_workers: 2 -> 4 (the shards are split over the "
+                                       "workers anew: the rest of this epoch trains some of its samples a second time "
+                                       "and leaves as many out)\n")
 
 
 def test_a_run_ends_when_the_prefetch_thread_is_stuck_in_the_loader(data, tmp_path, monkeypatch):
