@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 from pathlib import Path
 
 from mpp.checkpoint import PREFIX, is_checkpoint, list_checkpoints
-from mpp.config import ConfigError
+from mpp.config import ConfigError, changed_settings, said
 from mpp.fileio import sweep_orphans
 
 RUN_FILES = ("metrics.json", "encoder.safetensors")  # what a finished run leaves besides checkpoints
@@ -129,6 +130,26 @@ def check_unfinished(out: str | Path) -> None:
         raise ConfigError(f"output_dir '{out}' holds a finished run ({', '.join(found)}) but no checkpoint to resume "
                           "it, so starting would train it anew and overwrite it; choose a new output_dir, or delete "
                           "the old run's files")
+
+
+def check_probe_dir(out: str | Path, cfg) -> None:
+    """A linear probe's OUTPUT_DIR (it writes config.yaml and metrics.json there) must not hold a
+    training run, whose files the probe would overwrite or stand beside as if they were its own,
+    nor a finished probe of other settings (`cfg`: the probe's config); one of the same settings is
+    probed again."""
+    out = Path(out)
+    try:
+        kind = json.loads((out / "metrics.json").read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None if (out / "metrics.json").exists() else "none"
+    held = [name for name in ("encoder.safetensors", "checkpoints") if (out / name).exists()]
+    held += ["metrics.json"] if kind not in ("linear_probe", "none") else []
+    if held:
+        raise ConfigError(f"output_dir '{out}' holds a training run ({', '.join(held)}), which the probe would "
+                          "overwrite; give the probe an output_dir of its own (probe.encoder names the run to probe)")
+    if kind == "linear_probe" and (changed := changed_settings(out / "config.yaml", cfg)):
+        raise ConfigError(f"output_dir '{out}' holds a finished probe of other settings ({said(changed)}); choose a "
+                          "new output_dir, or delete the old probe")
 
 
 def candidates(root: str | Path) -> tuple[list[Path], list[str]]:

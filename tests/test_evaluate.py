@@ -608,6 +608,31 @@ def test_the_probe_tool_gives_its_settings_to_its_fits(shards, tmp_path, monkeyp
     assert (seen["few"]["l2"], list(seen["few"]["shots"]), seen["few"]["seeds"]) == (7.5, [2], 3)
 
 
+def test_a_probe_into_a_training_runs_folder_or_a_probe_of_other_settings_is_refused(shards, tmp_path):
+    """A probe writes config.yaml and metrics.json: into the folder of the run it probes it replaced
+    that run's and exited 0 (the run could no longer be exported again, and a report took it for a
+    probe); a finished probe of other settings is refused, one of the same settings probed again."""
+    import mpp.evaluators.linear_probe as lp
+    from mpp.config import ConfigError, load_config
+    run = tmp_path / "pretrain"
+    save_encoder(create_encoder("vit_micro4_32", img_size=16), run)
+    (run / "metrics.json").write_text('{"steps": 4}')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+
+    def probe(out, *more):
+        return lp.run_linear_probe(load_config(None, [
+            "model=vit_micro4_32", "img_size=16", "batch_size=32", f"output_dir={out}", f"probe.encoder={run}",
+            f"data.train={shards['train']}", f"data.val={shards['test']}", "data.num_workers=0",
+            "probe.l2_grid=[0.5]", "fewshot.shots=[2]", "fewshot.seeds=1", *more]))
+    with pytest.raises(ConfigError, match="holds a training run .*encoder.safetensors, metrics.json.* its own"):
+        probe(run)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    first = probe(tmp_path / "probe")
+    assert probe(tmp_path / "probe")["top1"] == first["top1"]  # the same settings: probed again
+    with pytest.raises(ConfigError, match="holds a finished probe of other settings .*probe.l2_grid"):
+        probe(tmp_path / "probe", "probe.l2_grid=[0.1]")
+
+
 def test_probe_l2_grid_is_a_config_key(tmp_path):
     """probe.l2_grid reads YAML 1.1's string-typed 1e-6 as a number; an empty or non-positive grid
     is refused before any work, naming the key."""

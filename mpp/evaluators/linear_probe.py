@@ -339,14 +339,18 @@ def run_linear_probe(cfg: Config) -> dict:
         raise ConfigError("no encoder to probe: set probe.encoder to a pre-training run dir, its encoder.safetensors, "
                           "or none (a randomly initialised model)")
     rundir.check_output_dir(out)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with deterministic(cfg.train.deterministic):  # as training runs under it
-        evaluator = Evaluator(cfg, device)
-        set_seed(cfg.seed)  # probe.encoder=none: a random init of `model`
-        encoder = encoder_from(encoder_path, "probe.encoder", cfg).to(device)
-        metrics = {"kind": "linear_probe", "encoder": str(encoder_path), "encoder_sha256": encoder_digest(encoder_path),
-                   **evaluator.run(encoder), "config": to_dict(cfg)}
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"
+    rundir.check_probe_dir(out, cfg)
+    rundir.lock(out)  # one probe a folder at a time
+    try:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        with deterministic(cfg.train.deterministic):  # as training runs under it
+            evaluator = Evaluator(cfg, device)
+            set_seed(cfg.seed)  # probe.encoder=none: a random init of `model`
+            encoder = encoder_from(encoder_path, "probe.encoder", cfg).to(device)
+            metrics = {"kind": "linear_probe", "encoder": str(encoder_path),
+                       "encoder_sha256": encoder_digest(encoder_path), **evaluator.run(encoder), "config": to_dict(cfg)}
+        save_config(cfg, out / "config.yaml")
+        write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")  # last: compare's "done"
+    finally:
+        rundir.unlock(out)
     return metrics
