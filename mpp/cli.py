@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import os
 import signal
 import sys
 
-from mpp.config import Config, ConfigError, load_config, valid_keys
+from mpp.config import TOOL_DEFAULTS, Config, ConfigError, check_tool, load_config, valid_keys
 from mpp.launcher import die_with_launcher
 
 
@@ -58,10 +59,11 @@ def path(text: str) -> str:
     return text
 
 
-def parse_config_args(description: str, argv: list[str] | None = None, defaults: list[str] | None = None) -> Config:
-    """Parse `--config FILE [key=value ...]` into a validated Config (raises ConfigError).
-
-    `defaults` (key=value) are the tool's own overrides, applied before the user's."""
+def parse_config_args(description: str, argv: list[str] | None = None, tool: str = "") -> Config:
+    """Parse `--config FILE [key=value ...]` into a validated Config (raises ConfigError) for
+    `tool` (pretrain | finetune | linear_probe): its own overrides (TOOL_DEFAULTS) go before the
+    user's, a config of another tool's objective is refused, and settings it never reads are
+    warned of (`check_tool`)."""
     parser = ArgumentParser(
         description,
         epilog="overrides are dotted keys with YAML values, e.g. steps=200 mpp.ratio=0.4 data.train=out/manifest.json\n"
@@ -70,7 +72,13 @@ def parse_config_args(description: str, argv: list[str] | None = None, defaults:
     parser.add_argument("--config", help="YAML config (see configs/); keys not given keep their defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    return load_config(args.config, (defaults or []) + args.overrides)
+    cfg = load_config(args.config, TOOL_DEFAULTS.get(tool, []) + args.overrides)
+    unread = check_tool(cfg, tool)
+    if unread and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {'this tool' if tool == 'linear_probe' else f'objective={cfg.objective}'} never reads "
+              f"{', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}: those settings do nothing here",
+              file=sys.stderr)
+    return cfg
 
 
 def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], type]:

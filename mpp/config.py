@@ -264,6 +264,24 @@ def _suggest(key: str, valid: list[str]) -> str:
 
 # the overrides a tool applies before its arguments (mpp.compare resolves its stages with them too)
 TOOL_DEFAULTS = {"finetune": ["objective=classify"]}
+# the objectives a training tool runs; and the sections each objective (or the probe) never reads
+TOOL_OBJECTIVES = {"pretrain": ("mpp", "supervised"), "finetune": ("classify",)}
+UNREAD = {"mpp": ("supervised", "finetune"), "supervised": ("mpp", "finetune"), "classify": ("mpp", "supervised"),
+          "probe": ("mpp", "supervised", "finetune", "optim")}
+
+
+def check_tool(cfg: Config, tool: str) -> list[str]:
+    """Refuse a config of another tool's objective (the pre-training tool ran a fine-tune's config
+    as a fine-tune); return the settings that `tool` never reads but that differ from their
+    defaults (a misplaced key, such as finetune.init given to a pre-training, does nothing)."""
+    allowed = TOOL_OBJECTIVES.get(tool)
+    if allowed and cfg.objective not in allowed:
+        other = next(t for t, objectives in TOOL_OBJECTIVES.items() if cfg.objective in objectives)
+        raise ConfigError(f"objective={cfg.objective} is not what this tool trains ({' or '.join(allowed)}); run "
+                          f"tools/{other}.py for it, or give this tool a config of its own objective")
+    unread = UNREAD["probe" if tool == "linear_probe" else cfg.objective]
+    now, default = flatten(to_dict(cfg)), flatten(to_dict(Config()))
+    return [f"{k}={now[k]}" for k in sorted(now) if k.split(".")[0] in unread and now[k] != default.get(k)]
 
 
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
@@ -425,7 +443,8 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML (typed)."""
+    """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML (typed). A section
+    given as a mapping after some of its keys is merged with them (a later key wins)."""
     out: dict = {}
     for item in overrides:
         if "=" not in item:
@@ -443,7 +462,14 @@ def parse_overrides(overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{p}'")
-        node[parts[-1]] = value
+        last = parts[-1]
+        if isinstance(node.get(last), dict):  # a section given key by key before: merged, never dropped
+            if not isinstance(value, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override of a key in '{key.strip()}'; "
+                                  "give the section's keys one by one, or once as a mapping")
+            _merge(node[last], value)
+        else:
+            node[last] = value
     return out
 
 

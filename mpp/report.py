@@ -353,6 +353,7 @@ def collect(runs: list[dict]) -> dict:
             raise ReportError(f"two runs fill the same report cell {key}: {seen[key]} and {run['dir']}; pass one")
         seen[key] = run["dir"]
 
+    _check_one_test_set(runs)
     for r in runs:
         row, m = table[r["family"]], r["metrics"]
         if r["kind"] == "pretrain":
@@ -514,6 +515,21 @@ def _lead_cell(lead: dict | None) -> str:
 
 def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in values.items()) or "—"
+
+
+def _check_one_test_set(runs: list[dict]) -> None:
+    """Every figure of the table is on one test set: refuse final fine-tunes and probes scored on
+    different data.val (however spelled; or another count of a shard pattern), whose gaps would
+    compare different images."""
+    scored: dict = {}
+    for r in runs:
+        if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev"):
+            s = r["settings"]
+            scored.setdefault((data_key(s.get("data.val")), s.get("data.val_num_samples")), r["dir"])
+    if len(scored) > 1:
+        (a, where_a), (b, where_b) = list(scored.items())[:2]
+        raise ReportError(f"{where_a} and {where_b} were scored on different test sets (data.val {a[0]} and "
+                          f"{b[0]}), so their gaps would compare other images; report runs of one data.val")
 
 
 def _read_dev_splits(pretrain: dict, runs: list[dict]) -> bool:

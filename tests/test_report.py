@@ -91,6 +91,24 @@ def test_a_repeat_passed_twice_or_of_the_same_pre_trainings_is_refused(tmp_path)
         write_report(runs, tmp_path / "out")
 
 
+def test_runs_scored_on_different_test_sets_are_refused(tmp_path):
+    """A gap between fine-tunes or probes scored on different data.val compares other images (it
+    was printed as any other); the same set spelled another way, or dev-split runs, are fine."""
+    runs = _paper_runs(tmp_path / "runs")
+    for r in runs[2:]:
+        cfg = yaml.safe_load((r / "config.yaml").read_text())
+        (r / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": str(tmp_path / "test")}}))
+    assert write_report(runs, tmp_path / "same")
+    scratch = tmp_path / "runs" / "ft_scratch_1"
+    cfg = yaml.safe_load((scratch / "config.yaml").read_text())
+    (scratch / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": str(tmp_path / "test") + "/"}}))
+    assert write_report(runs, tmp_path / "spelled")
+    (scratch / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": str(tmp_path / "other")}}))
+    with pytest.raises(ReportError, match="ft_scratch_1 were scored on different test sets|ft_scratch_1 and .* were "
+                                          "scored on different test sets"):
+        write_report(runs, tmp_path / "other")
+
+
 def test_paper_figures_give_a_third(tmp_path):
     rep = write_report(_paper_runs(tmp_path / "runs"), tmp_path / "out")
     full = rep["derived"]["finetune"]["1"]

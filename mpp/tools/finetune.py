@@ -15,12 +15,11 @@ Writes OUTPUT_DIR/metrics.json with top1, top5 and the run's settings, plus what
 from __future__ import annotations
 
 from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
-from mpp.config import TOOL_DEFAULTS
 
 
 @one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config_args(__doc__, argv, defaults=TOOL_DEFAULTS["finetune"])
+    cfg = parse_config_args(__doc__, argv, tool="finetune")
     from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
     from mpp.train import train
     train(cfg)

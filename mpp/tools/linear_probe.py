@@ -18,7 +18,7 @@ from mpp.cli import one_line_errors, parse_config_args
 
 @one_line_errors(extra=(ValueError,))  # the probe's own checks raise ValueError
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config_args(__doc__, argv)
+    cfg = parse_config_args(__doc__, argv, tool="linear_probe")
     from mpp.evaluators.linear_probe import run_linear_probe
     metrics = run_linear_probe(cfg)
     if metrics:

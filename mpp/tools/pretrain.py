@@ -14,7 +14,7 @@ from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
 
 @one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config_args(__doc__, argv)
+    cfg = parse_config_args(__doc__, argv, tool="pretrain")
     from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
     from mpp.train import train
     train(cfg)
