@@ -51,6 +51,14 @@ def whole(text: str) -> int:
     return _at_least(text, 0)
 
 
+def seed(text: str) -> int:
+    """argparse type of a seed: a whole number in numpy's range, 0..2**32 - 1, as the configs' seed."""
+    n = _at_least(text, 0)
+    if n >= 2**32:
+        raise argparse.ArgumentTypeError(f"expected a seed in 0..{2**32 - 1}, got {text!r}")
+    return n
+
+
 def path(text: str) -> str:
     """argparse type of a path, which must not be empty: an empty one meant this folder (shards of
     the working directory, figures written into it)."""

@@ -720,7 +720,7 @@ def validate(cfg: Config) -> None:
         check(obj in allowed, f"config key '{key}' is {obj!r}; choose one of {', '.join(allowed)}")
     from mpp.models import grid_fix, preset_geometry  # late import, as in choices()
     check(bool(cfg.output_dir), "config key 'output_dir' is empty; give a run directory")
-    check(cfg.batch_size > 0, f"config key 'batch_size' must be > 0, got {cfg.batch_size}")
+    check(0 < cfg.batch_size < 2**31, f"config key 'batch_size' must be in 1..{2**31 - 1}, got {cfg.batch_size}")
     for key, seed in (("seed", cfg.seed), ("finetune.split_seed", cfg.finetune.split_seed)):  # numpy's range
         check(0 <= seed < 2**32, f"config key '{key}' must be a whole number in 0..{2**32 - 1}, got {seed}")
     check(cfg.steps >= 0 and cfg.epochs >= 0, "config keys 'steps' and 'epochs' must be >= 0")
@@ -763,11 +763,13 @@ def validate(cfg: Config) -> None:
           "evaluation resizes each image to img_size / eval_crop_pct before the centre crop")
     check(0.0 <= d.hflip <= 1.0, "config key 'data.hflip' must be a probability in [0, 1]")
     check(len(d.randaugment) == 2 and all(isinstance(v, int) for v in d.randaugment)
-          and d.randaugment[0] >= 0 and 0 <= d.randaugment[1] <= 30,
-          f"config key 'data.randaugment' must be [ops, magnitude] with ops >= 0 (0: off) and magnitude in "
+          and 0 <= d.randaugment[0] <= 16 and 0 <= d.randaugment[1] <= 30,  # timm's and the paper's: 1-4 ops
+          f"config key 'data.randaugment' must be [ops, magnitude] with ops in 0..16 (0: off) and magnitude in "
           f"0..30, got {list(d.randaugment)}")
-    check(len(d.mean) == 3 and len(d.std) == 3 and all(s > 0 for s in d.std),
-          "config keys data.mean and data.std must be 3 numbers each, std > 0")
+    check(len(d.mean) == 3 and len(d.std) == 3 and all(1e-3 <= s <= 1e3 for s in d.std)
+          and all(abs(m) <= 1e3 for m in d.mean),  # of pixels in [0, 1]: a std of 1e-300 overflowed every input
+          f"config keys data.mean and data.std must be 3 numbers each, std in [0.001, 1000] and mean within "
+          f"+-1000 (statistics of pixels in [0, 1]), got {list(d.mean)} and {list(d.std)}")
     for fraction, seed, dev in d.withhold:
         check(0 < fraction <= 1 and 0 < dev < 1 and float(seed).is_integer() and 0 <= seed < 2**32,
               f"config key 'data.withhold' lists [{fraction:g}, {seed:g}, {dev:g}]: each entry must be "

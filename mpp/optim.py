@@ -6,6 +6,8 @@ trainer can skip a non-finite step on the device without a host sync.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from timm.models import group_parameters
 from timm.models.vision_transformer import VisionTransformer
@@ -91,5 +93,9 @@ def create_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps:
     towards `optim.min_lr` (times each group's layer-decay scale), which the step after the last
     would take (timm's and big_vision's convention); or constant."""
     o = cfg.optim
+    # timm's cosine schedule logs a line of its own (no 'warning:' prefix) for a decay of one step,
+    # which a run of at most one step past its warmup has: nothing to act on (`warmup_note` says
+    # what a run too short for its warmup means)
+    logging.getLogger("timm.scheduler.cosine_lr").setLevel(logging.ERROR)
     common = dict(warmup_t=o.warmup_steps, warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
     return SCHEDULES[o.schedule](optimizer, o, max(1, total_steps - o.warmup_steps), total_steps, common)

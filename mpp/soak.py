@@ -43,11 +43,13 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
     The settings are checked first, as a run checks them at its start (ConfigError, nothing
     written): a bad one would fail every run."""
-    from mpp.config import load_config
+    from mpp.config import ConfigError, load_config
     from mpp.data.synthetic import make_synthetic
     from mpp.runtime import check_run_settings
     overrides = [f"output_dir={out / 'run'}", f"data.train={out / 'data/train/manifest.json'}", *settings]
     check_run_settings(load_config(None, overrides))
+    if (out / "run").exists():  # its runs would resume that soak's run, with its settings, and mix the figures
+        raise ConfigError(f"'{out / 'run'}' holds an earlier soak's run; give the soak a new folder, or delete it")
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "data/train/manifest.json").exists():

@@ -134,6 +134,14 @@ def _foreign(world_size: int = 1) -> tuple[bytes, bytes]:
     return buf.getvalue(), save({"w": torch.zeros(2)})
 
 
+def _image_folder(path: Path) -> None:
+    """An image folder of two classes, one PNG each."""
+    from shardutil import encode
+    for name in ("cat", "dog"):
+        (path / name).mkdir(parents=True)
+        (path / name / "0.png").write_bytes(encode(np.zeros((8, 8, 3), np.uint8)))
+
+
 def _cut_tar(path: Path) -> None:
     """A tar of one class folder without its end-of-archive blocks, as an interrupted copy leaves it."""
     with tarfile.open(path, "w") as tar:
@@ -208,6 +216,14 @@ CASES = [
     ("data.withhold of unlabeled shards", "pretrain",
      lambda t: [*TRAIN(t), f"data.train={t}/data/unlabeled", "data.withhold=[[0.5,0,0.1]]"], None),
     ("a negative seed", "pretrain", lambda t: [*TRAIN(t), "seed=-1"], None),
+    ("a batch_size past any real batch", "pretrain", lambda t: [*TRAIN(t), "batch_size=1e19"], None),
+    ("a data.std that would overflow every input", "pretrain", lambda t: [*TRAIN(t), "data.std=[0.5,0.5,1e-300]"],
+     None),
+    ("RandAugment of more ops than an image could take", "pretrain", lambda t: [*TRAIN(t), "data.randaugment=[1e19,9]"],
+     None),
+    ("a manifest of no samples", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/empty"],
+     lambda t: ((t / "empty").mkdir(), (t / "empty/manifest.json").write_text(
+         '{"shards": [], "num_samples": 0, "classes": ["a", "b"]}'))),
     ("a section given after one of its keys (merged: the key is still checked)", "pretrain",
      lambda t: [*TRAIN(t), "optim.lr=-1", "optim={name: sgd}"], None),
     ("a section set to null after one of its keys", "pretrain", lambda t: [*TRAIN(t), "optim.lr=0.2", "optim=null"],
@@ -368,7 +384,12 @@ CASES = [
     ("make_shards with shards of 0 samples", "make_shards",
      lambda t: [f"{t}/data/train", f"{t}/out", "--samples-per-shard", "0"], None),
     ("make_shards of an empty source path", "make_shards", lambda t: ["", f"{t}/shards"], None),
+    ("make_shards into a folder inside its source", "make_shards", lambda t: [f"{t}/imgs", f"{t}/imgs/shards"],
+     lambda t: _image_folder(t / "imgs")),
     ("soak for a negative time", "soak", lambda t: [f"{t}/soak", "--minutes", "-1"], None),
+    ("soak for no time", "soak", lambda t: [f"{t}/soak", "--minutes", "0"], None),
+    ("soak into an earlier soak's folder", "soak", lambda t: [f"{t}/soak", "--minutes", "1"],
+     lambda t: (t / "soak/run").mkdir(parents=True)),
     ("soak without its working folder", "soak", lambda t: ["--minutes", "1"], None),
     ("make_synthetic into a file", "make_synthetic", lambda t: [f"{t}/file.txt", "--train", "4"],
      lambda t: (t / "file.txt").write_text("x")),
@@ -393,6 +414,9 @@ CASES = [
     ("inspect on shards named without a manifest or --num-samples", "inspect_encoders",
      lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/val/{{000000..000001}}.tar", "--out",
                 f"{t}/figures"], None),
+    ("inspect with a seed past 2**32 - 1", "inspect_encoders",
+     lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/val", "--out", f"{t}/figures", "--seed",
+                "99999999999999999999"], None),
     ("inspect over 0 images", "inspect_encoders",
      lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/val", "--out", f"{t}/figures", "--images", "0"],
      None),

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ import mpp.evaluators.fewshot as fs_mod
 import mpp.evaluators.linear_probe
 import mpp.objectives
 from mpp import outcomes
-from mpp.config import ConfigError, build_config, to_dict
+from mpp.config import ConfigError, build_config
 from mpp.data import make_loader
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features

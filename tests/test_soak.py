@@ -43,7 +43,7 @@ def test_overrides_follow_the_options_and_are_checked_before_anything_is_written
     seen = []
     monkeypatch.setattr(mpp.soak, "soak", lambda out, seconds, kill_after, settings, seed: seen.append(settings)
                         or {"failed_runs": 0, "runs": []})
-    main([str(tmp_path), "--minutes", "0", "batch_size=16"])
+    main([str(tmp_path), "--minutes", "0.01", "batch_size=16"])
     assert seen[0][-1] == "batch_size=16"
     monkeypatch.undo()
     for bad, said in (("stepz=3", "unknown config key 'stepz'"),  # and what a run checks at its start:
@@ -60,7 +60,7 @@ def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
     runs = [{"problems": []}, {"problems": ["error: the disk is full"]}, {"problems": []}]
     monkeypatch.setattr(mpp.soak, "soak", lambda *a, **k: {"failed_runs": 1, "runs": runs})
     with pytest.raises(SystemExit) as e:
-        main([str(tmp_path), "--minutes", "0"])
+        main([str(tmp_path), "--minutes", "0.01"])
     assert e.value.code == f"error: 1 of 3 soak runs failed; the first, run1: error: the disk is full " \
                           f"(see {tmp_path / 'run1.log'})"
 

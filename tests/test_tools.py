@@ -65,15 +65,33 @@ def test_cited_configs_exist():
 
 @pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_shipped_configs_pass_their_checks(path, monkeypatch):
-    """Every configs/*.yaml loads through the schema and its checks, a comparison's with every stage's."""
+    """Every configs/*.yaml loads through the schema and its checks, a comparison's with every
+    stage's, and none sets a key its tool never reads."""
     from mpp import compare
-    from mpp.config import load_compare_config, load_config, validate
+    from mpp.config import TOOL_DEFAULTS, check_tool, load_compare_config, load_config
     monkeypatch.chdir(ROOT)  # a comparison names its stages' configs from the repository root
     if path.startswith("compare_"):
         cfg = load_compare_config(ROOT / "configs" / path)
-        compare.validate(cfg, compare.plan(cfg))
+        stages = compare.plan(cfg)
+        resolved = compare.validate(cfg, stages)
+        assert not {s.name: u for s in stages if (u := check_tool(resolved[s.out], s.tool))}
     else:
-        validate(load_config(ROOT / "configs" / path))
+        tool = "finetune" if "finetune" in path else "linear_probe" if "probe" in path else "pretrain"
+        assert check_tool(load_config(ROOT / "configs" / path, TOOL_DEFAULTS.get(tool, [])), tool) == []
+
+
+def test_a_setting_the_tool_never_reads_is_warned_of(capsys):
+    """finetune.init given to a pre-training pre-trained from scratch on all the labels, without a
+    word; mpp.* given to a fine-tune, optim.* to a probe did nothing either."""
+    from mpp.cli import parse_config_args
+    for tool, given, said in (("pretrain", ["finetune.init=/x", "finetune.label_fraction=0.1"],
+                               "objective=mpp never reads finetune.init=/x, finetune.label_fraction=0.1"),
+                              ("finetune", ["mpp.target=hog"], "objective=classify never reads mpp.target=hog"),
+                              ("linear_probe", ["optim.lr=0.1"], "this tool never reads optim.lr=0.1")):
+        parse_config_args("", given, tool=tool)
+        assert capsys.readouterr().err == f"warning: {said}: those settings do nothing here\n"
+    parse_config_args("", ["optim.lr=0.1", "fewshot.seeds=2"], tool="pretrain")
+    assert capsys.readouterr().err == ""
 
 
 def test_values_are_read_as_written(tmp_path):

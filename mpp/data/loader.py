@@ -124,7 +124,12 @@ class ShardLoader:
             self.batches_per_epoch = math.ceil(self.stream.plan(0).num_samples / batch_size)
         self._skips: dict[str, int] = {}
         if self.num_workers:  # CUDA too: the trainer pins a copy itself (mpp.prefetch), freeing the slot
-            self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
+            try:  # address space only, until written to; but a huge batch_size cannot have even that
+                self.stream.slots = BatchSlots(self.num_workers, SLOTS_PER_WORKER, (batch_size, img_size, img_size, 3))
+            except (OSError, OverflowError) as e:
+                raise DataError(f"the data workers' batch buffers ({self.num_workers} x {SLOTS_PER_WORKER} batches of "
+                                f"{batch_size} images of {img_size} px a rank) cannot be mapped ({e}); lower batch_size "
+                                "or data.num_workers") from None
         # persistent workers: forked once, not every epoch (a fork costs start-up time and cold caches);
         # own generator: creating the iterator draws a base seed, which must not come from (and
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
@@ -400,6 +405,9 @@ def select_shards(spec, num_samples: int = 0, labeled: bool = False, subset: tup
     asked, restricted to a label subset or with withheld development splits left out. DataError
     where they cannot be."""
     shards = resolve(spec, num_samples)
+    if not shards.urls or shards.num_samples == 0:
+        raise DataError(f"data {spec!r} holds no samples (its manifest lists {len(shards.urls)} shards of "
+                        f"{shards.num_samples} samples); give shards with images (tools/make_shards.py)")
     if not repeats:
         check_distinct(spec, shards)
     if labeled and shards.exact and not shards.classes:

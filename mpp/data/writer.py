@@ -414,6 +414,9 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
     kw = dict(seed=seed, samples_per_shard=samples_per_shard, bytes_per_shard=bytes_per_shard,
               made=made, overwrite=overwrite, progress=progress)
     if src.is_dir():
+        if Path(out).resolve().is_relative_to(src.resolve()):  # its shards would be read as a class of images
+            raise ShardError(f"output folder '{out}' lies inside the source folder '{src}', so a second run would "
+                             "read its shards' folder as a class; write the shards outside the source")
         items, classes = _label_items(*_folder_entries(src), unlabeled, src)
         return write_samples(items, out, classes=classes, **kw)
     if src.is_file():

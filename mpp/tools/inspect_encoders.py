@@ -10,7 +10,7 @@ the numbers behind them.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors, path, whole
+from mpp.cli import ArgumentParser, count, one_line_errors, path, seed, whole
 
 
 @one_line_errors(extra=(ValueError,))  # bad sources or data (DataError is a ValueError)
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid-images", type=whole, default=6,
                    help="rows of the MPP prediction grid (default 6; 0: no grid)")
     p.add_argument("--batch-size", type=count, default=32, help="images per forward pass (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="seeds random init and the MPP corruption")
+    p.add_argument("--seed", type=seed, default=0, help="seeds random init and the MPP corruption")
     a = p.parse_args(argv)
     from mpp.data.sources import CountNeeded
     from mpp.figures.inspection import inspect_encoders

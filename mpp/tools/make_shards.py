@@ -5,7 +5,7 @@ shards OUT/000000.tar, ... plus OUT/manifest.json (see mpp.data.writer).
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors, path
+from mpp.cli import ArgumentParser, count, one_line_errors, path, seed
 from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD, write_shards
 
 
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"at most N samples per shard (default {SAMPLES_PER_SHARD})")
     p.add_argument("--bytes-per-shard", type=count, default=BYTES_PER_SHARD, metavar="N",
                    help=f"at most N bytes per shard file (default {BYTES_PER_SHARD})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample order across shards (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sample order across shards (default 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the shards and manifest in a non-empty OUT, once the new ones are complete")
     a = p.parse_args(argv)

@@ -5,7 +5,7 @@ mpp.data.synthetic) as JPEG shards with manifests at OUT/train and OUT/test.
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, count, one_line_errors, path, whole
+from mpp.cli import ArgumentParser, count, one_line_errors, path, seed, whole
 from mpp.data.synthetic import make_synthetic
 
 
@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=whole, default=5000, metavar="N", help="training images (default 5000)")
     p.add_argument("--test", type=whole, default=1000, metavar="N", help="test images (default 1000)")
     p.add_argument("--size", type=count, default=32, help="image side in pixels (default 32)")
-    p.add_argument("--seed", type=whole, default=0, help="generator seed, >= 0 (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="generator seed, >= 0 (default 0)")
     p.add_argument("--shards", type=count, default=8, help="shards per split (default 8)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing shards (by default a split made with the same settings is reused, "

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from mpp.cli import ArgumentParser, one_line_errors, path
+from mpp.cli import ArgumentParser, one_line_errors, path, seed
 
 @one_line_errors()
 def main(argv: list[str] | None = None) -> None:
@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None) -> None:
                         "at the end, so the report covers exactly this time")
     p.add_argument("--kill-after", type=float, nargs=2, default=(15.0, 60.0), metavar=("MIN", "MAX"),
                    help="seconds before each kill -9, drawn uniformly (default 15 60)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the kill times (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the kill times (default 0)")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # default: optional when intermixed
                    help="pre-training settings (after the defaults)")
     a = p.parse_intermixed_args(argv)  # overrides after the options too, as in the usage above
     low, high = a.kill_after
-    if not (math.isfinite(a.minutes) and a.minutes >= 0 and math.isfinite(high) and 0 <= low <= high):
-        p.error(f"--minutes must be a finite number >= 0 and --kill-after MIN MAX finite with 0 <= MIN <= MAX, got "
+    if not (math.isfinite(a.minutes) and a.minutes > 0 and math.isfinite(high) and 0 <= low <= high):
+        p.error(f"--minutes must be a finite number > 0 and --kill-after MIN MAX finite with 0 <= MIN <= MAX, got "
                 f"{a.minutes:g} and {low:g} {high:g}")
     from mpp.soak import SETTINGS, soak, write_report
     report = soak(Path(a.out), a.minutes * 60, (low, high), SETTINGS + a.overrides, seed=a.seed)
