@@ -414,6 +414,8 @@ CASES = [
     ("inspect on shards named without a manifest or --num-samples", "inspect_encoders",
      lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/val/{{000000..000001}}.tar", "--out",
                 f"{t}/figures"], None),
+    ("inspect a random encoder at 100,000 px", "inspect_encoders",
+     lambda t: ["--encoder", "none:vit_micro4_32@100000", "--data", f"{t}/data/val", "--out", f"{t}/figures"], None),
     ("inspect with a seed past 2**32 - 1", "inspect_encoders",
      lambda t: ["--encoder", "none:vit_micro4_32", "--data", f"{t}/data/val", "--out", f"{t}/figures", "--seed",
                 "99999999999999999999"], None),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import json
 import re
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mpp.config import DataConfig, load_config
+from mpp.config import MAX_TOKENS, DataConfig, load_config
 from mpp.data import make_loader
 from mpp.data.transforms import normalize, to_float01
 from mpp.evaluators.features import encoder_img_size, eval_mode
@@ -60,6 +61,9 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
         if size and patch and (fix := grid_fix(int(size), patch)):
             raise ValueError(f"--encoder {source}: {preset}'s patch size {patch} does not divide {size} at least "
                              f"twice; give {fix}")
+        if size and patch and (int(size) // patch) ** 2 > MAX_TOKENS:  # as a config's img_size
+            raise ValueError(f"--encoder {source}: {(int(size) // patch) ** 2} patches of {preset} at {size} px, "
+                             f"more than {MAX_TOKENS}; give an IMG_SIZE of at most {patch * math.isqrt(MAX_TOKENS)}")
         torch.manual_seed(seed)
         encoder = create_encoder(preset, int(size or 0), attn="math")
         return Inspected(name or f"random {source[5:]}", encoder, DataConfig(), None, random=True)
