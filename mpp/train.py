@@ -759,14 +759,22 @@ def _check_changes(out: Path, cfg: Config, accelerator: Accelerator, finished: b
             refused = (f"output_dir '{out}' holds a finished run of other settings ({said(changed)}); give it its own "
                        "(its config.yaml) to export and evaluate it again, or choose a new output_dir")
         else:
-            for c in changed:  # the data order is the workers' split of the shards: a new one reorders the epoch
-                why = (" (the shards are split over the workers anew: the rest of this epoch trains some of its "
-                       "samples a second time and leaves as many out)" if c.startswith("data.num_workers:") else "")
-                print(f"warning: resuming with {c}{why}", file=sys.stderr)
+            for c in changed:
+                print(f"warning: resuming with {c}{_reordered(c)}", file=sys.stderr)
     if accelerator.num_processes > 1:
         refused = broadcast_object_list([refused])[0]
     if refused:
         raise ConfigError(refused)
+
+
+def _reordered(change: str) -> str:
+    """What a change of data.num_workers ('data.num_workers: 1 -> 2') does to a resumed epoch: the
+    data order is the workers' split of the shards (at least one worker reads them, 0 too)."""
+    if not change.startswith("data.num_workers:"):
+        return ""
+    then, now = (max(1, int(n)) for n in change.split(":")[1].split("->"))
+    return "" if then == now else (" (the shards are split over the workers anew: the rest of this epoch trains "
+                                   "some of its samples a second time and leaves as many out)")
 
 
 def _batches(loader, start: int):

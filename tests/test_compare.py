@@ -446,7 +446,7 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
 
 def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     """After the data are made, before the first stage: a missing test set or few-shot set, a
-    pattern without its count, a test set of fewer shards than a fine-tune's processes, a label
+    pattern without its count, a label
     subset too small for its development split (withheld by a pre-training, or drawn by a fine-tune)
     and a stage that would learn from test images fail, naming the stage."""
     from mpp.compare import check_data, prepare_data

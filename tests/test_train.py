@@ -701,6 +701,7 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_pat
     assert capsys.readouterr().err == ("warning: resuming with data.num_workers: 2 -> 4 (the shards are split over the "
                                        "workers anew: the rest of this epoch trains some of its samples a second time "
                                        "and leaves as many out)\n")
+    assert mpp.train._reordered("data.num_workers: 1 -> 0") == ""  # one worker's order either way
 
 
 def test_a_run_ends_when_the_prefetch_thread_is_stuck_in_the_loader(data, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Shards -> uint8 batches, the same number on every rank (see mpp.data.loader), plus transforms."""
+"""Shards -> uint8 batches, in training the same number on every rank (see mpp.data.loader), plus
+transforms."""
 from mpp.data.decode import DataError
 from mpp.data.loader import ShardLoader, make_loader
 from mpp.data.stream import shield_workers

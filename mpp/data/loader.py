@@ -66,8 +66,9 @@ SLOTS_PER_WORKER = 7
 
 
 class ShardLoader:
-    """Exactly `batches_per_epoch` batches per epoch on every rank (an evaluation's: its own share's
-    batches, each image once); see the module docstring."""
+    """Exactly `batches_per_epoch` batches per epoch on every rank; an evaluation's rank reads its
+    own share whole, in as many batches as it holds (more than planned where a count was an
+    estimate); see the module docstring."""
 
     def __init__(self, shards: ShardSet, *, batch_size: int, img_size: int, train: bool,
                  labeled: bool, data_cfg, seed: int, rank: int, world_size: int):
@@ -120,8 +121,9 @@ class ShardLoader:
             shuffle_bytes=data_cfg.shuffle_mb << 20, resampled=self.resampled, seed=seed, train=train, rank=rank,
             world_size=world_size, workers=workers,
             cache_bytes=data_cfg.cache_mb << 20 if self.num_workers and train else 0)  # persistent workers keep it
-        if not train:  # no step waits for another rank: each reads its own share whole
-            self.batches_per_epoch = math.ceil(self.stream.plan(0).num_samples / batch_size)
+        if not train:  # no step waits for another rank: each reads its own share whole (one batch at least
+            own = self.stream.plan(0)  # where its shards' count is an estimate of 0)
+            self.batches_per_epoch = max(math.ceil(own.num_samples / batch_size), any(own.bins))
         self._skips: dict[str, int] = {}
         if self.num_workers:  # CUDA too: the trainer pins a copy itself (mpp.prefetch), freeing the slot
             try:  # address space only, until written to; but a huge batch_size cannot have even that

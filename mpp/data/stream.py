@@ -5,7 +5,7 @@ Per epoch e (identical computation on every rank and worker):
    largest-first greedy (`sources.assign`): the bin totals depend only on the shard counts, so they
    are the same every epoch; in training the rank bins are then permuted with the same seed. A
    rank's shards are split over its DataLoader workers greedily in the shuffled order. Fewer shards
-   than ranks x workers: fewer workers per rank (logged); fewer shards than ranks: an error;
+   than ranks x workers: fewer workers per rank (logged); fewer training shards than ranks: an error;
 2. each DataLoader worker reads its bin's shards (a train set that fits `data.cache_mb` per worker
    is kept raw in every worker's memory from the first epoch's end on, so small sets read many
    times skip the shard reading at every epoch start), drops samples outside a subset, shuffles raw
@@ -14,7 +14,8 @@ Per epoch e (identical computation on every rank and worker):
    yields uint8 batches of `batch_size` (channels-last memory format, `transforms.stack`), in
    shared-memory slots it reuses (`slots.BatchSlots`; batches for CUDA are pinned by the consumer,
    `mpp.prefetch`), together with its cumulative skip counters;
-the main process then makes exactly the same number of batches a rank of them (mpp.data.loader).
+the main process then makes of them, in training, exactly the same number of batches on every rank
+(mpp.data.loader).
 Resampled mode: each worker draws shards with replacement, forever. A worker whose draws stop
 giving samples that decode (100 + 10 per shard + the shuffle buffer's size of them in a row)
 raises a DataError rather than wait forever. Shuffling and augmentation use Python RNGs seeded
