@@ -63,7 +63,7 @@ from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_li
                         flatten, load_config, parse_overrides, said, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import data_key
+from mpp.specs import data_key, names_manifest
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -323,19 +323,10 @@ def _probe_split(cfg: CompareConfig) -> list[str]:
         train = load_config(cfg.probe, as_list(cfg.overrides)).data.train
         drawn = _dev_splits(cfg, [1.0], unswept=True)
         splits = sorted(s[2:] for s in drawn if s[0] == data_key(train)) or (
-            sorted(s[2:] for s in drawn) if _manifest_named(train) else [])
+            sorted(s[2:] for s in drawn) if names_manifest(train) else [])
     except ConfigError:
         return []
     return [f"probe.dev_split=[{splits[0][0]},{splits[0][1]}]"] if splits else []
-
-
-def _manifest_named(spec) -> bool:
-    """Whether a data spec names a manifest (its file or folder), as `mpp.data.sources.resolve`
-    reads it, not a shard list or pattern (said from the spelling: the data may not be made yet)."""
-    if isinstance(spec, (list, tuple)):
-        spec = spec[0] if len(spec) == 1 else ""
-    return bool(spec) and isinstance(spec, str) and "{" not in spec and not re.search(
-        r"\.(tar(\.\w+)?|tgz)$", spec)
 
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256

@@ -442,9 +442,10 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
             setattr(obj, k, _coerce(key, v, str(fields[k].type)))
 
 
-def parse_overrides(overrides: list[str]) -> dict:
+def parse_overrides(overrides: list[str], whole: tuple = ()) -> dict:
     """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML (typed). A section
-    given as a mapping after some of its keys is merged with them (a later key wins)."""
+    given as a mapping after some of its keys is merged with them (a later key wins), but for the
+    top-level keys in `whole` (a comparison's sweep grid), which a later mapping replaces."""
     out: dict = {}
     for item in overrides:
         if "=" not in item:
@@ -463,7 +464,7 @@ def parse_overrides(overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{p}'")
         last = parts[-1]
-        if isinstance(node.get(last), dict):  # a section given key by key before: merged, never dropped
+        if isinstance(node.get(last), dict) and not (node is out and last in whole):  # merged, never dropped
             if not isinstance(value, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of a key in '{key.strip()}'; "
                                   "give the section's keys one by one, or once as a mapping")
@@ -558,7 +559,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     cfg, data = CompareConfig(), load_yaml(path, WHOLE)
     for key in {o.split("=", 1)[0].strip() for o in overrides or []} & set(WHOLE):
         data.pop(key, None)  # sweep=GRID is the whole grid, not keys to add to the file's (sweep={}: none)
-    _apply(cfg, _merge(data, parse_overrides(overrides or [])), root=CompareConfig)
+    _apply(cfg, _merge(data, parse_overrides(overrides or [], WHOLE)), root=CompareConfig)
     for key in ("mpp", "supervised", "finetune", "probe"):
         if not getattr(cfg, key):
             raise ConfigError(f"compare config key '{key}' is empty; give the path of its stage config")

@@ -44,7 +44,7 @@ from mpp import outcomes
 from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
-from mpp.specs import DATA_KEYS, data_key
+from mpp.specs import DATA_KEYS, data_key, names_manifest
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -524,8 +524,9 @@ def _check_one_test_set(runs: list[dict]) -> None:
     scored: dict = {}
     for r in runs:
         if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev"):
-            s = r["settings"]
-            scored.setdefault((data_key(s.get("data.val")), s.get("data.val_num_samples")), r["dir"])
+            s, val = r["settings"], r["settings"].get("data.val")
+            count = None if names_manifest(val) else s.get("data.val_num_samples")  # a manifest's is its own
+            scored.setdefault((data_key(val), count), r["dir"])
     if len(scored) > 1:
         (a, where_a), (b, where_b) = list(scored.items())[:2]
         raise ReportError(f"{where_a} and {where_b} were scored on different test sets (data.val {a[0]} and "

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from mpp.checkpoint import PREFIX, is_checkpoint, list_checkpoints
-from mpp.config import ConfigError, changed_settings, said
+from mpp.config import UNREAD, ConfigError, changed_settings, said
 from mpp.fileio import sweep_orphans
 
 RUN_FILES = ("metrics.json", "encoder.safetensors")  # what a finished run leaves besides checkpoints
@@ -135,8 +135,8 @@ def check_unfinished(out: str | Path) -> None:
 def check_probe_dir(out: str | Path, cfg) -> None:
     """A linear probe's OUTPUT_DIR (it writes config.yaml and metrics.json there) must not hold a
     training run, whose files the probe would overwrite or stand beside as if they were its own,
-    nor a finished probe of other settings (`cfg`: the probe's config); one of the same settings is
-    probed again."""
+    nor a finished probe of other settings (`cfg`: the probe's config; settings it never reads
+    aside); one of the same settings is probed again."""
     out = Path(out)
     try:
         kind = json.loads((out / "metrics.json").read_text()).get("kind")
@@ -147,7 +147,10 @@ def check_probe_dir(out: str | Path, cfg) -> None:
     if held:
         raise ConfigError(f"output_dir '{out}' holds a training run ({', '.join(held)}), which the probe would "
                           "overwrite; give the probe an output_dir of its own (probe.encoder names the run to probe)")
-    if kind == "linear_probe" and (changed := changed_settings(out / "config.yaml", cfg)):
+    if kind != "linear_probe":
+        return
+    unread = tuple(f"{section}." for section in UNREAD["probe"]) + ("steps:", "epochs:")  # nothing to the probe
+    if changed := [c for c in changed_settings(out / "config.yaml", cfg) or [] if not c.startswith(unread)]:
         raise ConfigError(f"output_dir '{out}' holds a finished probe of other settings ({said(changed)}); choose a "
                           "new output_dir, or delete the old probe")
 

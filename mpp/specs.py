@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 
 DATA_KEYS = ("data.train", "data.val", "fewshot.train", "fewshot.test")  # config keys that name shards
@@ -39,3 +40,12 @@ def data_key(spec) -> str:
     shards in other words compare equal (a comparison withholds its development splits by it)."""
     spec = spec[0] if isinstance(spec, (list, tuple)) and len(spec) == 1 else spec
     return json.dumps([name_key(s) for s in spec] if isinstance(spec, (list, tuple)) else name_key(spec))
+
+
+def names_manifest(spec) -> bool:
+    """Whether a data spec names a manifest (its file or folder), as `mpp.data.sources.resolve`
+    reads it, not a shard list or pattern (said from the spelling: the data may not be made yet)."""
+    if isinstance(spec, (list, tuple)):
+        spec = spec[0] if len(spec) == 1 else ""
+    return bool(spec) and isinstance(spec, str) and "{" not in spec and not re.search(
+        r"\.(tar(\.\w+)?|tgz)$", spec)

@@ -351,6 +351,10 @@ def test_a_sweep_override_replaces_the_grid(tmp_path):
     assert load_compare_config(path, ["sweep={optim.weight_decay: [0, 0.1]}"]).sweep == {
         "optim.weight_decay": [0, 0.1]}
     assert load_compare_config(path, ["sweep={}"]).sweep == {}
+    # given twice, the later grid is the grid (a merge of mappings given after their keys kept both)
+    assert load_compare_config(path, ["sweep={optim.lr: [0.01]}", "sweep={}"]).sweep == {}
+    assert load_compare_config(path, ["fraction_overrides={0.1: [steps=5]}", "fraction_overrides={1.0: [steps=6]}"]
+                               ).fraction_overrides == {1.0: ["steps=6"]}
     assert load_compare_config(path, ["sweep.optim.weight_decay=[0]"]).sweep == {
         "optim.lr": [0.1, 0.3], "optim.weight_decay": [0]}
 

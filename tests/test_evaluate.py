@@ -628,6 +628,7 @@ def test_a_probe_into_a_training_runs_folder_or_a_probe_of_other_settings_is_ref
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
     first = probe(tmp_path / "probe")
     assert probe(tmp_path / "probe")["top1"] == first["top1"]  # the same settings: probed again
+    assert probe(tmp_path / "probe", "optim.lr=0.5")["top1"] == first["top1"]  # and one the probe never reads
     with pytest.raises(ConfigError, match="holds a finished probe of other settings .*probe.l2_grid"):
         probe(tmp_path / "probe", "probe.l2_grid=[0.1]")
 

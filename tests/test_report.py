@@ -101,8 +101,9 @@ def test_runs_scored_on_different_test_sets_are_refused(tmp_path):
     assert write_report(runs, tmp_path / "same")
     scratch = tmp_path / "runs" / "ft_scratch_1"
     cfg = yaml.safe_load((scratch / "config.yaml").read_text())
-    (scratch / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": str(tmp_path / "test") + "/"}}))
-    assert write_report(runs, tmp_path / "spelled")
+    (scratch / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": str(tmp_path / "test") + "/",
+                                                                          "val_num_samples": 7}}))
+    assert write_report(runs, tmp_path / "spelled")  # a manifest's count is its own: val_num_samples unread
     (scratch / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": str(tmp_path / "other")}}))
     with pytest.raises(ReportError, match="ft_scratch_1 were scored on different test sets|ft_scratch_1 and .* were "
                                           "scored on different test sets"):
