@@ -223,6 +223,11 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
                           f"{order[0][0]}, which did not score best on the development split ({best} did), and the "
                           "protocol retrains the best; pass the best value's final runs too (the comparison's seed* "
                           "stages)")
+    chosen = min(rank, key=rank.get)[1]  # the representation the best development run read
+    if place(order[0])[1] and order[0][1] not in (None, "auto", chosen):  # only the other representation's
+        raise ReportError(f"{groups[order[0]][0]['dir']}: the final runs of its cell read finetune.pool "
+                          f"{order[0][1]}, but the best development run read {chosen}, and the protocol retrains "
+                          "that; pass its final runs too (the comparison's seed* stages)")
     return groups[order[0]], [groups[g] for g in order[1:]]
 
 

@@ -758,6 +758,10 @@ def test_a_runner_up_value_and_the_other_representation_are_each_an_alternative(
     assert rep["table"]["supervised"]["finetune"]["0.1"] == pytest.approx(0.70)
     assert [(x["kind"], x["top1"]) for x in recipe["retrained"]] == [("pool", 0.66), ("value", 0.60)]
     assert recipe["pool_choice"]["top1"] == {"avg": 0.60, "token": 0.50} and recipe["pool_choice"]["lead"]["clear"]
+    # without the cell's own finals the other representation's are no cell (they were taken as one)
+    with pytest.raises(ReportError, match="other_pool: the final runs of its cell read finetune.pool token, but the "
+                                          "best development run read avg"):
+        write_report([r for r in runs if r.name != "cell"], tmp_path / "out2")
 
 
 def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
