@@ -89,6 +89,16 @@ def parse_config_args(description: str, argv: list[str] | None = None, tool: str
     return cfg
 
 
+def train_tool(description: str, argv: list[str] | None, tool: str) -> None:
+    """A training tool's work (pretrain | finetune): its config parsed, the run trained, the
+    process group left as the run ends."""
+    cfg = parse_config_args(description, argv, tool=tool)
+    from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
+    from mpp.train import train
+    train(cfg)
+    leave_process_group()
+
+
 def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], type]:
     """The errors whose message is meant for the user: bad arguments (exit 2), bad data, a diverged
     run (exit 1), a run stopped by SIGTERM after its checkpoint (exit 143, as a shell reports a

@@ -14,16 +14,12 @@ Writes OUTPUT_DIR/metrics.json with top1, top5 and the run's settings, plus what
 """
 from __future__ import annotations
 
-from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
+from mpp.cli import RESUMABLE, one_line_errors, train_tool
 
 
 @one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config_args(__doc__, argv, tool="finetune")
-    from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
-    from mpp.train import train
-    train(cfg)
-    leave_process_group()
+    train_tool(__doc__, argv, "finetune")
 
 
 if __name__ == "__main__":

@@ -9,16 +9,12 @@ tools/inspect_encoders.py), a profiled one profile/; train.resume=auto (the defa
 """
 from __future__ import annotations
 
-from mpp.cli import RESUMABLE, one_line_errors, parse_config_args
+from mpp.cli import RESUMABLE, one_line_errors, train_tool
 
 
 @one_line_errors(interrupted=RESUMABLE)
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config_args(__doc__, argv, tool="pretrain")
-    from mpp.runtime import leave_process_group  # after parsing: --help and a bad key answer without importing torch
-    from mpp.train import train
-    train(cfg)
-    leave_process_group()
+    train_tool(__doc__, argv, "pretrain")
 
 
 if __name__ == "__main__":
