@@ -50,8 +50,10 @@ def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks_and_refuse_other_se
     # a collective and died with a traceback while rank 0 refused)
     again = subprocess.run(torchrun(tmp_path / "run", manifest, 6, "optim.lr=0.01"), cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=300)
-    refusals = [ln for ln in again.stderr.splitlines() if ln.startswith("error: ")]
-    assert again.returncode != 0 and len(refusals) == 2 and "holds a finished run of other settings" in refusals[0]
+    refusals = [ln for ln in again.stderr.splitlines() if ln.startswith("error: ")]  # one a rank, or one where
+    # torchrun ends the other rank as the first exits
+    assert again.returncode != 0 and 1 <= len(refusals) <= 2, again.stderr[-3000:]
+    assert all("holds a finished run of other settings" in ln for ln in refusals), refusals
     assert "[rank1]" not in again.stderr and "Connection closed" not in again.stderr, again.stderr[-3000:]
 
 
