@@ -63,7 +63,7 @@ from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_li
                         flatten, load_config, parse_overrides, said, to_dict)
 from mpp.launcher import follow_parent
 from mpp.report import choice_lead, pool_choice
-from mpp.specs import data_key, names_manifest
+from mpp.specs import data_key, dev_split, names_manifest
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -408,9 +408,9 @@ def _warn_short_withhold(cfg: CompareConfig, stages: list[Stage], resolved: dict
         c = resolved[s.out]
         if s.tool != "pretrain" or not c.data.withhold:
             continue
-        given = {(float(f), int(seed), float(d)) for f, seed, d in c.data.withhold}
-        short = sorted((float(f), int(seed), float(d)) for key, f, seed, d in chosen if key == data_key(c.data.train)
-                       and (float(f), int(seed), float(d)) not in given)
+        given = {dev_split(*w) for w in c.data.withhold}
+        short = sorted(split for key, *drawn in chosen if key == data_key(c.data.train)
+                       and (split := dev_split(*drawn)) not in given)
         if short:
             print(f"warning: stage '{s.name}' withholds data.withhold={[list(w) for w in c.data.withhold]} but not the "
                   f"development split(s) {[list(w) for w in short]} that fine-tunes or probes choose on: recipes "

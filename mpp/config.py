@@ -550,8 +550,6 @@ SET_BY_COMPARE = ("output_dir", "seed", "finetune.init", "finetune.label_fractio
 # those it sets after the comparison's `overrides` (which would set them for some stages only)
 OVERRIDDEN_BY_COMPARE = ("output_dir", "seed", "finetune.init", "finetune.label_fraction", "finetune.dev_fraction",
                          "probe.encoder")
-# key prefixes only a pre-training reads (a fine-tune ignores them)
-PRETRAIN_ONLY = ("mpp.", "supervised.")
 
 
 def load_compare_config(path: str | Path, overrides: list[str] | None = None) -> CompareConfig:
@@ -569,7 +567,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     if decided:
         raise ConfigError(f"compare config key 'sweep' names {', '.join(sorted(decided))}, which the comparison "
                           "sets itself; sweep recipe keys such as optim.lr")
-    unread = sorted(k for k in cfg.sweep if k.startswith(PRETRAIN_ONLY) or k in RESULT_NEUTRAL)
+    unread = sorted(k for k in cfg.sweep if k.split(".")[0] in UNREAD["classify"] or k in RESULT_NEUTRAL)
     if unread:
         raise ConfigError(f"compare config key 'sweep' names {', '.join(unread)}, which no fine-tune's result depends "
                           "on (a pre-training key, or one of speed or logging alone): its stages would differ in "

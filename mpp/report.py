@@ -44,7 +44,7 @@ from mpp import outcomes
 from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import GAPS, across_pretrain_seeds, added_noise, derive, mean_std, runs_images, significant
-from mpp.specs import DATA_KEYS, data_key, names_manifest
+from mpp.specs import DATA_KEYS, data_key, dev_split, names_manifest
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -545,26 +545,21 @@ def _read_dev_splits(pretrain: dict, runs: list[dict]) -> bool:
     if not pretrain["settings"].get("data.train"):
         return False
     mine = data_key(pretrain["settings"]["data.train"])
-    withheld = {_split(*w) for w in pretrain["settings"].get("data.withhold") or ()}
+    withheld = {dev_split(*w) for w in pretrain["settings"].get("data.withhold") or ()}
     return not _chosen_on(mine, runs) <= withheld
 
 
-def _split(fraction, seed, dev_fraction) -> tuple:
-    """A development split as (label_fraction, split_seed, dev_fraction), in one spelling."""
-    return float(fraction), int(seed), float(dev_fraction)
-
-
 def _chosen_on(data: str, runs: list[dict]) -> set[tuple]:
-    """The development splits (`_split`) of `data` that fine-tunes scored on or probes chose on."""
+    """The development splits (`dev_split`) of `data` that fine-tunes scored on or probes chose on."""
     splits = set()
     for r in runs:
         s = r["settings"]
         if data_key(s.get("data.train")) != data:
             continue
         if r.get("evaluated_on") == "dev":
-            splits.add(_split(s["finetune.label_fraction"], s["finetune.split_seed"], s["finetune.dev_fraction"]))
+            splits.add(dev_split(s["finetune.label_fraction"], s["finetune.split_seed"], s["finetune.dev_fraction"]))
         elif r["kind"] == "probe" and s.get("probe.dev_split"):
-            splits.add(_split(1.0, *s["probe.dev_split"]))
+            splits.add(dev_split(1.0, *s["probe.dev_split"]))
     return splits
 
 

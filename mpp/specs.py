@@ -49,3 +49,9 @@ def names_manifest(spec) -> bool:
         spec = spec[0] if len(spec) == 1 else ""
     return bool(spec) and isinstance(spec, str) and "{" not in spec and not re.search(
         r"\.(tar(\.\w+)?|tgz)$", spec)
+
+
+def dev_split(fraction, seed, dev_fraction) -> tuple:
+    """A development split as (label_fraction, split_seed, dev_fraction), in one spelling (a YAML
+    1 and 1.0 alike), as data.withhold lists them."""
+    return float(fraction), int(seed), float(dev_fraction)
