@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpp.cli import UsageError
 from mpp.config import load_config, save_config
 from mpp.data.synthetic import make_synthetic
 from mpp.figures.attention import attention_distance_sum, patch_distances, record_attention
@@ -210,7 +211,7 @@ def test_compare_figures_read_data_val_with_its_count(data, tmp_path):
 def test_tool_rejects_a_missing_encoder(data, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", str(tmp_path / "nope"),
                         "--data", str(data), "--out", str(tmp_path / "o")], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: --encoder")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --encoder")
 
 
 def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path, capsys):
@@ -281,9 +282,9 @@ def test_the_compare_figures_random_init_has_the_runs_resolution_and_normalisati
     assert numbers["specs"][-1] == "random init=none:vit_micro4_32@48"
     assert fed["random init"] == fed["pretrain_supervised"] == ((0.1, 0.2, 0.3), (12, 12))
     assert numbers["images"] == 16 and "holds 16 images, fewer than the 100 asked for" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="none:PRESET@IMG_SIZE"):
+    with pytest.raises(UsageError, match="none:PRESET@IMG_SIZE"):
         inspection.load_inspected("none:vit_micro4_32@big")
-    with pytest.raises(ValueError, match="patch size 4 does not divide 30"):
+    with pytest.raises(UsageError, match="patch size 4 does not divide 30"):
         inspection.load_inspected("none:vit_micro4_32@30")
 
 
@@ -381,7 +382,7 @@ def test_a_bad_mpp_head_or_encoder_file_is_refused_in_one_line(tmp_path):
     (tmp_path / "flat/model.json").write_text(json.dumps(spec))
     with pytest.raises(ConfigError, match="a grid of 8x12 patches; mpp reads square images"):
         load_encoder(tmp_path / "flat")
-    with pytest.raises(FileNotFoundError, match=r"--encoder runs/lr=0\.1/mpp: no such file"):
+    with pytest.raises(UsageError, match=r"--encoder runs/lr=0\.1/mpp: no such file"):
         load_inspected("runs/lr=0.1/mpp")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from mpp.cli import UsageError
 from mpp.config import MAX_TOKENS, DataConfig, load_config
 from mpp.data import make_loader
 from mpp.data.transforms import normalize, to_float01
@@ -56,13 +57,13 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     if source.startswith("none:"):
         preset, at, size = source[5:].partition("@")
         if at and not (size.isdigit() and int(size) > 0):
-            raise ValueError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
+            raise UsageError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
         patch = preset_geometry(preset)[1] if preset in PRESETS else 0  # an unknown one: create_encoder says
         if size and patch and (fix := grid_fix(int(size), patch)):
-            raise ValueError(f"--encoder {source}: {preset}'s patch size {patch} does not divide {size} at least "
+            raise UsageError(f"--encoder {source}: {preset}'s patch size {patch} does not divide {size} at least "
                              f"twice; give {fix}")
         if size and patch and (int(size) // patch) ** 2 > MAX_TOKENS:  # as a config's img_size
-            raise ValueError(f"--encoder {source}: {(int(size) // patch) ** 2} patches of {preset} at {size} px, "
+            raise UsageError(f"--encoder {source}: {(int(size) // patch) ** 2} patches of {preset} at {size} px, "
                              f"more than {MAX_TOKENS}; give an IMG_SIZE of at most {patch * math.isqrt(MAX_TOKENS)}")
         torch.manual_seed(seed)
         encoder = create_encoder(preset, int(size or 0), attn="math")
@@ -70,7 +71,7 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     path = Path(source)
     run = path if path.is_dir() else path.parent
     if not path.exists():  # named as given: 'runs/lr=0.1/mpp' is no label 'runs/lr' of '0.1/mpp'
-        raise FileNotFoundError(f"--encoder {spec}: no such file or directory; give a run dir, an "
+        raise UsageError(f"--encoder {spec}: no such file or directory; give a run dir, an "
                                 "encoder.safetensors with model.json beside it, or none:PRESET")
     if (run / "config.yaml").is_file():
         data = load_config(run / "config.yaml").data
