@@ -8,8 +8,11 @@
                      changed, e.g. longer) config and positions it at the step
   rng_R.pt           RNG states of rank R (python, numpy, torch CPU and CUDA; the MPP corruption
                      and drop path draw from torch's default generators)
+  digests.json       the sha256 of each file above: neither safetensors nor torch's zip reader
+                     checks its bytes, and a flipped bit would resume as other weights
 The `.pt` files hold only tensors and plain Python values and are read with
-`torch.load(weights_only=True)`, so loading a checkpoint never unpickles code. A directory gets its
+`torch.load(weights_only=True)`, so loading a checkpoint never unpickles code; one whose files
+do not match their digests, or whose weights or optimiser moments are not finite, is damaged. A directory gets its
 `step_*` name by one rename after everything in it was written, so every `step_*` directory is
 complete; a kill leaves at most a `.tmp_*` directory, removed by the next save. The output
 directory must be visible to all ranks (a shared file system on several nodes). (Accelerate's
@@ -19,6 +22,7 @@ need full unpickling to load.)
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import random
@@ -31,11 +35,14 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from mpp.config import ConfigError
-from mpp.fileio import atomic_path, fsync
-from mpp.models import mismatched
+from accelerate.utils import gather_object
+
+from mpp.fileio import atomic_path, file_sha256, fsync, write_atomic
+from mpp.models import mismatched, nonfinite
 
 log = logging.getLogger(__name__)
 PREFIX = "step_"
+DIGESTS = "digests.json"  # file name -> sha256 of every other file of the checkpoint
 # what a resumed run reads from state.pt, and its types (a checkpoint is untrusted input)
 STATE_KEYS = {"step": int, "world_size": int, "nonfinite_steps": int, "elapsed": (int, float),
               "train_time": (int, float), "data_wait": (int, float), "last": dict}
@@ -153,12 +160,13 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     final = root / checkpoint_name(step)
     tmp = root / f".tmp_{checkpoint_name(step)}"
     if accelerator.is_main_process:
-        for stale in root.glob(".tmp_*"):
-            shutil.rmtree(stale)
+        sweep_unfinished(root)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    with atomic_path(tmp / f"rng_{accelerator.process_index}.pt") as f:
+    rng = tmp / f"rng_{accelerator.process_index}.pt"
+    with atomic_path(rng) as f:
         torch.save(rng_state(), f)
+    digests = gather_object([(rng.name, file_sha256(rng))])  # every rank's, with the rest below
     if accelerator.is_main_process:
         with atomic_path(tmp / "model.safetensors") as f:
             save_model(model, str(f))
@@ -167,6 +175,8 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
             torch.save({**state, "step": step, "world_size": accelerator.num_processes,
                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                         "scaler": scaler}, f)
+        digests += [(name, file_sha256(tmp / name)) for name in ("model.safetensors", "state.pt")]
+        write_atomic(tmp / DIGESTS, json.dumps(dict(sorted(digests)), indent=1) + "\n")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.is_dir():  # the same step saved before (a finished run saved again): replace it
@@ -187,9 +197,17 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     return final
 
 
+def sweep_unfinished(root: str | Path) -> None:
+    """Remove what a kill left of a checkpoint's save or removal (`.tmp_*` folders, each as large as
+    a checkpoint and never one to resume from): at every save, and when a run starts (one resumed
+    when finished saves nothing)."""
+    for stale in Path(root).glob(".tmp_*"):
+        shutil.rmtree(stale)
+
+
 def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint folder: renamed out of the checkpoints' names first, so that one cut off
-    while it is deleted is no half checkpoint to resume from (the next save sweeps `.tmp_*`)."""
+    while it is deleted is no half checkpoint to resume from (`sweep_unfinished` removes the rest)."""
     gone = checkpoint.with_name(f".tmp_removed_{checkpoint.name}")
     checkpoint.rename(gone)
     shutil.rmtree(gone)
@@ -221,6 +239,8 @@ def _check_optimizer_state(optimizer, saved) -> None:
             if v.numel() != 1 if k == "step" else v.shape != params[i].shape:
                 raise ValueError(f"state.pt's optimizer state {k} of parameter {i} has shape {tuple(v.shape)}, "
                                  f"its parameter {tuple(params[i].shape)}")
+            if not torch.isfinite(v).all():  # the steps would go on NaN, each one skipped
+                raise ValueError(f"state.pt's optimizer state {k} of parameter {i} is not finite")
 
 
 def _check_same_optimizer(path: Path, optimizer, saved: dict) -> None:
@@ -239,12 +259,28 @@ def _check_same_optimizer(path: Path, optimizer, saved: dict) -> None:
                           "or start this run afresh in an output_dir of its own")
 
 
+def _check_digests(path: Path, names: tuple[str, ...]) -> None:
+    """Refuse (ValueError: damaged) files of checkpoint `path` whose bytes are not those it wrote;
+    a checkpoint from before digests were recorded is read unchecked."""
+    if not (path / DIGESTS).is_file():
+        return
+    recorded = json.loads((path / DIGESTS).read_text())
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{DIGESTS} is not a mapping of file names to sha256 digests")
+    for name in names:
+        if name not in recorded:
+            raise ValueError(f"{DIGESTS} records no digest of {name}")
+        if file_sha256(path / name) != recorded[name]:
+            raise ValueError(f"{name} is not the file the checkpoint wrote (its sha256 differs from {DIGESTS}'s)")
+
+
 def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optimizer) -> dict:
     """Restore a checkpoint written by `save_checkpoint` into `model` (unwrapped), optimizer,
     grad scaler and this rank's RNGs; returns the saved plain state (step, ...). Weights of other
     tensors (another model or objective) are a ConfigError naming the checkpoint and its config:
     resume=auto would find no better one in that run, whose checkpoints are sound."""
     path = Path(path)
+    _check_digests(path, ("state.pt", "model.safetensors", f"rng_{accelerator.process_index}.pt"))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     if bad := _misstated(state):  # untrusted: a damaged or crafted state is refused like a corrupt file
         raise ValueError(f"state.pt lacks, mistypes or misstates {', '.join(bad)}")
@@ -263,6 +299,8 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
                           f"missing, extra or of another shape, e.g. {odd[0]}); resume it with the settings it was "
                           f"trained with ({path.parent.parent / 'config.yaml'}), or start this run afresh "
                           "(train.resume=auto) in an output_dir of its own") from None
+    if bad := nonfinite(model.state_dict()):  # every step from it would be skipped as non-finite
+        raise ValueError(f"model.safetensors holds non-finite values ({', '.join(bad[:3])})")
     _check_same_optimizer(path, optimizer, state["optimizer"])
     _check_optimizer_state(optimizer, state["optimizer"])
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

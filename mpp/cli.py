@@ -153,13 +153,13 @@ def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupte
             _fail(str(e), 1)
         if isinstance(e, OSError):
             _fail(os_message(e), 1)
-        if _out_of_memory(e):
+        if out_of_memory(e):
             _fail(f"out of memory ({' '.join(str(e).split())[:160]}); lower the batch size, the image size or the "
                   "model", 1)
         raise
 
 
-def _out_of_memory(e: BaseException) -> bool:
+def out_of_memory(e: BaseException) -> bool:
     """A failed allocation: Python's, the GPU's (torch.OutOfMemoryError, named here so that tools
     which need no torch do not import it) or the CPU allocator's (a RuntimeError)."""
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (

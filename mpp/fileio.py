@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -112,6 +113,15 @@ def _nearly_full(directory: Path) -> bool:
         return shutil.disk_usage(directory).free < 1 << 20
     except OSError:
         return False
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in blocks (a checkpoint or an encoder can be gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:

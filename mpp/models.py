@@ -13,7 +13,6 @@ CPU autocast would run it in bf16, which destabilised training (docs/benchmarks.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import re
@@ -31,7 +30,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from mpp.config import ConfigError
-from mpp.fileio import atomic_path, write_atomic
+from mpp.fileio import atomic_path, file_sha256, write_atomic
 from mpp.runtime import ATTENTION
 
 # name -> (timm architecture, keyword arguments). The paper's sizes (B/L/H, its Table 1; Ti/S are DeiT's) and
@@ -292,13 +291,7 @@ def encoder_digest(path: str | Path) -> str | None:
     """sha256 of the encoder.safetensors of `path` (a run dir or the file; None for `none`, a random
     init): a probe or fine-tune records the encoder it started from, so that a comparison can tell
     a result of an encoder that has since been trained again."""
-    if str(path) == "none":
-        return None
-    h = hashlib.sha256()
-    with open(encoder_file(path), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return None if str(path) == "none" else file_sha256(encoder_file(path))
 
 
 def read_model_json(spec_file: Path) -> tuple[str, dict, dict]:

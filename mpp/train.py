@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import math
 import os
@@ -43,7 +44,9 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from mpp import evaluators, rundir
-from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, load_checkpoint, save_checkpoint
+from mpp.checkpoint import (checkpoint_name, checkpoint_order, list_checkpoints, load_checkpoint, save_checkpoint,
+                            sweep_unfinished)
+from mpp.cli import out_of_memory
 from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, changed_settings, said, save_config
 from mpp.data import make_loader, shield_workers
@@ -100,12 +103,31 @@ class _Sigterm:
             torch.full((), float(self.got), device=accelerator.device), "max").item() > 0
 
 
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """Outside the loop (set-up, a fine-tune's start-up probe, the export, the final evaluation)
+    SIGTERM stops the run at once with one line (exit 143), as Ctrl-C does: nothing is done there
+    that the last checkpoint lacks, and the same command does it again. (It ended the process
+    without a word, a preemption indistinguishable from a crash.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def stop(signum, frame):
+        raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
+                         "stopped, nothing lost; the same command resumes from the last checkpoint")
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
+
+
 def train(cfg: Config) -> dict:
     """Run `cfg` (an objective of mpp.objectives.OBJECTIVES) and write its run directory; returns
     the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile; a run
     stopped by an error or Ctrl-C ends its progress bar's line first, so the error line comes last."""
     try:
-        with deterministic(cfg.train.deterministic):
+        with deterministic(cfg.train.deterministic), _stop_on_sigterm():
             run = setup(cfg)
             try:
                 loop(run)
@@ -239,6 +261,8 @@ def setup(cfg: Config) -> Run:
 
     # resume from the newest checkpoint that loads, or seed this rank's own RNG stream (corruption,
     # drop path)
+    if accelerator.is_main_process:
+        sweep_unfinished(out / "checkpoints")
     resume, state, damaged = _resume(cfg, accelerator, out / "checkpoints", task, optimizer)
     if state.get("step", 0) > steps:
         raise ConfigError(f"the checkpoint to resume ({resume}) is at step {state['step']}, past this run's {steps} "
@@ -248,6 +272,7 @@ def setup(cfg: Config) -> Run:
     if resume:
         _check_origin(out, state.get("origin", {}), origin)
         _check_changes(out, cfg, accelerator, finished=state["step"] == steps)
+        accelerator.print(f"resumed from {resume} (step {state['step']})")
     begin_s = 0.0
     if not resume:
         t = time.time()
@@ -694,6 +719,7 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
         order, skipped = [Path(cfg.train.resume)], []
     damaged = []
     for path in order:
+        fault = False  # the machine's, not the checkpoint's
         try:
             state, why = load_checkpoint(accelerator, path, task, optimizer), ""
         except ConfigError:
@@ -702,8 +728,17 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
             why = ("holds objects other than tensors and plain values: refused, never unpickled"
                    if isinstance(e, pickle.UnpicklingError)
                    else f"{type(e).__name__}: {' '.join(str(e).split())[:100]}")
+            # a read error (EIO, ESTALE, EACCES...) or no memory says nothing of the checkpoint: skipping it
+            # would train its steps again and remove it at the next save
+            fault = out_of_memory(e) or isinstance(e, OSError) and e.errno not in (
+                None, errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
             state = {}
-        whys = [w for w in gather_object([why]) if w]
+        told = gather_object([(fault, why)])
+        if faults := [w for f, w in told if f]:
+            raise OSError(f"reading checkpoint '{path}' failed ({faults[0]}), a fault of this machine or its file "
+                          "system, not of the checkpoint: nothing was skipped or removed; fix it and run the same "
+                          "command again")
+        whys = [w for _, w in told if w]
         if not whys:
             if cfg.train.resume != "auto" and (newer := [
                     c.name for c in list_checkpoints(root)
@@ -715,7 +750,6 @@ def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) 
                 accelerator.print(f"warning: resume skipped checkpoints that do not load (and step_* entries that are "
                                   f"none): {'; '.join(skipped)}",
                                   file=sys.stderr)
-            accelerator.print(f"resumed from {path} (step {state['step']})")
             return path, state, damaged
         skipped.append(f"{path.name} ({whys[0]})")
         damaged.append(path)

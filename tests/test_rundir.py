@@ -3,6 +3,7 @@ a failed resume changes nothing, every file is written whole with mode 0644, a s
 same directory is refused, and a run whose weights went non-finite exports nothing and fails."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from cpuonly import cpu_only
 from mpp.config import ConfigError, load_config
@@ -64,6 +65,120 @@ def unfinished(done: Path, out: Path) -> Path:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux shows the umask in /proc")
+def reseal(checkpoint: Path) -> None:
+    """Record the files' digests as they are now: a crafted checkpoint can match its digests.json,
+    so the checks behind them must hold on their own."""
+    from mpp.checkpoint import DIGESTS
+    from mpp.fileio import file_sha256
+    (checkpoint / DIGESTS).write_text(json.dumps({p.name: file_sha256(p) for p in checkpoint.iterdir()
+                                                  if p.name != DIGESTS}))
+
+
+def flip_a_bit(path: Path, at: float = 0.5) -> None:
+    """One bit of the file's bytes at the fraction `at` of its length flipped, its size kept."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def same_encoder(out: Path, done: Path) -> bool:
+    a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_flipped_bit_or_a_non_finite_value_makes_a_checkpoint_damaged(run, tmp_path, capfd):
+    """Neither safetensors nor torch's zip reader checks its bytes: a bit flipped in the newest
+    checkpoint's weights resumed as other weights without a word. Each checkpoint records its
+    files' sha256; one that does not match is skipped, and so is one whose weights or optimiser
+    moments are not finite even where its digests match (it trained on NaN, every step skipped,
+    and its saves rotated the last good checkpoint out). The run ends bit-identical to the run."""
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    ck = out / "checkpoints"
+    flip_a_bit(ck / "step_0000004/model.safetensors", 0.7)
+    flip_a_bit(ck / "step_0000003/rng_0.pt", 0.9)
+    weights = load_file(str(ck / "step_0000002/model.safetensors"))
+    weights["encoder.vit.blocks.0.attn.qkv.weight"][0, 0] = float("nan")
+    save_file(weights, str(ck / "step_0000002/model.safetensors"))
+    reseal(ck / "step_0000002")
+    with cpu_only():
+        train(load_config(None, items(data, out)))
+    said = capfd.readouterr()
+    err = said.err
+    assert "resumed from" in said.out and "step_0000001 (step 1)" in said.out
+    assert "step_0000004 (ValueError: model.safetensors is not the file the checkpoint wrote" in err
+    assert "step_0000003 (ValueError: rng_0.pt is not the file the checkpoint wrote" in err
+    assert "step_0000002 (ValueError: model.safetensors holds non-finite values (encoder.vit.blocks.0.attn.qkv" in err
+    assert same_encoder(out, done)
+
+    out = unfinished(done, tmp_path / "moments")
+    ck = out / "checkpoints"
+    state = torch.load(ck / "step_0000004/state.pt", weights_only=True)
+    state["optimizer"]["state"][3]["exp_avg_sq"].view(-1)[0] = float("inf")
+    torch.save(state, ck / "step_0000004/state.pt")
+    reseal(ck / "step_0000004")
+    with cpu_only():
+        train(load_config(None, items(data, out)))
+    said = capfd.readouterr()
+    assert "step_0000003 (step 3)" in said.out
+    assert "step_0000004 (ValueError: state.pt's optimizer state exp_avg_sq of parameter 3 is not finite)" in said.err
+    assert same_encoder(out, done)
+
+
+def test_a_read_error_of_the_machine_stops_the_resume_and_skips_nothing(run, tmp_path, monkeypatch):
+    """EIO (or a stale NFS handle, no memory) reading the newest checkpoint says nothing of it:
+    taken for damage, the resume went back to an older one and its next save removed the newer.
+    The run stops with one line instead, every checkpoint left where it was."""
+    import errno
+    import mpp.checkpoint
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    load = torch.load
+
+    def failing(f, *a, **k):
+        if Path(f).name == "state.pt":
+            raise OSError(errno.EIO, "Input/output error", str(f))
+        return load(f, *a, **k)
+    monkeypatch.setattr(mpp.checkpoint.torch, "load", failing)
+    with cpu_only(), pytest.raises(OSError, match=r"reading checkpoint '.*step_0000004' failed \(OSError: \[Errno 5\] "
+                                                  r"Input/output error.*a fault of this machine .*nothing was skipped"):
+        train(load_config(None, items(data, out)))
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_the_rest_of_a_killed_removal_goes_when_the_run_starts_again(run, tmp_path):
+    """A kill while the final save pruned an older checkpoint left `.tmp_removed_step_*`, a whole
+    checkpoint; only a later save swept it, and a finished run started again saves none."""
+    data, done = run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    shutil.copytree(out / "checkpoints/step_0000001", out / "checkpoints/.tmp_removed_step_0000001")
+    with cpu_only():
+        train(load_config(None, items(data, out)))
+    assert sorted(os.listdir(out / "checkpoints")) == [f"step_000000{s}" for s in (1, 2, 3, 4)]
+
+
+def test_a_sigterm_outside_the_steps_stops_the_run_in_one_line(run, tmp_path, monkeypatch):
+    """SIGTERM during set-up, a start-up probe, the export or the final evaluation ended the
+    process without a word (a preemption looked like a crash): it raises Terminated (exit 143)."""
+    import signal
+    import time
+    import mpp.train
+    from mpp.train import Terminated
+    data, _ = run
+
+    def preempted(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        pytest.fail("SIGTERM did not stop the set-up")
+    monkeypatch.setattr(mpp.train, "setup", preempted)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated, match="SIGTERM outside the training steps .* nothing lost; the same command resumes"):
+        train(load_config(None, items(data, tmp_path / "run")))
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_the_umask_is_read_without_setting_it(monkeypatch):
     """Files get 0666 minus the umask; reading it by setting it left it 0 for a moment, when a file
     another thread created (TensorBoard's) would have been world-writable."""
@@ -112,6 +227,7 @@ def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out
         state = torch.load(ck / f"step_000000{step}/state.pt", weights_only=True)
         edit(state)
         torch.save(state, ck / f"step_000000{step}/state.pt")
+        reseal(ck / f"step_000000{step}")
     shutil.copytree(ck / "step_0000004", ck / "step_0000009")
     shutil.rmtree(ck / "step_0000003")
     (ck / "step_0000003").write_text("not a checkpoint")
@@ -160,6 +276,7 @@ def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(ru
     gpus = torch.cuda.device_count() + 2
     rng["cuda"] = [torch.get_rng_state()] * gpus  # byte tensors like CUDA's; never applied
     torch.save(rng, ck / "step_0000002/rng_0.pt")
+    reseal(ck / "step_0000002")
     with cpu_only():
         train(load_config(None, items(data, out)))
     assert f"CUDA RNG states of {gpus} GPUs and this process sees {gpus - 2}" in caplog.text
@@ -185,7 +302,7 @@ def test_a_cuda_rng_not_restored_is_seeded_per_rank_not_left_at_the_runs_seed(mo
     assert len(seeds) == 3 and seeds[0] != seeds[1] and seeds[0] == seeds[2]
 
 
-def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path):
+def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path, capfd):
     """train.resume=PATH older than checkpoints in the output dir would mix two runs (and rotation
     would remove the new ones); a checkpoint past `steps` would export it as a shorter run."""
     data, done = run
@@ -197,6 +314,7 @@ def test_resuming_an_older_checkpoint_or_past_the_steps_is_refused(run, tmp_path
         train(load_config(None, items(data, out, **{"train.resume": older})))
     with pytest.raises(ConfigError, match="is at step 4, past this run's 2 steps"):
         train(load_config(None, items(data, out, steps=2)))
+    assert "resumed from" not in capfd.readouterr().out  # said only of a checkpoint the run goes on from
 
 
 def test_a_failed_resume_changes_nothing(run, tmp_path):
@@ -339,8 +457,8 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     final = save_checkpoint(Accelerator(cpu=True), tmp_path, 3, model, optimizer, scheduler, {})
-    assert sorted(p.name for p in final.iterdir()) == ["model.safetensors", "rng_0.pt", "state.pt"]
-    for name in ("model.safetensors", "rng_0.pt", "state.pt"):  # the content, then the rename, then the folder
+    assert sorted(p.name for p in final.iterdir()) == ["digests.json", "model.safetensors", "rng_0.pt", "state.pt"]
+    for name in ("digests.json", "model.safetensors", "rng_0.pt", "state.pt"):  # the content, then the rename, then the folder
         put = next(i for i, (kind, p) in enumerate(events) if kind == "replace" and p.endswith(name))
         assert events[put - 1][0] == "fsync" and Path(events[put - 1][1]).name.startswith(f".{name}.tmp")
         assert events[put + 1] == ("fsync", str((tmp_path / f".tmp_{final.name}").resolve()))
@@ -379,9 +497,11 @@ def test_a_crafted_state_is_refused_whole_before_the_run_reads_it(tmp_path, edit
     assert load_checkpoint(accelerator, path, model, optimizer)["begun"] == {"pool": "avg"}
     saved = torch.load(path / "state.pt", weights_only=True)
     torch.save({**saved, "scaler": torch.amp.GradScaler("cpu").state_dict()}, path / "state.pt")
+    reseal(path)
     load_checkpoint(accelerator, path, model, optimizer)  # an fp16 run's sound scaler state loads
     edit(saved)
     torch.save(saved, path / "state.pt")
+    reseal(path)
     with pytest.raises(ValueError, match=f"state.pt lacks, mistypes or misstates {key}$"):
         load_checkpoint(accelerator, path, model, optimizer)
 
@@ -432,6 +552,7 @@ def test_an_optimizer_state_of_other_shapes_is_refused_before_torch_loads_it(tmp
     saved = torch.load(path / "state.pt", weights_only=True)
     edit(saved["optimizer"])
     torch.save(saved, path / "state.pt")
+    reseal(path)
     with pytest.raises(ValueError, match="state.pt's optimizer (state|groups)"):
         load_checkpoint(accelerator, path, model, optimizer)
 
