@@ -161,7 +161,10 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     tmp = root / f".tmp_{checkpoint_name(step)}"
     if accelerator.is_main_process:
         sweep_unfinished(root)
+        first = not root.is_dir()
         tmp.mkdir(parents=True)
+        if first:  # the checkpoints folder's own entry on the disk too, or a power cut loses every checkpoint in it
+            fsync(root.parent)
     accelerator.wait_for_everyone()
     rng = tmp / f"rng_{accelerator.process_index}.pt"
     with atomic_path(rng) as f:

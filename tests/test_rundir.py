@@ -463,6 +463,9 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
         assert events[put - 1][0] == "fsync" and Path(events[put - 1][1]).name.startswith(f".{name}.tmp")
         assert events[put + 1] == ("fsync", str((tmp_path / f".tmp_{final.name}").resolve()))
     assert events[-1] == ("fsync", str(tmp_path.resolve()))  # the checkpoint's own rename
+    events.clear()
+    save_checkpoint(Accelerator(cpu=True), tmp_path / "new", 1, model, optimizer, scheduler, {})
+    assert events[0] == ("fsync", str(tmp_path.resolve()))  # a new checkpoints folder's entry in its parent
 
 
 @pytest.mark.parametrize("edit, key", [
