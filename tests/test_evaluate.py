@@ -410,6 +410,19 @@ def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
     assert tr_x.dtype == torch.uint8 and abs(len(te_x) - 40) <= 4 and len(tr_x) <= 5 * 2 * 4 + 4
 
 
+def test_fewshot_evaluator_reports_the_samples_it_skipped(shards, tmp_path):
+    """Unreadable images of the few-shot sets were skipped and only logged once, never recorded:
+    each call returns them by kind (TensorBoard's fewshot/skipped_*), with its scores."""
+    from shardutil import write_shards
+    bad, _ = write_shards(tmp_path / "bad", [20, 20], classes=4, seed=3,
+                          extra=lambda s, j: {"png": b"not a png"} if j < 3 else {})
+    cfg = _cfg(shards, tmp_path / "run", probe={"pool": "token"}, fewshot={"test": bad})
+    figures = create("fewshot", cfg, "cpu").run(create_encoder("vit_micro4_32", img_size=16))
+    assert figures["skipped_corrupt_image"] == 6 and "5shot_mean" in figures
+    clean = create("fewshot", _cfg(shards, tmp_path / "clean", probe={"pool": "token"}), "cpu")
+    assert not [k for k in clean.run(create_encoder("vit_micro4_32", img_size=16)) if k.startswith("skipped")]
+
+
 def _constant_cls(module, inputs, tokens):
     """A forward hook on the final norm that makes the [class] token's output carry nothing."""
     return torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, 1:]], dim=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 
 import numpy as np
 import torch
@@ -99,9 +100,11 @@ def preserved_rng():
         set_rng_state(state)
 
 
-def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images (uint8, eval transform) and labels of labeled shards, in memory. `limit(n, classes)`
-    gives the most samples to keep; beyond it a class-balanced seeded subset is read instead."""
+def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      dict]:
+    """All images (uint8, eval transform) and labels of labeled shards, in memory, and the samples
+    skipped by kind. `limit(n, classes)` gives the most samples to keep; beyond it a class-balanced
+    seeded subset is read instead."""
     kw = dict(batch_size=eval_batch_size(cfg), img_size=img_size, train=False, labeled=True, data_cfg=cfg.data,
               num_samples=num_samples, rank=0, world_size=1)
     loader = make_loader(spec, **kw)
@@ -109,7 +112,8 @@ def _read_images(spec, num_samples: int, *, cfg: Config, img_size: int, limit) -
     if cap and loader.num_samples > cap:
         loader = make_loader(spec, subset=(cap / loader.num_samples, cfg.seed), **kw)
     batches = list(loader.epoch(0))
-    return torch.cat([b["image"] for b in batches]), torch.cat([b["label"] for b in batches]).long()
+    return (torch.cat([b["image"] for b in batches]), torch.cat([b["label"] for b in batches]).long(),
+            loader.counters())
 
 
 class Evaluator:
@@ -126,7 +130,9 @@ class Evaluator:
 
     Call it on the main process with the unwrapped encoder; returns {"{k}shot_mean", "{k}shot_std"},
     under `probe.pool=auto` for every candidate representation ({"token/{k}shot_mean", ...}: no
-    choice is made here, the few-shot test images are for watching, not for choosing).
+    choice is made here, the few-shot test images are for watching, not for choosing), and the
+    samples of the two sets skipped, by kind ({"skipped_corrupt_image": n, ...}; they were only
+    logged once, never recorded).
     """
 
     def __init__(self, cfg: Config, device: torch.device | str):
@@ -138,14 +144,16 @@ class Evaluator:
             warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), test, ("data.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
         self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
+        self._skipped: dict[int, dict] = {}  # img_size -> the samples of both sets skipped by kind
 
     def _load(self, img_size: int) -> tuple:
         fs = self.cfg.fewshot
         per_class = max(int(k) for k in fs.shots) * fs.seeds
-        train = _read_images(fs.train, fs.train_num_samples, cfg=self.cfg, img_size=img_size,
-                             limit=lambda n, classes: per_class * len(classes) if classes else 0)
-        test = _read_images(fs.test, fs.test_num_samples, cfg=self.cfg, img_size=img_size,
-                            limit=lambda n, classes: fs.max_test)
+        *train, skipped = _read_images(fs.train, fs.train_num_samples, cfg=self.cfg, img_size=img_size,
+                                       limit=lambda n, classes: per_class * len(classes) if classes else 0)
+        *test, test_skipped = _read_images(fs.test, fs.test_num_samples, cfg=self.cfg, img_size=img_size,
+                                           limit=lambda n, classes: fs.max_test)
+        self._skipped[img_size] = dict(Counter(skipped) + Counter(test_skipped))
         return self._data.setdefault(img_size, (*train, *test))
 
     def _features(self, encoder, images: torch.Tensor, pools: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -167,4 +175,4 @@ class Evaluator:
             figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
                                    num_classes=classes)
             out.update({(f"{p}/{k}" if len(pools) > 1 else k): v for k, v in figures.items()})
-        return out
+        return out | {f"skipped_{kind}": n for kind, n in self._skipped[img_size].items()}
