@@ -890,6 +890,35 @@ def test_a_cache_entry_of_other_shapes_is_a_miss_not_a_crash(shards, tmp_path, c
         assert any(str(feats) in w for w in warned) and (not head_edit or any(str(head) in w for w in warned))
 
 
+def test_a_cached_head_that_is_nan_or_lacks_a_figure_is_a_miss(shards, tmp_path, caplog):
+    """A cached probe head is checked as features are: NaN weights trained every fine-tune sharing
+    the cache to NaN (blaming optim.lr), figures without the chosen representation stopped it with
+    a traceback (KeyError: 'pool'); these, a representation not a candidate, a NaN L2 and a top-1
+    that is no number are unreadable entries, fitted again, the same as before."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from mpp.evaluators.linear_probe import probe_head
+    cfg = _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-1]})
+    torch.manual_seed(0)
+    enc = create_encoder("vit_micro4_32", img_size=16)
+    kw = dict(pool="avg", subset=(0.5, 0, 0.0, False), num_classes=4, device=torch.device("cpu"), precision="no")
+    first = probe_head(enc, cfg, **kw)
+    head, = (tmp_path / "feature_cache").glob("head-*.safetensors")
+    with safe_open(str(head), "pt") as f:
+        weight, bias, fit = f.get_tensor("weight"), f.get_tensor("bias"), json.loads(f.metadata()["fit"])
+    nan = weight.clone()
+    nan[0, 0] = math.nan
+    for w, figures in ((nan, fit), (weight, {k: v for k, v in fit.items() if k != "pool"}),
+                       (weight, {**fit, "pool": "token"}), (weight, {**fit, "l2": math.nan}),
+                       (weight, {**fit, "heldout_top1": "0.5"})):
+        save_file({"weight": w, "bias": bias}, str(head), metadata={"fit": json.dumps(figures)})
+        caplog.clear()
+        again = probe_head(enc, cfg, **kw)
+        assert all(torch.equal(first[k], again[k]) for k in ("weight", "bias"))
+        assert {k: v for k, v in again.items() if k not in ("weight", "bias")} == fit
+        assert any(str(head) in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+
+
 def test_non_finite_encoders_and_features_are_refused_and_never_cached(shards, tmp_path, monkeypatch, caplog):
     """A NaN encoder's probe failed deep in L-BFGS (a traceback) after caching its NaN features, and
     partly NaN features scored as class 0; an entry of NaN features, or of labels past the data's

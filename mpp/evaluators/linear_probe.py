@@ -29,7 +29,7 @@ from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, write_atomic
-from mpp.models import POOLS, encoder_digest, encoder_from
+from mpp.models import POOLS, encoder_digest, encoder_from, nonfinite
 from mpp.runtime import deterministic, resolve_precision
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
@@ -217,6 +217,36 @@ def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = 
     return out
 
 
+def _read_head(path: Path, pools: tuple[str, ...], shape: tuple[int, int], on: str) -> dict:
+    """A cached probe head, checked as `_read_features` checks features (it is a file on disk:
+    damaged, or written by someone else): finite float weight of `shape` (C, D) and bias (C,), and
+    the figures `probe_head` writes (validation images `on`), of their types: the chosen
+    representation one of `pools`, finite numbers, and per representation of `pools` a number or
+    a record of outcomes. ValueError otherwise, which `read_cached` turns into a miss (refitted): a
+    NaN head trained every fine-tune sharing the cache to NaN, a missing figure stopped it."""
+    with safe_open(str(path), "pt") as f:
+        weight, bias, fit = f.get_tensor("weight"), f.get_tensor("bias"), json.loads(f.metadata()["fit"])
+    if tuple(weight.shape) != shape or tuple(bias.shape) != shape[:1] or not weight.is_floating_point() or \
+            not bias.is_floating_point():
+        raise ValueError(f"a {weight.dtype} head of shape {tuple(weight.shape)} for {shape[0]} classes")
+    if nonfinite({"weight": weight, "bias": bias}):
+        raise ValueError("a head that is NaN or infinite, which probe_head never writes")
+    figures = {"pool", "l2", f"{on}_top1", f"{on}_loss", f"pool_{on}_top1", f"pool_{on}_outcomes", "pool_head_l2"}
+    if not isinstance(fit, dict) or set(fit) != figures:
+        raise ValueError(f"a head whose figures are not {', '.join(sorted(figures))}")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def each(v, ok) -> bool:  # {representation: value} of every candidate
+        return isinstance(v, dict) and set(v) == set(pools) and all(ok(x) for x in v.values())
+    if fit["pool"] not in pools or not all(number(fit[k]) for k in ("l2", f"{on}_top1", f"{on}_loss")) or not (
+            each(fit[f"pool_{on}_top1"], number) and each(fit["pool_head_l2"], number)
+            and each(fit[f"pool_{on}_outcomes"], lambda r: outcomes.read(r) is not None)):
+        raise ValueError("a head whose figures are not of the types probe_head writes")
+    return {"weight": weight, "bias": bias, **fit}
+
+
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str, dev_subset: tuple | None = None) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
@@ -241,15 +271,8 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     key = json.dumps([features, list(pools), sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
                       rule, dev_subset and list(dev_subset)])  # heads cached under an earlier rule are refitted
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
-
-    def read(file: Path) -> dict:
-        with safe_open(str(file), "pt") as f:
-            meta = f.metadata()
-            head = {"weight": f.get_tensor("weight"), "bias": f.get_tensor("bias"), **json.loads(meta["fit"])}
-        if head["weight"].shape != (num_classes, encoder.embed_dim) or head["bias"].shape != (num_classes,):
-            raise ValueError(f"a head of shape {tuple(head['weight'].shape)} for {num_classes} classes")
-        return head
-    if (cached := read_cached(path, read)) is not None:
+    on = "dev" if dev_subset else "heldout"  # choose_probe's name of the validation images
+    if (cached := read_cached(path, lambda f: _read_head(f, pools, (num_classes, encoder.embed_dim), on))) is not None:
         return cached
     x, y, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=POOLS, num_samples=cfg.data.num_samples,
                                cache_dir=cache, device=device, precision=precision, subset=subset, key=features)
