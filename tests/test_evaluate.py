@@ -919,6 +919,25 @@ def test_a_cached_head_that_is_nan_or_lacks_a_figure_is_a_miss(shards, tmp_path,
         assert any(str(head) in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
 
 
+def test_a_head_written_after_a_killed_write_removes_its_temporary_file(shards, tmp_path):
+    """kill -9 while the probe head was written left its temporary file in the feature cache for
+    good (the features' writer removes them, but the features were cached): writing a head removes
+    those of this machine's dead processes."""
+    from mpp import fileio
+    from mpp.evaluators.linear_probe import probe_head
+    cfg = _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-1]})
+    torch.manual_seed(0)
+    enc = create_encoder("vit_micro4_32", img_size=16)
+    kw = dict(pool="avg", subset=(0.5, 0, 0.0, False), num_classes=4, device=torch.device("cpu"), precision="no")
+    probe_head(enc, cfg, **kw)
+    head, = (tmp_path / "feature_cache").glob("head-*.safetensors")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = head.with_name(f".{head.name}.tmp{int(gone.stdout)}.{fileio._WHERE}")
+    head.rename(orphan)  # as a killed write leaves it; the head itself is not there
+    probe_head(enc, cfg, **kw)
+    assert head.is_file() and not orphan.exists()
+
+
 def test_non_finite_encoders_and_features_are_refused_and_never_cached(shards, tmp_path, monkeypatch, caplog):
     """A NaN encoder's probe failed deep in L-BFGS (a traceback) after caching its NaN features, and
     partly NaN features scored as class 0; an entry of NaN features, or of labels past the data's

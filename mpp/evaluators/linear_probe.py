@@ -28,7 +28,7 @@ from mpp.data.sources import check_same_classes, class_count
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
-from mpp.fileio import atomic_path, write_atomic
+from mpp.fileio import atomic_path, sweep_orphans, write_atomic
 from mpp.models import POOLS, encoder_digest, encoder_from, nonfinite
 from mpp.runtime import deterministic, resolve_precision
 
@@ -289,6 +289,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
            f"{c.on}_loss": c.losses[c.head_l2][0], f"pool_{c.on}_outcomes": c.outcomes,
            f"pool_{c.on}_top1": {n: max(s.values()) for n, s in c.scores.items()}, "pool_head_l2": c.head_l2s}
     cache.mkdir(parents=True, exist_ok=True)
+    sweep_orphans(cache)  # a killed writer's heads and arrays
     with atomic_path(path) as tmp:
         save_file({"weight": weight, "bias": bias}, str(tmp), metadata={"fit": json.dumps(fit)})
     return {"weight": weight, "bias": bias, **fit}
