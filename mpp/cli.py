@@ -116,7 +116,8 @@ def os_message(e: OSError) -> str:
         return str(e)
     where = f" '{e.filename}'" if e.filename else ""
     if e.errno == errno.ENOSPC:
-        return f"the disk is full (writing{where}); free space or choose an output_dir on another disk"
+        writing = f" (writing{where})" if where else ""  # an error of a stream, not of a named file
+        return f"the disk is full{writing}; free space or choose an output_dir on another disk"
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"no permission to write{where} ({e.strerror}); choose a writable output_dir"
     if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a folder was wanted where a file is

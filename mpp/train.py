@@ -451,8 +451,8 @@ def finish(run: Run) -> dict:
     results.update(run.state["origin"])  # what the run started from, checked at every resume
     results["wall_time_s"] = run.state["elapsed"] + time.time() - run.t_begin  # all segments, evaluation included
     if accelerator.is_main_process:
+        run.writer.close()  # its files written (or their error raised) before the run counts as finished
         write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
-        run.writer.close()
         print(summary(results, out))
     accelerator.wait_for_everyone()
     return results
@@ -491,7 +491,51 @@ def _record(run: Run) -> None:
             save_config(run.cfg, run.out / "config.yaml")
         # TensorBoard hides an earlier attempt's events from purge_step on: those after the checkpoint
         # resumed from, whose own step closed a log window before it was saved
-        run.writer = SummaryWriter(str(run.out / "tensorboard"), purge_step=run.start + 1 if run.start else 0)
+        run.writer = _TensorBoard(run.out / "tensorboard", purge_step=run.start + 1 if run.start else 0)
+
+
+class _TensorBoard:
+    """A run's TensorBoard writer: SummaryWriter's calls, but a failure to write its files (a full
+    disk), which TensorBoard's writer thread meets and the main thread's next call raises, is an
+    OSError naming the folder (the thread's has no file name), and the thread's own traceback is not
+    printed before the run's one-line error (its `threading.excepthook`, until `close`)."""
+
+    def __init__(self, folder: Path, **kwargs):
+        before = set(threading.enumerate())
+        self.folder, self._writer = folder, SummaryWriter(str(folder), **kwargs)  # which starts the thread
+        threads, self._hook = set(threading.enumerate()) - before, threading.excepthook
+
+        def quiet(args) -> None:  # the writer thread's error is the main thread's to raise
+            if args.thread not in threads:
+                self._hook(args)
+        threading.excepthook = self._quiet = quiet
+
+    @contextlib.contextmanager
+    def _named(self):
+        try:
+            yield
+        except OSError as e:
+            if e.errno is None:  # TensorBoard's own ("Writer is closed")
+                raise
+            raise OSError(e.errno, e.strerror, str(self.folder)) from e
+
+    def __getattr__(self, name: str) -> Callable:
+        call = getattr(self._writer, name)
+
+        def named(*args, **kwargs):
+            with self._named():
+                return call(*args, **kwargs)
+        return named
+
+    def close(self) -> None:
+        """Write out and close the files (raising what the writer thread met), and give the
+        excepthook back."""
+        try:
+            with self._named():
+                self._writer.close()
+        finally:
+            if threading.excepthook is self._quiet:
+                threading.excepthook = self._hook
 
 
 def _sample_weights(accelerator, micro: list[dict]) -> list:

@@ -519,6 +519,35 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
     assert (tmp_path / "f").read_text() == "old" and os.listdir(tmp_path) == ["f"]
 
 
+def test_a_full_disk_under_tensorboard_is_one_line_naming_its_folder(data_root, tmp_path, monkeypatch):
+    """TensorBoard's writer thread met the full disk: its traceback was printed before the error,
+    which (the thread's, of no file) read "the disk is full (writing)", naming nothing. Now one
+    line names the folder, and the run is not finished (no metrics.json); an error of no file
+    says no "(writing)"."""
+    import errno
+    import threading
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    from mpp.cli import os_message
+    write, calls = RecordWriter.write, []
+
+    def full(self, data):  # the disk fills after the writer's first events
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, data)
+    monkeypatch.setattr(RecordWriter, "write", full)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # it prints (pytest's own records)
+    out = tmp_path / "out"
+    code, err = tool_in_process("pretrain", [f"output_dir={out}", f"data.train={data_root}/train", *SMALL])
+    errors = [line[line.index("error:"):] for line in err.splitlines() if "error:" in line]  # after tqdm's bar
+    assert code == 1 and "Traceback" not in err and errors == [
+        f"error: the disk is full (writing '{out / 'tensorboard'}'); free space or choose an output_dir on another "
+        "disk"], err
+    assert not (out / "metrics.json").exists() and threading.excepthook is threading.__excepthook__
+    assert os_message(OSError(errno.ENOSPC, "No space left on device")) == \
+        "the disk is full; free space or choose an output_dir on another disk"
+
+
 def test_ctrl_c_is_one_line_and_exit_130():
     """Ctrl-C in a tool: one line (a training tool's says how to resume), exit 130 as a shell's."""
     from mpp.cli import RESUMABLE, one_line_errors
