@@ -245,7 +245,7 @@ def test_a_subset_scan_that_cannot_read_a_shard_stops_in_one_line(tmp_path):
     read is an error, not a subset drawn from what one rank happened to read."""
     manifest, _ = write_shards(tmp_path, [15, 15, 15], classes=3)
     shard = tmp_path / "000001.tar"
-    shard.write_bytes(shard.read_bytes()[:3000])
+    shard.write_bytes(shard.read_bytes()[:15 * 1024])  # cut, though still as long as 15 samples can be
     with pytest.raises(DataError, match="the labels of shard .*000001.tar' could not be read .*make_shards"):
         make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True, data_cfg=cfg(), subset=(0.5, 0))
 
@@ -701,6 +701,38 @@ def test_a_manifest_that_undercounts_a_shard_drops_the_surplus_and_holds_nothing
     loader.close()
     assert max(held) <= 2 * loader.workers, held
     assert loader.counters() == {"dropped": 6 * 8}
+
+
+def test_a_manifest_that_overcounts_a_shard_a_millionfold_is_refused_or_padded_at_once(tmp_path, monkeypatch):
+    """A manifest (untrusted data) that says 10^9 samples for a shard of 10: a plain local tar
+    cannot hold them in its size, refused in one line; where the size bounds nothing (a compressed
+    shard, a remote one) the epoch is padded (counted) at once, not with one item a missing batch,
+    which kept the loader from the step loop (and a SIGTERM) for hours."""
+    import gzip
+    import itertools
+
+    from mpp.data import stream
+    manifest, _ = write_shards(tmp_path, [10, 10], size=8)
+    m = json.loads(Path(manifest).read_text())
+    m["shards"][0]["num_samples"] = 10**9
+    m["num_samples"] = 10**9 + 10
+    Path(manifest).write_text(json.dumps(m))
+    with pytest.raises(DataError, match=r"shard 000000.tar is said to hold 1000000000 samples, more than its \d+ "
+                                        "bytes can"):
+        make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True, data_cfg=cfg())
+    shard = tmp_path / "000000.tar"
+    shard.write_bytes(gzip.compress(shard.read_bytes()))
+    m["shards"][0]["bytes"] = shard.stat().st_size
+    Path(manifest).write_text(json.dumps(m))
+    monkeypatch.setattr(stream, "TICK_ITEMS", 8, raising=False)  # the workers fork later
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True,
+                         data_cfg=cfg(shuffle_buffer=0, cache_mb=0))
+    items, next_item = itertools.count(), loader._next_item
+    monkeypatch.setattr(loader, "_next_item", lambda: next(items) < 1000 and next_item() or pytest.fail(
+        "the workers sent over 1000 items for 10 batches"))
+    batches = list(itertools.islice(loader.epoch(0), 10))
+    loader.close()
+    assert len(batches) == 10 and sum(len(b["image"]) for b in batches) == 20 + loader.counters()["padded"]
 
 
 def test_a_shard_listed_twice_is_refused(tmp_path):

@@ -217,14 +217,23 @@ class ShardLoader:
         self._next = None  # until this epoch is read to its end
         slots, seen = self.stream.slots, {}
         active, turn = list(range(self.workers)), 0
+        owed = dict.fromkeys(active, 0)  # turns each worker still passes (its ticks: its batches are done)
         while active:
+            if all(owed[w] for w in active):  # every worker pads: as many whole rounds as they all have
+                least = min(owed[w] for w in active)
+                owed.update((w, owed[w] - least) for w in active)
+                continue
             worker = active[turn]
+            if owed[worker]:
+                owed[worker] -= 1
+                turn = (turn + 1) % len(active)
+                continue
             while not self._held[worker]:  # a later epoch's items wait for it
                 item = self._next_item()
                 self._held[item["worker"]].append(item)
             item = self._held[worker].popleft()
-            if item.get("tick"):  # this worker's batches of the epoch are done: its turn passes
-                turn = (turn + 1) % len(active)
+            if "ticks" in item:  # this worker's batches of the epoch are done: its turn passes that often
+                owed[worker] = item["ticks"]
                 continue
             last = seen.get(worker, {})
             for kind, n in item["skips"].items():

@@ -31,7 +31,7 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext, url_opener
 
 from mpp.data.decode import IMAGE_EXTS, DataError
-from mpp.data.tarstream import CorruptTar, TruncatedTar, tar_files
+from mpp.data.tarstream import BLOCK, CorruptTar, TruncatedTar, compression, tar_files
 from mpp.specs import is_url, local_path, name_key
 
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not samples
@@ -103,19 +103,31 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
 def _check_sizes(manifest: str, shards: ShardSet, sizes: list[int | None]) -> None:
     """A local shard whose size differs from the one its manifest recorded was changed (rewritten,
     truncated, replaced) after the manifest: its counts and label index no longer describe it.
+    One whose count is more than its size can hold (a plain tar member takes a 512-byte header and
+    a 512-byte block at the least) would pad every training epoch with that many missing samples.
     One stat per shard; manifests written before sizes were recorded are trusted, with a warning."""
-    if all(size is None for size in sizes):
-        if manifest not in _unchecked:
-            _unchecked.add(manifest)
-            log.warning("warning: %s records no shard sizes (written by an older mpp): shards changed since it was "
-                        "written go unnoticed; re-run tools/make_shards.py to record them", manifest)
-        return
-    for url, size in zip(shards.urls, sizes):
-        path = local_path(url)
-        if size is not None and path is not None and (actual := os.path.getsize(path)) != size:
+    if all(size is None for size in sizes) and manifest not in _unchecked:
+        _unchecked.add(manifest)
+        log.warning("warning: %s records no shard sizes (written by an older mpp): shards changed since it was "
+                    "written go unnoticed; re-run tools/make_shards.py to record them", manifest)
+    for url, size, count in zip(shards.urls, sizes, shards.counts):
+        if (path := local_path(url)) is None:
+            continue
+        actual = os.path.getsize(path)
+        if size is not None and actual != size:
             raise DataError(f"{manifest}: shard {url.rsplit('/', 1)[-1]} is {actual} bytes but the manifest "
                             f"recorded {size}; the shards changed since the manifest was written; re-run "
                             "tools/make_shards.py (or restore the shards)")
+        if count > actual // (2 * BLOCK) and not _compressed(path):
+            raise DataError(f"{manifest}: shard {url.rsplit('/', 1)[-1]} is said to hold {count} samples, more than "
+                            f"its {actual} bytes can (1024 a sample at the least): it was cut short, or the manifest "
+                            "does not describe it; re-run tools/make_shards.py (or restore the shard)")
+
+
+def _compressed(path: str) -> bool:
+    """Whether a local shard is a compressed tar (whose size bounds no count)."""
+    with open(path, "rb") as f:
+        return compression(f.read(10)) is not None
 
 
 def _check_manifest_name(manifest: str, name) -> None:

@@ -44,6 +44,11 @@ from mpp.data.transforms import stack
 # loader's, an evaluator's) then leaves it to the trainer (`_worker_sigterm`)
 _SHIELD = multiprocessing.RawValue("b", 0)
 
+# the most items a worker of a following stream sends in an epoch while it pads (`ShardStream._ticks`):
+# beyond it, the items of workers that still send batches (only where a worker holds more than this
+# many batches an epoch) are no longer matched one to one, and a worker runs ahead by the difference
+TICK_ITEMS = 10_000
+
 
 def shield_workers(on: bool) -> None:
     """While on, this process's data workers ignore SIGTERM: the trainer's loop handles it."""
@@ -255,9 +260,10 @@ class ShardStream(IterableDataset):
         if images:
             yield self._batch(images, labels, worker, epoch, skips)
             sent += 1
-        if self.follow:
-            for _ in range(most - sent):
-                yield {"worker": worker, "epoch": epoch, "tick": True}
+        while self.follow and sent < most:  # one tick an item up to TICK_ITEMS items, then one for the rest
+            n = 1 if sent < min(most, TICK_ITEMS) - 1 else most - sent
+            yield {"worker": worker, "epoch": epoch, "ticks": n}
+            sent += n
         yield {"worker": worker, "epoch": epoch, "skips": dict(skips), "end": True}  # the final counts
         return True
 
@@ -266,7 +272,10 @@ class ShardStream(IterableDataset):
         the most batches any of this rank's workers can make, a worker with fewer filling up with
         empty ticks. The DataLoader takes items from its workers strictly in turn, so a worker with
         fewer batches would otherwise run ahead into later epochs by that many items every epoch,
-        and the main process would hold ever more of its batches (memory, shared-memory files)."""
+        and the main process would hold ever more of its batches (memory, shared-memory files).
+        Past TICK_ITEMS items a worker's remaining ticks go as one item carrying their count: a
+        manifest that overcounts a shard a millionfold (a remote one, whose size is not checked)
+        pads the epoch at once instead of keeping the loader busy with ticks for hours."""
         counts = self.shards.counts
         return max(math.ceil(sum(counts[s] for s in b) / self.batch_size) for b in self.plan(epoch).bins)
 

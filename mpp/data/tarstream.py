@@ -143,14 +143,24 @@ def _decompressed(f: BinaryIO) -> BinaryIO:
         head = f.read(10)
         f = _Prefixed(head, f)
     raw = _Counted(f)
-    if head.startswith(b"\x1f\x8b"):
+    kind = compression(head)
+    if kind == "gzip":
         return _Inflated(gzip.GzipFile(fileobj=raw), raw)
-    # bzip2's magic and its first block's: a plain tar's first member may be named 'BZh...'
-    if head[:3] == b"BZh" and head[3:4] in b"123456789" and head[4:10] == b"1AY&SY":
+    if kind == "bzip2":
         return _Inflated(_Bzip2(raw), raw)
-    if head.startswith(b"\xfd7zXZ\x00"):
+    if kind == "xz":
         return _Inflated(lzma.LZMAFile(raw), raw)
     return f
+
+
+def compression(head: bytes) -> str | None:
+    """'gzip', 'bzip2' or 'xz' where a stream's first 10 bytes are that compressor's, else None."""
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    # bzip2's magic and its first block's: a plain tar's first member may be named 'BZh...'
+    if head[:3] == b"BZh" and head[3:4] in b"123456789" and head[4:10] == b"1AY&SY":
+        return "bzip2"
+    return "xz" if head.startswith(b"\xfd7zXZ\x00") else None
 
 
 class _Counted:
