@@ -250,6 +250,17 @@ def test_a_subset_scan_that_cannot_read_a_shard_stops_in_one_line(tmp_path):
         make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True, data_cfg=cfg(), subset=(0.5, 0))
 
 
+def test_a_key_twice_in_a_scanned_shard_is_refused_in_one_line(tmp_path):
+    """A subset keeps samples by key: a shard (not from make_shards) that holds one key twice, with
+    other labels, put both samples in the development split and in the training part alike."""
+    manifest, _ = write_shards(tmp_path, [12, 12], classes=2,
+                               extra=lambda s, j: {"__key__": "s1_0", "cls": b"1"} if (s, j) == (1, 11) else {})
+    for dev in (True, False):
+        with pytest.raises(DataError, match=r"shard '.*000001.tar' holds two samples of key 's1_0'.*unique keys"):
+            make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True, data_cfg=cfg(),
+                        subset=(1, 0, 0.5, dev))
+
+
 def test_labeled_loader_on_unlabeled_shards_errors(tmp_path):
     manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=None)
     with pytest.raises(DataError, match="unlabeled"):

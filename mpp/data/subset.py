@@ -35,12 +35,19 @@ LABEL_BYTES_PER_SAMPLE = 4096  # a [key, label] pair of the label index: a long 
 def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
     """(key, label) of every sample of a shard with a valid `cls` member. A shard that cannot be
     read to its end is a DataError: every rank draws the subset from its own pass, and ranks that
-    read a shard differently (a transient failure) would get other subsets and batch counts."""
-    out, errors = [], []
+    read a shard differently (a transient failure) would get other subsets and batch counts. So is
+    a key that comes twice (make_shards never writes one): a subset keeps samples by key, so both
+    would go where either was drawn, into the development split and the training part alike."""
+    out, errors, seen = [], [], set()
     for name, data in tar_members(url, errors, select=lambda name: member_ext(name) == "cls"):  # as the stream reads
         key, _ = base_plus_ext(name)
         if key is None:  # a name the stream ignores ('.cls' at the top)
             continue
+        if key in seen:
+            raise DataError(f"shard '{url}' holds two samples of key {key!r}, which a label subset cannot tell apart "
+                            "(both would go to the development split and the training part); rewrite the shards "
+                            "with unique keys (tools/make_shards.py)")
+        seen.add(key)
         try:
             out.append((key, read_label(data, num_classes)))
         except (ValueError, UnicodeDecodeError):
