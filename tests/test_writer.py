@@ -164,6 +164,9 @@ def test_manifest_label_index_and_shards_agree_or_the_reader_says_so(folder: Pat
     # the manifest's total, its classes, the label index's digest, counts and labels must agree
     for edit, message in [
         (lambda d: d.update(num_samples=d["num_samples"] + 1), "num_samples is 22 but its shards hold 21"),
+        (lambda d: d.update(num_samples="21"), "num_samples must be a whole number, got '21'"),
+        (lambda d: d.update(num_samples=float("nan")), "num_samples must be a whole number, got nan"),
+        (lambda d: d["shards"][0].update(num_samples=5.9), "a shard's num_samples is 5.9, not a whole number"),
         (lambda d: d.update(classes=["a_cls", "b_cls", "a_cls"]), "class 'a_cls' is listed twice"),
     ]:
         rewrite(manifest, edit)

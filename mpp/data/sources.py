@@ -69,7 +69,9 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
             m = json.load(f)
         shards = m["shards"]
         names = [s["name"] for s in shards]
-        counts = [int(s["num_samples"]) for s in shards]
+        counts = [s["num_samples"] for s in shards]
+        if (bad := next((c for c in counts if not _whole(c)), None)) is not None:
+            raise ValueError(f"a shard's num_samples is {bad!r}, not a whole number")
         sizes = [None if s.get("bytes") is None else int(s["bytes"]) for s in shards]
         if min(counts, default=0) < 0 or min((b for b in sizes if b is not None), default=0) < 0:
             raise ValueError("a shard's num_samples or bytes is negative")
@@ -84,6 +86,8 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
     for name in names + ([labels] if labels else []):
         _check_manifest_name(path, name)
     fix = "the manifest does not describe its shards; re-run tools/make_shards.py"
+    if "num_samples" in m and not _whole(m["num_samples"]):
+        raise DataError(f"{path}: num_samples must be a whole number, got {m['num_samples']!r}; {fix}")
     if "num_samples" in m and m["num_samples"] != sum(counts):
         raise DataError(f"{path}: num_samples is {m['num_samples']!r} but its shards hold {sum(counts)}; {fix}")
     if classes is not None and len(set(classes)) < len(classes):
@@ -98,6 +102,11 @@ def _read_manifest(path: str) -> tuple[ShardSet, list[int | None]]:
     digest = m.get("labels_sha256") if labels else None
     return ShardSet(urls, counts, classes, exact=True, labels=_beside(base, labels) if labels else None,
                     labels_sha256=digest), sizes
+
+
+def _whole(n) -> bool:
+    """Whether a manifest's count is a JSON whole number (not a string, a fraction, NaN or a bool)."""
+    return isinstance(n, int) and not isinstance(n, bool)
 
 
 def _check_sizes(manifest: str, shards: ShardSet, sizes: list[int | None]) -> None:
