@@ -162,6 +162,14 @@ def test_odd_decoder_errors_and_16_bit_images():
     from mpp.data.writer import probe_image  # make_shards skips it, saying why
     with pytest.raises(ValueError, match="floating-point pixels"):
         probe_image(floats.getvalue())
+    wide = io.BytesIO()  # 32-bit integers (PIL mode I) past 16 bits: clipped at 65535, they trained as white
+    Image.fromarray(np.arange(600, dtype=np.int32).reshape(20, 30) * 1000).save(wide, "TIFF")
+    images, _ = decode_batch([{"__key__": "d", "tiff": wide.getvalue()}], build_transform(16, False, DataConfig()),
+                             random.Random(0), labeled=False, num_classes=None, max_pixels=CAP, skips=skips)
+    assert images == [] and skips == {"corrupt_image": 2}
+    with pytest.raises(ValueError, match="integer pixels beyond 16 bits"):
+        probe_image(wide.getvalue())
+    assert probe_image(grey.getvalue()) == "png"
 
 
 def test_randaugment_follows_the_crop_rng_and_is_off_at_zero_ops():

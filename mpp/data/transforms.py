@@ -74,9 +74,14 @@ def _attempt(fn, *args):
 
 def _rgb(img: Image.Image) -> Image.Image:
     """`img` in RGB. 16-bit integer greyscale (PIL's I;16 modes, and I, which 16-bit PNGs and TIFFs
-    open as) is scaled to 8 bits first: PIL's conversion clips it at 255, a white image."""
+    open as) is scaled to 8 bits first: PIL's conversion clips it at 255, a white image. Mode I
+    values outside 16 bits (a 32-bit TIFF) are a ValueError (counted as corrupt_image), as a float
+    image is: clipped at 65535 they came out white."""
     if img.mode in ("I;16", "I;16L", "I;16B", "I"):
-        img = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
+        pixels = np.asarray(img, dtype=np.int64)
+        if img.mode == "I" and pixels.size and not 0 <= pixels.min() <= pixels.max() <= 65535:
+            raise ValueError(f"integer pixels beyond 16 bits ({pixels.min()}..{pixels.max()}, PIL mode I)")
+        img = Image.fromarray((pixels.clip(0, 65535) >> 8).astype(np.uint8), "L")
     return img if img.mode == "RGB" else img.convert("RGB")
 
 

@@ -79,6 +79,8 @@ def probe_image(data: bytes, max_pixels: int = DataConfig.max_pixels) -> str:
             if fmt == "JPEG":
                 im.draft(im.mode, (1, 1))  # 1/8-scale decode: still reads every byte
             im.load()
+            if im.mode == "I" and not 0 <= min(im.getextrema()) <= max(im.getextrema()) <= 65535:  # as the loader
+                raise ValueError("integer pixels beyond 16 bits (PIL mode I); convert it to 8 or 16 bits")  # refuses
     except ValueError:
         raise
     except Exception as e:  # PIL raises many kinds for bad data
