@@ -659,6 +659,22 @@ def test_unequal_rank_shares_are_warned_about(tmp_path, caplog):
 
 
 
+def test_a_timeout_without_workers_to_watch_is_warned_about_once(tmp_path, caplog, monkeypatch):
+    """data.timeout watches the data workers: with num_workers=0 a stalled read waits forever, which
+    docs/data.md's stall error never said; warned about once, not where a timeout is 0 or workers read."""
+    from mpp.data import loader as loader_module
+    monkeypatch.setattr(loader_module, "_unwatched", [], raising=False)
+    manifest, _ = write_shards(tmp_path, [8, 8], size=8)
+    said = []
+    for workers, timeout in ((1, 600), (0, 0), (0, 600), (0, 600)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mpp.data"):
+            make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True,
+                        data_cfg=cfg(num_workers=workers, timeout=timeout))
+        said.append(any("data.timeout needs data.num_workers >= 1" in r.getMessage() for r in caplog.records))
+    assert said == [False, False, True, False]
+
+
 def test_a_training_batch_larger_than_a_ranks_data_is_warned_about(tmp_path, caplog):
     """32 samples a rank cut every step of batch_size 64 to 32 (it went unsaid); a batch that fits,
     or an evaluation loader, says nothing."""
