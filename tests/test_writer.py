@@ -590,6 +590,32 @@ def test_a_tar_sources_links_and_replaced_members_are_counted_and_a_cut_tar_refu
     assert not (tmp_path / "cut_out").exists()
 
 
+def test_a_dangling_link_a_fifo_and_a_device_are_skipped_and_counted(folder: Path, tmp_path: Path):
+    """A folder's dangling link and FIFO, and a source tar's FIFO and device members, were dropped
+    unsaid: missing from the manifest's `skipped`; they are counted like any file not written (a
+    FIFO never read: it would wait forever)."""
+    src = tmp_path / "src.tar"
+    with tarfile.open(src, "w") as tar:
+        tar.add(folder, arcname="src")
+    before, before_tar = (write_shards(s, tmp_path / f"b{i}", progress=False) for i, s in enumerate((folder, src)))
+    (folder / "a_cls" / "dangling.jpg").symlink_to(folder / "a_cls" / "gone.jpg")
+    os.mkfifo(folder / "b_cls" / "fifo.jpg")
+    m = write_shards(folder, tmp_path / "out", progress=False)
+    examples = "\n".join(m["skipped"]["examples"])
+    assert m["skipped"]["count"] == before["skipped"]["count"] + 2 and m["num_samples"] == before["num_samples"]
+    assert "a_cls/dangling.jpg: " in examples and "b_cls/fifo.jpg: not a regular file" in examples, examples
+    with tarfile.open(src, "a") as tar:
+        for name, kind in (("src/a_cls/fifo.jpg", tarfile.FIFOTYPE), ("src/b_cls/null.jpg", tarfile.CHRTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            tar.addfile(info)
+    m = write_shards(src, tmp_path / "from_tar", progress=False)
+    examples = "\n".join(m["skipped"]["examples"])
+    assert m["skipped"]["count"] == before_tar["skipped"]["count"] + 2
+    assert m["num_samples"] == before_tar["num_samples"]
+    assert examples.count("not a regular file (a FIFO, socket or device)") == 2, examples
+
+
 def test_a_compressed_source_is_not_held_in_memory(tmp_path: Path):
     """A .tar.gz was read whole into memory to shuffle its members; it is decompressed into a
     temporary file and read member by member, like a plain tar."""

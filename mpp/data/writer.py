@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import tarfile
 import tempfile
 import zlib
@@ -318,17 +319,27 @@ def _image_name(name: str) -> bool:
 
 
 def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
+    """Every entry but folders (a dangling link, a FIFO too: their readers raise, so they are
+    skipped and counted, not dropped unsaid) and readers for them."""
     names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if p.is_file() and not any(part.startswith(STAGING) for part in p.relative_to(root).parts))
+                   if not p.is_dir() and not any(part.startswith(STAGING) for part in p.relative_to(root).parts))
     return names, [functools.partial(_read_file, root / n) for n in names]
 
 
 def _read_file(path: Path) -> bytes:
     """A file's bytes; one past `MAX_MEMBER` (what the loader reads of a member) is not read: the
-    error skips and counts it, where written it would cost the reader the rest of its shard."""
-    if (size := path.stat().st_size) > MAX_MEMBER:
-        raise ValueError(_past_limit(size))
+    error skips and counts it, where written it would cost the reader the rest of its shard; nor is
+    one that is no regular file (a FIFO would wait forever) or a dangling link (its stat raises)."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(_not_a_file())
+    if st.st_size > MAX_MEMBER:
+        raise ValueError(_past_limit(st.st_size))
     return path.read_bytes()
+
+
+def _not_a_file() -> str:
+    return "not a regular file (a FIFO, socket or device), which make_shards does not read"
 
 
 def _past_limit(size: int, what: str = "") -> str:
@@ -339,9 +350,9 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
     """Member names (without a single common top folder of the files) and readers for any order,
     seeking in a plain tar (`_random_access`). A member past `MAX_MEMBER` (the most the loader
     reads) or a sparse one (a 10 KB archive can declare any size) is never read, nor a link (not
-    followed), nor a member that a later one of the same path replaces (as extracting the tar
+    followed) or a device or FIFO, nor a member that a later one of the same path replaces (as extracting the tar
     would): their readers raise, and each is skipped and counted."""
-    members = sorted((m for m in tar.getmembers() if m.isfile() or m.islnk() or m.issym()), key=lambda m: m.name)
+    members = sorted((m for m in tar.getmembers() if not m.isdir()), key=lambda m: m.name)
     names = [os.path.normpath(m.name).lstrip("/") for m in members]
     # links, never written, decide nothing, nor a zip's '__MACOSX/' or a hidden folder (macOS archives hold both)
     files = [n for n, m in zip(names, members) if m.isfile() and not _junk(n.split("/", 1)[0])]
@@ -360,7 +371,9 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
 def _reader(tar: tarfile.TarFile, m: tarfile.TarInfo, latest: tarfile.TarInfo) -> Callable[[], bytes]:
     """Member `m`'s bytes on call, or, for a member that is not written (`latest`: the last member
     of its path), a reader that raises why: the writer then skips and counts it."""
-    if not m.isfile():
+    if m.isdev():
+        why = _not_a_file()
+    elif not m.isfile():
         why = "a link, which make_shards does not follow; store the file"
     elif latest is not m:
         why = "replaced by a later member of the same path"
