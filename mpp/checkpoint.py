@@ -283,14 +283,15 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
     tensors (another model or objective) are a ConfigError naming the checkpoint and its config:
     resume=auto would find no better one in that run, whose checkpoints are sound."""
     path = Path(path)
-    _check_digests(path, ("state.pt", "model.safetensors", f"rng_{accelerator.process_index}.pt"))
+    _check_digests(path, ("state.pt",))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     if bad := _misstated(state):  # untrusted: a damaged or crafted state is refused like a corrupt file
         raise ValueError(f"state.pt lacks, mistypes or misstates {', '.join(bad)}")
-    if state["world_size"] != accelerator.num_processes:
+    if state["world_size"] != accelerator.num_processes:  # said alike on every rank, before any rank's own file
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "
                          "split and per-rank RNG depend on it) or start afresh in another output_dir")
+    _check_digests(path, ("model.safetensors", f"rng_{accelerator.process_index}.pt"))
     try:
         load_model(model, str(path / "model.safetensors"))  # copied into the parameters on their device
     except RuntimeError:  # the file read, its tensors do not fit

@@ -113,13 +113,20 @@ def _stop_on_sigterm():
         yield
         return
     def stop(signum, frame):
-        raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
-                         "stopped, nothing lost; the same command resumes from the last checkpoint")
+        raise _Preempted  # not an Exception: no handler of a damaged file or shard may take it for one
     old = signal.signal(signal.SIGTERM, stop)
     try:
         yield
+    except _Preempted:
+        raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
+                         "stopped, nothing lost; the same command resumes from the last checkpoint") from None
     finally:
         signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
+
+
+class _Preempted(BaseException):
+    """SIGTERM outside the loop, raised where it lands, as Ctrl-C's KeyboardInterrupt is: an
+    `except Exception` around a checkpoint's load or a shard's read would count it as their damage."""
 
 
 def train(cfg: Config) -> dict:
@@ -131,10 +138,10 @@ def train(cfg: Config) -> dict:
             run = setup(cfg)
             try:
                 loop(run)
+                return finish(run)  # which closes them itself when it ends well
             except BaseException:
                 _close_after_error(run)
                 raise
-            return finish(run)  # which closes them itself
     finally:
         rundir.unlock(cfg.output_dir)
 

@@ -159,24 +159,43 @@ def test_the_rest_of_a_killed_removal_goes_when_the_run_starts_again(run, tmp_pa
     assert sorted(os.listdir(out / "checkpoints")) == [f"step_000000{s}" for s in (1, 2, 3, 4)]
 
 
-def test_a_sigterm_outside_the_steps_stops_the_run_in_one_line(run, tmp_path, monkeypatch):
+def test_a_sigterm_outside_the_steps_stops_the_run_in_one_line(run, tmp_path, monkeypatch, capfd):
     """SIGTERM during set-up, a start-up probe, the export or the final evaluation ended the
-    process without a word (a preemption looked like a crash): it raises Terminated (exit 143)."""
+    process without a word (a preemption looked like a crash): it raises Terminated (exit 143),
+    also where it lands inside an `except Exception` (here a checkpoint's load, which would have
+    counted it as the checkpoint's damage and gone on from an older one), and touches nothing."""
     import signal
-    import time
     import mpp.train
     from mpp.train import Terminated
-    data, _ = run
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    load = mpp.train.load_checkpoint
 
-    def preempted(cfg):
+    def preempted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
-        pytest.fail("SIGTERM did not stop the set-up")
-    monkeypatch.setattr(mpp.train, "setup", preempted)
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Terminated, match="SIGTERM outside the training steps .* nothing lost; the same command resumes"):
-        train(load_config(None, items(data, tmp_path / "run")))
-    assert signal.getsignal(signal.SIGTERM) == before
+        return load(*args, **kwargs)
+    monkeypatch.setattr(mpp.train, "load_checkpoint", preempted)
+    handler = signal.getsignal(signal.SIGTERM)
+    with cpu_only(), pytest.raises(Terminated, match="SIGTERM outside the training steps .* nothing lost; the same "
+                                                     "command resumes"):
+        train(load_config(None, items(data, out)))
+    assert signal.getsignal(signal.SIGTERM) == handler
+    assert "resume skipped" not in capfd.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_of_fewer_processes_is_refused_alike_on_every_rank(run):
+    """Every rank must raise the same error before the ranks' agreement on a resume: a rank whose
+    rng_R.pt the checkpoint never wrote failed its digest check (damaged) while the others refused
+    the process count, and it waited in the collective the others never reached."""
+    from types import SimpleNamespace
+    from mpp.checkpoint import load_checkpoint
+    _, done = run
+    for rank in (0, 1):
+        with pytest.raises(ConfigError, match="written by 1 processes, this run has 2"):
+            load_checkpoint(SimpleNamespace(process_index=rank, num_processes=2, scaler=None),
+                            done / "checkpoints/step_0000004", None, None)
 
 
 def test_the_umask_is_read_without_setting_it(monkeypatch):

@@ -86,7 +86,7 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
 def read_images(data, img_size: int, count: int, data_cfg: DataConfig, num_samples: int = 0) -> torch.Tensor:
     """The first `count` images of `data` (shard order, evaluation crop), uint8 (B, 3, H, W);
     `num_samples`: the data's sample count where it is no manifest (a shard list or pattern)."""
-    cfg = dataclasses.replace(data_cfg, num_workers=0)
+    cfg = dataclasses.replace(data_cfg, num_workers=0, timeout=0)  # no worker to watch
     loader = make_loader(data, batch_size=min(count, 64), img_size=img_size, train=False, labeled=False,
                          data_cfg=cfg, rank=0, world_size=1, num_samples=num_samples)
     got = []
