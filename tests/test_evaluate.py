@@ -722,13 +722,14 @@ def test_evaluator_passes_l2_and_reads_enough_shots(monkeypatch):
     def fake_read(spec, n, *, cfg, img_size, limit):
         limits.append(limit(1000, ["a", "b", "c", "d"]))
         g = torch.Generator().manual_seed(len(limits))
-        return torch.randint(0, 256, (16, 3, img_size, img_size), dtype=torch.uint8, generator=g), torch.arange(16) % 4
+        return (torch.randint(0, 256, (16, 3, img_size, img_size), dtype=torch.uint8, generator=g),
+                torch.arange(16) % 4, {})
     monkeypatch.setattr(fs_mod, "_read_images", fake_read)
     monkeypatch.setattr(fs_mod, "class_count", lambda spec, n, labels: int(labels.max()) + 1)  # no shards to read
     calls = []
     real = fs_mod.fewshot_eval
     monkeypatch.setattr(fs_mod, "fewshot_eval", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    ev._data = {}
+    ev._data, ev._skipped = {}, {}
     with pytest.warns(UserWarning, match="4 of 4 classes have fewer training images than 5 shots"):  # 4 each read
         ev.run(create_encoder("vit_micro4_32", attn="math"))
     assert calls and all(kw["l2"] == 7.0 for kw in calls)
