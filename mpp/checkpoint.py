@@ -31,12 +31,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from mpp.config import ConfigError
-from accelerate.utils import gather_object
-
 from mpp.fileio import atomic_path, file_sha256, fsync, write_atomic
 from mpp.models import mismatched, nonfinite
 

@@ -659,11 +659,11 @@ def test_unequal_rank_shares_are_warned_about(tmp_path, caplog):
 
 
 
-def test_a_timeout_without_workers_to_watch_is_warned_about_once(tmp_path, caplog, monkeypatch):
+def test_a_timeout_without_workers_to_watch_is_warned_about_once(tmp_path, caplog):
     """data.timeout watches the data workers: with num_workers=0 a stalled read waits forever, which
     docs/data.md's stall error never said; warned about once, not where a timeout is 0 or workers read."""
     from mpp.data import loader as loader_module
-    monkeypatch.setattr(loader_module, "_unwatched", [], raising=False)
+    loader_module._warn_unwatched.cache_clear()  # an earlier test may have had it said
     manifest, _ = write_shards(tmp_path, [8, 8], size=8)
     said = []
     for workers, timeout in ((1, 600), (0, 0), (0, 600), (0, 600)):

@@ -64,7 +64,13 @@ WORKER_START = "fork" if sys.platform == "linux" else None
 # it keeps pinned copies and frees the slots at once). Slots take memory only once written to.
 SLOTS_PER_WORKER = 7
 
-_unwatched: list[bool] = []  # whether a loader without workers to watch for data.timeout was warned about
+
+@functools.cache
+def _warn_unwatched() -> None:
+    """Once a process: data.timeout asked of a loader with no worker to watch."""
+    log.warning("warning: data.timeout needs data.num_workers >= 1: with num_workers=0 the shards are read in this "
+                "process, and a shard read that stalls (a hung mount or stream) waits forever; set "
+                "data.num_workers >= 1, or data.timeout=0 to say so")
 
 
 class ShardLoader:
@@ -138,11 +144,8 @@ class ShardLoader:
         # own generator: creating the iterator draws a base seed, which must not come from (and
         # shift) the global torch RNG that training draws from, or a resumed run would diverge
         self.timeout = data_cfg.timeout if self.num_workers else 0  # one process: no worker to wait for
-        if data_cfg.timeout and not self.num_workers and not _unwatched:
-            _unwatched.append(True)
-            log.warning("warning: data.timeout needs data.num_workers >= 1: with num_workers=0 the shards are read "
-                        "in this process, and a shard read that stalls (a hung mount or stream) waits forever; set "
-                        "data.num_workers >= 1, or data.timeout=0 to say so")
+        if data_cfg.timeout and not self.num_workers:
+            _warn_unwatched()
         self._dataloader = functools.partial(
             DataLoader, self.stream, batch_size=None, num_workers=self.num_workers,
             timeout=self.timeout,  # a restart's wait (`_worker_items`); each item's is a watch (`_next_item`)

@@ -72,16 +72,22 @@ def _attempt(fn, *args):
         return None
 
 
+def beyond_16_bits(img: Image.Image) -> bool:
+    """A mode-I image with values outside 0..65535 (a 32-bit TIFF): no 8-bit pixels are read from
+    it (clipped at 65535 it came out white), by the loader or by make_shards."""
+    lo, hi = (img.getextrema() or (0, 0)) if img.mode == "I" else (0, 0)
+    return not 0 <= lo <= hi <= 65535
+
+
 def _rgb(img: Image.Image) -> Image.Image:
     """`img` in RGB. 16-bit integer greyscale (PIL's I;16 modes, and I, which 16-bit PNGs and TIFFs
     open as) is scaled to 8 bits first: PIL's conversion clips it at 255, a white image. Mode I
-    values outside 16 bits (a 32-bit TIFF) are a ValueError (counted as corrupt_image), as a float
-    image is: clipped at 65535 they came out white."""
+    values outside 16 bits (`beyond_16_bits`) are a ValueError (counted as corrupt_image), as a
+    float image is."""
     if img.mode in ("I;16", "I;16L", "I;16B", "I"):
-        pixels = np.asarray(img, dtype=np.int64)
-        if img.mode == "I" and pixels.size and not 0 <= pixels.min() <= pixels.max() <= 65535:
-            raise ValueError(f"integer pixels beyond 16 bits ({pixels.min()}..{pixels.max()}, PIL mode I)")
-        img = Image.fromarray((pixels.clip(0, 65535) >> 8).astype(np.uint8), "L")
+        if beyond_16_bits(img):
+            raise ValueError("integer pixels beyond 16 bits ({}..{}, PIL mode I)".format(*img.getextrema()))
+        img = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
     return img if img.mode == "RGB" else img.convert("RGB")
 
 

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from mpp.config import DataConfig
 from mpp.data.sources import META
 from mpp.data.tarstream import BLOCK, MAX_MEMBER
+from mpp.data.transforms import beyond_16_bits
 from mpp.fileio import fsync, write_atomic
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ def probe_image(data: bytes, max_pixels: int = DataConfig.max_pixels) -> str:
             if fmt == "JPEG":
                 im.draft(im.mode, (1, 1))  # 1/8-scale decode: still reads every byte
             im.load()
-            if im.mode == "I" and not 0 <= min(im.getextrema()) <= max(im.getextrema()) <= 65535:  # as the loader
-                raise ValueError("integer pixels beyond 16 bits (PIL mode I); convert it to 8 or 16 bits")  # refuses
+            if beyond_16_bits(im):  # as the loader refuses it
+                raise ValueError("integer pixels beyond 16 bits (PIL mode I); convert it to 8 or 16 bits")
     except ValueError:
         raise
     except Exception as e:  # PIL raises many kinds for bad data
@@ -125,6 +126,7 @@ def _padded(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
+NOT_A_FILE = "not a regular file (a FIFO, socket or device), which make_shards does not read"
 STAGING = ".mpp-staging."  # the name of `_staged`'s folder starts so: no data set, nor a source's class
 
 
@@ -332,14 +334,10 @@ def _read_file(path: Path) -> bytes:
     one that is no regular file (a FIFO would wait forever) or a dangling link (its stat raises)."""
     st = path.stat()
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(_not_a_file())
+        raise ValueError(NOT_A_FILE)
     if st.st_size > MAX_MEMBER:
         raise ValueError(_past_limit(st.st_size))
     return path.read_bytes()
-
-
-def _not_a_file() -> str:
-    return "not a regular file (a FIFO, socket or device), which make_shards does not read"
 
 
 def _past_limit(size: int, what: str = "") -> str:
@@ -372,7 +370,7 @@ def _reader(tar: tarfile.TarFile, m: tarfile.TarInfo, latest: tarfile.TarInfo) -
     """Member `m`'s bytes on call, or, for a member that is not written (`latest`: the last member
     of its path), a reader that raises why: the writer then skips and counts it."""
     if m.isdev():
-        why = _not_a_file()
+        why = NOT_A_FILE
     elif not m.isfile():
         why = "a link, which make_shards does not follow; store the file"
     elif latest is not m:

@@ -72,7 +72,7 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     run = path if path.is_dir() else path.parent
     if not path.exists():  # named as given: 'runs/lr=0.1/mpp' is no label 'runs/lr' of '0.1/mpp'
         raise UsageError(f"--encoder {spec}: no such file or directory; give a run dir, an "
-                                "encoder.safetensors with model.json beside it, or none:PRESET")
+                         "encoder.safetensors with model.json beside it, or none:PRESET")
     if (run / "config.yaml").is_file():
         data = load_config(run / "config.yaml").data
     else:  # an exported encoder alone: the normalisation its model.json records, if it does
