@@ -246,6 +246,36 @@ def test_a_shard_read_that_stalls_ends_in_one_error_after_data_timeout(tmp_path)
         loader.close()
 
 
+def test_a_stalled_pipe_command_ends_with_the_run(tmp_path):
+    """A pipe: command that hangs (here a shell that sleeps) made the stall error, but outlived the
+    run: torch ends the worker reading it, and the shell and its children were left behind."""
+    import subprocess
+    import sys
+    import time
+    write_shards(tmp_path, [4, 4])
+    marker = f"{time.time_ns() % 10**9}.25"  # a sleep no other process runs
+    script = f"""
+from mpp.config import DataConfig
+from mpp.data import make_loader
+from mpp.data.decode import DataError
+urls = ["pipe:sleep {marker}; cat {tmp_path}/000000.tar", "pipe:cat {tmp_path}/000001.tar"]
+loader = make_loader(urls, batch_size=4, img_size=8, train=True, labeled=True, num_samples=8,
+                     data_cfg=DataConfig(num_workers=1, timeout=1, shuffle_buffer=0))
+try:
+    list(loader.epoch(0))
+except DataError:
+    print("stalled")
+"""
+    with open(tmp_path / "stderr", "w") as err:  # a file: a command left behind would hold a pipe open
+        run = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err, text=True, timeout=60)
+    assert run.stdout.strip() == "stalled", (tmp_path / "stderr").read_text()
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout.split()
+    for pid in left:
+        os.kill(int(pid), 9)
+    assert not left
+
+
 def test_workers_that_read_slowly_are_no_stall(tmp_path):
     """The wait for a batch counts towards data.timeout only while the workers read nothing: a
     worker filling its cache from every shard of the rank at its first epoch's end (here slow

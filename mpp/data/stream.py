@@ -61,10 +61,39 @@ def _worker_sigterm(shield, signum, frame) -> None:
     before its checkpoint, mpp.train); otherwise the worker ends of it as by default (torch stops a
     worker that does not finish with SIGTERM). A handler, not SIG_IGN, which would outlast the
     loop; so the commands a worker starts (pipe:, curl) have the default action: a group's
-    SIGTERM ends them, and the shards they were reading count as cut short."""
+    SIGTERM ends them, and the shards they were reading count as cut short. A worker that ends
+    ends them too (`_end_descendants`): torch ends a worker that a stalled read holds (data.timeout)
+    with this signal, and its pipe: command, hung, outlived the run."""
     if not shield.value:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        try:
+            _end_descendants(os.getpid())
+        finally:  # the worker ends, whatever happened there: an error raised here would go on in its read
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+def _end_descendants(pid: int) -> None:
+    """SIGTERM to every process `pid` started, their own children included (a pipe: command runs
+    in a shell, and a pipeline's commands are the shell's children): read from /proc's parent
+    links, where there is one."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():  # self, sys, ...
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rpartition(")")[2].split()[1])  # the name in () may hold spaces
+        except (OSError, ValueError, IndexError):  # not a process, or one that just ended
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    todo = list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        todo.extend(children.get(child, ()))
+        try:
+            os.kill(child, signal.SIGTERM)
+        except OSError:  # ended meanwhile
+            pass
 
 
 def raw_bytes(sample: dict) -> int:
