@@ -23,6 +23,7 @@ from (seed, epoch, rank, worker), so a worker's stream is the same whenever it i
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -33,6 +34,7 @@ import signal
 import warnings
 from typing import Iterator
 
+import psutil
 from torch.utils.data import IterableDataset, get_worker_info
 
 from mpp.data.decode import DataError, decode_batch
@@ -66,34 +68,18 @@ def _worker_sigterm(shield, signum, frame) -> None:
     with this signal, and its pipe: command, hung, outlived the run."""
     if not shield.value:
         try:
-            _end_descendants(os.getpid())
+            _end_descendants()
         finally:  # the worker ends, whatever happened there: an error raised here would go on in its read
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
 
-def _end_descendants(pid: int) -> None:
-    """SIGTERM to every process `pid` started, their own children included (a pipe: command runs
-    in a shell, and a pipeline's commands are the shell's children): read from /proc's parent
-    links, where there is one."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():  # self, sys, ...
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rpartition(")")[2].split()[1])  # the name in () may hold spaces
-        except (OSError, ValueError, IndexError):  # not a process, or one that just ended
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    todo = list(children.get(pid, ()))
-    while todo:
-        child = todo.pop()
-        todo.extend(children.get(child, ()))
-        try:
-            os.kill(child, signal.SIGTERM)
-        except OSError:  # ended meanwhile
-            pass
+def _end_descendants() -> None:
+    """SIGTERM to every process this one started, their own children included (a pipe: command runs
+    in a shell, and a pipeline's commands are the shell's children)."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            child.terminate()
 
 
 def raw_bytes(sample: dict) -> int:
