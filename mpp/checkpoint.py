@@ -261,15 +261,19 @@ def _check_same_optimizer(path: Path, optimizer, saved: dict) -> None:
                           "or start this run afresh in an output_dir of its own")
 
 
-def _check_digests(path: Path, names: tuple[str, ...]) -> None:
-    """Refuse (ValueError: damaged) files of checkpoint `path` whose bytes are not those it wrote;
-    a checkpoint from before digests were recorded is read unchecked."""
+def _read_digests(path: Path) -> dict | None:
+    """The digests checkpoint `path` recorded; None for a checkpoint from before they were (read unchecked)."""
     if not (path / DIGESTS).is_file():
-        return
+        return None
     recorded = json.loads((path / DIGESTS).read_text())
     if not isinstance(recorded, dict):
         raise ValueError(f"{DIGESTS} is not a mapping of file names to sha256 digests")
-    for name in names:
+    return recorded
+
+
+def _check_digests(path: Path, recorded: dict | None, names: tuple[str, ...]) -> None:
+    """Refuse (ValueError: damaged) files of checkpoint `path` whose bytes are not those it wrote."""
+    for name in names if recorded is not None else ():
         if name not in recorded:
             raise ValueError(f"{DIGESTS} records no digest of {name}")
         if file_sha256(path / name) != recorded[name]:
@@ -282,7 +286,8 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
     tensors (another model or objective) are a ConfigError naming the checkpoint and its config:
     resume=auto would find no better one in that run, whose checkpoints are sound."""
     path = Path(path)
-    _check_digests(path, ("state.pt",))
+    recorded = _read_digests(path)
+    _check_digests(path, recorded, ("state.pt",))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     if bad := _misstated(state):  # untrusted: a damaged or crafted state is refused like a corrupt file
         raise ValueError(f"state.pt lacks, mistypes or misstates {', '.join(bad)}")
@@ -290,7 +295,7 @@ def load_checkpoint(accelerator, path: str | Path, model: torch.nn.Module, optim
         raise ConfigError(f"checkpoint '{path}' was written by {state['world_size']} processes, this run has "
                          f"{accelerator.num_processes}; resume with the same number of processes (the data "
                          "split and per-rank RNG depend on it) or start afresh in another output_dir")
-    _check_digests(path, ("model.safetensors", f"rng_{accelerator.process_index}.pt"))
+    _check_digests(path, recorded, ("model.safetensors", f"rng_{accelerator.process_index}.pt"))
     try:
         load_model(model, str(path / "model.safetensors"))  # copied into the parameters on their device
     except RuntimeError:  # the file read, its tensors do not fit
