@@ -405,7 +405,7 @@ def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
     both = create("fewshot", _cfg(shards, tmp_path / "run"), "cpu").run(encoder)  # probe.pool=auto: every candidate
     assert set(both) == {f"{p}/{k}" for p in ("token", "avg") for k in first}
     assert all(both[f"token/{k}"] == v for k, v in first.items())
-    tr_x, _, te_x, _ = evaluator._data[16]
+    tr_x, _, te_x, _, _ = evaluator._data[16]
     # class-balanced subsets: per-class rounding moves the totals by at most one per class
     assert tr_x.dtype == torch.uint8 and abs(len(te_x) - 40) <= 4 and len(tr_x) <= 5 * 2 * 4 + 4
 

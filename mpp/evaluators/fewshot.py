@@ -143,8 +143,8 @@ class Evaluator:
         if cfg.data.train:  # the encoder watched learns from data.train, with or without its labels
             warn_shared(resolve(cfg.data.train, cfg.data.num_samples or 1), test, ("data.train", "fewshot.test"))
         self.cfg, self.device = cfg, torch.device(device)
-        self._data: dict[int, tuple] = {}  # img_size -> (train images, labels, test images, labels)
-        self._skipped: dict[int, dict] = {}  # img_size -> the samples of both sets skipped by kind
+        # img_size -> (train images, labels, test images, labels, the samples of both sets skipped by kind)
+        self._data: dict[int, tuple] = {}
 
     def _load(self, img_size: int) -> tuple:
         fs = self.cfg.fewshot
@@ -153,8 +153,7 @@ class Evaluator:
                                        limit=lambda n, classes: per_class * len(classes) if classes else 0)
         *test, test_skipped = _read_images(fs.test, fs.test_num_samples, cfg=self.cfg, img_size=img_size,
                                            limit=lambda n, classes: fs.max_test)
-        self._skipped[img_size] = dict(Counter(skipped) + Counter(test_skipped))
-        return self._data.setdefault(img_size, (*train, *test))
+        return self._data.setdefault(img_size, (*train, *test, dict(Counter(skipped) + Counter(test_skipped))))
 
     def _features(self, encoder, images: torch.Tensor, pools: tuple[str, ...]) -> dict[str, torch.Tensor]:
         bs = eval_batch_size(self.cfg)
@@ -166,7 +165,7 @@ class Evaluator:
         fs = self.cfg.fewshot
         img_size = encoder_img_size(encoder)
         with preserved_rng():
-            tr_x, tr_y, te_x, te_y = self._data.get(img_size) or self._load(img_size)
+            tr_x, tr_y, te_x, te_y, skipped = self._data.get(img_size) or self._load(img_size)
             pools = candidate_pools(self.cfg.probe.pool)
             with eval_mode(encoder):
                 tr_f, te_f = self._features(encoder, tr_x, pools), self._features(encoder, te_x, pools)
@@ -175,4 +174,4 @@ class Evaluator:
             figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
                                    num_classes=classes)
             out.update({(f"{p}/{k}" if len(pools) > 1 else k): v for k, v in figures.items()})
-        return out | {f"skipped_{kind}": n for kind, n in self._skipped[img_size].items()}
+        return out | {f"skipped_{kind}": n for kind, n in skipped.items()}
