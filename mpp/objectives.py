@@ -1,7 +1,8 @@
 """Training objectives on top of the encoder: MPP (masked patch prediction), supervised, classify.
 
 A `Task` (from `build_task`) holds the encoder and the objective's head; `forward(images_uint8,
-labels=None) -> (loss, metrics)` with metrics as 0-d tensors (nothing here forces a host sync).
+labels=None) -> (loss, metrics)` with metrics as tensors (nothing here forces a host sync): 0-d means
+over the batch, or 1-d class counts, which the trainer sums over its log window and all ranks.
 Inputs are normalised for the encoder inside the Task (mean/std from the data config). MPP
 corrupts the patch embeddings (mpp.corruption), and its head predicts a target (mpp.targets) from
 the true pixels in [0, 1] for the chosen tokens alone; the encoder's last block computes its
@@ -33,12 +34,10 @@ def _linear(dim_in: int, dim_out: int, zero: bool = False) -> nn.Linear:
     return layer
 
 
-def _batch_mode_accuracy(classes: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Accuracy of always predicting the batch's most frequent class (bincount without a sync)."""
+def _class_counts(classes: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """How many of `classes` fall in each class, (num_classes,) float (bincount without a sync)."""
     flat = classes.reshape(-1)
-    counts = torch.zeros(num_classes, device=flat.device).scatter_add_(0, flat,
-                                                                       torch.ones_like(flat, dtype=torch.float))
-    return counts.max() / flat.numel()
+    return torch.zeros(num_classes, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float))
 
 
 class Task(nn.Module):
@@ -153,9 +152,11 @@ class MPPTask(Task):
             pix = exact(torch.gather(pix, 1, index.view(B, -1, 1, 1, 1).expand(-1, -1, *pix.shape[2:])))
             loss, guess, classes = self.target.loss(pred, pix, c.bits)
         with torch.no_grad():
+            # baseline: the counts of the classes `acc` scores (hog's are its 36 bins, more than the colours at
+            # mpp.bits=1); logged as the accuracy of always predicting the log window's most frequent one on all
+            # ranks, which a micro-batch's own mode would overstate (the more so the smaller it is)
             metrics = {"loss": loss.detach(), "acc": (guess == classes).float().mean(),
-                       # hog's classes are its 36 bins, more than the colours at mpp.bits=1
-                       "baseline": _batch_mode_accuracy(classes, max(self.num_colors, HOG_CELLS ** 2 * HOG_BINS))}
+                       "baseline": _class_counts(classes, max(self.num_colors, HOG_CELLS ** 2 * HOG_BINS))}
         return loss, metrics
 
 

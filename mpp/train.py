@@ -709,9 +709,11 @@ class _Window:
         self.norm, self.finite = self.zero.clone(), self.zero.clone()
 
     def add_micro(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], images: int) -> None:
-        """A micro-batch's mean loss and metrics, weighed by its size `images`."""
+        """A micro-batch's mean loss and metrics, weighed by its size `images`; a 1-d metric is
+        class counts, added as they are."""
         for k, v in {"loss": loss, **metrics}.items():
-            self.sums[k] = self.sums.get(k, self.zero) + v.detach().float() * images
+            v = v.detach().float()
+            self.sums[k] = self.sums.get(k, self.zero) + (v if v.dim() else v * images)
         self.images += images
 
     def add_step(self, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
@@ -720,13 +722,17 @@ class _Window:
 
     def read(self, accelerator: Accelerator) -> dict[str, float]:
         """Means over the window's samples, on all ranks (an epoch's smaller tail step weighs its
-        samples, not a step's share); the gradient norm (the same on every rank) over the window's
-        finite steps; `images`: the window's images on all ranks."""
+        samples, not a step's share); for class counts, the share of the window's most frequent
+        class on all ranks; the gradient norm (the same on every rank) over the window's finite
+        steps; `images`: the window's images on all ranks."""
         names = sorted(self.sums)
-        images = torch.full((), float(self.images), device=self.zero.device)  # a fill: no copy from the host
-        rows = accelerator.gather(torch.stack([self.sums[k] for k in names] + [self.norm, self.finite, images])[None])
-        total = rows.sum(0).tolist()
-        figures = {k: v / total[-1] for k, v in zip(names, total[:-3])}
+        images = torch.full((1,), float(self.images), device=self.zero.device)  # a fill: no copy from the host
+        parts = [self.sums[k].reshape(-1) for k in names] + [self.norm[None], self.finite[None], images]
+        total = accelerator.gather(torch.cat(parts)[None]).sum(0).tolist()
+        figures, at = {}, 0
+        for k in names:
+            v, at = total[at:at + self.sums[k].numel()], at + self.sums[k].numel()
+            figures[k] = max(v) / sum(v) if self.sums[k].dim() else v[0] / total[-1]
         figures["grad_norm"] = total[-3] / total[-2] if total[-2] else float("nan")
         figures["images"] = round(total[-1])
         return figures
