@@ -1,8 +1,8 @@
 """A process dies with the one that started it (Linux): a rank with its torchrun / accelerate
 launch, a comparison's stage with the comparison (`follow_parent`). Torch-free, so
 that the tools ask for it before their heavy imports: the kernel's request covers only the parent
-alive when it is made, and a launcher killed during a rank's seconds of start-up used to leave that
-rank orphaned (training on, holding the run directory, or joining the next launcher on the port)."""
+alive when it is made, and a launcher killed during a rank's seconds of start-up would otherwise
+leave that rank orphaned (training on, holding the run directory, or joining the next launcher on the port)."""
 from __future__ import annotations
 
 import ctypes

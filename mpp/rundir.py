@@ -15,8 +15,9 @@
   an encoder or metrics.json). It does not move the old run aside: the user says whether it goes.
 - `check_unfinished`: `train.resume=auto` refuses a finished run whose checkpoints were deleted,
   which a fresh start would overwrite.
-- `choose_checkpoint`: with `resume=auto`, the newest checkpoint that loads; the ones that do not
-  (corrupt, empty or crafted files, a `step_*` that is a file) are skipped and named.
+- `check_probe_dir`: a linear probe's OUTPUT_DIR holds no training run, nor a probe of other settings.
+- `candidates`: `resume=auto`'s checkpoints newest first, and the `step_*` entries that cannot be
+  one; `mpp.train._resume` loads them in that order and skips and names the ones that do not load.
 """
 from __future__ import annotations
 

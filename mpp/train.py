@@ -76,8 +76,8 @@ class _Sigterm:
     data workers leave it to this process (`mpp.data.shield_workers`); `now` says whether to stop
     after this step: on one process as soon as one came, on several only at a log window (a point
     that waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
-    blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it, 30 s
-    after the SIGTERM that used to."""
+    blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it 30 s
+    after its SIGTERM."""
 
     def __init__(self):
         self.got, self.old = False, None
@@ -107,8 +107,7 @@ class _Sigterm:
 def _stop_on_sigterm():
     """Outside the loop (set-up, a fine-tune's start-up probe, the export, the final evaluation)
     SIGTERM stops the run at once with one line (exit 143), as Ctrl-C does: nothing is done there
-    that the last checkpoint lacks, and the same command does it again. (It ended the process
-    without a word, a preemption indistinguishable from a crash.)"""
+    that the last checkpoint lacks, and the same command does it again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -61,7 +61,9 @@ WORKER_START = "fork" if sys.platform == "linux" else None
 
 # batch slots per worker: DataLoader's 2 prefetched batches, 1 being filled, and up to 4 held by the
 # consumer (the trainer's prefetcher off CUDA: the step's batch, 2 queued, 1 being staged; on CUDA
-# it keeps pinned copies and frees the slots at once). Slots take memory only once written to.
+# it keeps pinned copies and frees the slots at once); with train.grad_accum the step holds all its
+# micro-batches, and a batch that finds no free slot travels the usual way (`slots.BatchSlots`).
+# Slots take memory only once written to.
 SLOTS_PER_WORKER = 7
 
 

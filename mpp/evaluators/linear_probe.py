@@ -36,11 +36,11 @@ def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 
     """Weights (D + 1, C) of L2-regularised multinomial logistic regression (bias unregularised),
     fitted full-batch with L-BFGS from `init` (warm start) or zeros, to convergence: L-BFGS stops
     when the loss or the gradient stops changing, `max_iter` only caps a fit that never does (the
-    weak-L2 fits of ViT features need a few hundred iterations; a cap of 100 left a probe's refit
-    from zeros short of its optimum, a different fit from the one its L2 was chosen with). The
-    gradient is written out ((softmax - onehot)^T x / N) rather than autograd's, and the work is
-    class-major (C, N): with C ~ 10 as the outer dimension this CPU's matmuls run faster at a few
-    thousand samples and no slower at tens of thousands (docs/benchmarks.md)."""
+    weak-L2 fits of ViT features need a few hundred iterations; a refit from zeros stopped short
+    would differ from the fit its L2 was chosen with). The gradient is written out ((softmax -
+    onehot)^T x / N) rather than autograd's, and the work is class-major (C, N): with C ~ 10 as the
+    outer dimension the matmuls run faster at a few thousand samples and no slower at tens of
+    thousands (measured: docs/benchmarks.md)."""
     w = (torch.zeros(num_classes, x.shape[1] + 1) if init is None
          else init.T.clone(memory_format=torch.contiguous_format))
     w.requires_grad_(True)  # (C, D + 1), the transpose of what is returned
