@@ -186,7 +186,9 @@ class MaskedEncoder(nn.Module):
         """Normalised images (B, 3, H, W) -> tokens (B, 1 + N, D) after the final norm; with `rows`
         (long (B, K), token positions, 0 the [class] token) only those K tokens (B, K, D): the last
         block then computes queries, projection, MLP and the final norm for them alone (exact: every
-        other output of the last block is discarded anyway), keys and values for all tokens."""
+        other output of the last block is discarded anyway), keys and values for all tokens. timm's
+        `vit.set_grad_checkpointing()` is honoured: the blocks (with `rows`, all but the last)
+        recompute their activations in backward instead of keeping them."""
         v = self.vit
         x = v.patch_embed(x)
         if corruption is not None:

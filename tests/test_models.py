@@ -4,7 +4,9 @@ import json
 import pytest
 import timm
 import torch
+from timm.models import checkpoint_seq
 
+import mpp.models
 from mpp.config import ConfigError, DataConfig
 from mpp.models import PRESETS, MaskedEncoder, create_encoder, load_encoder, save_encoder
 from mpp.corruption import Corruption
@@ -216,3 +218,30 @@ def test_math_attention_softmax_runs_in_fp32_under_cpu_autocast(monkeypatch, row
             got = enc(x, rows=r)
     assert dtypes == [torch.float32] * len(enc.vit.blocks)
     torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_timms_grad_checkpointing_gives_the_plain_paths_outputs_and_gradients(rows, monkeypatch):
+    """`vit.set_grad_checkpointing()` (timm's API) recomputes the blocks in backward instead of
+    keeping their activations: the same values and gradients, with drop path in training too, and
+    with the chosen rows' last block (corruption and `rows=` as MPP runs it)."""
+    torch.manual_seed(0)
+    enc = create_encoder(PRESET, drop_path=0.1, attn="math").train()
+    x = torch.randn(3, 3, 32, 32)
+    corruption = plan(torch.rand(3, 64) < 0.3, torch.stack([torch.randperm(64) for _ in range(3)]))
+    chosen = torch.stack([torch.randperm(65)[:20] for _ in range(3)]) if rows else None
+    params = [p for p in enc.parameters() if p.requires_grad]
+    calls = []
+    monkeypatch.setattr(mpp.models, "checkpoint_seq", lambda *a, **k: calls.append(1) or checkpoint_seq(*a, **k))
+    results = []
+    for on in (False, True):
+        enc.vit.set_grad_checkpointing(on)
+        torch.manual_seed(1)  # the same drop-path draws
+        out = enc(x, corruption, rows=chosen)
+        weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+        results.append((out, torch.autograd.grad((out * weights).sum(), params)))
+    (plain, plain_grads), (ckpt, ckpt_grads) = results
+    assert len(calls) == 1  # the checkpointed forward alone went through timm's checkpoint_seq
+    torch.testing.assert_close(ckpt, plain, atol=0, rtol=0)
+    for a, b in zip(plain_grads, ckpt_grads):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
