@@ -35,10 +35,10 @@ def _tree_rss(proc: psutil.Process) -> int:
 # the soak's pre-training (a tool's key=value settings come after these)
 SETTINGS = ["model=vit_micro4_32", "batch_size=32", "steps=1000000", "train.ckpt_every=20", "train.log_every=10",
             "data.num_workers=2", "train.attn=math"]
+WINDOW_S = 30.0  # the report's peak memory is per window of this many seconds
 
 
-def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: list[str], seed: int = 0,
-         window: float = 30.0) -> dict:
+def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: list[str], seed: int = 0) -> dict:
     """Run `mpp.tools.pretrain` in `out/run` again and again until `seconds` have passed, each run
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
     The settings are checked first, as a run checks them at its start (ConfigError, nothing
@@ -88,7 +88,7 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     count_lost(runs, _newest_checkpoint(out / "run"))
     buckets: dict[int, int] = {}
     for t, rss in samples:
-        buckets[int(t // window)] = max(buckets.get(int(t // window), 0), rss)
+        buckets[int(t // WINDOW_S)] = max(buckets.get(int(t // WINDOW_S), 0), rss)
     mark_stalls(runs)
     if runs and not any(r["reached"] for r in runs) and not any(r["problems"] for r in runs):
         runs[-1]["problems"].append(f"no run trained a step in {time.time() - t0:.0f} s")  # a short soak's stall
@@ -96,8 +96,19 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             "kills": sum(r["killed"] for r in runs), "failed_runs": sum(bool(r["problems"]) for r in runs),
             "final_step": max(r["reached"] for r in runs) if runs else 0,
             "steps_lost": sum(r.get("lost", 0) for r in runs),
-            "peak_rss_mib_per_window": {f"{int(k * window)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
+            "peak_rss_mib_per_window": {f"{int(k * WINDOW_S)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
             "runs": runs}
+
+
+def verdict(report: dict, out: Path) -> str | None:
+    """Why the soak failed, in one line (None: no run failed): how many runs failed, and the first
+    one's first problem and its log in `out`."""
+    failed = [i for i, r in enumerate(report["runs"]) if r["problems"]]
+    if not failed:
+        return None
+    first = failed[0]
+    return (f"{len(failed)} of {len(report['runs'])} soak runs failed; the first, run{first}: "
+            f"{report['runs'][first]['problems'][0]} (see {out / f'run{first}.log'})")
 
 
 STALL_S = 120  # runs in a row alive this long in all without a step past where each began: stalled

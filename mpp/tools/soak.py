@@ -32,15 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     if not (math.isfinite(a.minutes) and a.minutes > 0 and math.isfinite(high) and 0 <= low <= high):
         p.error(f"--minutes must be a finite number > 0 and --kill-after MIN MAX finite with 0 <= MIN <= MAX, got "
                 f"{a.minutes:g} and {low:g} {high:g}")
-    from mpp.soak import SETTINGS, soak, write_report
+    from mpp.soak import SETTINGS, soak, verdict, write_report
     report = soak(Path(a.out), a.minutes * 60, (low, high), SETTINGS + a.overrides, seed=a.seed)
     write_report(report, Path(a.out) / "soak.json")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
-    failed = [i for i, r in enumerate(report["runs"]) if r["problems"]]
-    if failed:  # the soak found a fault: its exit says so, not only soak.json
-        first = failed[0]
-        raise SystemExit(f"error: {len(failed)} of {len(report['runs'])} soak runs failed; the first, run{first}: "
-                         f"{report['runs'][first]['problems'][0]} (see {Path(a.out) / f'run{first}.log'})")
+    if failure := verdict(report, Path(a.out)):  # the soak found a fault: its exit says so, not only soak.json
+        raise SystemExit(f"error: {failure}")
 
 
 if __name__ == "__main__":
