@@ -137,13 +137,15 @@ def _scaled(box: Sequence[float], f: float, width: int, height: int) -> tuple[in
     return left, top, right - left, bottom - top
 
 
-def crop_box(rng: random.Random, width: int, height: int, scale: Sequence[float],
-             ratio: Sequence[float] = (3 / 4, 4 / 3)) -> tuple[float, float, float, float]:
+CROP_RATIO = (3 / 4, 4 / 3)  # the inception crop's range of aspect ratios (torchvision's)
+
+
+def crop_box(rng: random.Random, width: int, height: int, scale: Sequence[float]) -> tuple[float, float, float, float]:
     """Inception crop (left, top, w, h): torchvision RandomResizedCrop.get_params' algorithm, drawn
     from a seeded `random.Random` so augmentation is reproducible per worker without touching
     torch's global RNG (and costs microseconds, not several tensor ops)."""
-    area = width * height
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    area, (low, high) = width * height, CROP_RATIO
+    log_ratio = (math.log(low), math.log(high))
     for _ in range(10):
         target = area * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(*log_ratio))
@@ -152,10 +154,10 @@ def crop_box(rng: random.Random, width: int, height: int, scale: Sequence[float]
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, width - w), rng.randint(0, height - h), w, h
     in_ratio = width / height  # fallback: the whole image centre-cropped to the ratio range
-    if in_ratio < min(ratio):
-        w, h = width, round(width / min(ratio))
-    elif in_ratio > max(ratio):
-        w, h = round(height * max(ratio)), height
+    if in_ratio < low:
+        w, h = width, round(width / low)
+    elif in_ratio > high:
+        w, h = round(height * high), height
     else:
         w, h = width, height
     return (width - w) // 2, (height - h) // 2, w, h

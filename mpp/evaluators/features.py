@@ -223,12 +223,15 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
     return Features(features, labels, skipped)
 
 
-def feature_stats(train: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-feature mean and (population) std + eps of `train` (N, D), each (1, D)."""
-    return train.mean(0, keepdim=True), train.std(0, unbiased=False, keepdim=True) + eps
+STD_EPS = 1e-5  # added to each feature's std: a constant feature divides by it, not by zero
 
 
-def standardize(train: torch.Tensor, *others: torch.Tensor, eps: float = 1e-5) -> list[torch.Tensor]:
+def feature_stats(train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature mean and (population) std + STD_EPS of `train` (N, D), each (1, D)."""
+    return train.mean(0, keepdim=True), train.std(0, unbiased=False, keepdim=True) + STD_EPS
+
+
+def standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
     """Whiten with the mean and (population) std of `train`, as big_vision does."""
-    mean, std = feature_stats(train, eps)
+    mean, std = feature_stats(train)
     return [(x - mean) / std for x in (train, *others)]

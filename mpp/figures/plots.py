@@ -17,9 +17,13 @@ def _pyplot():
     return plt
 
 
-def mosaic(tiles: np.ndarray, cols: int, gap: int = 1, fill: float = np.nan) -> np.ndarray:
-    """Tiles (n, h, w[, c]) -> one array of ceil(n / cols) x cols tiles with `gap` pixels of `fill`."""
-    n, h, w = tiles.shape[:3]
+TILE_GAP = 1  # pixels between a mosaic's tiles
+FILTER_COLS = 7  # tiles a row of the filter figure (4 rows of filters.filter_components' 28)
+
+
+def mosaic(tiles: np.ndarray, cols: int, fill: float = np.nan) -> np.ndarray:
+    """Tiles (n, h, w[, c]) -> one array of ceil(n / cols) x cols tiles, TILE_GAP pixels of `fill` apart."""
+    n, h, w, gap = *tiles.shape[:3], TILE_GAP
     rows = math.ceil(n / cols)
     out = np.full((rows * (h + gap) - gap, cols * (w + gap) - gap, *tiles.shape[3:]), fill, dtype=float)
     for i, t in enumerate(tiles):
@@ -68,7 +72,7 @@ def position_similarity(sims: dict[str, torch.Tensor], grids: dict[str, tuple[in
     save_figure(fig, path, dpi=120)
 
 
-def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> None:
+def filters(components: dict[str, torch.Tensor], path: Path) -> None:
     """Per encoder, the first principal components of the patch-embedding filters as RGB tiles,
     each stretched to [0, 1] on its own (ViT paper Fig. 7 left)."""
     plt = _pyplot()
@@ -77,7 +81,7 @@ def filters(components: dict[str, torch.Tensor], path: Path, cols: int = 7) -> N
         lo = c.amin((1, 2, 3), keepdim=True)
         hi = c.amax((1, 2, 3), keepdim=True)
         tiles = ((c - lo) / (hi - lo).clamp_min(1e-12)).permute(0, 2, 3, 1).numpy()
-        ax.imshow(mosaic(tiles, cols=cols, fill=1.0), interpolation="nearest")
+        ax.imshow(mosaic(tiles, cols=FILTER_COLS, fill=1.0), interpolation="nearest")
         ax.set_title(name, fontsize=9)
         ax.axis("off")
     fig.suptitle("RGB embedding filters (first principal components)")

@@ -158,7 +158,7 @@ def prediction_grid(pred: Prediction, patch_size: int, min_size: int = 96) -> to
     return (out.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
-def log_predictions(writer, task: MPPTask, images: torch.Tensor, step: int, tag: str = "mpp/predictions") -> None:
+def log_predictions(writer, task: MPPTask, images: torch.Tensor, step: int) -> None:
     """Add the prediction grid of `images` to a TensorBoard SummaryWriter at `step`."""
     pred = predict(task, images)
-    writer.add_image(tag, prediction_grid(pred, task.encoder.patch_size).numpy(), step, dataformats="HWC")
+    writer.add_image("mpp/predictions", prediction_grid(pred, task.encoder.patch_size).numpy(), step, dataformats="HWC")
