@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from mpp.config import TOOL_DEFAULTS, Config, ConfigError, check_tool, load_config, valid_keys
+from mpp.config import TOOL_DEFAULTS, Config, ConfigError, check_tool, load_config, parse_overrides, valid_keys
 from mpp.launcher import die_with_launcher
 
 
@@ -69,9 +69,9 @@ def path(text: str) -> str:
 
 def parse_config_args(description: str, argv: list[str] | None = None, tool: str = "") -> Config:
     """Parse `--config FILE [key=value ...]` into a validated Config (raises ConfigError) for
-    `tool` (pretrain | finetune | linear_probe): its own overrides (TOOL_DEFAULTS) go before the
-    user's, a config of another tool's objective is refused, and settings it never reads are
-    warned of (`check_tool`)."""
+    `tool` (pretrain | finetune | linear_probe): its own defaults (TOOL_DEFAULTS) go beneath the
+    file, a config of another tool's objective is refused (the file's or the overrides'), and
+    settings it never reads are warned of (`check_tool`)."""
     parser = ArgumentParser(
         description,
         epilog="overrides are dotted keys with YAML values, e.g. steps=200 mpp.ratio=0.4 data.train=out/manifest.json\n"
@@ -80,8 +80,9 @@ def parse_config_args(description: str, argv: list[str] | None = None, tool: str
     parser.add_argument("--config", help="YAML config (see configs/); keys not given keep their defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, TOOL_DEFAULTS.get(tool, []) + args.overrides)
-    unread = check_tool(cfg, tool)
+    cfg = load_config(args.config, args.overrides, defaults=TOOL_DEFAULTS.get(tool, []))
+    typed = "objective" in parse_overrides(args.overrides)
+    unread = check_tool(cfg, tool, source=f"config file '{args.config}'" if args.config and not typed else "")
     if unread and int(os.environ.get("RANK", "0")) == 0:
         print(f"warning: {'this tool' if tool == 'linear_probe' else f'objective={cfg.objective}'} never reads "
               f"{', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}: those settings do nothing here",

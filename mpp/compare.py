@@ -107,8 +107,8 @@ class Stage:
 
     def settings(self, resolved: bool = True) -> Config:
         """The config its tool will run with: the tool's own defaults (mpp-finetune's objective=classify)
-        under the stage's arguments."""
-        return load_config(self.config, TOOL_DEFAULTS.get(self.tool, []) + self.args(resolved))
+        beneath its config file, the stage's arguments over it."""
+        return load_config(self.config, self.args(resolved), defaults=TOOL_DEFAULTS.get(self.tool, []))
 
 
 def _value(v) -> str:
@@ -277,9 +277,9 @@ def _dev_splits(cfg: CompareConfig, fractions=None, unswept: bool = False) -> se
     common, splits = as_list(cfg.overrides), set()
     for frac in cfg.label_fractions if fractions is None else fractions:
         for point in grid_points(cfg.sweep) if cfg.sweep or unswept else []:
-            f = load_config(cfg.finetune, TOOL_DEFAULTS["finetune"] + common + cfg.fraction_overrides.get(frac, [])
+            f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, [])
                             + [f"finetune.label_fraction={frac}"] + point
-                            + [f"finetune.dev_fraction={cfg.dev_fraction}"])
+                            + [f"finetune.dev_fraction={cfg.dev_fraction}"], defaults=TOOL_DEFAULTS["finetune"])
             splits.add((data_key(f.data.train), f.finetune.label_fraction, f.finetune.split_seed,
                         f.finetune.dev_fraction))
     return splits

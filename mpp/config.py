@@ -262,7 +262,9 @@ def _suggest(key: str, valid: list[str]) -> str:
     return f"did you mean '{near[0]}'?" if near else f"valid keys: {', '.join(valid)}"
 
 
-# the overrides a tool applies before its arguments (mpp.compare resolves its stages with them too)
+# the settings a tool takes where its config file and overrides give none (mpp.compare resolves its
+# stages with them too): beneath the file, so that a pre-training's file given to the fine-tune tool
+# is refused, not run as a fine-tune of its recipe
 TOOL_DEFAULTS = {"finetune": ["objective=classify"]}
 # the objectives a training tool runs; and the sections each objective (or the probe) never reads
 TOOL_OBJECTIVES = {"pretrain": ("mpp", "supervised"), "finetune": ("classify",)}
@@ -270,15 +272,17 @@ UNREAD = {"mpp": ("supervised", "finetune"), "supervised": ("mpp", "finetune"), 
           "probe": ("mpp", "supervised", "finetune", "optim")}
 
 
-def check_tool(cfg: Config, tool: str) -> list[str]:
+def check_tool(cfg: Config, tool: str, source: str = "") -> list[str]:
     """Refuse a config of another tool's objective (the pre-training tool ran a fine-tune's config
-    as a fine-tune); return the settings that `tool` never reads but that differ from their
-    defaults (a misplaced key, such as finetune.init given to a pre-training, does nothing)."""
+    as a fine-tune), naming the `source` it came from (a config file) where given; return the
+    settings that `tool` never reads but that differ from their defaults (a misplaced key, such as
+    finetune.init given to a pre-training, does nothing)."""
     allowed = TOOL_OBJECTIVES.get(tool)
     if allowed and cfg.objective not in allowed:
         other = next(t for t, objectives in TOOL_OBJECTIVES.items() if cfg.objective in objectives)
-        raise ConfigError(f"objective={cfg.objective} is not what this tool trains ({' or '.join(allowed)}); run "
-                          f"tools/{other}.py for it, or give this tool a config of its own objective")
+        raise ConfigError(f"objective={cfg.objective}{f' (from {source})' if source else ''} is not what this tool "
+                          f"trains ({' or '.join(allowed)}); run tools/{other}.py for it, or give this tool a config "
+                          "of its own objective")
     unread = UNREAD["probe" if tool == "linear_probe" else cfg.objective]
     now, default = flatten(to_dict(cfg)), flatten(to_dict(Config()))
     return [f"{k}={now[k]}" for k in sorted(now) if k.split(".")[0] in unread and now[k] != default.get(k)]
@@ -539,8 +543,11 @@ def settings(data: dict) -> dict:
     return flatten(to_dict(cfg))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    data = load_yaml(path) if path else {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                defaults: list[str] | None = None) -> Config:
+    """The config of the file at `path` with `overrides` over it; `defaults` (a tool's own,
+    TOOL_DEFAULTS) lie beneath the file, so that a file's own objective reaches `check_tool`."""
+    data = _merge(parse_overrides(defaults or []), load_yaml(path) if path else {})
     return build_config(_merge(data, parse_overrides(overrides or [])))
 
 

@@ -77,7 +77,7 @@ def test_shipped_configs_pass_their_checks(path, monkeypatch):
         assert not {s.name: u for s in stages if (u := check_tool(resolved[s.out], s.tool))}
     else:
         tool = "finetune" if "finetune" in path else "linear_probe" if "probe" in path else "pretrain"
-        assert check_tool(load_config(ROOT / "configs" / path, TOOL_DEFAULTS.get(tool, [])), tool) == []
+        assert check_tool(load_config(ROOT / "configs" / path, defaults=TOOL_DEFAULTS.get(tool, [])), tool) == []
 
 
 def test_a_setting_the_tool_never_reads_is_warned_of(capsys):
@@ -92,6 +92,24 @@ def test_a_setting_the_tool_never_reads_is_warned_of(capsys):
         assert capsys.readouterr().err == f"warning: {said}: those settings do nothing here\n"
     parse_config_args("", ["optim.lr=0.1", "fewshot.seeds=2"], tool="pretrain")
     assert capsys.readouterr().err == ""
+
+
+def test_a_tool_s_defaults_lie_beneath_its_config_file(tmp_path):
+    """tools/finetune.py's objective=classify was applied over the file: a pre-training's config ran
+    as a from-scratch fine-tune of its recipe. It lies beneath the file now: a file that names no
+    objective is a fine-tune, one that names another tool's is refused, naming the file."""
+    from mpp.cli import parse_config_args
+    from mpp.config import ConfigError
+    (tmp_path / "none.yaml").write_text("optim: {lr: 0.01}\n")
+    assert parse_config_args("", ["--config", str(tmp_path / "none.yaml")], tool="finetune").objective == "classify"
+    (tmp_path / "sup.yaml").write_text("base: none.yaml\nobjective: supervised\n")
+    with pytest.raises(ConfigError, match=r"^objective=supervised \(from config file '.*sup.yaml'\) is not what "
+                                          r"this tool trains \(classify\); run tools/pretrain.py"):
+        parse_config_args("", ["--config", str(tmp_path / "sup.yaml")], tool="finetune")
+    assert parse_config_args("", ["--config", str(tmp_path / "sup.yaml"), "objective=classify"],
+                             tool="finetune").objective == "classify"  # an override still goes over the file
+    with pytest.raises(ConfigError, match=r"^objective=mpp is not"):  # typed: no file to name
+        parse_config_args("", ["--config", str(tmp_path / "none.yaml"), "objective=mpp"], tool="finetune")
 
 
 def test_values_are_read_as_written(tmp_path):
