@@ -84,9 +84,7 @@ def parse_config_args(description: str, argv: list[str] | None = None, tool: str
     typed = "objective" in parse_overrides(args.overrides)
     unread = check_tool(cfg, tool, source=f"config file '{args.config}'" if args.config and not typed else "")
     if unread and int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {'this tool' if tool == 'linear_probe' else f'objective={cfg.objective}'} never reads "
-              f"{', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}: those settings do nothing here",
-              file=sys.stderr)
+        print(f"warning: {'; '.join(unread)}: those settings do nothing here", file=sys.stderr)
     return cfg
 
 

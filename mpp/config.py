@@ -270,22 +270,40 @@ TOOL_DEFAULTS = {"finetune": ["objective=classify"]}
 TOOL_OBJECTIVES = {"pretrain": ("mpp", "supervised"), "finetune": ("classify",)}
 UNREAD = {"mpp": ("supervised", "finetune"), "supervised": ("mpp", "finetune"), "classify": ("mpp", "supervised"),
           "probe": ("mpp", "supervised", "finetune", "optim")}
+# a setting -> the keys of its section that it leaves unread (optim.momentum is SGD's, hog's head
+# has no colour classes, a constant schedule no floor, a loader that shuffles no samples no buffer)
+UNREAD_WITH = {("optim.name", "adamw"): ("optim.momentum",), ("optim.name", "adam"): ("optim.momentum",),
+               ("optim.name", "sgd"): ("optim.beta1", "optim.beta2"), ("optim.schedule", "constant"): ("optim.min_lr",),
+               ("mpp.target", "hog"): ("mpp.bits",), ("train.compile", "never"): ("train.compile_mode",),
+               ("data.resampled", False): ("data.epoch_samples",), ("data.shuffle_buffer", 0): ("data.shuffle_mb",)}
 
 
 def check_tool(cfg: Config, tool: str, source: str = "") -> list[str]:
     """Refuse a config of another tool's objective (the pre-training tool ran a fine-tune's config
-    as a fine-tune), naming the `source` it came from (a config file) where given; return the
-    settings that `tool` never reads but that differ from their defaults (a misplaced key, such as
-    finetune.init given to a pre-training, does nothing)."""
+    as a fine-tune), naming the `source` it came from (a config file) where given; return what
+    `tool` never reads but differs from its default (a misplaced key, such as finetune.init given
+    to a pre-training, or optim.momentum given with optim.name=adamw, does nothing), as phrases
+    'WHAT never reads KEY=VALUE, ...': the sections its objective never reads (UNREAD), then in
+    the others the keys that a setting leaves unread (UNREAD_WITH)."""
     allowed = TOOL_OBJECTIVES.get(tool)
     if allowed and cfg.objective not in allowed:
         other = next(t for t, objectives in TOOL_OBJECTIVES.items() if cfg.objective in objectives)
         raise ConfigError(f"objective={cfg.objective}{f' (from {source})' if source else ''} is not what this tool "
                           f"trains ({' or '.join(allowed)}); run tools/{other}.py for it, or give this tool a config "
                           "of its own objective")
-    unread = UNREAD["probe" if tool == "linear_probe" else cfg.objective]
+    sections = UNREAD["probe" if tool == "linear_probe" else cfg.objective]
     now, default = flatten(to_dict(cfg)), flatten(to_dict(Config()))
-    return [f"{k}={now[k]}" for k in sorted(now) if k.split(".")[0] in unread and now[k] != default.get(k)]
+    readers = {"this tool" if tool == "linear_probe" else f"objective={cfg.objective}":
+               [k for k in sorted(now) if k.split(".")[0] in sections]}
+    for (key, value), keys in UNREAD_WITH.items():
+        if now[key] == value and key.split(".")[0] not in sections:
+            readers[f"{key}={str(value).lower() if isinstance(value, bool) else value}"] = keys
+    phrases = []
+    for who, keys in readers.items():
+        given = [f"{k}={now[k]}" for k in keys if now[k] != default[k]]
+        if given:
+            phrases.append(f"{who} never reads {', '.join(given[:4])}{', ...' if len(given) > 4 else ''}")
+    return phrases
 
 
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:

@@ -94,6 +94,30 @@ def test_a_setting_the_tool_never_reads_is_warned_of(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_key_the_chosen_option_never_reads_is_warned_of(capsys):
+    """Within a section the run reads, optim.momentum did nothing with AdamW, the betas with SGD,
+    optim.min_lr with a constant schedule and mpp.bits with the hog target, without a word; a key
+    of a section the tool never reads is named once, with its section."""
+    from mpp.cli import parse_config_args
+    for tool, given, said in (
+            ("pretrain", ["optim.momentum=0.5"], "optim.name=adamw never reads optim.momentum=0.5"),
+            ("pretrain", ["optim.name=sgd", "optim.beta1=0.5", "optim.schedule=constant", "optim.min_lr=1e-5"],
+             "optim.name=sgd never reads optim.beta1=0.5; optim.schedule=constant never reads optim.min_lr=1e-05"),
+            ("pretrain", ["mpp.target=hog", "mpp.bits=1", "data.epoch_samples=100"],
+             "mpp.target=hog never reads mpp.bits=1; data.resampled=false never reads data.epoch_samples=100"),
+            ("finetune", ["mpp.target=hog", "mpp.bits=1", "optim.name=sgd", "optim.beta2=0.9"],
+             "objective=classify never reads mpp.bits=1, mpp.target=hog; optim.name=sgd never reads optim.beta2=0.9"),
+            ("linear_probe", ["optim.name=sgd", "optim.beta1=0.5"],
+             "this tool never reads optim.beta1=0.5, optim.name=sgd")):
+        parse_config_args("", given, tool=tool)
+        assert capsys.readouterr().err == f"warning: {said}: those settings do nothing here\n"
+    for given in (["optim.name=sgd", "optim.momentum=0.5"], ["optim.beta1=0.8", "optim.min_lr=1e-5"],
+                  ["mpp.target=hog"], ["mpp.bits=2"], ["train.compile=never"],
+                  ["data.resampled=true", "data.epoch_samples=100"]):
+        parse_config_args("", given, tool="pretrain")
+        assert capsys.readouterr().err == "", given
+
+
 def test_a_tool_s_defaults_lie_beneath_its_config_file(tmp_path):
     """tools/finetune.py's objective=classify was applied over the file: a pre-training's config ran
     as a from-scratch fine-tune of its recipe. It lies beneath the file now: a file that names no
