@@ -408,8 +408,11 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return "no"
         raise ConfigError(f"config key '{key}' must be a string, got {value!r}; to mean the word, quote it: "
                           f"{key.rsplit('.', 1)[-1]}: '{str(value).lower()}'")
-    if kind == "str" and isinstance(value, float):  # its text is gone: 1.10, 1e3 and .5 read 1.1, 1000.0, 0.5
-        raise ConfigError(f"config key '{key}' must be a string, got the number {value!r}; to mean the text, "
+    # its text is gone: 1.10, 1e3 and .5 read 1.1, 1000.0, 0.5, and a: b or - a a mapping or a list (in a
+    # file: an override keeps the text of a text key, `parse_overrides`)
+    if kind == "str" and isinstance(value, (float, dict, list)):
+        got = f"the number {value!r}" if isinstance(value, float) else repr(value)
+        raise ConfigError(f"config key '{key}' must be a string, got {got}; to mean the text, "
                           f"quote it: {key.rsplit('.', 1)[-1]}: 'TEXT' (on the command line \"{key}='TEXT'\")")
     if not isinstance(value, bool):
         if kind == "int" and isinstance(value, (int, float)) and float(value).is_integer():
@@ -464,10 +467,23 @@ def _apply(obj: Any, data: dict, prefix: str = "", root: type = Config) -> None:
             setattr(obj, k, _coerce(key, v, str(fields[k].type)))
 
 
-def parse_overrides(overrides: list[str], whole: tuple = ()) -> dict:
-    """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML (typed). A section
-    given as a mapping after some of its keys is merged with them (a later key wins), but for the
-    top-level keys in `whole` (a comparison's sweep grid), which a later mapping replaces."""
+def _kind(key: str, root: type = Config) -> str:
+    """The declared type of the dotted `key` in the schema `root` ('' where it names no field)."""
+    cls, kind = root, ""
+    for part in key.split("."):
+        fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+        f = next((f for f in fields if f.name == part), None)
+        if f is None:
+            return ""
+        cls, kind = f.default_factory, str(f.type)
+    return kind
+
+
+def parse_overrides(overrides: list[str], whole: tuple = (), root: type = Config) -> dict:
+    """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML (typed), but a text
+    key of the schema `root` keeps the text given. A section given as a mapping after some of its
+    keys is merged with them (a later key wins), but for the top-level keys in `whole` (a
+    comparison's sweep grid), which a later mapping replaces."""
     out: dict = {}
     for item in overrides:
         if "=" not in item:
@@ -477,6 +493,8 @@ def parse_overrides(overrides: list[str], whole: tuple = ()) -> dict:
             value = read_yaml(raw) if raw != "" else ""
             if isinstance(value, str) and not raw.lstrip().startswith(("'", '"')):
                 value = raw.strip()  # all of it: a '#' in an override's value begins no comment
+            elif isinstance(value, (dict, list)) and _kind(key.strip(), root) == "str":
+                value = raw.strip()  # runs/a: b or - a, which YAML reads as a mapping or a list
         except yaml.YAMLError:
             value = raw
         node = out
@@ -582,7 +600,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     cfg, data = CompareConfig(), load_yaml(path, WHOLE)
     for key in {o.split("=", 1)[0].strip() for o in overrides or []} & set(WHOLE):
         data.pop(key, None)  # sweep=GRID is the whole grid, not keys to add to the file's (sweep={}: none)
-    _apply(cfg, _merge(data, parse_overrides(overrides or [], WHOLE)), root=CompareConfig)
+    _apply(cfg, _merge(data, parse_overrides(overrides or [], WHOLE, CompareConfig)), root=CompareConfig)
     for key in ("mpp", "supervised", "finetune", "probe"):
         if not getattr(cfg, key):
             raise ConfigError(f"compare config key '{key}' is empty; give the path of its stage config")

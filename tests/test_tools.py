@@ -138,11 +138,13 @@ def test_a_tool_s_defaults_lie_beneath_its_config_file(tmp_path):
 
 def test_values_are_read_as_written(tmp_path):
     """Overrides and config files keep the text of a string (YAML 1.1 reads 010 as 8, 12:30 as 750,
-    1_000 as 1000, off as false and 2026-12-04 as a date, and a ' #' would start a comment) and read
-    numbers in decimal."""
-    from mpp.config import load_config
-    for text in ("010", "12:30", "1_000", "off", "runs/a #1", "2026-12-04", "2026-12-04 10:00:00"):
+    1_000 as 1000, off as false and 2026-12-04 as a date, a ' #' would start a comment, and an
+    override's runs/a: b or - a is YAML's mapping or list) and read numbers in decimal."""
+    from mpp.config import load_compare_config, load_config
+    for text in ("010", "12:30", "1_000", "off", "runs/a #1", "2026-12-04", "2026-12-04 10:00:00", "runs/a: b", "- a"):
         assert load_config(None, [f"output_dir={text}"]).output_dir == text
+    compare = load_compare_config(ROOT / "configs/compare_synthetic.yaml", ["output_dir=runs/a: b"])
+    assert compare.output_dir == "runs/a: b"
     cfg = load_config(None, ["steps=010", "optim.lr=1e-3", "data.withhold=[[0.1,0,0.1]]"])
     assert (cfg.steps, cfg.optim.lr, cfg.data.withhold) == (10, 1e-3, ((0.1, 0, 0.1),))
     (tmp_path / "c.yaml").write_text("output_dir: 2026-12-04\nsteps: 2e3\ntrain:\n  precision: no\n")
@@ -153,7 +155,7 @@ def test_values_are_read_as_written(tmp_path):
 
 def test_a_config_that_would_lose_what_it_says_is_refused_and_an_empty_section_is_read(tmp_path):
     """A number for a text key lost its spelling (output_dir=1.10 wrote to '1.1', 1e3 to
-    '1000.0'); a key given twice in one mapping dropped the first (a second optim: section the
+    '1000.0'), and so does a file's mapping for one; a key given twice in one mapping dropped the first (a second optim: section the
     first's rate); both are refused in one line. A section whose entries are all commented out
     is an empty one (it was refused), and over a base file it changes nothing."""
     from mpp.config import ConfigError, load_config
@@ -161,6 +163,9 @@ def test_a_config_that_would_lose_what_it_says_is_refused_and_an_empty_section_i
         with pytest.raises(ConfigError, match="'output_dir' must be a string, got the number .* quote it"):
             load_config(None, [f"output_dir={text}"])
     assert load_config(None, ["output_dir='1.10'", "finetune.init=7"]).output_dir == "1.10"
+    (tmp_path / "map.yaml").write_text("output_dir:\n  runs/a: b\n")  # a file's text read as a mapping
+    with pytest.raises(ConfigError, match=r"'output_dir' must be a string, got \{'runs/a': 'b'\}; .* quote it"):
+        load_config(tmp_path / "map.yaml")
     (tmp_path / "twice.yaml").write_text("optim: {lr: 0.1}\nseed: 1\noptim: {name: sgd}\n")
     with pytest.raises(ConfigError, match=r"'optim' is given twice in one mapping; give each key once .*line 3"):
         load_config(tmp_path / "twice.yaml")
