@@ -76,7 +76,8 @@ class SupervisedConfig:
 
 @dataclass
 class FinetuneConfig:
-    """Fine-tuning (objective: classify): new zero-initialised linear head on the encoder."""
+    """Fine-tuning (objective: classify): a new linear head on the encoder (zeros, or the linear
+    probe's with head_init=probe)."""
     init: str = "none"         # none (from scratch) | path to encoder.safetensors or a run dir
     pool: str = "token"        # token ([class] token) | avg (mean of patch tokens) | auto (the better one for a
                                # linear probe of this run's own training labels, scored on its dev split if any)
@@ -121,8 +122,7 @@ class TrainConfig:
     dist_timeout: int = 1800   # seconds a rank waits at a collective for the others (torch's NCCL default, 600,
                                # is shorter than the main process's probe-head fit on a large set)
     attn: str = "auto"         # auto (fused on CUDA, math elsewhere) | fused | math (mpp.runtime.ATTENTION)
-    compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of 4,000+ steps) | always | never
-                               # (mpp.compiled)
+    compile: str = "auto"      # torch.compile the step: auto (CUDA, runs of mpp.compiled.AUTO_MIN_STEPS+) | always | never
     compile_mode: str = "default"  # torch.compile's mode; reduce-overhead adds CUDA graphs (mpp.compiled)
     image_every: int = 0       # MPP: log a prediction grid to TensorBoard every N steps (0: off)
     profile: tuple = (0, 0)    # [first, count]: torch.profiler over steps first+1..first+count into
@@ -725,9 +725,12 @@ def changed_settings(path: str | Path, now: Config) -> list[str] | None:
             and not _same(saved.get(k), current.get(k), data=k in DATA_KEYS, encoder=k in ENCODER_KEYS)]
 
 
-def said(changed: list[str], most: int = 4) -> str:
-    """The first `most` of `changed_settings`' lines, for a one-line message."""
-    return "; ".join(changed[:most]) + ("; ..." if len(changed) > most else "")
+SAID_MOST = 4  # the changed settings a one-line message names
+
+
+def said(changed: list[str]) -> str:
+    """The first SAID_MOST of `changed_settings`' lines, for a one-line message."""
+    return "; ".join(changed[:SAID_MOST]) + ("; ..." if len(changed) > SAID_MOST else "")
 
 
 ENCODER_KEYS = ("finetune.init", "probe.encoder")  # a run folder or its encoder.safetensors
