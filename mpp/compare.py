@@ -61,8 +61,8 @@ import psutil
 from mpp import outcomes
 from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, changed_settings,
                         flatten, load_config, parse_overrides, said, to_dict)
+from mpp.gaps import choice_lead, pool_choice
 from mpp.launcher import follow_parent
-from mpp.report import choice_lead, pool_choice
 from mpp.specs import data_key, dev_split, names_manifest
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
@@ -163,14 +163,14 @@ def head_l2(outs: list[Path], rank: int = 0, pool: str | None = None) -> list[st
 
 def toss_up(outs: list[Path]) -> bool:
     """Whether the development split could not separate the best sweep value from the next: the
-    report's `choice_lead` of the two is not clear (False, not None: both recorded outcomes)."""
+    `mpp.gaps.choice_lead` of the two is not clear (False, not None: both recorded outcomes)."""
     (_, a), (_, b) = _ranked(outs)[:2]
     return choice_lead(a["top1"], b["top1"], outcomes.read(a.get("outcomes")),
                        outcomes.read(b.get("outcomes")))["clear"] is False
 
 
 def _pool_choice(outs: list[Path]) -> dict:
-    """How the best sweep stage chose its representation (report's `pool_choice`: the other
+    """How the best sweep stage chose its representation (`mpp.gaps.pool_choice`: the other
     candidate, the chosen one's lead over it); {} if it chose none (finetune.pool not auto)."""
     m = _ranked(outs)[0][1]
     return pool_choice(m) or {}

@@ -1,7 +1,8 @@
 """The arithmetic of the gap report (mpp.report): each gap between two arms in points, its
 standard error and whether it is beyond it, the share of the supervised gain that MPP recovers,
-what a fine-tune added to its start, and each gap over repeated pre-trainings. Numbers in, numbers
-out: the report reads the runs and renders the tables.
+what a fine-tune added to its start, each gap over repeated pre-trainings, and a choice's lead on
+the development images it was made on (`choice_lead`, which mpp.compare reads too to decide its
+runner-up stages). Numbers in, numbers out: the report reads the runs and renders the tables.
 
 A gap's noise is the standard error of the difference, from two sources combined: the seeds (fine-
 tunes: sqrt(s_a^2/n_a + s_b^2/n_b); few-shot: the shot draws, paired draw by draw where both arms
@@ -236,6 +237,50 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
             "finetune": {fr: over([d["finetune"].get(fr) or {} for d in ds]) for fr in ds[0]["finetune"]},
             "linear_top1": over([d["linear_top1"] for d in ds]),
             "fewshot": {k: over([d["fewshot"].get(k) or {} for d in ds]) for k in ds[0]["fewshot"]}}
+
+
+def pool_choice(m: dict) -> dict | None:
+    """How a probe chose the representation (a fine-tune's finetune.pool=auto, or the linear
+    probe's, from its metrics.json): each candidate's top-1 on the images it was chosen on (`on`:
+    dev, the run's development split, or heldout, a held-out part of its training labels), how many
+    images that was, the next best candidate (`other`) and the chosen one's lead over it
+    (`choice_lead`, paired over those images). None where the run recorded no such choice."""
+    on = "dev" if "pool_dev_top1" in m else "heldout"
+    if not m.get(f"pool_{on}_top1") or not m.get("pool"):
+        return None
+    top1, records = m[f"pool_{on}_top1"], m.get(f"pool_{on}_outcomes") or {}
+    pool = m["pool"]
+    other = max((k for k in top1 if k != pool), key=top1.get, default=None)
+    lead = None if other is None else choice_lead(top1[pool], top1[other], outcomes.read(records.get(pool)),
+                                                  outcomes.read(records.get(other)))
+    return {"top1": top1, "on": on, "n": (records.get(pool) or {}).get("n"), "other": other, "lead": lead}
+
+
+def sweep_lead(dev: list[dict], images: list, chosen: dict, ranks: list[tuple]) -> dict | None:
+    """The chosen value's lead (`choice_lead`) over the best other value of the sweep, an exact tie
+    for it broken as the comparison breaks it (`ranks`: each dev run's `mpp.report._dev_rank`), so
+    the lead is over the runner-up it retrained. None unless exactly one dev run has the chosen
+    values and another exists."""
+    mine = [i for i, x in enumerate(dev) if x["values"] == chosen]
+    others = [i for i, x in enumerate(dev) if x["values"] != chosen]
+    if len(mine) != 1 or not others:
+        return None
+    a, b = mine[0], min(others, key=lambda i: ranks[i])
+    return choice_lead(dev[a]["dev_top1"], dev[b]["dev_top1"], images[a], images[b])
+
+
+def choice_lead(top1: float, other_top1: float, images, other_images) -> dict:
+    """One value's development top-1 minus another's, in points, with the standard error of that
+    difference from the development images' sampling (paired: both scored on the same split;
+    `images`: each run's mpp.outcomes) and whether the lead reaches t times it (`clear`, t: Student's
+    at one less degree of freedom than the images; False: the split could not tell the two apart,
+    so the choice is noise that the seeds do not show; None: a run recorded no outcomes)."""
+    points = round(100.0 * (top1 - other_top1), 4)
+    if not (images and other_images and images[0] == other_images[0]):
+        return {"points": points, "noise": None, "t": None, "clear": None}
+    noise = round(100.0 * outcomes.paired_sem(images[1], other_images[1]), 4)
+    t = round(outcomes.critical(len(images[1]) - 1), 4)
+    return {"points": points, "noise": noise, "t": t, "clear": significant(points, noise, t) and points > 0}
 
 
 def significant(gap: float, noise: float, t: float) -> bool:

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.gaps import derive
-from mpp.report import ReportError, choice_lead, read_repeat, write_report
+from mpp.gaps import choice_lead, derive
+from mpp.report import ReportError, read_repeat, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
