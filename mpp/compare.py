@@ -61,7 +61,7 @@ import psutil
 from mpp import outcomes
 from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, changed_settings,
                         flatten, load_config, parse_overrides, said, to_dict)
-from mpp.gaps import choice_lead, pool_choice
+from mpp.gaps import choice_lead, dev_rank, pool_choice
 from mpp.launcher import follow_parent
 from mpp.specs import data_key, dev_split, names_manifest
 
@@ -131,14 +131,13 @@ def _metrics(out: Path) -> dict:
 
 
 def _ranked(outs: list[Path]) -> list[tuple[int, dict]]:
-    """(index, metrics) of the sweep stages from the best top-1 on the development split down; an
-    exact tie goes to the stage whose folder name sorts first, as the report breaks it (it sees
-    the folders, not the grid's order)."""
+    """(index, metrics) of the sweep stages from the best top-1 on the development split down
+    (`mpp.gaps.dev_rank`)."""
     ms = [_metrics(out) for out in outs]
     for out, m in zip(outs, ms):
         if m.get("evaluated_on") != "dev":
             raise RuntimeError(f"{out}/metrics.json was not evaluated on a development split; delete it and resume")
-    return sorted(enumerate(ms), key=lambda im: (-im[1]["top1"], outs[im[0]].name))
+    return sorted(enumerate(ms), key=lambda im: dev_rank(im[1]["top1"], outs[im[0]]))
 
 
 def best_point(points: list[list[str]], outs: list[Path], rank: int = 0) -> list[str]:

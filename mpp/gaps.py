@@ -20,6 +20,7 @@ and no verdict: its test images' part is unknown, and seeds that tie would make 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -256,11 +257,18 @@ def pool_choice(m: dict) -> dict | None:
     return {"top1": top1, "on": on, "n": (records.get(pool) or {}).get("n"), "other": other, "lead": lead}
 
 
+def dev_rank(top1: float, folder) -> tuple:
+    """A sweep stage's place among its cell's, as the comparison picks its finals and the report
+    finds them: the best top-1 on the development split first, an exact tie to the folder whose
+    name sorts first (both see the folders, not the grid's order)."""
+    return -top1, Path(folder).name
+
+
 def sweep_lead(dev: list[dict], images: list, chosen: dict, ranks: list[tuple]) -> dict | None:
     """The chosen value's lead (`choice_lead`) over the best other value of the sweep, an exact tie
-    for it broken as the comparison breaks it (`ranks`: each dev run's `mpp.report._dev_rank`), so
-    the lead is over the runner-up it retrained. None unless exactly one dev run has the chosen
-    values and another exists."""
+    for it broken as the comparison breaks it (`ranks`: each dev run's `dev_rank`), so the lead is
+    over the runner-up it retrained. None unless exactly one dev run has the chosen values and
+    another exists."""
     mine = [i for i, x in enumerate(dev) if x["values"] == chosen]
     others = [i for i, x in enumerate(dev) if x["values"] != chosen]
     if len(mine) != 1 or not others:

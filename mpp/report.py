@@ -43,8 +43,8 @@ import yaml
 from mpp import outcomes
 from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
-from mpp.gaps import (GAPS, across_pretrain_seeds, added_noise, derive, mean_std, pool_choice, runs_images,
-                      significant, sweep_lead)
+from mpp.gaps import (GAPS, across_pretrain_seeds, added_noise, derive, dev_rank, mean_std, pool_choice,
+                      runs_images, significant, sweep_lead)
 from mpp.specs import DATA_KEYS, data_key, dev_split, names_manifest
 
 FAMILIES = ("supervised", "mpp", "scratch")
@@ -172,9 +172,8 @@ def _pool(run: dict) -> str | None:
 
 
 def _dev_rank(run: dict) -> tuple:
-    """A development-split run's place: the best top-1 first, an exact tie as mpp.compare._ranked
-    breaks it (by folder name)."""
-    return -_accuracy(run["metrics"], "top1", run["dir"]), Path(run["dir"]).name
+    """A development-split run's place in its sweep (`mpp.gaps.dev_rank`)."""
+    return dev_rank(_accuracy(run["metrics"], "top1", run["dir"]), run["dir"])
 
 
 def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -> tuple[list[dict], list[list[dict]]]:
@@ -202,7 +201,7 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
                               f"development-split runs that chose among them")
     if len(groups) == 1 and not dev_runs:
         return finals, []
-    rank: dict = {}  # best dev top-1 first; an exact tie as the comparison breaks it (mpp.compare._ranked)
+    rank: dict = {}  # best dev top-1 first, as the comparison ranks them
     for r in dev_runs:
         k, mine = key(r), _dev_rank(r)
         rank[k] = min(rank.get(k, mine), mine)
@@ -256,7 +255,7 @@ def _recipes(dev_runs: list[dict], varied: list[str], finals: list[dict], retrai
     chosen = {**final, **{k: written[k] for k in ("finetune.pool", "finetune.head_init") if k in written}}
     if chosen.get("finetune.pool") == "auto":  # what the run chose (metrics.json), not the setting
         chosen["finetune.pool"] = finals[0]["metrics"].get("pool", "auto")
-    # the best dev run first, ranked as mpp.compare._ranked does: its choice is the one the comparison read
+    # the best dev run first, as the comparison ranks them: its choice is the one the comparison read
     ranked = sorted(dev_runs, key=_dev_rank)
     made = next(filter(None, (pool_choice(r["metrics"]) for r in [*ranked, *finals]
                               if r["metrics"].get("pool") == chosen.get("finetune.pool"))), None)
