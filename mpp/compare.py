@@ -63,7 +63,7 @@ from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_li
                         flatten, load_config, parse_overrides, said, to_dict)
 from mpp.gaps import choice_lead, dev_rank, pool_choice
 from mpp.launcher import follow_parent
-from mpp.specs import data_key, dev_split, names_manifest
+from mpp.specs import data_key, dev_split, names_manifest, test_set
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -336,8 +336,10 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
     """Resolve every stage config now as its tool will (mpp-finetune's defaults included), so a bad
     key fails before hours of work; check that no two stages share a folder, what each trainer
     would check at its start (`_check_training`), that each pre-training trains its arm's
-    objective, that each fine-tune has test images, and that each probe and fine-tune normalises
-    its inputs as its encoder's pre-training did. The data are checked once made (`check_data`).
+    objective, that each fine-tune has test images, that the probes and final fine-tunes are scored
+    on one test set (`mpp.specs.test_set`, as the report requires), and that each probe and
+    fine-tune normalises its inputs as its encoder's pre-training did. The data are checked once
+    made (`check_data`).
     `machine` False (a dry run, which may plan for another machine) leaves out what this machine
     must offer: the launcher's command, a GPU for fp16. Returns each stage's resolved config, by
     its folder (run-time choices as their placeholders)."""
@@ -384,6 +386,16 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               "representation on its own training labels, which a supervised pre-training fitted; "
                               "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
                               "finetune.pool over token and avg, or give finetune.pool token or avg")
+    scored: dict = {}  # the probes and final fine-tunes: the report refuses gaps between other test images
+    for s in stages:
+        c = resolved[s.out]
+        if s.tool == "linear_probe" or (s.tool == "finetune" and c.finetune.dev_fraction == 0):
+            scored.setdefault(test_set(c.data.val, c.data.val_num_samples), s.name)
+    if len(scored) > 1:
+        (a, first), (b, second) = list(scored.items())[:2]
+        raise ConfigError(f"stages '{first}' and '{second}' would be scored on different test sets (data.val {a[0]} "
+                          f"and {b[0]}), and the report refuses gaps between other images; give every probe and "
+                          "fine-tune one data.val")
     if not cfg.sweep:  # a final may choose on its own labels; a sweep of one value chooses on a withheld split
         _warn_own_label_choices(stages, resolved)
     _warn_short_withhold(cfg, stages, resolved)

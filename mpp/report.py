@@ -45,7 +45,7 @@ from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import (GAPS, across_pretrain_seeds, added_noise, derive, dev_rank, mean_std, pool_choice,
                       runs_images, significant, sweep_lead)
-from mpp.specs import DATA_KEYS, data_key, dev_split, names_manifest
+from mpp.specs import DATA_KEYS, data_key, dev_split, test_set
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -480,14 +480,12 @@ def _short(values: dict) -> str:
 
 def _check_one_test_set(runs: list[dict]) -> None:
     """Every figure of the table is on one test set: refuse final fine-tunes and probes scored on
-    different data.val (however spelled; or another count of a shard pattern), whose gaps would
-    compare different images."""
+    different ones (`mpp.specs.test_set`), whose gaps would compare different images."""
     scored: dict = {}
     for r in runs:
         if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev"):
-            s, val = r["settings"], r["settings"].get("data.val")
-            count = None if names_manifest(val) else s.get("data.val_num_samples")  # a manifest's is its own
-            scored.setdefault((data_key(val), count), r["dir"])
+            scored.setdefault(test_set(r["settings"].get("data.val"), r["settings"].get("data.val_num_samples")),
+                              r["dir"])
     if len(scored) > 1:
         (a, where_a), (b, where_b) = list(scored.items())[:2]
         raise ReportError(f"{where_a} and {where_b} were scored on different test sets (data.val {a[0]} and "

@@ -51,6 +51,14 @@ def names_manifest(spec) -> bool:
         r"\.(tar(\.\w+)?|tgz)$", spec)
 
 
+def test_set(val, val_num_samples) -> tuple:
+    """One spelling of the test images a run is scored on: `data_key` of its data.val and its
+    data.val_num_samples (another count of a shard pattern is another set; a manifest counts its
+    own). Two runs whose gaps the report gives must have the same; a comparison checks its stages'
+    before the first starts."""
+    return data_key(val), None if names_manifest(val) else val_num_samples
+
+
 def dev_split(fraction, seed, dev_fraction) -> tuple:
     """A development split as (label_fraction, split_seed, dev_fraction), in one spelling (a YAML
     1 and 1.0 alike), as data.withhold lists them."""

@@ -344,6 +344,29 @@ def test_stages_are_resolved_as_their_tools_run_them_and_checked_for_their_arm(t
         validate(untested, plan(untested))
 
 
+def test_probes_and_fine_tunes_on_other_test_sets_are_refused_before_any_stage(tmp_path):
+    """A probe and fine-tunes scored on different data.val passed every check, ran every stage, and
+    then the report refused their gaps (no report): refused before the first stage now, a dry run
+    too, as is one label fraction given its own data.val; the same set spelled another way, or a
+    shard pattern's count of a manifest's set (a manifest counts its own), are one test set."""
+    path = _write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP)
+    other = "stages 'linear probe mpp' and 'fine-tune scratch, 50% labels, seed 0' would be scored on different test sets"
+    for spelled in (f"{tmp_path / 'd/test'}/", f"{tmp_path / 'd/test/manifest.json'}, data.val_num_samples=7"):
+        cfg = load_compare_config(path, [f"fraction_overrides={{0.5: [data.val={spelled}]}}"])
+        validate(cfg, plan(cfg))
+    cfg = load_compare_config(path, [f"fraction_overrides={{0.5: [data.val={tmp_path / 'd2/test'}]}}"])
+    with pytest.raises(ConfigError, match=other + r" \(data.val .*/d/test.* and .*/d2/test.*\).*give every probe and "
+                                          "fine-tune one data.val"):
+        validate(cfg, plan(cfg))
+    probe = yaml.safe_load((ROOT / "configs/synthetic_probe.yaml").read_text())
+    probe["data"]["val"] = str(tmp_path / "d2/test")  # the audit's: the probe's config tests elsewhere
+    (tmp_path / "probe.yaml").write_text(yaml.safe_dump(probe))
+    kept = [o for o in load_compare_config(path).overrides if not o.startswith("data.val=")]
+    cfg = load_compare_config(path, [f"probe={tmp_path / 'probe.yaml'}", f"overrides={json.dumps(kept)}"])
+    with pytest.raises(ConfigError, match=other):
+        run(cfg, dry_run=True)
+
+
 def test_a_sweep_override_replaces_the_grid(tmp_path):
     """`sweep=...` on the command line is the whole grid (it was merged into the file's: both keys
     swept; sweep={} could not clear it); `sweep.KEY=...` sets one key's values."""
