@@ -222,7 +222,7 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
                             "note": "no ±: supervised - scratch over the seeds is within its noise"}
                 continue
             shared = (math.sqrt(sum(x * x for x in own) / len(own)),
-                      math.inf if share else min(g["dof"].get(gap) or math.inf for g in gs))
+                      math.inf if share else min((g.get("dof") or {}).get(gap) or math.inf for g in gs))
             noise, df = outcomes.combine(spread, shared)
             seeds_only = any(g.get("share_noise_seeds_only") if share else (g.get("noise_test") or {}).get(gap) is None
                              for g in gs)

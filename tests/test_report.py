@@ -770,7 +770,7 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     each one's own ±), not significant at the one degree of freedom of two repeats; a gap steady
     across them stays one, and keeps its own ± (the repeats share its test images and draws). The
     share's ± is built alike; where a repeat's own ± is unknown, so is the mean's: no ±, no verdict
-    from the spread alone."""
+    from the spread alone. A repeat that recorded no degrees of freedom has unknown ones (many)."""
     from mpp.gaps import across_pretrain_seeds
 
     def rep(moving: float, own: float | None = 0.5, dof: float = 40.0) -> dict:
@@ -807,6 +807,11 @@ def test_across_pretrain_seeds_counts_the_spread_of_the_repeats():
     assert unknown["recovered_share"]["noise"] is None and unknown["mpp_minus_scratch"]["mean"] == 5.0
     three = across_pretrain_seeds([rep(4.0), rep(5.0), rep(6.0)])["finetune"]["0.1"]["mpp_minus_scratch"]
     assert three["significant"] is True  # three steady repeats: the spread's 2 degrees of freedom suffice
+    old = rep(9.0)  # a repeat reported before mpp recorded the degrees of freedom (a KeyError): unknown, as None
+    del old["derived"]["finetune"]["0.1"]["dof"]
+    unknown = rep(9.0)
+    unknown["derived"]["finetune"]["0.1"]["dof"] = dict.fromkeys(unknown["derived"]["finetune"]["0.1"]["dof"])
+    assert across_pretrain_seeds([rep(1.0), old]) == across_pretrain_seeds([rep(1.0), unknown])
 
 
 def test_across_pretrain_seeds_marks_noise_of_the_seeds_alone_and_keeps_a_figure_a_repeat_lacks(tmp_path):
