@@ -34,7 +34,8 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
            per_run: dict | None = None, draws: dict | None = None, dof: dict | None = None) -> dict:
     """Gaps in percentage points and the share of the supervised gain that MPP recovers,
     (MPP - scratch) / (supervised - scratch); the share is None (with a note) when undefined, and
-    its ± None (with a note) where supervised - scratch is within its noise (the ratio is unbounded).
+    its ± None (with a note) where supervised - scratch is within its noise (the ratio is unbounded)
+    or an arm's noise is unknown.
     With `sem` (family -> standard error of its figure over seeds, None when unknown) each gap
     gets its noise in points (`noise`), the multiple of it a significant gap reaches (`t`, from the
     degrees of freedom of its parts: `dof`, family -> those of its `sem`, many where absent; the
@@ -92,6 +93,9 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             out["share_noise"] = _share_noise(acc, sem, per_run, per_image, draws)
             out["share_noise_seeds_only"] = out["share_noise"] is not None and not all(
                 per_image.get(f) for f in acc)
+            if out["share_noise"] is None:  # an arm's noise is unknown (single fine-tunes)
+                out["note"] = ("no ±: the noise of " + ("supervised - scratch, the share's denominator," if noise is None
+                                                        else "an arm's figure") + " is unknown, so the share's is too")
     return out
 
 

@@ -128,6 +128,8 @@ def test_paper_figures_give_a_third(tmp_path):
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| fine-tune @ ")}
     assert rows["fine-tune @ 100% labels"].rstrip(" |").endswith("| 0.33")  # the share cell itself, not its header
     assert rows["fine-tune @ 10% labels"].rstrip(" |").endswith("| 0.50")
+    assert ("- fine-tune @ 100% labels: share recovered no ±: the noise of supervised - scratch, the share's "
+            "denominator, is unknown") in md  # one seed per arm: a bare share, said why
     assert "Neither counts the pre-training's own seed" in md and "pretrain_seeds: N repeats" in md  # its scope
     assert json.loads((tmp_path / "out" / "report.json").read_text())["derived"] == rep["derived"]
     assert (tmp_path / "out" / "report.png").stat().st_size > 1000
@@ -158,7 +160,7 @@ def test_undefined_share_is_explained():
 def test_a_share_over_a_gain_within_its_noise_gets_no_plus_minus(tmp_path):
     """Supervised 2.4 points over scratch, within that gap's noise: the share (4.3) is printed
     without a first-order ± (its denominator could be 0), and the report says why; a clear gain
-    keeps its ±."""
+    keeps its ±. An arm's unknown noise gives no ±, said so too."""
     def gaps(supervised: float) -> dict:
         rng = np.random.default_rng(0)
         per_run = {f: ("same", (rng.random((3, 1000)) < p).astype(float))
@@ -176,6 +178,11 @@ def test_a_share_over_a_gain_within_its_noise_gets_no_plus_minus(tmp_path):
     assert alone["significant"]["supervised_minus_scratch"] is None and alone["share_noise"] is None
     assert "2.83 pp, seeds only) is within its noise" in alone["note"]
     assert derive(0.80, 0.603, 0.50, {"supervised": 0.02, "mpp": 0.02, "scratch": 0.02})["share_noise"] > 0
+    # an unknown noise (single fine-tunes): no ±, said so, whether the denominator's or another arm's
+    single = derive(0.80, 0.603, 0.50, {"supervised": 0.02, "mpp": None, "scratch": 0.02})
+    assert single["share_noise"] is None and single["note"] == "no ±: the noise of an arm's figure is unknown, so the " \
+        "share's is too"
+    assert "supervised - scratch, the share's denominator, is unknown" in derive(0.80, 0.603, 0.50)["note"]
 
 
 def test_a_probe_gap_between_other_test_images_counts_their_sampling():
