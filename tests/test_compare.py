@@ -483,14 +483,19 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     prepare_data(cfg)
     stages = plan(cfg)
     check_data(stages, validate(cfg, stages))  # the shipped way: fine
+
+    def tested_on(val: str) -> str:  # every stage's data.val (probes and fine-tunes share one test set)
+        kept = [o for o in load_compare_config(path).overrides if not o.startswith("data.val=")]
+        return f"overrides={json.dumps(kept + [f'data.val={val}'])}"
     for overrides, match in (
             (["pretrain_overrides=[data.val=/nowhere/manifest.json]"],
              "pre-train mpp.*'/nowhere/manifest.json' does not exist"),
             ([f"pretrain_overrides=[fewshot.every=2,fewshot.train=/nowhere/fs.json,"
               f"fewshot.test={tmp_path}/d/test/manifest.json]"],
              "pre-train mpp.*'/nowhere/fs.json' does not exist"),  # the few-shot sets a pre-training watches
-            ([f"fraction_overrides.0.5=[\"data.val={tmp_path}/d/test/{{000000..000001}}.tar\"]"],
-             "fine-tune scratch, 50% labels.*not a manifest.json: give its total sample count"),
+            ([tested_on(f"{tmp_path}/d/test/{{000000..000001}}.tar"),
+              f"pretrain_overrides=[data.val={tmp_path}/d/test/manifest.json]"],
+             "linear probe mpp.*not a manifest.json: give its total sample count"),
             (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5"],
              "pre-train mpp.*would take them all"),  # the splits it withholds cannot be drawn
             (["label_fractions=[0.02]", "sweep.optim.lr=[0.1,0.2]", "dev_fraction=0.5",
@@ -509,7 +514,7 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
         check_data(stages, validate(cfg, stages))
     for overrides, learner in (  # a stage that learns from test images: the report's test figures were not
             ([f"pretrain_overrides=[data.train={tmp_path}/d/test/manifest.json]"], "pre-train mpp"),
-            ([f"fraction_overrides.0.5=[data.val={tmp_path}/d/train]"], "pre-train mpp")):
+            ([tested_on(f"{tmp_path}/d/train")], "pre-train mpp")):
         cfg = load_compare_config(path, overrides)
         stages = plan(cfg)
         with pytest.raises(DataError, match=f"stage '{learner}.*learns from data.train .*which holds test images of "
@@ -520,12 +525,10 @@ def test_data_a_stage_reads_is_checked_once_made(tmp_path):
     m = json.loads((other / "manifest.json").read_text())
     m["classes"] = m["classes"][::-1]
     (other / "manifest.json").write_text(json.dumps(m))
-    for extra, overrides, match in (("", [f"fraction_overrides.0.5=[data.val={other}]"], "fine-tune scratch, 50% la"),
-                                    (f", data.val={other}", [], "linear probe mpp")):
-        cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", stage_extra=extra), overrides)
-        stages = plan(cfg)
-        with pytest.raises(DataError, match=f"{match}.*data.val '{other}' has other classes than data.train"):
-            check_data(stages, validate(cfg, stages))  # each stage refused it at its start: after the pre-trainings
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", stage_extra=f", data.val={other}"))
+    stages = plan(cfg)
+    with pytest.raises(DataError, match=f"linear probe mpp.*data.val '{other}' has other classes than data.train"):
+        check_data(stages, validate(cfg, stages))  # each stage refused it at its start: after the pre-trainings
     cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", stage_extra=", 'probe.dev_split=[0,0.999]'"),
                               ['pretrain_overrides=["data.withhold=[]"]'])  # a probe's split that cannot be drawn
     stages = plan(cfg)
