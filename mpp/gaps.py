@@ -94,8 +94,8 @@ def derive(supervised: float | None, mpp: float | None, scratch: float | None, s
             out["share_noise_seeds_only"] = out["share_noise"] is not None and not all(
                 per_image.get(f) for f in acc)
             if out["share_noise"] is None:  # an arm's noise is unknown (single fine-tunes)
-                out["note"] = ("no ±: the noise of " + ("supervised - scratch, the share's denominator," if noise is None
-                                                        else "an arm's figure") + " is unknown, so the share's is too")
+                whose = "supervised - scratch, the share's denominator," if noise is None else "an arm's figure"
+                out["note"] = f"no ±: the noise of {whose} is unknown, so the share's is too"
     return out
 
 

@@ -350,7 +350,8 @@ def test_probes_and_fine_tunes_on_other_test_sets_are_refused_before_any_stage(t
     too, as is one label fraction given its own data.val; the same set spelled another way, or a
     shard pattern's count of a manifest's set (a manifest counts its own), are one test set."""
     path = _write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP)
-    other = "stages 'linear probe mpp' and 'fine-tune scratch, 50% labels, seed 0' would be scored on different test sets"
+    other = ("stages 'linear probe mpp' and 'fine-tune scratch, 50% labels, seed 0' would be scored on different "
+             "test sets")
     for spelled in (f"{tmp_path / 'd/test'}/", f"{tmp_path / 'd/test/manifest.json'}, data.val_num_samples=7"):
         cfg = load_compare_config(path, [f"fraction_overrides={{0.5: [data.val={spelled}]}}"])
         validate(cfg, plan(cfg))
