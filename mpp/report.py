@@ -212,10 +212,12 @@ def _split_finals(finals: list[dict], dev_runs: list[dict], varied: list[str]) -
     def place(g: tuple):
         return (rank[g], 0) if g in rank else (by_values[g[0]], 1) if g[0] in by_values else None
     stray = next((g for g in groups if place(g) is None), None)
-    if stray is not None:
-        raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(varied)} "
+    if stray is not None:  # the keys named: the swept ones, or finetune.pool where only the representation differs
+        differ = sorted(set().union(*(_differ(groups[stray][0], g[0]) for g in groups.values())))
+        raise ReportError(f"{groups[stray][0]['dir']}: the final runs of its cell differ in {', '.join(differ)} "
                           f"and it used values no development-split run tried, so the report cannot tell which runs "
-                          f"are the cell; pass the finals of one value, or the sweep stages of each")
+                          f"are the cell; pass the finals of one setting, or the cell's sweep stages too (its "
+                          f"development-split runs)")
     order = sorted(groups, key=place)
     best = min(by_values, key=by_values.get)
     if order[0][0] != best:  # only a runner-up's finals: the best value's were left out
@@ -583,7 +585,6 @@ def render_markdown(rep: dict) -> str:
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
     notes, marked, ranged, pooled, probed = [], False, False, False, False
-    mark = lambda cell, on: cell + (" †" if on and cell != "—" else "")  # noqa: E731 (no figure, no mark)
     for name, g in rows:
         share = "—" if g["recovered_share"] is None else f"{g['recovered_share']:.2f}" + (
             "" if g["share_noise"] is None else f" ± {g['share_noise']:.2f}"
@@ -593,15 +594,22 @@ def render_markdown(rep: dict) -> str:
             share = "undefined"
         elif g["recovered_share"] is not None and g.get("note"):  # a share without ±: why
             notes.append(f"- {name}: share recovered {g['note']}")
+        figures = {**{k: _gap(g, k) for k in GAPS}, "recovered_share": share}
+
+        def marks(arms: list[str]) -> set[str]:  # the row's figures (not "—") that involve one of `arms`
+            return {k for k, v in figures.items()  # the share involves every arm
+                    if v != "—" and set(arms) & set(GAPS.get(k, FAMILIES))}
         # † on every figure of an arm whose recipe, or whose probe's representation, was a toss-up
-        toss = set(g.get("recipe_toss_ups", [])) | set(g.get("probe_toss_ups", []))
+        dagger = marks(g.get("recipe_toss_ups", []) + g.get("probe_toss_ups", []))
         ranges = g.get("range", {})
-        cells = [mark(_gap(g, k), toss & set(GAPS[k])) + _range_cell(ranges.get(k), "{:+.1f}") for k in GAPS]
-        cells.append(mark(share, toss) + _range_cell(ranges.get("recovered_share"), "{:.2f}"))
+        cells = [v + (" †" if k in dagger else "")
+                 + _range_cell(ranges.get(k), "{:.2f}" if k == "recovered_share" else "{:+.1f}")
+                 for k, v in figures.items()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        marked, ranged = marked or bool(g.get("recipe_toss_ups")), ranged or bool(ranges)
-        pooled = pooled or bool(g.get("pool_toss_ups"))
-        probed = probed or bool(g.get("probe_toss_ups"))
+        # each footnote only where a figure carries its †
+        marked, ranged = marked or bool(marks(g.get("recipe_toss_ups", []))), ranged or bool(ranges)
+        pooled = pooled or bool(marks(g.get("pool_toss_ups", [])))
+        probed = probed or bool(marks(g.get("probe_toss_ups", [])))
     if notes:
         lines += [""] + notes
     if marked:

@@ -180,8 +180,8 @@ def test_a_share_over_a_gain_within_its_noise_gets_no_plus_minus(tmp_path):
     assert derive(0.80, 0.603, 0.50, {"supervised": 0.02, "mpp": 0.02, "scratch": 0.02})["share_noise"] > 0
     # an unknown noise (single fine-tunes): no ±, said so, whether the denominator's or another arm's
     single = derive(0.80, 0.603, 0.50, {"supervised": 0.02, "mpp": None, "scratch": 0.02})
-    assert single["share_noise"] is None and single["note"] == "no ±: the noise of an arm's figure is unknown, so the " \
-        "share's is too"
+    assert single["share_noise"] is None
+    assert single["note"] == "no ±: the noise of an arm's figure is unknown, so the share's is too"
     assert "supervised - scratch, the share's denominator, is unknown" in derive(0.80, 0.603, 0.50)["note"]
 
 
@@ -410,6 +410,10 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| fine-tune @ 10% labels"))
     assert [c.strip().endswith("†") for c in row.strip("| ").split(" | ")[1:]] == [True, False, True, True]
     assert "† an arm of this figure" in md
+    # the toss-up's cell alone: no figure to mark, so no footnote for one
+    write_report([r for r in runs if r.parent.name == "ft_supervised"], tmp_path / "alone")
+    alone = (tmp_path / "alone" / "report.md").read_text()
+    assert "toss-up" in alone and "†" not in alone
     # finals of the value the split ranked second alone are no cell of the protocol, which retrains the best
     other = _run(root, "ft_mpp/seed0_lr0.01", {"objective": "classify", "seed": 0, "optim": {"lr": 0.01},
                                                "finetune": {"init": str(mpp), "label_fraction": 0.1}},
@@ -730,11 +734,16 @@ def test_finals_that_chose_their_representation_stay_one_cell(tmp_path):
 
 def test_a_cells_seeds_of_other_settings_are_refused_not_averaged(tmp_path):
     """Two finals of one cell trained at other rates, with no development-split runs to tell the
-    cell from an alternative, would be one mean ± std of two recipes: refused, naming the key;
-    seeds that differ only in seed, folder and logging are one cell."""
+    cell from an alternative, would be one mean ± std of two recipes: refused, naming the key (the
+    representation too, where it alone differs); seeds that differ only in seed, folder and
+    logging are one cell."""
     finals = [("f0", 0.01, 0, None, {"top1": 0.52}), ("f1", 0.3, 1, None, {"top1": 0.18})]
     with pytest.raises(ReportError, match=r"final runs of one report cell \(supervised, 0.1 labels\) differ in optim.lr"):
         write_report(_cell(tmp_path / "a", dev=[], finals=finals), tmp_path / "out")
+    pools = [("f0", 0.01, 0, "token", {"top1": 0.52}), ("p0", 0.01, 0, "avg", {"top1": 0.50})]  # a cell's other
+    with pytest.raises(ReportError, match=r"differ in finetune.pool and .*; pass the finals of one setting, or the "
+                                          r"cell's sweep stages too"):  # representation alone: named (was no key)
+        write_report(_cell(tmp_path / "p", dev=[], finals=pools), tmp_path / "out")
     same = _cell(tmp_path / "b", dev=[], finals=[("f0", 0.01, 0, None, {"top1": 0.52}),
                                                  ("f1", 0.01, 1, None, {"top1": 0.48})])
     cfg = yaml.safe_load((same[-1] / "config.yaml").read_text())  # logging, and the encoder's path spelled relative
