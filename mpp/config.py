@@ -722,7 +722,7 @@ def changed_settings(path: str | Path, now: Config) -> list[str] | None:
     current = flatten(to_dict(now))
     return [f"{k}: {saved.get(k, '(unset)')} -> {current.get(k, '(unset)')}" for k in sorted(set(saved) | set(current))
             if k != "output_dir" and k not in RESULT_NEUTRAL
-            and not _same(saved.get(k), current.get(k), data=k in DATA_KEYS, encoder=k in ENCODER_KEYS)]
+            and not same_setting(k, saved.get(k), current.get(k))]
 
 
 SAID_MOST = 4  # the changed settings a one-line message names
@@ -736,15 +736,16 @@ def said(changed: list[str]) -> str:
 ENCODER_KEYS = ("finetune.init", "probe.encoder")  # a run folder or its encoder.safetensors
 
 
-def _same(a, b, data: bool = False, encoder: bool = False) -> bool:
-    """Equal settings, or two spellings of one existing path (relative and absolute); of `data`
-    (a shard spec), also a shard folder and its manifest.json (mpp.specs.data_key); of `encoder`,
-    a run folder and its encoder.safetensors."""
-    if a == b or (data and data_key(a) == data_key(b)):
+def same_setting(key: str, a, b) -> bool:
+    """Whether `a` and `b` are one setting of config key `key`: equal, or two spellings of one
+    existing path (relative and absolute); of a shard spec (DATA_KEYS), also a shard folder and its
+    manifest.json (mpp.specs.data_key); of an encoder (ENCODER_KEYS), a run folder and its
+    encoder.safetensors."""
+    if a == b or (key in DATA_KEYS and data_key(a) == data_key(b)):
         return True
     if not (isinstance(a, str) and isinstance(b, str)):
         return False
-    if encoder:
+    if key in ENCODER_KEYS:
         a, b = (os.path.join(p, "encoder.safetensors") if os.path.isdir(p) else p for p in (a, b))
     return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from mpp import outcomes
-from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, settings
+from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, same_setting, settings
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import (GAPS, across_pretrain_seeds, added_noise, derive, dev_rank, mean_std, pool_choice,
                       runs_images, significant, sweep_lead)
@@ -143,20 +143,26 @@ def _varied(dev_runs: list[dict]) -> list[str]:
 
 
 def _differ(a: dict, b: dict) -> list[str]:
-    """The config keys in which runs `a` and `b` differ, but for those `_varied` leaves out; a path
-    spelled relative in one and absolute in the other (a comparison resumed so) is the same, and
-    shards named by their folder or its manifest.json (mpp.compare's resume takes both)."""
-    def same(x, y, data: bool) -> bool:
-        if json.dumps(x) == json.dumps(y):
-            return True
-        if not (isinstance(x, str) and isinstance(y, str)):
-            return False
-        x, y = os.path.normpath(x), os.path.normpath(y)
-        if data:
-            x, y = x.removesuffix(os.sep + "manifest.json"), y.removesuffix(os.sep + "manifest.json")
-        return x == y or x.endswith(os.sep + y) or y.endswith(os.sep + x)
+    """The config keys in which runs `a` and `b` differ, but for those `_varied` leaves out and two
+    spellings of one setting (`_same`)."""
     return sorted(k for k in set(a["settings"]) | set(b["settings"]) if k not in ("output_dir", "seed", *RESULT_NEUTRAL)
-                  and not same(a["settings"].get(k), b["settings"].get(k), k in DATA_KEYS))
+                  and not _same(k, a["settings"].get(k), b["settings"].get(k)))
+
+
+def _same(key: str, x, y) -> bool:
+    """Whether `x` and `y` are one setting of `key`: as a comparison's resume takes it
+    (`mpp.config.same_setting`), or two paths, one of them missing here, the one ending with the
+    other (a shard folder and its manifest.json alike). Runs read from a moved copy, or from another
+    directory than they were launched in, name paths that the config's rule cannot resolve; where
+    both exist it decides, so `a/data` and `b/a/data` stay two data sets."""
+    if same_setting(key, x, y):
+        return True
+    if not (isinstance(x, str) and isinstance(y, str)) or (os.path.exists(x) and os.path.exists(y)):
+        return False
+    x, y = os.path.normpath(x), os.path.normpath(y)
+    if key in DATA_KEYS:
+        x, y = x.removesuffix(os.sep + "manifest.json"), y.removesuffix(os.sep + "manifest.json")
+    return x == y or x.endswith(os.sep + y) or y.endswith(os.sep + x)
 
 
 def _values(run: dict, varied: list[str]) -> dict:

@@ -973,13 +973,25 @@ def test_a_searched_folder_is_searched_again_and_no_report_replaces_one_of_other
         write_report(cmp)
 
 
-def test_runs_differ_in_their_data_only_when_the_shards_differ():
+def test_runs_differ_in_their_data_only_when_the_shards_differ(tmp_path, monkeypatch):
     """A comparison's resume takes a shard folder and its manifest.json as one data set (mpp.compare),
     so the report must too: else seeds finished either side of the re-spelling stopped the report
-    as finals that differ in data.train. Other paths keep the manifest's name as a difference."""
+    as finals that differ in data.train. Other paths keep the manifest's name as a difference.
+    Paths that exist here are one setting as the resume has it (a run folder and its encoder
+    too); a path ending with another is the same only where one is missing here (a moved copy)."""
     from mpp.report import _differ
     folder, manifest = {"data.train": "data/c10/train"}, {"data.train": "/w/data/c10/train/manifest.json"}
     assert _differ({"settings": folder}, {"settings": manifest}) == []
     assert _differ({"settings": folder}, {"settings": {"data.train": "data/c100/train"}}) == ["data.train"]
     init = {"finetune.init": "runs/a/manifest.json"}
     assert _differ({"settings": {"finetune.init": "runs/a"}}, {"settings": init}) == ["finetune.init"]
+    for d in ("a/data", "b/a/data", "run"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "run/encoder.safetensors").touch()
+    monkeypatch.chdir(tmp_path)
+
+    def differ(key: str, x: str, y: str) -> list[str]:
+        return _differ({"settings": {key: x}}, {"settings": {key: y}})
+    assert differ("data.train", "a/data", str(tmp_path / "b/a/data")) == ["data.train"]  # two data sets here
+    assert differ("data.train", "a/data", str(tmp_path / "gone/a/data")) == []  # one moved: gone/a/data is a/data now
+    assert differ("finetune.init", "run", str(tmp_path / "run/encoder.safetensors")) == []
