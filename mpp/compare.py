@@ -63,7 +63,7 @@ from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_li
                         flatten, load_config, parse_overrides, said, to_dict)
 from mpp.gaps import choice_lead, dev_rank, pool_choice
 from mpp.launcher import follow_parent
-from mpp.specs import data_key, dev_split, names_manifest, test_set
+from mpp.specs import data_key, dev_split, names_manifest, val_key
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -337,7 +337,7 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
     key fails before hours of work; check that no two stages share a folder, what each trainer
     would check at its start (`_check_training`), that each pre-training trains its arm's
     objective, that each fine-tune has test images, that the probes and final fine-tunes are scored
-    on one test set (`mpp.specs.test_set`, as the report requires), and that each probe and
+    on one test set (`mpp.specs.val_key`, as the report requires), and that each probe and
     fine-tune normalises its inputs as its encoder's pre-training did. The data are checked once
     made (`check_data`).
     `machine` False (a dry run, which may plan for another machine) leaves out what this machine
@@ -390,7 +390,7 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
     for s in stages:
         c = resolved[s.out]
         if s.tool == "linear_probe" or (s.tool == "finetune" and c.finetune.dev_fraction == 0):
-            scored.setdefault(test_set(c.data.val, c.data.val_num_samples), s.name)
+            scored.setdefault(val_key(c.data.val, c.data.val_num_samples), s.name)
     if len(scored) > 1:
         (a, first), (b, second) = list(scored.items())[:2]
         raise ConfigError(f"stages '{first}' and '{second}' would be scored on different test sets (data.val {a[0]} "

@@ -45,7 +45,7 @@ from mpp.config import RESULT_NEUTRAL, flatten, read_yaml, same_setting, setting
 from mpp.fileio import save_figure, write_atomic
 from mpp.gaps import (GAPS, across_pretrain_seeds, added_noise, derive, dev_rank, mean_std, pool_choice,
                       runs_images, significant, sweep_lead)
-from mpp.specs import DATA_KEYS, data_key, dev_split, test_set
+from mpp.specs import DATA_KEYS, data_key, dev_split, val_key
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -488,11 +488,11 @@ def _short(values: dict) -> str:
 
 def _check_one_test_set(runs: list[dict]) -> None:
     """Every figure of the table is on one test set: refuse final fine-tunes and probes scored on
-    different ones (`mpp.specs.test_set`), whose gaps would compare different images."""
+    different ones (`mpp.specs.val_key`), whose gaps would compare different images."""
     scored: dict = {}
     for r in runs:
         if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev"):
-            scored.setdefault(test_set(r["settings"].get("data.val"), r["settings"].get("data.val_num_samples")),
+            scored.setdefault(val_key(r["settings"].get("data.val"), r["settings"].get("data.val_num_samples")),
                               r["dir"])
     if len(scored) > 1:
         (a, where_a), (b, where_b) = list(scored.items())[:2]

@@ -51,7 +51,7 @@ def names_manifest(spec) -> bool:
         r"\.(tar(\.\w+)?|tgz)$", spec)
 
 
-def test_set(val, val_num_samples) -> tuple:
+def val_key(val, val_num_samples) -> tuple:
     """One spelling of the test images a run is scored on: `data_key` of its data.val and its
     data.val_num_samples (another count of a shard pattern is another set; a manifest counts its
     own). Two runs whose gaps the report gives must have the same; a comparison checks its stages'
