@@ -797,17 +797,21 @@ def _killed(code: int) -> str:
     return f" (killed by {name}{', as the out-of-memory killer does' if -code == signal.SIGKILL else ''})"
 
 
-def _stop(launcher: subprocess.Popen, first: float = 5.0, grace: float = 30.0) -> None:
+STOP_GRACE_S = 30.0  # from a stage's SIGTERM to its SIGKILL (`_stop`)
+
+
+def _stop(launcher: subprocess.Popen, first: float = 5.0) -> None:
     """End a stage's launcher and its ranks: `first` seconds to end on its own (a terminal's
     Ctrl-C reached it too), then SIGTERM (torchrun and accelerate pass it on, and the trainers save
-    a checkpoint), then, `grace` seconds on, SIGKILL; a rank left behind (a launcher that does not
-    pass it on, as accelerate's one-process launch before 1.x) gets the same. A SIGKILL at once
-    left such a rank training on, orphaned. Another Ctrl-C meanwhile kills them at once."""
+    a checkpoint), then, STOP_GRACE_S on, SIGKILL; a rank left behind (a launcher that does not
+    pass it on, as accelerate's one-process launch before 1.x) gets the same, where a SIGKILL at
+    once would leave it training on, orphaned. Another Ctrl-C meanwhile kills them at once."""
     try:
         ranks = psutil.Process(launcher.pid).children(recursive=True)
     except psutil.Error:  # it has ended already
         ranks = []
-    print(f"stopping the stage's launcher and its ranks (up to {first + 2 * grace:.0f} s; Ctrl-C again kills them)",
+    print(f"stopping the stage's launcher and its ranks (up to {first + 2 * STOP_GRACE_S:.0f} s; "
+          "Ctrl-C again kills them)",
           file=sys.stderr, flush=True)
     try:
         try:
@@ -815,12 +819,12 @@ def _stop(launcher: subprocess.Popen, first: float = 5.0, grace: float = 30.0) -
         except subprocess.TimeoutExpired:
             launcher.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                launcher.wait(timeout=grace)
+                launcher.wait(timeout=STOP_GRACE_S)
         left = [r for r in ranks if r.is_running()]
         for rank in left:
             with contextlib.suppress(psutil.Error):
                 rank.terminate()
-        psutil.wait_procs(left, timeout=grace)
+        psutil.wait_procs(left, timeout=STOP_GRACE_S)
     except KeyboardInterrupt:
         pass
     for proc in ranks:
