@@ -16,6 +16,9 @@ non-finite steps reaches `train.max_bad_steps`, noticed at the next log or check
 SIGTERM (a scheduler's preemption or time limit, torchrun passing it on) saves a checkpoint and
 stops the run (`Terminated`): on one process after the step it arrives in, on several at the next
 log window, where the ranks agree on it, so that all save the same step.
+
+Ideas of their own live in their own modules: the TensorBoard writer whose failures read as the
+run's own (mpp.tensorboard).
 """
 from __future__ import annotations
 
@@ -40,7 +43,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
-from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from mpp import evaluators, rundir
@@ -61,6 +63,7 @@ from mpp.optim import create_optimizer, create_scheduler, warmup_note
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
 from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, resolve_precision
+from mpp.tensorboard import TensorBoard
 
 
 class NonFiniteError(RuntimeError):
@@ -497,51 +500,7 @@ def _record(run: Run) -> None:
             save_config(run.cfg, run.out / "config.yaml")
         # TensorBoard hides an earlier attempt's events from purge_step on: those after the checkpoint
         # resumed from, whose own step closed a log window before it was saved
-        run.writer = _TensorBoard(run.out / "tensorboard", purge_step=run.start + 1 if run.start else 0)
-
-
-class _TensorBoard:
-    """A run's TensorBoard writer: SummaryWriter's calls, but a failure to write its files (a full
-    disk), which TensorBoard's writer thread meets and the main thread's next call raises, is an
-    OSError naming the folder (the thread's has no file name), and the thread's own traceback is not
-    printed before the run's one-line error (its `threading.excepthook`, until `close`)."""
-
-    def __init__(self, folder: Path, **kwargs):
-        before = set(threading.enumerate())
-        self.folder, self._writer = folder, SummaryWriter(str(folder), **kwargs)  # which starts the thread
-        threads, self._hook = set(threading.enumerate()) - before, threading.excepthook
-
-        def quiet(args) -> None:  # the writer thread's error is the main thread's to raise
-            if args.thread not in threads:
-                self._hook(args)
-        threading.excepthook = self._quiet = quiet
-
-    @contextlib.contextmanager
-    def _named(self):
-        try:
-            yield
-        except OSError as e:
-            if e.errno is None:  # TensorBoard's own ("Writer is closed")
-                raise
-            raise OSError(e.errno, e.strerror, str(self.folder)) from e
-
-    def __getattr__(self, name: str) -> Callable:
-        call = getattr(self._writer, name)
-
-        def named(*args, **kwargs):
-            with self._named():
-                return call(*args, **kwargs)
-        return named
-
-    def close(self) -> None:
-        """Write out and close the files (raising what the writer thread met), and give the
-        excepthook back."""
-        try:
-            with self._named():
-                self._writer.close()
-        finally:
-            if threading.excepthook is self._quiet:
-                threading.excepthook = self._hook
+        run.writer = TensorBoard(run.out / "tensorboard", purge_step=run.start + 1 if run.start else 0)
 
 
 def _sample_weights(accelerator, micro: list[dict]) -> list:
