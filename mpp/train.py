@@ -13,12 +13,9 @@ all-reduce too), before checkpoints and at the end. A non-finite step is skipped
 (`optimizer.found_inf`, see mpp.optim); the run stops when the longest run of consecutive
 non-finite steps reaches `train.max_bad_steps`, noticed at the next log or checkpoint step.
 
-SIGTERM (a scheduler's preemption or time limit, torchrun passing it on) saves a checkpoint and
-stops the run (`Terminated`): on one process after the step it arrives in, on several at the next
-log window, where the ranks agree on it, so that all save the same step.
-
-Ideas of their own live in their own modules: the TensorBoard writer whose failures read as the
-run's own (mpp.tensorboard).
+Ideas of their own live in their own modules: SIGTERM (a preemption) saves the step it comes in
+and stops the run, in the loop or outside it (mpp.preemption); the TensorBoard writer whose
+failures read as the run's own (mpp.tensorboard).
 """
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ import json
 import math
 import os
 import pickle
-import signal
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,7 +46,7 @@ from mpp.checkpoint import (checkpoint_name, checkpoint_order, list_checkpoints,
 from mpp.cli import out_of_memory
 from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, changed_settings, said, save_config
-from mpp.data import make_loader, shield_workers
+from mpp.data import make_loader
 from mpp.data.decode import SAMPLE_SKIPS, SHARD_SKIPS
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
@@ -60,6 +55,7 @@ from mpp.launcher import die_with_launcher
 from mpp.models import save_encoder
 from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler, warmup_note
+from mpp.preemption import Sigterm, stop_on_sigterm, terminated
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
 from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, resolve_precision
@@ -70,73 +66,12 @@ class NonFiniteError(RuntimeError):
     """Too many steps with a non-finite loss or gradient since the last finite one: training stopped."""
 
 
-class Terminated(RuntimeError):
-    """SIGTERM: the run saved a checkpoint and stopped; the same command resumes it."""
-
-
-class _Sigterm:
-    """While the loop runs (`with`), SIGTERM is noted instead of ending the process at once, and the
-    data workers leave it to this process (`mpp.data.shield_workers`); `now` says whether to stop
-    after this step: on one process as soon as one came, on several only at a log window (a point
-    that waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
-    blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it 30 s
-    after its SIGTERM."""
-
-    def __init__(self):
-        self.got, self.old = False, None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.old = signal.signal(signal.SIGTERM, self._note) or signal.SIG_DFL  # None: not set from Python
-            shield_workers(True)
-        return self
-
-    def _note(self, signum, frame) -> None:
-        self.got = True
-
-    def __exit__(self, *exc) -> None:
-        if self.old is not None:
-            shield_workers(False)
-            signal.signal(signal.SIGTERM, self.old)
-
-    def now(self, accelerator, window: bool) -> bool:
-        if accelerator.num_processes == 1:
-            return self.got
-        return window and accelerator.reduce(
-            torch.full((), float(self.got), device=accelerator.device), "max").item() > 0
-
-
-@contextlib.contextmanager
-def _stop_on_sigterm():
-    """Outside the loop (set-up, a fine-tune's start-up probe, the export, the final evaluation)
-    SIGTERM stops the run at once with one line (exit 143), as Ctrl-C does: nothing is done there
-    that the last checkpoint lacks, and the same command does it again."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    def stop(signum, frame):
-        raise _Preempted  # not an Exception: no handler of a damaged file or shard may take it for one
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    except _Preempted:
-        raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
-                         "stopped, nothing lost; the same command resumes from the last checkpoint") from None
-    finally:
-        signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
-
-
-class _Preempted(BaseException):
-    """SIGTERM outside the loop, raised where it lands, as Ctrl-C's KeyboardInterrupt is: an
-    `except Exception` around a checkpoint's load or a shard's read would count it as their damage."""
-
-
 def train(cfg: Config) -> dict:
     """Run `cfg` (an objective of mpp.objectives.OBJECTIVES) and write its run directory; returns
     the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile; a run
     stopped by an error or Ctrl-C ends its progress bar's line first, so the error line comes last."""
     try:
-        with deterministic(cfg.train.deterministic), _stop_on_sigterm():
+        with deterministic(cfg.train.deterministic), stop_on_sigterm():
             run = setup(cfg)
             try:
                 loop(run)
@@ -339,7 +274,7 @@ def loop(run: Run) -> None:
     model.train()
     with StepProfiler(cfg.train.profile, run.start, run.steps, accelerator.device, run.out / "profile",
                       accelerator.process_index, report=tqdm.write if main else lambda line: None) as profiler, \
-            _Sigterm() as sigterm:
+            Sigterm() as sigterm:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
             micro, losses = [], []
@@ -394,7 +329,7 @@ def loop(run: Run) -> None:
             if checkpoint_now:
                 _checkpoint(run, done)
             if stop:
-                _terminated(run, done)
+                terminated(run, done)
 
             # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
             for name, every, evaluator in run.periodic:
@@ -405,15 +340,7 @@ def loop(run: Run) -> None:
             profiler.step()
         # one that came during the last step's checkpoint or evaluators: that checkpoint is the run's last
         if run.start < run.steps and sigterm.now(accelerator, window=True):
-            _terminated(run, run.steps)
-
-
-def _terminated(run: Run, done: int) -> None:
-    """Stop the run after the checkpoint of step `done` that a SIGTERM asked for."""
-    if run.writer:
-        run.writer.close()  # keep what was logged
-    raise Terminated(f"SIGTERM: stopped after step {done} of {run.steps} and saved its checkpoint "
-                     f"({checkpoint_name(done)}); run the same command again to resume")
+            terminated(run, run.steps)
 
 
 def finish(run: Run) -> dict:

@@ -166,7 +166,7 @@ def test_a_sigterm_outside_the_steps_stops_the_run_in_one_line(run, tmp_path, mo
     counted it as the checkpoint's damage and gone on from an older one), and touches nothing."""
     import signal
     import mpp.train
-    from mpp.train import Terminated
+    from mpp.preemption import Terminated
     data, done = run
     out = unfinished(done, tmp_path / "run")
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}

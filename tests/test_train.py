@@ -37,6 +37,7 @@ from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
 from mpp.models import load_encoder
+from mpp.preemption import Terminated
 from mpp.runtime import check_ranks_fit
 from mpp.train import NonFiniteError, train
 
@@ -234,7 +235,7 @@ def test_a_sigterm_during_the_last_checkpoint_stops_before_the_export(data, tmp_
 
     monkeypatch.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
     out = tmp_path / "run"
-    with pytest.raises(mpp.train.Terminated, match="stopped after step 4 of 4"):
+    with pytest.raises(Terminated, match="stopped after step 4 of 4"):
         train(config(settings(data, out, steps=4)))
     assert signal.getsignal(signal.SIGTERM) == before
     assert not (out / "metrics.json").exists() and not (out / "encoder.safetensors").exists()
@@ -480,7 +481,7 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
 
     with monkeypatch.context() as m:
         m.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
-        with pytest.raises(mpp.train.Terminated, match="stopped after step 3 of 8"):
+        with pytest.raises(Terminated, match="stopped after step 3 of 8"):
             train(config(settings(data, tmp_path / "resumed", **items)))
     with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
         train(config(settings(data, tmp_path / "resumed", **items)))

@@ -1,0 +1,92 @@
+"""Preemption: SIGTERM (a scheduler's preemption or time limit, torchrun passing it on) stops a run
+with nothing lost, in one line (`Terminated`, exit 143), and the same command resumes it.
+
+In the training steps (`Sigterm`, around mpp.train's loop) the run first saves the step it came in
+as a checkpoint: on one process after that step, on several at the next log window, where the ranks
+agree on it, so that all save the same step (`terminated` then stops it). Outside them
+(`stop_on_sigterm`: set-up, a start-up probe, the export, the final evaluation) it stops at once,
+as Ctrl-C does: nothing done there is missing from the last checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from mpp.checkpoint import checkpoint_name
+from mpp.data import shield_workers
+
+if TYPE_CHECKING:  # annotations only: mpp.train imports this module
+    from mpp.train import Run
+
+
+class Terminated(RuntimeError):
+    """SIGTERM: the run saved a checkpoint and stopped; the same command resumes it."""
+
+
+class Sigterm:
+    """While the loop runs (`with`), SIGTERM is noted instead of ending the process at once, and the
+    data workers leave it to this process (`mpp.data.shield_workers`); `now` says whether to stop
+    after this step: on one process as soon as one came, on several only at a log window (a point
+    that waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
+    blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it 30 s
+    after its SIGTERM."""
+
+    def __init__(self):
+        self.got, self.old = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.old = signal.signal(signal.SIGTERM, self._note) or signal.SIG_DFL  # None: not set from Python
+            shield_workers(True)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.got = True
+
+    def __exit__(self, *exc) -> None:
+        if self.old is not None:
+            shield_workers(False)
+            signal.signal(signal.SIGTERM, self.old)
+
+    def now(self, accelerator, window: bool) -> bool:
+        if accelerator.num_processes == 1:
+            return self.got
+        return window and accelerator.reduce(
+            torch.full((), float(self.got), device=accelerator.device), "max").item() > 0
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Outside the loop (set-up, a fine-tune's start-up probe, the export, the final evaluation)
+    SIGTERM stops the run at once with one line (exit 143), as Ctrl-C does: nothing is done there
+    that the last checkpoint lacks, and the same command does it again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def stop(signum, frame):
+        raise _Preempted  # not an Exception: no handler of a damaged file or shard may take it for one
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except _Preempted:
+        raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
+                         "stopped, nothing lost; the same command resumes from the last checkpoint") from None
+    finally:
+        signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
+
+
+class _Preempted(BaseException):
+    """SIGTERM outside the loop, raised where it lands, as Ctrl-C's KeyboardInterrupt is: an
+    `except Exception` around a checkpoint's load or a shard's read would count it as their damage."""
+
+
+def terminated(run: Run, done: int) -> None:
+    """Stop the run after the checkpoint of step `done` that a SIGTERM asked for."""
+    if run.writer:
+        run.writer.close()  # keep what was logged
+    raise Terminated(f"SIGTERM: stopped after step {done} of {run.steps} and saved its checkpoint "
+                     f"({checkpoint_name(done)}); run the same command again to resume")
