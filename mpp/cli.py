@@ -104,9 +104,9 @@ def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], type]:
     process SIGTERM ended). Imported late: tools that need only the config skip torch."""
     from mpp.data.decode import DataError
     from mpp.data.writer import ShardError
+    from mpp.nonfinite import NonFiniteError
     from mpp.preemption import Terminated
     from mpp.report import ReportError
-    from mpp.train import NonFiniteError
     return (ConfigError, ReportError, UsageError), (DataError, ShardError, NonFiniteError), Terminated
 
 

@@ -14,8 +14,9 @@ all-reduce too), before checkpoints and at the end. A non-finite step is skipped
 non-finite steps reaches `train.max_bad_steps`, noticed at the next log or checkpoint step.
 
 Ideas of their own live in their own modules: SIGTERM (a preemption) saves the step it comes in
-and stops the run, in the loop or outside it (mpp.preemption); the TensorBoard writer whose
-failures read as the run's own (mpp.tensorboard).
+and stops the run, in the loop or outside it (mpp.preemption); non-finite steps are skipped,
+counted, and stop the run when too many come in a row (mpp.nonfinite); the TensorBoard writer
+whose failures read as the run's own (mpp.tensorboard).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
 from mpp.launcher import die_with_launcher
 from mpp.models import save_encoder
+from mpp.nonfinite import BadSteps, check_export, check_finite, scaler_overflow, skip_unless_finite
 from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler, warmup_note
 from mpp.preemption import Sigterm, stop_on_sigterm, terminated
@@ -60,10 +62,6 @@ from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
 from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, resolve_precision
 from mpp.tensorboard import TensorBoard
-
-
-class NonFiniteError(RuntimeError):
-    """Too many steps with a non-finite loss or gradient since the last finite one: training stopped."""
 
 
 def train(cfg: Config) -> dict:
@@ -129,7 +127,7 @@ class Run:
     images: int = 0            # trained on in this segment's closed log windows, all ranks
     last: dict = field(default_factory=dict)  # the latest log window's figures
     win: _Window = None
-    bad: _BadSteps = None
+    bad: BadSteps = None
 
     @property
     def out(self) -> Path:
@@ -243,7 +241,7 @@ def setup(cfg: Config) -> Run:
         bar=tqdm(total=steps, initial=start, disable=not main, desc=f"{cfg.objective} {out.name}", dynamic_ncols=True),
         t_begin=t_begin, setup_s=time.time() - t_begin - begin_s, begin_s=begin_s, last=state["last"],
         win=_Window(zero),
-        bad=_BadSteps(zero, state.get("bad_run", 0), cfg.train.max_bad_steps, state.get("overflow_run", 0)))
+        bad=BadSteps(zero, state.get("bad_run", 0), cfg.train.max_bad_steps, state.get("overflow_run", 0)))
 
 
 def _begin(cfg: Config, accelerator: Accelerator, task: Task, final, precision: str) -> dict:
@@ -298,8 +296,8 @@ def loop(run: Run) -> None:
             with phase("mpp/optimizer"):
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
                 finite = torch.isfinite(grad_norm)
-                overflow = _scaler_overflow(accelerator, finite, losses)
-                _skip_unless_finite(accelerator.scaler, run.optimizer.optimizer, finite)
+                overflow = scaler_overflow(accelerator, finite, losses)
+                skip_unless_finite(accelerator.scaler, run.optimizer.optimizer, finite)
                 run.optimizer.step()
                 run.optimizer.zero_grad(set_to_none=True)
             done = step + 1
@@ -352,7 +350,7 @@ def finish(run: Run) -> dict:
         run.loader.close()  # stops the data workers (an epoch may be unfinished)
     _record(run)  # a run resumed at its last step did none
     totals = _totals(run)
-    _check_export(task.encoder, int(run.bad.run.item()), list_checkpoints(out / "checkpoints"))
+    check_export(task.encoder, int(run.bad.run.item()), list_checkpoints(out / "checkpoints"))
     if accelerator.is_main_process:
         save_encoder(task.encoder, out, cfg.data)  # with the normalisation a fine-tune must use
         task.export(out)
@@ -451,7 +449,7 @@ _TAGS = {"images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_
 def _log(run: Run, done: int, lr: float) -> None:
     """Gather the window's figures (all ranks), write them to TensorBoard and the progress bar;
     `lr`: the (largest group's) learning rate of the window's last step."""
-    _check_finite(run, done)
+    check_finite(run, done)
     now = time.perf_counter()
     figures = run.win.read(run.accelerator)
     figures.update({"skipped_" + k: n for k, n in _skipped(run).items()})
@@ -473,7 +471,7 @@ def _log(run: Run, done: int, lr: float) -> None:
 
 
 def _checkpoint(run: Run, done: int) -> None:
-    _check_finite(run, done)
+    check_finite(run, done)
     epoch, batch_pos = divmod(done * run.cfg.train.grad_accum, run.loader.batches_per_epoch)
     save_checkpoint(run.accelerator, run.out / "checkpoints", done, run.task, run.optimizer, run.scheduler,
                     keep=run.cfg.train.keep_ckpts, superseded=run.damaged,
@@ -483,24 +481,6 @@ def _checkpoint(run: Run, done: int) -> None:
                            **_totals(run)})
     # removed, or (this step's) replaced by the checkpoint just written: a good one, never to be removed
     run.damaged = [p for p in run.damaged if checkpoint_order(p.name) > checkpoint_order(checkpoint_name(done))]
-
-
-def _check_finite(run: Run, step: int) -> None:
-    """Stop when the longest run of consecutive non-finite steps reached train.max_bad_steps."""
-    limit = run.cfg.train.max_bad_steps
-    if run.bad.max.item() >= limit:
-        # one before this step, not a newer one (or this step's, not written yet) that a resume skipped
-        # as damaged, which stays on disk
-        good = [c for c in list_checkpoints(run.out / "checkpoints")
-                if checkpoint_order(c.name) < checkpoint_order(checkpoint_name(step))]
-        run.bar.close()
-        if run.writer:
-            run.writer.close()  # keep the logged scalars that show what happened
-        raise NonFiniteError(
-            f"training stopped near step {step}: {limit} steps since the last finite one had a non-finite "
-            f"loss or gradient (train.max_bad_steps); they were skipped, the weights never saw them; last good "
-            f"checkpoint: {good[-1] if good else 'none'}. Lower optim.lr, raise warmup, try "
-            f"train.precision=no, or check the data")
 
 
 def _totals(run: Run) -> dict:
@@ -522,63 +502,6 @@ def _skipped(run: Run) -> dict[str, int]:
     for counters in gather_object([run.batches.counted]):
         total.update(counters)
     return dict(total)
-
-
-def _skip_unless_finite(scaler, optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-    """Make the coming `step` skip the update where the clipped gradient's norm is not finite,
-    without a host sync: fused kernels read `optimizer.found_inf`. Under fp16, GradScaler.step
-    sets that from what it saw while unscaling, before clipping (finite gradients whose norm
-    overflows then stepped, to NaN weights without clipping), so the verdict goes into its record
-    too: the step is skipped and the scale lowered."""
-    optimizer.found_inf = (~finite).float()
-    if scaler is not None:  # unscaled by clip_grad_norm_: GradScaler's record of this optimizer exists
-        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            torch.maximum(found, optimizer.found_inf.to(found.device), out=found)
-
-
-def _scaler_overflow(accelerator: Accelerator, finite: torch.Tensor,
-                     losses: list[torch.Tensor]) -> torch.Tensor | None:
-    """Whether this step was fp16 loss scaling's overflow: a non-finite gradient norm while every
-    rank's loss was finite. The scaler skips such a step and lowers its scale, as it does a few
-    times at the start of every fp16 run: counted apart (`scaler_skips`), it neither stops a run
-    nor its export as a non-finite step does, unless train.max_bad_steps of them come in a row
-    (`_BadSteps`: a gradient that stays non-finite is no overflow). None without a scaler (bf16,
-    fp32): the step then does no work for it. The ranks' losses are summed in one all-reduce (fp16
-    on several processes only), so every rank takes the same verdict."""
-    if accelerator.scaler is None:
-        return None
-    bad_loss = torch.stack([~torch.isfinite(loss).all() for loss in losses]).any().float()
-    if accelerator.num_processes > 1:  # the same verdict on every rank, as the gradient norm is
-        bad_loss = accelerator.reduce(bad_loss, "sum")
-    return ~finite & (bad_loss == 0)
-
-
-class _BadSteps:
-    """Device-side counters of non-finite steps (fp16 overflows apart): the current run of them,
-    its longest, the total, and the overflows. From the `limit`-th overflow since the last finite
-    step on, an overflow counts as a non-finite step: the scale has then halved `limit` times and the
-    gradient is still not finite, so something other than the scale is wrong. `run` and
-    `overflow_run`: the runs a resumed checkpoint left open, so a resume stops where the
-    uninterrupted run would."""
-
-    def __init__(self, zero: torch.Tensor, run: int, limit: int, overflow_run: int = 0):
-        self.zero, self.run, self.max, self.limit = zero, zero + run, zero.clone(), limit
-        self.total, self.overflows, self.overflow_run = zero.clone(), zero.clone(), zero + overflow_run
-
-    def add(self, finite: torch.Tensor, overflow: torch.Tensor | None = None) -> None:
-        """Only a finite step (one that updated the weights) ends a run: an overflow leaves the run
-        of failed steps as it was, and a failed step the run of overflows, so the two alternating
-        (no step ever finite) still reach the limit."""
-        failed = ~finite
-        if overflow is not None:  # fp16 loss scaling only
-            self.overflow_run = torch.where(overflow, self.overflow_run + 1,
-                                            torch.where(finite, self.zero, self.overflow_run))
-            skipped = overflow & (self.overflow_run < self.limit)
-            self.overflows += skipped.float()
-            failed = failed & ~skipped
-        self.run = torch.where(finite, self.zero, self.run + failed.float())  # a skip leaves it as it was
-        self.max = torch.maximum(self.max, self.run)
-        self.total += failed.float()
 
 
 class _Window:
@@ -631,17 +554,6 @@ def _check_settings(cfg: Config) -> None:
         raise ConfigError("config key 'data.train' is empty; give a manifest.json, a shard list or a brace pattern")
     rundir.check_output_dir(cfg.output_dir)
     resolve(cfg.data.train, cfg.data.num_samples)
-
-
-def _check_export(encoder: torch.nn.Module, bad_run: int, checkpoints: list[Path]) -> None:
-    """A run never exports non-finite weights, nor ends well when its last steps failed."""
-    last = f"last good checkpoint: {checkpoints[-1] if checkpoints else 'none'}"
-    if bad_run:
-        raise NonFiniteError(f"{bad_run} steps since the last finite one had a non-finite loss or gradient (fp16 "
-                             f"overflows apart): the run did not end well and no encoder was exported ({last}); "
-                             "lower optim.lr or check the data")
-    if not all(torch.isfinite(p).all() for p in encoder.parameters()):
-        raise NonFiniteError(f"the trained weights are not finite: no encoder was exported ({last}); lower optim.lr")
 
 
 def _resume(cfg: Config, accelerator: Accelerator, root: Path, task, optimizer) -> tuple[Path | None, dict, list]:

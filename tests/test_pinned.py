@@ -32,9 +32,9 @@ def test_fused_optimizer_behind_accelerate_skips_a_step_on_found_inf():
 
 
 def test_under_loss_scaling_a_step_whose_clipped_norm_is_not_finite_is_skipped_and_the_scale_lowered():
-    # mpp.train._skip_unless_finite writes into GradScaler's private record of what unscaling found:
+    # mpp.nonfinite.skip_unless_finite writes into GradScaler's private record of what unscaling found:
     # finite gradients whose norm overflows stepped (to NaN weights without clipping), the scale unlowered
-    from mpp.train import _skip_unless_finite
+    from mpp.nonfinite import skip_unless_finite
     for opt in (torch.optim.SGD, torch.optim.AdamW):  # fused, as mpp.optim makes every optimiser
         p = torch.nn.Parameter(torch.ones(3))
         optimizer = opt([p], lr=0.1, weight_decay=0.0, fused=True)
@@ -42,14 +42,14 @@ def test_under_loss_scaling_a_step_whose_clipped_norm_is_not_finite_is_skipped_a
         scaler.scale(torch.ones(()))       # the loss's scaling, which starts the scale
         p.grad = torch.full((3,), 1024.0)  # finite, scaled
         scaler.unscale_(optimizer)         # as Accelerator.clip_grad_norm_ does first
-        _skip_unless_finite(scaler, optimizer, torch.tensor(False))
+        skip_unless_finite(scaler, optimizer, torch.tensor(False))
         scaler.step(optimizer)
         scaler.update()
         assert torch.equal(p.detach(), torch.ones(3)) and scaler.get_scale() == 512.0, opt
         scaler.scale(torch.ones(()))
         p.grad = torch.full((3,), 512.0)
         scaler.unscale_(optimizer)
-        _skip_unless_finite(scaler, optimizer, torch.tensor(True))
+        skip_unless_finite(scaler, optimizer, torch.tensor(True))
         scaler.step(optimizer)
         scaler.update()
         assert torch.allclose(p.detach(), torch.full((3,), 0.9)) and scaler.get_scale() == 512.0, opt

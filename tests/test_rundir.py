@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from cpuonly import cpu_only
 from mpp.config import ConfigError, load_config
-from mpp.train import NonFiniteError, train
+from mpp.nonfinite import NonFiniteError
+from mpp.train import train
 from shardutil import write_shards
 
 pytestmark = pytest.mark.slow

@@ -37,9 +37,10 @@ from mpp.config import ConfigError, build_config, load_config
 from mpp.data import DataError
 from mpp.data.synthetic import make_synthetic
 from mpp.models import load_encoder
+from mpp.nonfinite import NonFiniteError
 from mpp.preemption import Terminated
 from mpp.runtime import check_ranks_fit
-from mpp.train import NonFiniteError, train
+from mpp.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -409,28 +410,28 @@ def test_an_fp16_overflow_is_the_scalers_skip_not_a_failed_step():
     overflow (it skips the step and lowers its scale); a non-finite loss is a failed step; without
     a scaler (bf16, fp32) every non-finite norm is one."""
     from types import SimpleNamespace
-    from mpp.train import _BadSteps, _scaler_overflow
+    from mpp.nonfinite import BadSteps, scaler_overflow
     fp16, bf16 = SimpleNamespace(scaler=object(), num_processes=1), SimpleNamespace(scaler=None, num_processes=1)
     inf, one, nan = torch.tensor(float("inf")), torch.tensor(1.0), torch.tensor(float("nan"))
-    assert _scaler_overflow(fp16, torch.isfinite(inf), [one, one])
-    assert not _scaler_overflow(fp16, torch.isfinite(inf), [one, nan])  # one micro-batch's loss is NaN
-    assert not _scaler_overflow(fp16, torch.isfinite(one), [one])
-    assert not _scaler_overflow(bf16, torch.isfinite(inf), [one])
-    bad = _BadSteps(torch.zeros(()), 0, limit=20)
+    assert scaler_overflow(fp16, torch.isfinite(inf), [one, one])
+    assert not scaler_overflow(fp16, torch.isfinite(inf), [one, nan])  # one micro-batch's loss is NaN
+    assert not scaler_overflow(fp16, torch.isfinite(one), [one])
+    assert not scaler_overflow(bf16, torch.isfinite(inf), [one])
+    bad = BadSteps(torch.zeros(()), 0, limit=20)
     for norm, loss in ((inf, one), (inf, one), (one, one), (inf, nan), (inf, nan), (inf, one)):
-        bad.add(torch.isfinite(norm), _scaler_overflow(fp16, torch.isfinite(norm), [loss]))
+        bad.add(torch.isfinite(norm), scaler_overflow(fp16, torch.isfinite(norm), [loss]))
     # the last overflow leaves the two failed steps' run open: no step since them updated the weights
     assert (bad.run.item(), bad.max.item(), bad.total.item(), bad.overflows.item()) == (2, 2, 2, 3)
     # a gradient that stays non-finite is no overflow: from the limit-th in a row on, each is a failed step
-    bad = _BadSteps(torch.zeros(()), 0, limit=3)
+    bad = BadSteps(torch.zeros(()), 0, limit=3)
     for _ in range(6):
-        bad.add(torch.isfinite(inf), _scaler_overflow(fp16, torch.isfinite(inf), [one]))
+        bad.add(torch.isfinite(inf), scaler_overflow(fp16, torch.isfinite(inf), [one]))
     assert (bad.overflows.item(), bad.total.item(), bad.run.item()) == (2, 4, 4)
     # failed steps and overflows in turn, no step finite: each kept the other's run open, so neither
     # limit was reached, every step was skipped and the untrained weights were exported
-    bad = _BadSteps(torch.zeros(()), 0, limit=3)
+    bad = BadSteps(torch.zeros(()), 0, limit=3)
     for loss in (nan, one) * 3:
-        bad.add(torch.isfinite(inf), _scaler_overflow(fp16, torch.isfinite(inf), [loss]))
+        bad.add(torch.isfinite(inf), scaler_overflow(fp16, torch.isfinite(inf), [loss]))
     assert (bad.overflows.item(), bad.total.item(), bad.max.item()) == (2, 4, 4)
 
 
@@ -452,9 +453,9 @@ def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path
     """An fp16 run whose last step was the scaler's overflow (weights untouched, finite) exports its
     encoder and counts the step in scaler_skips, not in nonfinite_steps: about 1 fp16 run in 2,000
     used to exit 1 here. The overflow is simulated: the last step's gradient is made non-finite and
-    reported as the scaler's, as `_scaler_overflow` does on a GPU under fp16."""
+    reported as the scaler's, as `mpp.nonfinite.scaler_overflow` does on a GPU under fp16."""
     monkeypatch.setattr(mpp.train, "build_task", nan_after(3))
-    monkeypatch.setattr(mpp.train, "_scaler_overflow", lambda accelerator, finite, losses: ~finite)
+    monkeypatch.setattr(mpp.train, "scaler_overflow", lambda accelerator, finite, losses: ~finite)
     metrics = train(config(settings(data, tmp_path, steps=4, **{"train.log_every": 2})))
     assert (metrics["scaler_skips"], metrics["nonfinite_steps"]) == (1, 0)
     assert (tmp_path / "encoder.safetensors").is_file()
@@ -468,7 +469,7 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
     step 8, not 6). Simulated as in the test above: every gradient non-finite, reported as the
     scaler's overflow."""
     monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
-    monkeypatch.setattr(mpp.train, "_scaler_overflow", lambda accelerator, finite, losses: ~finite)
+    monkeypatch.setattr(mpp.train, "scaler_overflow", lambda accelerator, finite, losses: ~finite)
     items = dict(steps=8, **{"train.log_every": 2, "train.ckpt_every": 2, "train.max_bad_steps": 3})
     with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
         train(config(settings(data, tmp_path / "whole", **items)))
