@@ -17,7 +17,7 @@
   which a fresh start would overwrite.
 - `check_probe_dir`: a linear probe's OUTPUT_DIR holds no training run, nor a probe of other settings.
 - `candidates`: `resume=auto`'s checkpoints newest first, and the `step_*` entries that cannot be
-  one; `mpp.train._resume` loads them in that order and skips and names the ones that do not load.
+  one; `mpp.resume.resume` loads them in that order and skips and names the ones that do not load.
 """
 from __future__ import annotations
 

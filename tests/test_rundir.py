@@ -166,17 +166,17 @@ def test_a_sigterm_outside_the_steps_stops_the_run_in_one_line(run, tmp_path, mo
     also where it lands inside an `except Exception` (here a checkpoint's load, which would have
     counted it as the checkpoint's damage and gone on from an older one), and touches nothing."""
     import signal
-    import mpp.train
+    import mpp.resume
     from mpp.preemption import Terminated
     data, done = run
     out = unfinished(done, tmp_path / "run")
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    load = mpp.train.load_checkpoint
+    load = mpp.resume.load_checkpoint
 
     def preempted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return load(*args, **kwargs)
-    monkeypatch.setattr(mpp.train, "load_checkpoint", preempted)
+    monkeypatch.setattr(mpp.resume, "load_checkpoint", preempted)
     handler = signal.getsignal(signal.SIGTERM)
     with cpu_only(), pytest.raises(Terminated, match="SIGTERM outside the training steps .* nothing lost; the same "
                                                      "command resumes"):

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import mpp.objectives
+import mpp.resume
 import mpp.train
 from colours import write_colours
 from cpuonly import cpu_env, cpu_only
@@ -697,13 +698,13 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_pat
     from mpp.config import save_config
     save_config(config(["train.log_every=10", "train.ckpt_every=500", "data.num_workers=2", "output_dir=a"]),
                 tmp_path / "config.yaml")
-    mpp.train._check_changes(tmp_path, config(["train.log_every=1", "train.ckpt_every=5", "train.resume=none",
+    mpp.resume.check_changes(tmp_path, config(["train.log_every=1", "train.ckpt_every=5", "train.resume=none",
                                                "data.num_workers=4", "output_dir=b"]),
                              SimpleNamespace(is_main_process=True, num_processes=1), finished=False)
     assert capsys.readouterr().err == ("warning: resuming with data.num_workers: 2 -> 4 (the shards are split over the "
                                        "workers anew: the rest of this epoch trains some of its samples a second time "
                                        "and leaves as many out)\n")
-    assert mpp.train._reordered("data.num_workers: 1 -> 0") == ""  # one worker's order either way
+    assert mpp.resume._reordered("data.num_workers: 1 -> 0") == ""  # one worker's order either way
 
 
 def test_a_run_ends_when_the_prefetch_thread_is_stuck_in_the_loader(data, tmp_path, monkeypatch):
@@ -786,13 +787,13 @@ def test_a_resume_trains_with_the_optimiser_settings_it_warns_of_and_refuses_ano
     checkpoint's param groups brought the old one back, while config.yaml recorded the new); a
     checkpoint of another parameter grouping (layer decay) is refused as such, not as damaged."""
     import mpp.train as trainer
-    out, seen, resume = tmp_path / "run", [], trainer._resume
+    out, seen, resume = tmp_path / "run", [], trainer.resume
 
     def spy(cfg, accelerator, root, task, optimizer):
         got = resume(cfg, accelerator, root, task, optimizer)
         seen.append(sorted({g["weight_decay"] for g in optimizer.param_groups}))
         return got
-    monkeypatch.setattr(trainer, "_resume", spy)
+    monkeypatch.setattr(trainer, "resume", spy)
     train(config(settings(data, out, steps=2, **{"optim.weight_decay": 0.05})))
     (out / "metrics.json").unlink()
     train(config(settings(data, out, steps=4, **{"optim.weight_decay": 0.5})))
