@@ -209,9 +209,16 @@ def test_compare_figures_read_data_val_with_its_count(data, tmp_path):
 
 
 def test_tool_rejects_a_missing_encoder(data, tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", str(tmp_path / "nope"),
-                        "--data", str(data), "--out", str(tmp_path / "o")], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --encoder")
+    """A missing path, an unknown preset after none: (it was create_encoder's exit 1, not naming --encoder)
+    and a label with nothing after it (read as the current directory) are usage errors naming --encoder."""
+    for spec, says in [(str(tmp_path / "nope"), "no such file"), ("none:vit_nope", "unknown model preset 'vit_nope'"),
+                       ("none:", "unknown model preset ''"), ("mpp=", "'mpp=' names no encoder")]:
+        r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", spec,
+                            "--data", str(data), "--out", str(tmp_path / "o")],
+                           capture_output=True, text=True, env=ENV, cwd=tmp_path)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("error: --encoder") and says in last, (spec, r.stderr[-500:])
+    assert not (tmp_path / "o").exists()
 
 
 def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path, capsys):

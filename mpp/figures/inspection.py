@@ -54,15 +54,20 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     init, at the preset's resolution or IMG_SIZE); a path that exists is a path, '=' in it or not
     (a comparison's output_dir=runs/lr=0.1)."""
     name, _, source = spec.partition("=") if "=" in spec and not Path(spec).exists() else ("", "", spec)
+    if not source:  # Path("") is the current directory: 'mpp=' would inspect whatever run is there
+        raise UsageError(f"--encoder {spec!r} names no encoder; give [LABEL=]RUN_DIR, an encoder.safetensors "
+                         "or none:PRESET")
     if source.startswith("none:"):
         preset, at, size = source[5:].partition("@")
         if at and not (size.isdigit() and int(size) > 0):
             raise UsageError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
-        patch = preset_geometry(preset)[1] if preset in PRESETS else 0  # an unknown one: create_encoder says
-        if size and patch and (fix := grid_fix(int(size), patch)):
+        if preset not in PRESETS:
+            raise UsageError(f"--encoder {source}: unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        patch = preset_geometry(preset)[1]
+        if size and (fix := grid_fix(int(size), patch)):
             raise UsageError(f"--encoder {source}: {preset}'s patch size {patch} does not divide {size} at least "
                              f"twice; give {fix}")
-        if size and patch and (int(size) // patch) ** 2 > MAX_TOKENS:  # as a config's img_size
+        if size and (int(size) // patch) ** 2 > MAX_TOKENS:  # as a config's img_size
             raise UsageError(f"--encoder {source}: {(int(size) // patch) ** 2} patches of {preset} at {size} px, "
                              f"more than {MAX_TOKENS}; give an IMG_SIZE of at most {patch * math.isqrt(MAX_TOKENS)}")
         torch.manual_seed(seed)
