@@ -336,6 +336,20 @@ def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):
     assert torch.equal(predict(task, images).predicted, predict(load_mpp_task(tmp_path), images).predicted)
 
 
+def test_an_mpp_run_without_head_or_checkpoint_says_it_gets_no_prediction_figure(tmp_path, capsys):
+    """It got none without a word; a hog run (no figure anyway) and a run with its head say nothing."""
+    from mpp.figures.inspection import load_inspected
+    for target in ("mean_color", "hog"):
+        saved_mpp_run(tmp_path / target, target=target)
+        (tmp_path / target / HEAD_FILE).unlink()
+    assert load_inspected(f"m={tmp_path / 'mean_color'}").task is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: m: an MPP run with neither {HEAD_FILE} nor a checkpoint")
+    assert load_inspected(str(tmp_path / "hog")).task is None
+    saved_mpp_run(tmp_path / "whole")
+    assert load_inspected(str(tmp_path / "whole")).task is not None and not capsys.readouterr().err
+
+
 def test_a_drawing_again_leaves_no_earlier_grid_and_the_accuracy_is_of_the_images_asked_for(data, tmp_path):
     """A grid an earlier drawing left (another target, --grid-images 0 now) was kept and linked by the
     report as this drawing's; the colour accuracy covered the grid's images too, not --images alone,

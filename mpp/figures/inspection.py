@@ -28,12 +28,13 @@ from mpp.figures import plots
 from mpp.figures.attention import attention_distance_sum, patch_distances, record_attention
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
-from mpp.figures.predictions import Prediction, load_mpp_task, predict, prediction_grid
+from mpp.figures.predictions import HEAD_FILE, Prediction, load_mpp_task, predict, prediction_grid
 from mpp.fileio import write_atomic
 from mpp.models import (PRESETS, MaskedEncoder, create_encoder, grid_fix, load_encoder, preset_geometry,
                         read_model_json)
 from mpp.corruption import Corruption
 from mpp.objectives import MPPTask
+from mpp.targets import TARGETS
 
 
 # how filters.png shows the filters (inspect.json records it: figures drawn otherwise are drawn again)
@@ -78,12 +79,17 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
     if not path.exists():  # named as given: 'runs/lr=0.1/mpp' is no label 'runs/lr' of '0.1/mpp'
         raise UsageError(f"--encoder {spec}: no such file or directory; give a run dir, an "
                          "encoder.safetensors with model.json beside it, or none:PRESET")
-    if (run / "config.yaml").is_file():
-        data = load_config(run / "config.yaml").data
+    cfg = load_config(run / "config.yaml") if (run / "config.yaml").is_file() else None
+    if cfg is not None:
+        data = cfg.data
     else:  # an exported encoder alone: the normalisation its model.json records, if it does
         norm = read_model_json(run / "model.json")[2] if (run / "model.json").is_file() else {}
         data = DataConfig(**{k: tuple(v) for k, v in norm.items()})
     task = load_mpp_task(run, attn="math") if path == run / "encoder.safetensors" or path.is_dir() else None
+    if task is None and cfg is not None and cfg.objective == "mpp" and TARGETS[cfg.mpp.target].colors is not None:
+        print(f"warning: {name or run.name}: an MPP run with neither {HEAD_FILE} nor a checkpoint: no prediction "
+              f"figure; copy the run's {HEAD_FILE} (written when pre-training ends) or checkpoints/ into {run}",
+              file=sys.stderr)
     encoder = task.encoder if task is not None else load_encoder(path, attn="math")
     return Inspected(name or run.name, encoder, data, task)
 
