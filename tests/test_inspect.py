@@ -170,6 +170,30 @@ def test_tool_side_by_side(data, tmp_path):
     assert all(0 < d < 32 * math.sqrt(2) for row in rand["mean_attention_distance_px"] for d in row)
 
 
+@pytest.fixture
+def drawn(monkeypatch) -> dict[str, str]:
+    """The text of each figure drawn (titles, labels, legend), by file name."""
+    from matplotlib.text import Text
+
+    from mpp.figures import plots
+    texts, save = {}, plots.save_figure
+
+    def record(fig, path, **kw):
+        texts[Path(path).name] = "\n".join(t.get_text() for t in fig.findobj(Text))
+        save(fig, path, **kw)
+    monkeypatch.setattr(plots, "save_figure", record)
+    return texts
+
+
+def test_the_figures_say_what_they_show(data, tmp_path, drawn):
+    """The prediction grid's accuracy is over --images, not the rows shown: its title says so."""
+    from mpp.figures.inspection import inspect_encoders
+    saved_mpp_run(tmp_path / "mpp")
+    inspect_encoders([f"m={tmp_path / 'mpp'}"], data, tmp_path / "o", images=10, grid_images=3, batch_size=4)
+    assert "first 3 of 10 images" in drawn["predictions_m.png"]
+    assert "of the chosen patches of all 10 fall in the true colour class" in drawn["predictions_m.png"]
+
+
 def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, tmp_path):
     """A brace pattern (no manifest) is read with --num-samples; two labels that clean up to the same
     file name get two prediction figures; --grid-images 0 draws none."""

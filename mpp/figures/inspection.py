@@ -205,9 +205,9 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
             pred = _predict(m.task, batch, batch_size, seed)
             entry["mpp_chosen_color_accuracy"] = _first(pred, images).accuracy(m.task.cfg.bits)
             if grid_images:
-                file = out / f"predictions_{stem}.png"
-                plots.predictions(prediction_grid(_first(pred, grid_images), m.encoder.patch_size), m.name,
-                                  entry["mpp_chosen_color_accuracy"], file)
+                file, shown = out / f"predictions_{stem}.png", _first(pred, grid_images)
+                plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
+                                  entry["mpp_chosen_color_accuracy"], len(shown.chosen), len(batch[:images]), file)
                 entry["predictions_png"] = file.name
         numbers["encoders"][m.name] = entry
     plots.attention_distance(distances, patch, out / "attention_distance.png")
