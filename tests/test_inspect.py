@@ -186,10 +186,16 @@ def drawn(monkeypatch) -> dict[str, str]:
 
 
 def test_the_figures_say_what_they_show(data, tmp_path, drawn):
-    """The prediction grid's accuracy is over --images, not the rows shown: its title says so."""
+    """The prediction grid's accuracy is over --images, not the rows shown: its title says so. Encoders
+    at different resolutions share the attention distance's axis in their own pixels: the legend gives
+    each one's resolution."""
     from mpp.figures.inspection import inspect_encoders
     saved_mpp_run(tmp_path / "mpp")
-    inspect_encoders([f"m={tmp_path / 'mpp'}"], data, tmp_path / "o", images=10, grid_images=3, batch_size=4)
+    inspect_encoders([f"m={tmp_path / 'mpp'}", "r=none:vit_micro4_32@48"], data, tmp_path / "o", images=10,
+                     grid_images=3, batch_size=4)
+    assert "m (patch 4 px of 32 px images)" in drawn["attention_distance.png"]
+    assert "r (patch 4 px of 48 px images)" in drawn["attention_distance.png"]
+    assert "each encoder's own images" in drawn["attention_distance.png"]
     assert "first 3 of 10 images" in drawn["predictions_m.png"]
     assert "of the chosen patches of all 10 fall in the true colour class" in drawn["predictions_m.png"]
 

@@ -186,7 +186,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
     out.mkdir(parents=True, exist_ok=True)
     numbers: dict = {"data": str(data), "num_samples": num_samples, "specs": list(specs),
                      "images": len(cache[first][:images]), "filters": FILTERS, "encoders": {}}
-    distances, sims, comps, grids, patch = {}, {}, {}, {}, {}
+    distances, sims, comps, grids, patch, sizes = {}, {}, {}, {}, {}, {}
     for spec, m, stem in zip(specs, models, _file_stems([m.name for m in models])):
         size = encoder_img_size(m.encoder)
         if size not in cache:  # the first encoder's evaluation crop for all: the same images
@@ -195,7 +195,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
         distances[m.name] = mean_attention_distance(m.encoder, batch[:images], m.data, batch_size, desc=m.name)
         sims[m.name] = position_similarity(m.encoder.vit)
         comps[m.name], share = filter_components(m.encoder.vit, m.data.std)
-        grids[m.name], patch[m.name] = m.encoder.grid_size, m.encoder.patch_size
+        grids[m.name], patch[m.name], sizes[m.name] = m.encoder.grid_size, m.encoder.patch_size, size
         entry = {"spec": spec, "model": m.encoder.model_spec(),
                  "mean_attention_distance_px": distances[m.name].tolist(),
                  "position_similarity": sims[m.name].tolist(),
@@ -210,7 +210,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
                                   entry["mpp_chosen_color_accuracy"], len(shown.chosen), len(batch[:images]), file)
                 entry["predictions_png"] = file.name
         numbers["encoders"][m.name] = entry
-    plots.attention_distance(distances, patch, out / "attention_distance.png")
+    plots.attention_distance(distances, patch, sizes, out / "attention_distance.png")
     plots.position_similarity(sims, grids, out / "position_similarity.png")
     plots.filters(comps, out / "filters.png")
     drawn = {e.get("predictions_png") for e in numbers["encoders"].values()}

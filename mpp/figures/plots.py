@@ -32,23 +32,27 @@ def mosaic(tiles: np.ndarray, cols: int, fill: float = np.nan) -> np.ndarray:
     return out
 
 
-def attention_distance(distances: dict[str, torch.Tensor], patch_size: dict[str, int], path: Path) -> None:
+def attention_distance(distances: dict[str, torch.Tensor], patch_size: dict[str, int], img_size: dict[str, int],
+                       path: Path) -> None:
     """Mean attention distance (pixels) of every head against depth, one colour per encoder, on
-    one set of axes (ViT paper Fig. 7 right)."""
+    one set of axes (ViT paper Fig. 7 right). Pixels, as the paper's, each of the encoder's own
+    images: the legend gives each encoder's resolution, as encoders at different ones are not
+    on one scale (uniform attention spans about half the image side at any)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     n = len(distances)
     for i, (name, d) in enumerate(distances.items()):
         layers, heads = d.shape
         x = np.repeat(np.arange(1, layers + 1), heads) + (i - (n - 1) / 2) * 0.6 / max(n, 1)
-        ax.scatter(x, d.flatten().numpy(), s=14, alpha=0.75, label=f"{name} (patch {patch_size[name]} px)")
+        ax.scatter(x, d.flatten().numpy(), s=14, alpha=0.75, label=f"{name} (patch {patch_size[name]} px of {img_size[name]} px images)")
     ax.set_xlabel("network depth (layer)")
-    ax.set_ylabel("mean attention distance (pixels)")
+    ax.set_ylabel("mean attention distance (pixels)" if len(set(img_size.values())) == 1 else
+                  "mean attention distance\n(pixels of each encoder's own images)")
     ax.set_title("Mean attention distance per head")
     ax.set_xticks(range(1, max(d.shape[0] for d in distances.values()) + 1))
     ax.set_ylim(0, 1.05 * max(d.max().item() for d in distances.values()))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(n, 3))  # below: clear of the points
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(n, 2))  # below: clear of the points
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
 
