@@ -196,6 +196,7 @@ def test_the_figures_say_what_they_show(data, tmp_path, drawn):
     assert "m (patch 4 px of 32 px images)" in drawn["attention_distance.png"]
     assert "r (patch 4 px of 48 px images)" in drawn["attention_distance.png"]
     assert "each encoder's own images" in drawn["attention_distance.png"]
+    assert "on its own; a component's sign is arbitrary" in drawn["filters.png"]
     assert "first 3 of 10 images" in drawn["predictions_m.png"]
     assert "of the chosen patches of all 10 fall in the true colour class" in drawn["predictions_m.png"]
 

@@ -78,7 +78,8 @@ def position_similarity(sims: dict[str, torch.Tensor], grids: dict[str, tuple[in
 
 def filters(components: dict[str, torch.Tensor], path: Path) -> None:
     """Per encoder, the first principal components of the patch-embedding filters as RGB tiles,
-    each stretched to [0, 1] on its own (ViT paper Fig. 7 left)."""
+    each stretched to [0, 1] on its own (ViT paper Fig. 7 left); the caption says so, and that a
+    component's sign is arbitrary: neither contrast nor a colour and its complement compare."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(components), figsize=(4.0 * len(components), 3.2), squeeze=False)
     for ax, (name, c) in zip(axes[0], components.items()):
@@ -88,7 +89,8 @@ def filters(components: dict[str, torch.Tensor], path: Path) -> None:
         ax.imshow(mosaic(tiles, cols=FILTER_COLS, fill=1.0), interpolation="nearest")
         ax.set_title(name, fontsize=9)
         ax.axis("off")
-    fig.suptitle("RGB embedding filters (first principal components)")
+    fig.suptitle("RGB embedding filters (first principal components)\nby explained variance, row by row; each "
+                 "tile scaled\nto [0, 1] on its own; a component's sign is arbitrary", fontsize=10)
     fig.tight_layout(w_pad=3.0)
     save_figure(fig, path, dpi=120)
 
