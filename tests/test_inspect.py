@@ -20,7 +20,7 @@ from mpp.data.synthetic import make_synthetic
 from mpp.figures.attention import attention_distance_sum, patch_distances, record_attention
 from mpp.figures.filters import filter_components
 from mpp.figures.posembed import position_similarity
-from mpp.figures.predictions import HEAD_FILE, load_mpp_task, predict, prediction_grid, save_mpp_head
+from mpp.figures.predictions import HEAD_FILE, KEPT_RGB, load_mpp_task, predict, prediction_grid, save_mpp_head
 from mpp.models import create_encoder, save_encoder
 from mpp.objectives import MPPTask
 from mpp.targets import class_colors, quantize
@@ -144,8 +144,23 @@ def test_mpp_head_round_trip_and_prediction_grid(tmp_path):
     grey = a.corrupted.view(4, 3, 8, 4, 8, 4).permute(0, 2, 4, 1, 3, 5).reshape(4, 64, -1)
     assert (grey[a.masked] == 0.5).all()
     assert (a.predicted[~a.chosen] == 0).all() and (a.predicted[a.chosen] > 0).all()
-    grid = prediction_grid(a, 4, min_size=96)
+    grid = prediction_grid(a, 4, 3, min_size=96)
     assert grid.dtype == torch.uint8 and grid.shape == (4 * (96 + 2), 4 * (96 + 2), 3)
+    # per patch (cells of 12 px, panels 98 px apart): the chosen patches kept as they are outlined in cyan
+    # (they were unmarked, though predicted), both colour panels at the centre of their colour class (the
+    # true one painted the exact mean: a patch predicted in its true class looked off)
+    kept = a.chosen & ~a.masked & ~a.swapped
+    assert kept.any()
+    rgb = lambda c: (c * 255).round().to(torch.uint8)  # noqa: E731
+    for b, n in a.chosen.nonzero().tolist():
+        y, x = b * 98 + n // 8 * 12, n % 8 * 12
+        assert torch.equal(grid[y, 98 + x], rgb(torch.tensor(KEPT_RGB))) == kept[b, n].item(), (b, n)
+        for panel, colour in ((2, a.predicted[b, n]), (3, a.true[b, n])):
+            assert torch.equal(grid[y + 6, panel * 98 + x + 6], rgb(class_colors(quantize(colour, 3), 3))), (b, n)
+    b, n = a.chosen.nonzero()[0].tolist()  # predicted in its true class, as the mean_color head paints it
+    a.predicted[b, n] = class_colors(quantize(a.true[b, n], 3), 3)
+    y, x = b * 98 + n // 8 * 12 + 6, n % 8 * 12 + 6
+    assert torch.equal(prediction_grid(a, 4, 3)[y, 2 * 98 + x], grid[y, 3 * 98 + x])  # looks right
     assert load_mpp_task(tmp_path / "nothing") is None
 
 

@@ -206,7 +206,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
             entry["mpp_chosen_color_accuracy"] = _first(pred, images).accuracy(m.task.cfg.bits)
             if grid_images:
                 file, shown = out / f"predictions_{stem}.png", _first(pred, grid_images)
-                plots.predictions(prediction_grid(shown, m.encoder.patch_size), m.name,
+                plots.predictions(prediction_grid(shown, m.encoder.patch_size, m.task.cfg.bits), m.name,
                                   entry["mpp_chosen_color_accuracy"], len(shown.chosen), len(batch[:images]), file)
                 entry["predictions_png"] = file.name
         numbers["encoders"][m.name] = entry

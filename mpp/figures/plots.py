@@ -103,7 +103,8 @@ def predictions(grid: torch.Tensor, name: str, accuracy: float, rows: int, image
     h, w = grid.shape[:2]
     fig, ax = plt.subplots(figsize=(max(7.0, w / 80), h / 80 + 1.0), dpi=100)
     ax.imshow(grid.numpy(), interpolation="nearest")
-    labels = ["input", "corrupted (red: masked,\nyellow: other patch)", "predicted\nmean colours", "true\nmean colours"]
+    labels = ["input", "corrupted\nred: masked\nyellow: other patch\ncyan: kept",
+              "predicted\nmean colours\n(class centres)", "true\nmean colours\n(class centres)"]
     ax.set_xticks([(i + 0.5) * w / 4 for i in range(4)], labels, fontsize=8)
     ax.xaxis.tick_top()
     ax.tick_params(length=0)

@@ -1,7 +1,9 @@
 """What the MPP head predicts for the patches it cannot see: a grid with, per image, the input,
 the corrupted view the encoder saw (masked patches grey with a red outline, patches replaced by a
-random other patch outlined in yellow; kept patches are unmarked, as the encoder sees them), the
-predicted mean colours painted into every chosen patch, and the true mean colours there.
+random other patch outlined in yellow, chosen patches kept as they are outlined in cyan), the
+predicted mean colours painted into every chosen patch, and the true mean colours there. Both are
+painted at the centre of their colour class, the class the accuracy scores: a patch predicted in
+its true class looks the same in both, one in another class does not.
 
 A run dir keeps its head beside the encoder (`mpp_head.safetensors`: the head and the [mask]
 embedding, written by `save_mpp_head`); runs from before that file existed are read from their
@@ -24,10 +26,10 @@ from mpp.fileio import atomic_path
 from mpp.models import load_encoder, mismatched, nonfinite, take_rows
 from mpp.corruption import Corruption
 from mpp.objectives import MPPTask
-from mpp.targets import exact, patches, quantize
+from mpp.targets import class_colors, exact, patches, quantize
 
 HEAD_FILE = "mpp_head.safetensors"
-MASKED_RGB, RANDOM_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0)
+MASKED_RGB, RANDOM_RGB, KEPT_RGB = (0.9, 0.1, 0.1), (1.0, 0.85, 0.0), (0.0, 0.8, 1.0)
 
 
 def save_mpp_head(task: MPPTask, out_dir: str | Path) -> Path:
@@ -139,9 +141,10 @@ def _outline(images: torch.Tensor, where: torch.Tensor, rgb, grid, cell: int) ->
     return torch.where(border, colour, images)
 
 
-def prediction_grid(pred: Prediction, patch_size: int, min_size: int = 96) -> torch.Tensor:
-    """One row per image: input | corrupted view | predicted mean colours | true mean colours,
-    as a uint8 (H, W, 3) array; images are upscaled (nearest) to at least `min_size` pixels."""
+def prediction_grid(pred: Prediction, patch_size: int, bits: int, min_size: int = 96) -> torch.Tensor:
+    """One row per image: input | corrupted view | predicted mean colours | true mean colours (the
+    centres of their `bits`-a-channel colour classes), as a uint8 (H, W, 3) array; images are
+    upscaled (nearest) to at least `min_size` pixels."""
     B, _, H, W = pred.images01.shape
     grid = (H // patch_size, W // patch_size)
     scale = max(1, math.ceil(min_size / H))
@@ -149,9 +152,11 @@ def prediction_grid(pred: Prediction, patch_size: int, min_size: int = 96) -> to
     up = lambda x: F.interpolate(x, scale_factor=scale, mode="nearest")  # noqa: E731
     corrupted = _outline(up(pred.corrupted), pred.masked, MASKED_RGB, grid, cell)
     corrupted = _outline(corrupted, pred.swapped, RANDOM_RGB, grid, cell)
+    corrupted = _outline(corrupted, pred.chosen & ~pred.masked & ~pred.swapped, KEPT_RGB, grid, cell)
+    centre = lambda c: class_colors(quantize(c, bits), bits)  # noqa: E731
     panels = [up(pred.images01), corrupted,
-              up(_paint(pred.images01, pred.predicted, pred.chosen, grid, patch_size)),
-              up(_paint(pred.images01, pred.true, pred.chosen, grid, patch_size))]
+              up(_paint(pred.images01, centre(pred.predicted), pred.chosen, grid, patch_size)),
+              up(_paint(pred.images01, centre(pred.true), pred.chosen, grid, patch_size))]
     gap = 2
     rows = F.pad(torch.cat([F.pad(x, (0, gap), value=1.0) for x in panels], -1), (0, 0, 0, gap), value=1.0)
     out = rows.permute(0, 2, 3, 1).reshape(-1, rows.shape[-1], 3)
@@ -161,4 +166,5 @@ def prediction_grid(pred: Prediction, patch_size: int, min_size: int = 96) -> to
 def log_predictions(writer, task: MPPTask, images: torch.Tensor, step: int) -> None:
     """Add the prediction grid of `images` to a TensorBoard SummaryWriter at `step`."""
     pred = predict(task, images)
-    writer.add_image("mpp/predictions", prediction_grid(pred, task.encoder.patch_size).numpy(), step, dataformats="HWC")
+    grid = prediction_grid(pred, task.encoder.patch_size, task.cfg.bits)
+    writer.add_image("mpp/predictions", grid.numpy(), step, dataformats="HWC")
