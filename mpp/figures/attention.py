@@ -4,8 +4,9 @@ Attention weights are read by forward hooks on each timm `Attention` module's `q
 the hook recomputes softmax(q k^T * scale) from the projection's output, so the forward pass
 itself (fused or math attention, the training path) is not changed. For each head, the distance
 of a query patch is the attention-weighted mean image-space distance (pixels, between patch
-centres) to the patches it attends to; the [class] token is left out as query and key, and each
-query's weights over the patches are renormalised to sum to 1.
+centres) to all patches, its own at distance 0 among them (the paper weights every key by its
+attention); the [class] token is left out as query and key, and each query's weights over the
+patches are renormalised to sum to 1.
 """
 from __future__ import annotations
 
