@@ -401,12 +401,12 @@ def test_a_drawing_again_leaves_no_earlier_grid_and_the_accuracy_is_of_the_image
     report as this drawing's; the colour accuracy covered the grid's images too, not --images alone,
     and the grid's corruption changed with --images (one draw over all images read)."""
     from mpp.figures.inspection import _first, _predict, inspect_encoders
-    from mpp.report import _figures_section
+    from mpp.report.render import figures_section
     saved_mpp_run(tmp_path / "mpp")
     out = tmp_path / "cmp/figures"
     run = lambda **kw: inspect_encoders([str(tmp_path / "mpp")], data, out, batch_size=2, **kw)  # noqa: E731
     wide = run(images=2, grid_images=6)["encoders"]["mpp"]
-    assert "figures/predictions_mpp.png" in _figures_section(tmp_path / "cmp")
+    assert "figures/predictions_mpp.png" in figures_section(tmp_path / "cmp")
     narrow = run(images=2, grid_images=2)["encoders"]["mpp"]
     assert narrow["mpp_chosen_color_accuracy"] == wide["mpp_chosen_color_accuracy"]
     assert run(images=6, grid_images=6)["encoders"]["mpp"]["mpp_chosen_color_accuracy"] != \
@@ -415,9 +415,9 @@ def test_a_drawing_again_leaves_no_earlier_grid_and_the_accuracy_is_of_the_image
     few, many = _predict(task, images[:3], 32, 0), _predict(task, images, 2, 0)  # image by image, seeded each
     assert all(torch.equal(a, b) for a, b in zip(vars(few).values(), vars(_first(many, 3)).values()))
     (out / "predictions_stray.png").write_bytes((out / "predictions_mpp.png").read_bytes())  # not of this drawing: not linked
-    assert "predictions_stray" not in _figures_section(tmp_path / "cmp")
+    assert "predictions_stray" not in figures_section(tmp_path / "cmp")
     run(images=2, grid_images=0)
-    assert not list(out.glob("predictions_*.png")) and "predictions" not in _figures_section(tmp_path / "cmp")
+    assert not list(out.glob("predictions_*.png")) and "predictions" not in figures_section(tmp_path / "cmp")
 
 
 def test_a_bad_mpp_head_or_encoder_file_is_refused_in_one_line(tmp_path):
@@ -454,9 +454,10 @@ def test_a_bad_mpp_head_or_encoder_file_is_refused_in_one_line(tmp_path):
 
 
 def test_a_report_over_a_damaged_figures_record_says_to_delete_it(tmp_path):
-    from mpp.report import ReportError, _figures_section
+    from mpp.report import ReportError
+    from mpp.report.render import figures_section
     (tmp_path / "figures").mkdir()
     for text in ("{not json", "[1, 2]"):
         (tmp_path / "figures/inspect.json").write_text(text)
         with pytest.raises(ReportError, match="inspect.json is no record of the figures .*; delete it"):
-            _figures_section(tmp_path)
+            figures_section(tmp_path)

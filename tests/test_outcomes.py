@@ -8,7 +8,8 @@ import pytest
 
 from mpp import outcomes
 from mpp.gaps import added_noise, derive, significant
-from mpp.report import _ranges, write_report
+from mpp.report import write_report
+from mpp.report.recipes import ranges
 from test_report import _run
 
 
@@ -630,8 +631,8 @@ def test_a_share_range_skips_combinations_without_a_supervised_gain():
     """A runner-up that puts supervised level with scratch leaves the share undefined in that
     combination, so the share gets no range (rather than a division by zero); where every
     combination has a gain the range spans them."""
-    assert "recovered_share" not in _ranges({"supervised": [0.5, 0.6], "mpp": [0.45], "scratch": [0.5]})
-    assert _ranges({"supervised": [0.6, 0.7], "mpp": [0.55], "scratch": [0.5]})["recovered_share"] == pytest.approx(
+    assert "recovered_share" not in ranges({"supervised": [0.5, 0.6], "mpp": [0.45], "scratch": [0.5]})
+    assert ranges({"supervised": [0.6, 0.7], "mpp": [0.55], "scratch": [0.5]})["recovered_share"] == pytest.approx(
         [0.25, 0.5])
 
 

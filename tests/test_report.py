@@ -14,7 +14,8 @@ import yaml
 
 from mpp import outcomes
 from mpp.gaps import choice_lead, derive
-from mpp.report import ReportError, read_repeat, write_report
+from mpp.report import ReportError, write_report
+from mpp.report.runs import read_repeat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -835,7 +836,7 @@ def test_across_pretrain_seeds_marks_noise_of_the_seeds_alone_and_keeps_a_figure
     share's `share_noise_seeds_only`) makes the mean's ± seeds-only: marked so, with no verdict, as
     the main table marks it. A share one repeat could not define stays in the section, said so."""
     from mpp.gaps import across_pretrain_seeds
-    from mpp.report import render_markdown
+    from mpp.report.render import render_markdown
 
     def rep(moving: float, test_part: float | None, share: float | None = 0.3) -> dict:
         gaps = ("supervised_minus_mpp", "mpp_minus_scratch", "supervised_minus_scratch")
@@ -979,7 +980,7 @@ def test_runs_differ_in_their_data_only_when_the_shards_differ(tmp_path, monkeyp
     as finals that differ in data.train. Other paths keep the manifest's name as a difference.
     Paths that exist here are one setting as the resume has it (a run folder and its encoder
     too); a path ending with another is the same only where one is missing here (a moved copy)."""
-    from mpp.report import _differ
+    from mpp.report.recipes import _differ
     folder, manifest = {"data.train": "data/c10/train"}, {"data.train": "/w/data/c10/train/manifest.json"}
     assert _differ({"settings": folder}, {"settings": manifest}) == []
     assert _differ({"settings": folder}, {"settings": {"data.train": "data/c100/train"}}) == ["data.train"]

@@ -15,7 +15,7 @@ from mpp.cli import ArgumentParser, one_line_errors, path
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(__doc__, epilog="A run's role comes from its config (objective, finetune.init, "
                                             "probe.encoder, finetune.label_fraction) or a 'role' key in its "
-                                            "metrics.json; see mpp/report.py.")
+                                            "metrics.json; see mpp/report/__init__.py.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories holding metrics.json and config.yaml, or directories to search "
                              "for them (a folder a report was written to: the runs its report.json's plan names)")
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
                              "over the pre-training seeds; repeat for each (default: the repeats that the report "
                              "already in the output folder names)")
     args = parser.parse_args(argv)
-    from mpp.report import read_repeat, write_report
+    from mpp.report import write_report
+    from mpp.report.runs import read_repeat
     rep = write_report(args.runs, args.out, [read_repeat(d) for d in args.repeat] or None)
     print((Path(rep["out_dir"]) / "report.md").read_text())
 
