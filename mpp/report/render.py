@@ -87,7 +87,16 @@ def _withheld_note(t: dict, chosen: bool) -> str:
 
 
 def render_markdown(rep: dict) -> str:
-    t, d, fracs, shots = rep["table"], rep["derived"], rep["label_fractions"], rep["shots"]
+    """report.md but for its links to the figures (`figures_section`): one part per section, in order."""
+    return "\n".join(_main_table(rep) + _gaps_table(rep) + _probe_notes(rep["table"])
+                     + _pretrain_seeds_section(rep.get("pretrain_seeds") or {}, pretrain_seeds(rep))
+                     + _added_section(rep["table"], rep["label_fractions"]) + _recipes_section(rep)
+                     + _skipped_section(rep.get("skipped") or {}) + _runs_line(rep))
+
+
+def _main_table(rep: dict) -> list[str]:
+    """The title, what the table shows and the table: one row per arm."""
+    t, fracs, shots = rep["table"], rep["label_fractions"], rep["shots"]
     head = (["", "pre-training"] + [f"fine-tune top-1 @ {100 * float(f):g}% labels" for f in fracs]
             + ["linear top-1 (representation)"] + [f"{k}-shot" for k in shots])
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
@@ -107,31 +116,38 @@ def render_markdown(rep: dict) -> str:
                  + [_pct(row["fewshot"].get(k)) + (f" ± {100 * row['fewshot_std'][k]:.1f}"
                                                    if row["fewshot_std"].get(k) is not None else "") for k in shots])
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Derived figures", "",
-              "Gaps in percentage points, ± their standard error from two sources combined: the seeds "
-              "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws, paired draw by draw where both "
-              "arms drew the same shots; a linear probe's fit has none, and the random-init probe reads one "
-              "draw of the initialisation, whose own noise no ± here counts) "
-              "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
-              "draws, compared on the same images), less what both hold: how an image's result moves with "
-              "the seed or the draw beyond its overall level (counted once, and no more of it than the seeds' "
-              "part holds). A gap "
-              "under t times its standard error is marked not significant, t being Student's two-sided 95% "
-              "quantile at the Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images "
-              "dominate the noise, 4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread "
-              "dominates); a gap without ± has unknown noise "
-              "(single fine-tunes); a ± marked (seeds only) counts the seeds alone and gives no verdict: an arm "
-              "recorded no per-image results, so the test images' part is unknown; arms scored on other "
-              "test images count them as two independent samples. "
-              "Share = (MPP - scratch) / (supervised - scratch), "
-              f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
-              "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "
-              "order. Neither counts the pre-training's own seed: these figures come from one pre-training of "
-              "each arm" + (", and the section on pre-training seeds below gives each gap over several."
-                            if rep.get("pretrain_seeds") else "; the comparison's pretrain_seeds: N repeats the "
-                            "pre-trainings and adds each gap over them."), "",
-              f"| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered "
-              f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
+    return lines
+
+
+def _gaps_table(rep: dict) -> list[str]:
+    """The derived figures: each gap ± its noise and the share recovered per evaluation, then the notes
+    on shares left undefined and the footnotes of the figures marked †."""
+    d, fracs, shots = rep["derived"], rep["label_fractions"], rep["shots"]
+    lines = ["", "## Derived figures", "",
+             "Gaps in percentage points, ± their standard error from two sources combined: the seeds "
+             "(fine-tunes: sqrt(s_a²/n_a + s_b²/n_b); few-shot: the shot draws, paired draw by draw where both "
+             "arms drew the same shots; a linear probe's fit has none, and the random-init probe reads one "
+             "draw of the initialisation, whose own noise no ± here counts) "
+             "and the sampling of the test images (the two arms' per-image results, averaged over seeds or "
+             "draws, compared on the same images), less what both hold: how an image's result moves with "
+             "the seed or the draw beyond its overall level (counted once, and no more of it than the seeds' "
+             "part holds). A gap "
+             "under t times its standard error is marked not significant, t being Student's two-sided 95% "
+             "quantile at the Welch-Satterthwaite degrees of freedom of those parts (1.96 where the test images "
+             "dominate the noise, 4.30 to 12.7 where two seeds per arm do, the more the more one arm's spread "
+             "dominates); a gap without ± has unknown noise "
+             "(single fine-tunes); a ± marked (seeds only) counts the seeds alone and gives no verdict: an arm "
+             "recorded no per-image results, so the test images' part is unknown; arms scored on other "
+             "test images count them as two independent samples. "
+             "Share = (MPP - scratch) / (supervised - scratch), "
+             f"the part of the supervised pre-training gain that MPP recovers; the paper's is {PAPER_SHARE:.2f} "
+             "(ViT-B/16 ImageNet fine-tunes); its ± is its standard error from the same two sources, to first "
+             "order. Neither counts the pre-training's own seed: these figures come from one pre-training of "
+             "each arm" + (", and the section on pre-training seeds below gives each gap over several."
+                           if rep.get("pretrain_seeds") else "; the comparison's pretrain_seeds: N repeats the "
+                           "pre-trainings and adds each gap over them."), "",
+             f"| evaluation | supervised - MPP | MPP - scratch | supervised - scratch | share recovered "
+             f"(paper: {PAPER_SHARE:.2f}) |", "|---|---|---|---|---|"]
     rows = ([(f"fine-tune @ {100 * float(fr):g}% labels", d["finetune"][fr]) for fr in fracs]
             + [("linear probe", d["linear_top1"])] + [(f"{k}-shot", d["fewshot"][k]) for k in shots])
     notes, marked, ranged, pooled, probed = [], False, False, False, False
@@ -177,6 +193,12 @@ def render_markdown(rep: dict) -> str:
                   "lead within its noise (a toss-up in the leads below; the few-shot figures read the same "
                   "representation). The ± does not count that choice, and the other representation, never "
                   "evaluated on the test images, may have given another figure."]
+    return lines
+
+
+def _probe_notes(t: dict) -> list[str]:
+    """How each linear probe chose its representation and its L2 strength."""
+    lines = []
     held = []
     for f in FAMILIES:
         if not (c := t[f].get("probe_pool_choice")):
@@ -199,59 +221,82 @@ def render_markdown(rep: dict) -> str:
                   + "; ".join(f"{name} {l2:g}" for name, l2, _ in l2s) + "."
                   + (f" At the edge of its grid for {', '.join(edge)}: widen probe.l2_grid to check that a value "
                      "beyond it does not do better." if edge else "")]
-    lines += _pretrain_seeds_section(rep.get("pretrain_seeds") or {}, pretrain_seeds(rep))
+    return lines
+
+
+def _added_section(t: dict, fracs: list[str]) -> list[str]:
+    """What fine-tuning added to its start, per cell whose runs recorded one."""
     starts = [(f, fr) for f in FAMILIES for fr in fracs if fr in t[f]["finetune_start"]]
-    if starts:
-        lines += ["", "## What fine-tuning added to its start", "",
-                  "Each fine-tune's model before its first step (finetune.head_init=probe: the encoder with the "
-                  "linear probe fitted on the same training labels) scored on the same test images as at its "
-                  "end, mean over the same seeds; what it added ± its standard error (the seeds' gains and the "
-                  "test images' sampling, as above).", "",
-                  "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
-        for f, fr in starts:
-            start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
-            t_added = t[f]["finetune_added_t"][fr]  # None beside a noise: the seeds' part alone (`added_noise`)
-            added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr], t_added,
-                                seeds_only=t_added is None)
-            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
+    if not starts:
+        return []
+    lines = ["", "## What fine-tuning added to its start", "",
+             "Each fine-tune's model before its first step (finetune.head_init=probe: the encoder with the "
+             "linear probe fitted on the same training labels) scored on the same test images as at its "
+             "end, mean over the same seeds; what it added ± its standard error (the seeds' gains and the "
+             "test images' sampling, as above).", "",
+             "| fine-tune | labels | start top-1 | end top-1 | added |", "|---|---|---|---|---|"]
+    for f, fr in starts:
+        start, end = t[f]["finetune_start"][fr], t[f]["finetune"][fr]
+        t_added = t[f]["finetune_added_t"][fr]  # None beside a noise: the seeds' part alone (`added_noise`)
+        added = _with_noise(100 * (end - start), t[f]["finetune_added_noise"][fr], t_added,
+                            seeds_only=t_added is None)
+        lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_pct(start)} | {_pct(end)} | {added} |")
+    return lines
+
+
+def _recipes_section(rep: dict) -> list[str]:
+    """The recipe each cell's development split chose, its lead and the runner-ups retrained."""
     recipes = [(f, fr, r) for f in FAMILIES for fr, r in sorted(rep["recipes"][f].items(), key=lambda x: float(x[0]))]
-    if recipes:
-        lines += ["", "## Fine-tune recipe chosen on a development split", "",
-                  "Each value trained on the labels minus a class-balanced development split and scored on it "
-                  "(top-1 %); the best was retrained on all the labels for the table above. Its lead over the "
-                  "next value ± the standard error of that difference on the development images: a lead "
-                  "under t times it (Student's, at the development images' degrees of freedom: about 2) is a toss-up, "
-                  "a choice the split could not make, whose noise the seeds "
-                  "do not show.", "",
-                  "| fine-tune | labels | chosen | development top-1 per value | lead of the chosen "
-                  "| other values retrained (test top-1) |", "|---|---|---|---|---|---|"]
-        for f, fr, r in recipes:
-            devs = ", ".join(f"{_short(x['values'])}: {_pct(x['dev_top1'])}" for x in r["dev"])
-            again = ", ".join(f"{_short(x['values'])}: {_seeds_cell(x['top1'], x['std'], x['n'])}"
-                              for x in r["retrained"]) or "—"
-            pool = r.get("pool_choice")
-            scored = ("development top-1" if pool.get("on") == "dev" else "held-out top-1") if pool else ""
-            images = f" on {pool['n']} images" if pool and pool["n"] is not None else ""
-            how = (f" (pool by a probe of its training labels, {scored} "
-                   f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())}{images}: "
-                   f"lead {_lead_cell(pool['lead'])})" if pool else "")
-            lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
-                         f"{_lead_cell(r.get('lead'))} | {again} |")
-    if rep.get("skipped"):
-        lines += ["", "## Data skipped", "",
-                  "These runs trained or were scored on fewer samples than their data holds (corrupt or "
-                  "unreadable data, by kind; training's `padded` samples were repeated to fill a rank):", ""]
-        for d, skipped in rep["skipped"].items():
-            parts = [f"{'evaluation' if k.startswith('val_') else 'training'} "
-                     + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) for k, counts in skipped.items()]
-            lines.append(f"- `{d}`: " + "; ".join(parts))
+    if not recipes:
+        return []
+    lines = ["", "## Fine-tune recipe chosen on a development split", "",
+             "Each value trained on the labels minus a class-balanced development split and scored on it "
+             "(top-1 %); the best was retrained on all the labels for the table above. Its lead over the "
+             "next value ± the standard error of that difference on the development images: a lead "
+             "under t times it (Student's, at the development images' degrees of freedom: about 2) is a toss-up, "
+             "a choice the split could not make, whose noise the seeds "
+             "do not show.", "",
+             "| fine-tune | labels | chosen | development top-1 per value | lead of the chosen "
+             "| other values retrained (test top-1) |", "|---|---|---|---|---|---|"]
+    for f, fr, r in recipes:
+        devs = ", ".join(f"{_short(x['values'])}: {_pct(x['dev_top1'])}" for x in r["dev"])
+        again = ", ".join(f"{_short(x['values'])}: {_seeds_cell(x['top1'], x['std'], x['n'])}"
+                          for x in r["retrained"]) or "—"
+        pool = r.get("pool_choice")
+        scored = ("development top-1" if pool.get("on") == "dev" else "held-out top-1") if pool else ""
+        images = f" on {pool['n']} images" if pool and pool["n"] is not None else ""
+        how = (f" (pool by a probe of its training labels, {scored} "
+               f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())}{images}: "
+               f"lead {_lead_cell(pool['lead'])})" if pool else "")
+        lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
+                     f"{_lead_cell(r.get('lead'))} | {again} |")
+    return lines
+
+
+def _skipped_section(skipped: dict) -> list[str]:
+    """The runs that trained or were scored on fewer samples than their data holds (`skipped`: run dir ->
+    its counts by kind)."""
+    if not skipped:
+        return []
+    lines = ["", "## Data skipped", "",
+             "These runs trained or were scored on fewer samples than their data holds (corrupt or "
+             "unreadable data, by kind; training's `padded` samples were repeated to fill a rank):", ""]
+    for d, kinds in skipped.items():
+        parts = [f"{'evaluation' if k.startswith('val_') else 'training'} "
+                 + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) for k, counts in kinds.items()]
+        lines.append(f"- `{d}`: " + "; ".join(parts))
+    return lines
+
+
+def _runs_line(rep: dict) -> list[str]:
+    """The runs the table reads, each with its arm and kind (a runner-up's marked)."""
     finals = [r for r in rep["runs"] if r["kind"] != "finetune" or r.get("evaluated_on") != "dev"]
     other = {d: "representation" if x["kind"] == "pool" else "value"
              for f in FAMILIES for r in rep["recipes"][f].values() for x in r["retrained"] for d in x["dirs"]}
-    lines += ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']}"
-                                       + (f", another {other[r['dir']]} retrained" if r["dir"] in other else "") + ")"
-                                       for r in finals), ""]
-    return "\n".join(lines)
+    return ["", "Runs: " + ", ".join(f"`{r['dir']}` ({r['family']} {r['kind']}"
+                                     + (f", another {other[r['dir']]} retrained" if r["dir"] in other else "") + ")"
+                                     for r in finals), ""]
+
 
 
 def _pretrain_seeds_section(across: dict, seeds: set[tuple]) -> list[str]:
