@@ -95,16 +95,23 @@ def check_origin(out: Path, then: dict, now: dict) -> None:
                           "output_dir")
 
 
-def check_changes(out: Path, cfg: Config, accelerator: Accelerator, finished: bool) -> None:
+def check_changes(out: Path, cfg: Config, accelerator: Accelerator, step: int, steps: int) -> None:
     """Name the settings that differ from the resumed run's config.yaml (`changed_settings`: not
     those of speed and logging alone); the run goes on with them (the optimiser's per-parameter
-    state comes from the checkpoint, its settings and the schedule from the new config). A finished
-    run, which would only export and evaluate again, is refused other settings but its length (a
-    run stopped early is finished with steps set to its last checkpoint): its metrics.json would
-    tell of settings that its weights and config.yaml do not, or, the output_dir mistaken, of a
-    run that never trained. The main process reads the file and says; every rank stops alike."""
-    refused = None
-    if accelerator.is_main_process and (out / "config.yaml").is_file():
+    state comes from the checkpoint at `step`, its settings and the schedule from the new config, of
+    `steps`). A finished run, which would only export and evaluate again, is refused other settings
+    but its length (a run stopped early is finished with steps set to its last checkpoint): its
+    metrics.json would tell of settings that its weights and config.yaml do not, or, the output_dir
+    mistaken, of a run that never trained. A run that finished (its metrics.json) is refused more
+    steps: a command run again without the steps it was given trained it on, its schedule begun
+    anew, and rotated its last checkpoint out. The main process reads the files and says; every
+    rank stops alike."""
+    refused, finished = None, step == steps
+    if accelerator.is_main_process and not finished and (out / "metrics.json").is_file():
+        refused = (f"output_dir '{out}' holds a run that finished at step {step}: {steps} steps would train it on, "
+                   f"its learning-rate schedule begun anew; give steps={step} to export and evaluate it again, "
+                   "or choose a new output_dir")
+    elif accelerator.is_main_process and (out / "config.yaml").is_file():
         changed = changed_settings(out / "config.yaml", cfg)
         if changed is None:
             print(f"warning: {out / 'config.yaml'} cannot be read, so the settings changed since it cannot be named",

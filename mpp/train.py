@@ -211,7 +211,7 @@ def setup(cfg: Config) -> Run:
     origin = task.origin(cfg)
     if resumed:
         check_origin(out, state.get("origin", {}), origin)
-        check_changes(out, cfg, accelerator, finished=state["step"] == steps)
+        check_changes(out, cfg, accelerator, state["step"], steps)
         accelerator.print(f"resumed from {resumed} (step {state['step']})")
     begin_s = 0.0
     if not resumed:

@@ -304,6 +304,8 @@ CASES = [
      lambda t: (t / "out").mkdir() or (t / "out/encoder.safetensors").write_bytes(b"x")),
     ("a finished run started again with other settings", "pretrain", lambda t: [*TRAIN(t), "optim.lr=0.01"],
      lambda t: _finished(t)),
+    ("a finished run started again with more steps", "pretrain", lambda t: [*TRAIN(t), "steps=4"],
+     lambda t: _finished(t)),
     ("resume: the only checkpoint is a pickle payload", "pretrain", TRAIN, lambda t: _ckpt_run(t, _pickle())),
     ("train.resume=PATH that is not a checkpoint", "pretrain", lambda t: [*TRAIN(t), f"train.resume={t}/data"], None),
     ("train.resume=PATH whose checkpoint does not load", "pretrain", lambda t: [*TRAIN(t), f"train.resume={OLD(t)}"],

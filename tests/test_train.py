@@ -700,7 +700,7 @@ def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_pat
                 tmp_path / "config.yaml")
     mpp.resume.check_changes(tmp_path, config(["train.log_every=1", "train.ckpt_every=5", "train.resume=none",
                                                "data.num_workers=4", "output_dir=b"]),
-                             SimpleNamespace(is_main_process=True, num_processes=1), finished=False)
+                             SimpleNamespace(is_main_process=True, num_processes=1), 3, 5)
     assert capsys.readouterr().err == ("warning: resuming with data.num_workers: 2 -> 4 (the shards are split over the "
                                        "workers anew: the rest of this epoch trains some of its samples a second time "
                                        "and leaves as many out)\n")
@@ -826,6 +826,23 @@ def test_a_finished_run_started_again_with_other_settings_is_refused(tmp_path, d
     (moved / "config.yaml").write_text("[1, 2")
     train(config(settings(data, moved, steps=4)))
     assert "config.yaml cannot be read, so the settings changed since it cannot be named" in capsys.readouterr().err
+
+
+def test_a_finished_run_is_refused_more_steps(tmp_path, data):
+    """The same command run again without the steps it was given (the config's longer default)
+    trained a finished run on: its learning rate back near its peak, its checkpoint rotated out,
+    its metrics.json then of a run no schedule gives. Refused, naming the steps it finished at;
+    a run stopped before it finished (no metrics.json) may still be given more."""
+    out = tmp_path / "run"
+    train(config(settings(data, out, steps=2, **{"train.keep_ckpts": 1})))
+    files = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and "tensorboard" not in p.parts}
+    with pytest.raises(ConfigError, match=r"holds a run that finished at step 2: 4 steps would train it on, its "
+                                          r"learning-rate schedule begun anew; give steps=2 to export"):
+        train(config(settings(data, out, steps=4, **{"train.keep_ckpts": 1})))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
+            and "tensorboard" not in p.parts} == files
+    (out / "metrics.json").unlink()  # a run stopped early: no metrics.json
+    assert train(config(settings(data, out, steps=4, **{"train.keep_ckpts": 1})))["steps"] == 4
 
 
 def test_a_run_stopped_by_an_error_leaves_no_data_worker_or_writer_thread(data, tmp_path, monkeypatch):
