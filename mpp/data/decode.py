@@ -39,8 +39,6 @@ SKIP_KINDS = {
     "unreadable_shard": "shard that could not be opened, read or parsed (the rest of it is lost)",
     "lost_samples": ("samples a damaged shard held past where it broke: its manifest's count (of the subset's "
                      "samples, under a subset) less those read; not known for shards without exact counts"),
-    "unnamed_member": ("shard member whose base name has no extension ('README', '.hidden'): part of no sample, "
-                       "not read"),
     "padded": "repeated samples that filled a rank's last batches after skips left it short",
     "dropped": ("samples beyond a rank's expected count (shards without exact counts in a manifest, or a "
                 "manifest that undercounts its shards)"),

@@ -339,22 +339,20 @@ def _used(name: str) -> bool:
 
 def read_shard(url: str, skips: dict[str, int]) -> Iterator[dict]:
     """Raw samples ({'__key__', '__url__', ext: bytes}) of one shard: consecutive members with the
-    same key (the name up to the first dot of its base name) form one sample, their lower-cased extensions its fields, as webdataset's group_by_keys does (here
+    same key (the name up to the first dot of its base name; names without one are ignored) form
+    one sample, their lower-cased extensions its fields, as webdataset's group_by_keys does (here
     without its per-member dicts and handler calls). A truncated, unreadable or
     malformed (e.g. a member twice in a sample) shard ends there, is counted in `skips` and its
     last (possibly incomplete) sample dropped; no retry, no sleep. Members decoding never reads
     (not an image, not 'cls') keep their name but no bytes, and are skipped unread: up to a shuffle
     buffer of samples waits in memory, and those would hold any size for nothing (a video beside
-    an image may exceed what a member read may hold). A member whose base name has no field (no dot,
-    or only a leading one: 'README', '.hidden') belongs to no sample, as in webdataset; it is
-    counted (`unnamed_member`), so that an image saved without its extension is not lost unsaid."""
+    an image may exceed what a member read may hold)."""
     errors: list[Exception] = []
     members = tar_members(url, errors, select=_used, unread=True)
     sample: dict | None = None
     for name, data in members:
         key, ext = base_plus_ext(name)
         if key is None:
-            skips["unnamed_member"] = skips.get("unnamed_member", 0) + 1
             continue
         ext = ext.lower()
         if sample is None or key != sample["__key__"]:
