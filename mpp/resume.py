@@ -9,6 +9,7 @@ finished run is refused them (`check_changes`). mpp.train's `setup` calls them i
 from __future__ import annotations
 
 import errno
+import json
 import pickle
 import sys
 from pathlib import Path
@@ -103,13 +104,15 @@ def check_changes(out: Path, cfg: Config, accelerator: Accelerator, step: int, s
     but its length (a run stopped early is finished with steps set to its last checkpoint): its
     metrics.json would tell of settings that its weights and config.yaml do not, or, the output_dir
     mistaken, of a run that never trained. A run that finished (its metrics.json) is refused more
-    steps: a command run again without the steps it was given trained it on, its schedule begun
-    anew, and rotated its last checkpoint out. The main process reads the files and says; every
-    rank stops alike."""
+    steps than it finished with: a command run again without the steps it was given trained it on,
+    its schedule begun anew, and rotated its last checkpoint out (the steps it was given resume
+    from an older checkpoint, where the newest is damaged, as any run). The main process reads the
+    files and says; every rank stops alike."""
     refused, finished = None, step == steps
-    if accelerator.is_main_process and not finished and (out / "metrics.json").is_file():
-        refused = (f"output_dir '{out}' holds a run that finished at step {step}: {steps} steps would train it on, "
-                   f"its learning-rate schedule begun anew; give steps={step} to export and evaluate it again, "
+    done = _finished_steps(out) if accelerator.is_main_process else None
+    if done is not None and steps > done:
+        refused = (f"output_dir '{out}' holds a run that finished at step {done}: {steps} steps would train it on, "
+                   f"its learning-rate schedule begun anew; give steps={done} to export and evaluate it again, "
                    "or choose a new output_dir")
     elif accelerator.is_main_process and (out / "config.yaml").is_file():
         changed = changed_settings(out / "config.yaml", cfg)
@@ -126,6 +129,16 @@ def check_changes(out: Path, cfg: Config, accelerator: Accelerator, step: int, s
         refused = broadcast_object_list([refused])[0]
     if refused:
         raise ConfigError(refused)
+
+
+def _finished_steps(out: Path) -> int | None:
+    """The steps the run in `out` finished with (its metrics.json), None if it has not finished or
+    the file does not say."""
+    try:
+        steps = json.loads((out / "metrics.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):  # none, unreadable, or not a mapping
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _reordered(change: str) -> str:

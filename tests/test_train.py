@@ -346,6 +346,7 @@ def test_compile_auto_weighs_the_whole_runs_steps_also_when_resumed(data, tmp_pa
     monkeypatch.setattr(mpp.train, "use_compile", recorded)
     out = tmp_path / "run"
     train(config(settings(data, out, steps=4, **{"train.ckpt_every": 2})))
+    (out / "metrics.json").unlink()  # as a run stopped at its checkpoint of step 4
     train(config(settings(data, out, steps=6, **{"train.ckpt_every": 2, "train.resume": "auto"})))
     assert asked == [("auto", 4), ("auto", 6)]
 
@@ -579,6 +580,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tm
         train(config(settings(data, tmp_path / "fresh", **{"data.train": bad})))
     assert not (tmp_path / "fresh").exists()
     run = shutil.copytree(mpp_run, tmp_path / "run")  # finished at step 24
+    (run / "metrics.json").unlink()  # as stopped there: a finished run is refused more steps
     before = {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]}
     with pytest.raises(DataError, match="decoded no samples"):
         train(config(settings(data, run, steps=32, **{"data.train": bad, "optim.lr": 1e-3})))
@@ -598,6 +600,7 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
         "finetune.init": encoder, "data.val": data / "test/manifest.json", "train.ckpt_every": 4})
     first = train(config(items))
     assert first["init_sha256"] == digest
+    (tmp_path / "ft/metrics.json").unlink()  # as stopped at step 8: a finished run is refused more steps
     again = train(config(items + ["steps=12"]))  # the same encoder: resumes at step 8
     assert again["init_sha256"] == digest and again["steps"] == 12 and again["label_split"] == [1.0, 0, 0.0]
     # finished, started again naming the same encoder by its file: no other setting, exported again
@@ -609,6 +612,7 @@ def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run
         train(config(settings(data, encoder, steps=28, **{"data.withhold": "[[0.5,0,0.2]]"})))  # it trained on them
     with pytest.raises(ConfigError, match=r"other inputs \(normalisation: \[\[0.5, 0.5, 0.5\], \[0.5, 0.5, 0.5\]\] then"):
         train(config(settings(data, encoder, steps=28, **{"data.std": "[0.25,0.25,0.25]"})))  # model.json took it
+    (encoder / "metrics.json").unlink()
     train(config(settings(data, encoder, steps=28)))  # the encoder trained further, in place
     with pytest.raises(ConfigError, match=f"started from other inputs \\(init_sha256: '{digest}' then"):
         train(config(items + ["steps=16"]))
@@ -843,6 +847,11 @@ def test_a_finished_run_is_refused_more_steps(tmp_path, data):
             and "tensorboard" not in p.parts} == files
     (out / "metrics.json").unlink()  # a run stopped early: no metrics.json
     assert train(config(settings(data, out, steps=4, **{"train.keep_ckpts": 1})))["steps"] == 4
+    # its newest checkpoint damaged, the steps it was given resume an older one and train to its end
+    again = tmp_path / "again"
+    train(config(settings(data, again, steps=4, **{"train.ckpt_every": 2})))
+    (again / "checkpoints/step_0000004/state.pt").write_bytes(b"damaged")
+    assert train(config(settings(data, again, steps=4, **{"train.ckpt_every": 2})))["steps"] == 4
 
 
 def test_a_run_stopped_by_an_error_leaves_no_data_worker_or_writer_thread(data, tmp_path, monkeypatch):
