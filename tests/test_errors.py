@@ -158,6 +158,12 @@ def _finished(tmp: Path) -> None:
     train(load_config(None, TRAIN(tmp)))
 
 
+def _unfinished(tmp: Path) -> None:
+    """TMP/run: a pre-training stopped after its checkpoint at step 5 (no encoder.safetensors yet)."""
+    (tmp / "run/checkpoints/step_0000005").mkdir(parents=True)
+    (tmp / "run/config.yaml").write_text("objective: mpp\n")
+
+
 def _run_dir(tmp: Path, metrics: str, config: str) -> None:
     """TMP/run: a run directory with the given metrics.json and config.yaml texts."""
     (tmp / "run").mkdir()
@@ -325,6 +331,8 @@ CASES = [
     ("unlabeled data.val (checked before training)", "finetune",
      lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled"], None),
     ("finetune.init that does not exist", "finetune", lambda t: [*FT(t), f"finetune.init={t}/nope"], None),
+    ("finetune.init of a pre-training that has not finished", "finetune", lambda t: [*FT(t), f"finetune.init={t}/run"],
+     _unfinished),
     ("fine-tune at an img_size its encoder's patch size does not divide", "finetune",
      lambda t: [*FT(t), f"finetune.init={t}/enc", "img_size=36"], lambda t: _encoder(t, preset="vit_mini8_32")),
     ("encoder model.json that does not match it", "finetune", lambda t: [*FT(t), f"finetune.init={t}/enc"],
@@ -355,6 +363,8 @@ CASES = [
      lambda t: [*TRAIN(t), f"data.val={t}/data/unlabeled", "probe.encoder=none"], None),
     ("probe without an encoder", "linear_probe", lambda t: [*FT(t)], None),
     ("probe.encoder that does not exist", "linear_probe", lambda t: [*FT(t), f"probe.encoder={t}/nope"], None),
+    ("probe.encoder of a pre-training that has not finished", "linear_probe",
+     lambda t: [*FT(t), f"probe.encoder={t}/run"], _unfinished),
     ("probe.dev_split out of range", "linear_probe",
      lambda t: [*FT(t), "probe.encoder=none", "probe.dev_split=[0,1.5]"], None),
     ("probe: output_dir is a file", "linear_probe",
