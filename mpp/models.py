@@ -257,6 +257,14 @@ def unfinished_run(path: str | Path) -> str:
     return "config.yaml, no checkpoint" if (path / "config.yaml").is_file() else ""
 
 
+def trained_img_size(path: str | Path) -> int:
+    """The resolution the encoder of `path` (a run dir or its encoder.safetensors) was exported at:
+    its model.json's img_size, else its timm name's (0 when neither says)."""
+    name, kwargs, _ = read_model_json(encoder_file(path).parent / "model.json")
+    size = kwargs.get("img_size") or getattr(timm.models.get_pretrained_cfg(name), "input_size", [0])[-1]
+    return int(size[-1] if isinstance(size, (list, tuple)) else size)
+
+
 def save_encoder(encoder: MaskedEncoder, out_dir: str | Path, data=None) -> Path:
     """Write `encoder.safetensors` (timm keys) and `model.json` ({"name", "kwargs"}, and with `data`,
     the run's DataConfig, the input normalisation it trained on: "mean", "std") to `out_dir`."""

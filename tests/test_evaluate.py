@@ -465,6 +465,20 @@ def test_probe_reads_patch_tokens_when_the_class_token_is_uninformative(shards, 
     assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["pool"] == "avg"
 
 
+def test_probing_an_encoder_at_another_img_size_than_its_own_warns(shards, tmp_path, monkeypatch, capsys):
+    """A frozen encoder probed at another resolution has its position embeddings resampled: one
+    warning line naming both sizes; none at its own size or with img_size unset."""
+    save_encoder(create_encoder("vit_micro4_32", img_size=16, attn="math"), tmp_path / "enc")
+    monkeypatch.setattr(mpp.evaluators.linear_probe.Evaluator, "run", lambda self, encoder: {})
+    for size in (32, 16, 0):
+        mpp.evaluators.linear_probe.run_linear_probe(_cfg(shards, tmp_path / f"at{size}", img_size=size,
+                                                          probe={"encoder": str(tmp_path / "enc")}))
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+        assert err == ([f"warning: probe.encoder='{tmp_path}/enc' was trained at 16 px and is probed at img_size=32: "
+                        "its position embeddings are resampled; leave img_size unset (or give img_size=16) to probe "
+                        "it at its own"] if size == 32 else []), size
+
+
 def test_train_deterministic_holds_for_the_probe_alone_and_keeps_its_figures(shards, tmp_path, monkeypatch):
     """train.deterministic covers the probe's features and fits as it covers training (the probe
     reads train.* too: train.attn); the process gets its setting back, and on the CPU nothing moves."""

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,7 +30,7 @@ from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_
                                      feature_cache_key, feature_stats, read_cached)
 from mpp.evaluators.fewshot import fewshot_eval
 from mpp.fileio import atomic_path, sweep_orphans, write_atomic
-from mpp.models import POOLS, encoder_digest, encoder_from, nonfinite
+from mpp.models import POOLS, encoder_digest, encoder_from, nonfinite, trained_img_size
 from mpp.runtime import deterministic, resolve_precision
 
 def _fit_logistic(x, y, num_classes: int, l2: float, init=None, max_iter: int = 2000) -> torch.Tensor:
@@ -350,6 +351,18 @@ class Evaluator:
                 "seconds_probe": round(t2 - t1, 2), "seconds_fewshot": round(time.time() - t2, 2)}
 
 
+def _warn_resampled(encoder_path, img_size: int) -> None:
+    """Warn when an exported encoder is probed at an img_size other than its own: its position
+    embeddings were resampled, and a frozen encoder does not adapt to them as a fine-tune does."""
+    if not img_size or str(encoder_path) == "none":
+        return
+    trained = trained_img_size(encoder_path)
+    if trained and trained != img_size:
+        print(f"warning: probe.encoder={str(encoder_path)!r} was trained at {trained} px and is probed at "
+              f"img_size={img_size}: its position embeddings are resampled; leave img_size unset (or give "
+              f"img_size={trained}) to probe it at its own", file=sys.stderr)
+
+
 def run_linear_probe(cfg: Config) -> dict:
     """The probe of `probe.encoder` by `Evaluator`, written to OUT/config.yaml and
     then OUT/metrics.json (`kind: linear_probe`, the figures, `config`); returns the metrics.
@@ -371,6 +384,7 @@ def run_linear_probe(cfg: Config) -> dict:
             evaluator = Evaluator(cfg, device)
             set_seed(cfg.seed)  # probe.encoder=none: a random init of `model`
             encoder = encoder_from(encoder_path, "probe.encoder", cfg).to(device)
+            _warn_resampled(encoder_path, cfg.img_size)
             metrics = {"kind": "linear_probe", "encoder": str(encoder_path),
                        "encoder_sha256": encoder_digest(encoder_path), **evaluator.run(encoder), "config": to_dict(cfg)}
         save_config(cfg, out / "config.yaml")
