@@ -97,10 +97,19 @@ class Stage:
     pretrain_seed: int = 0  # the pre-training seed of the comparison it belongs to (scratch's: 0, shared)
     arm: str = ""  # the arm it pre-trains or evaluates: mpp, supervised or scratch
 
+    def chosen(self, resolved: bool = True) -> list[str]:
+        """The run-time choices' overrides (their placeholders unless `resolved`), each key once: a
+        later choice's value replaces an earlier one's, as the config would read them (the other
+        representation's finetune.head_l2 the best stage's)."""
+        picks: dict[str, str] = {}
+        for o in (o for c in self.choices for o in (c.pick() if resolved else c.placeholder)):
+            picks.pop(key := o.split("=", 1)[0], None)
+            picks[key] = o
+        return list(picks.values())
+
     def args(self, resolved: bool = True) -> list[str]:
-        """Overrides, then the run-time choices (their placeholders unless `resolved`), then output_dir."""
-        chosen = [o for c in self.choices for o in (c.pick() if resolved else c.placeholder)]
-        return self.overrides + chosen + [f"output_dir={self.out}"]
+        """Overrides, then the run-time choices (`chosen`), then output_dir."""
+        return self.overrides + self.chosen(resolved) + [f"output_dir={self.out}"]
 
     def command(self, launcher: list[str], resolved: bool = True) -> list[str]:
         return launcher + ["-m", f"{TOOLS}.{self.tool}", "--config", self.config] + self.args(resolved)
@@ -936,7 +945,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             check_unchanged(s, finished=False)
         t0 = time.time()
         cmd = s.command(launcher)
-        chosen = [o for c in s.choices for o in c.pick()]
+        chosen = s.chosen()
         print(f"[{i}/{total}] {s.name} -> {s.out}" + (f" (chosen: {' '.join(chosen)})" if chosen else ""), flush=True)
         passed = False  # a SIGTERM of the comparison's own, passed on to the stage
         try:
