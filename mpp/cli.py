@@ -127,6 +127,8 @@ def os_message(e: OSError) -> str:
     return f"{e.strerror or e}{':' + where if where else ''}"
 
 
+# set for a comparison's stage: its Ctrl-C is quiet (exit 130 alone), the comparison's line naming the stage
+QUIET_INTERRUPT = "MPP_COMPARISON_STAGE"
 RESUMABLE = ("interrupted; run the same command again to resume from its last checkpoint (train.ckpt_every; Ctrl-C "
              "saves none, SIGTERM saves one first)")  # a training tool's Ctrl-C
 
@@ -136,13 +138,15 @@ def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupte
     """Run a tool's body (as `with one_line_errors(): ...` or as `@one_line_errors()` on its
     `main`), a rank of a launcher dying with it (`mpp.launcher`): the user-facing errors
     (`_user_errors`, then `extra` and OSError, exit 1) end with one line `error: ...` on stderr,
-    and Ctrl-C with `error: INTERRUPTED` (exit 130, as a shell's), after the body's own cleanup
-    (a run directory's lock is released; checkpoints are written atomically). Other exceptions
-    (bugs) keep their traceback."""
+    and Ctrl-C with `error: INTERRUPTED` (exit 130, as a shell's; in a comparison's stage,
+    `QUIET_INTERRUPT` set, with no line), after the body's own cleanup (a run directory's lock is
+    released; checkpoints are written atomically). Other exceptions (bugs) keep their traceback."""
     die_with_launcher()
     try:
         yield
     except KeyboardInterrupt:
+        if os.environ.get(QUIET_INTERRUPT):  # the comparison says which stage stopped and how to resume
+            raise SystemExit(130) from None
         _fail(interrupted, 130)
     except Exception as e:
         bad_args, bad_run, terminated = _user_errors()

@@ -59,6 +59,7 @@ from typing import Callable
 import psutil
 
 from mpp import outcomes
+from mpp.cli import QUIET_INTERRUPT
 from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_list, changed_settings,
                         flatten, load_config, parse_overrides, said, to_dict)
 from mpp.gaps import choice_lead, dev_rank, pool_choice
@@ -742,12 +743,13 @@ def _made(manifest: Path) -> dict:
 def _tool_main(module: str, argv: list[str]) -> None:
     """In a stage's process: run a tool module as `python -m module argv...` would, and die with the
     comparison (the process is the forkserver's child, so nothing else ends it when the comparison
-    is killed: it trained on, orphaned, holding its run directory). Ctrl-C ends it with the tool's own
-    line (quietly before the tool's main runs); the comparison's line, naming the stage, comes last."""
+    is killed: it trained on, orphaned, holding its run directory). Ctrl-C ends it quietly (exit 130,
+    `QUIET_INTERRUPT`): the comparison's line names the stage and how to resume."""
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_die_with, args=(parent.sentinel,), daemon=True).start()
     sys.argv = [module, *argv]
+    os.environ[QUIET_INTERRUPT] = "1"  # its Ctrl-C line would say less than the comparison's
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except KeyboardInterrupt:
@@ -767,7 +769,8 @@ def run_stage(cmd: list[str], launcher: str) -> int:
     the comparison goes on to the stage, whose trainer saves a checkpoint and stops (`mpp.train`);
     the stage's end then raises `StageTerminated`."""
     if launcher:  # the launcher (torchrun) gets SIGTERM when the comparison dies, and stops its ranks
-        with subprocess.Popen(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM)) as proc, \
+        with subprocess.Popen(cmd, preexec_fn=lambda: follow_parent(signal.SIGTERM),
+                              env={**os.environ, QUIET_INTERRUPT: "1"}) as proc, \
                 _passing_sigterm(proc) as passed:
             try:
                 code = proc.wait()

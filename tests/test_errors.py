@@ -573,13 +573,20 @@ def test_a_full_disk_under_tensorboard_is_one_line_naming_its_folder(data_root, 
 
 
 def test_ctrl_c_is_one_line_and_exit_130():
-    """Ctrl-C in a tool: one line (a training tool's says how to resume), exit 130 as a shell's."""
-    from mpp.cli import RESUMABLE, one_line_errors
+    """Ctrl-C in a tool: one line (a training tool's says how to resume), exit 130 as a shell's; none
+    in a comparison's stage."""
+    from mpp.cli import QUIET_INTERRUPT, RESUMABLE, one_line_errors
     for message in ("interrupted", RESUMABLE):
         err = io.StringIO()
         with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err), one_line_errors(interrupted=message):
             raise KeyboardInterrupt
         assert e.value.code == 130 and err.getvalue() == f"error: {message}\n"
+    with pytest.MonkeyPatch.context() as mp:  # a comparison's stage: the comparison's line names it
+        mp.setenv(QUIET_INTERRUPT, "1")
+        err = io.StringIO()
+        with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err), one_line_errors(interrupted=RESUMABLE):
+            raise KeyboardInterrupt
+        assert e.value.code == 130 and err.getvalue() == ""
 
 
 def test_out_of_memory_is_one_line_saying_what_to_lower():
