@@ -722,7 +722,8 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err  # as every tool's Ctrl-C
     errors = [line for line in err.splitlines() if line.startswith("error:")]  # the stage's own bare line: none
-    assert len(errors) == 1 and errors[0].startswith("error: interrupted during stage 'pre-train mpp'; run the same"), err
+    assert len(errors) == 1, err
+    assert errors[0].startswith("error: interrupted during stage 'pre-train mpp'; run the same")
 
 
 FAKE_LAUNCHER = """import signal, subprocess, sys, time
