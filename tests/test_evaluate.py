@@ -567,6 +567,7 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
         chosen_again = []
         mp.setattr(mpp.evaluators.linear_probe, "probe_head",
                    lambda *a, real=mpp.evaluators.linear_probe.probe_head, **k: chosen_again.append(1) or real(*a, **k))
+        (tmp_path / "probe" / "metrics.json").unlink()  # as stopped at step 1: a finished run is refused more steps
         longer = train(_cfg(shards, tmp_path / "probe", finetune={**tune, "head_init": "probe"},
                             **{**run, "steps": 2, "optim": {**run["optim"], "warmup_steps": 2}}))
     assert not chosen_again  # the resume took the checkpoint's choice
