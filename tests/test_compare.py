@@ -775,19 +775,25 @@ def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeyp
         assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
 
 
-def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path):
-    """SIGTERM to the comparison alone (a scheduler's, or `kill`) mid pre-training: it passes it on
-    to the stage, whose trainer saves its step as a checkpoint, and stops with one line naming the
-    stage (exit 143); the stage's run directory is left unlocked for the resume."""
+@pytest.mark.parametrize("group", [False, True], ids=["comparison", "process-group"])
+def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path, group):
+    """SIGTERM to the comparison alone (`kill`) or to its whole process group (a scheduler's) mid
+    pre-training: the stage's trainer saves its step as a checkpoint, and the comparison stops with
+    one line naming the stage (exit 143); the stage's run directory is left unlocked for the
+    resume. The group's SIGTERM also ended Python's forkserver: the comparison read the stage as
+    ended (exit 255) and took it down before its checkpoint."""
     import signal
     import time
     path = _write_configs(tmp_path, tmp_path / "data", compare_extra="pretrain_overrides: [steps=100000]\n")
     proc = subprocess.Popen([sys.executable, "-m", "mpp.tools.compare", "--config", str(path)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=group)
     deadline = time.time() + 120
     while not (tmp_path / "runs/pretrain_mpp/config.yaml").is_file() and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("error: SIGTERM during stage 'pre-train mpp', which saved its")
