@@ -227,6 +227,7 @@ def test_ranks_resume_from_the_checkpoint_the_main_process_lists(tmp_path):
     first = subprocess.run(torchrun(out, manifest, 4, *common, script="tests/dist_train_worker.py"), cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    (out / "metrics.json").unlink()  # as stopped at step 4: a finished run is refused more steps
     done = subprocess.run(torchrun(out, manifest, 6, *common, "train.ckpt_every=100",
                                    script="tests/dist_train_worker.py"), cwd=ROOT,
                           env={**ENV, "MPP_TEST_STALE_LISTING": "1"}, capture_output=True, text=True, timeout=300)

@@ -143,6 +143,7 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     assert probe["begin_s"] > 0.05 > zero["begin_s"] >= 0  # the fit and the start's score: begin's, not set-up's
     assert list(tmp_path.glob("feature_cache/features-*.safetensors"))  # the sweep's other runs reuse them
     assert list(tmp_path.glob("feature_cache/head-*.safetensors"))
+    (tmp_path / "probe" / "metrics.json").unlink()  # as stopped at step 1: a finished run is refused more steps
     longer = train(load_config(None, items + [f"output_dir={tmp_path / 'probe'}", "finetune.head_init=probe",
                                               "steps=2", "optim.warmup_steps=2"]))  # resumes at step 1
     assert {k: longer[k] for k in ("start_top1", "head_probe_l2", "head_probe_dev_top1")} == \
