@@ -273,7 +273,9 @@ def _read_digests(path: Path) -> dict | None:
 
 def _check_digests(path: Path, recorded: dict | None, names: tuple[str, ...]) -> None:
     """Refuse (ValueError: damaged) files of checkpoint `path` whose bytes are not those it wrote."""
-    for name in names if recorded is not None else ():
+    if recorded is None:  # a checkpoint from before digests were recorded
+        return
+    for name in names:
         if name not in recorded:
             raise ValueError(f"{DIGESTS} records no digest of {name}")
         if file_sha256(path / name) != recorded[name]:

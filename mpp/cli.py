@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from mpp.config import TOOL_DEFAULTS, Config, ConfigError, check_tool, load_config, parse_overrides, valid_keys
+from mpp.config import TOOL_DEFAULTS, Config, ConfigError, check_tool, load_config, valid_keys
 from mpp.launcher import die_with_launcher
 
 
@@ -81,7 +81,7 @@ def parse_config_args(description: str, argv: list[str] | None = None, tool: str
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides, defaults=TOOL_DEFAULTS.get(tool, []))
-    typed = "objective" in parse_overrides(args.overrides)
+    typed = "objective" in {o.split("=", 1)[0].strip() for o in args.overrides}
     unread = check_tool(cfg, tool, source=f"config file '{args.config}'" if args.config and not typed else "")
     if unread and int(os.environ.get("RANK", "0")) == 0:
         print(f"warning: {'; '.join(unread)}: those settings do nothing here", file=sys.stderr)

@@ -65,7 +65,7 @@ from mpp.config import (TOOL_DEFAULTS, CompareConfig, Config, ConfigError, as_li
                         flatten, load_config, parse_overrides, said, to_dict)
 from mpp.gaps import choice_lead, dev_rank, pool_choice
 from mpp.launcher import follow_parent
-from mpp.specs import data_key, dev_split, names_manifest, val_key
+from mpp.specs import data_key, dev_split, names_manifest, two_test_sets
 
 TOOLS = "mpp.tools"  # a stage runs `python -m mpp.tools.TOOL` (or LAUNCHER -m ...)
 
@@ -397,15 +397,13 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                               "representation on its own training labels, which a supervised pre-training fitted; "
                               "set the compare config's finetune_pool: auto (chosen on the development split), sweep "
                               "finetune.pool over token and avg, or give finetune.pool token or avg")
-    scored: dict = {}  # the probes and final fine-tunes: the report refuses gaps between other test images
-    for s in stages:
-        c = resolved[s.out]
-        if s.tool == "linear_probe" or (s.tool == "finetune" and c.finetune.dev_fraction == 0):
-            scored.setdefault(val_key(c.data.val, c.data.val_num_samples), s.name)
-    if len(scored) > 1:
-        (a, first), (b, second) = list(scored.items())[:2]
-        raise ConfigError(f"stages '{first}' and '{second}' would be scored on different test sets (data.val {a[0]} "
-                          f"and {b[0]}), and the report refuses gaps between other images; give every probe and "
+    # the probes and final fine-tunes: the report refuses gaps between other test images
+    if two := two_test_sets((resolved[s.out].data.val, resolved[s.out].data.val_num_samples, s.name) for s in stages
+                            if s.tool == "linear_probe"
+                            or (s.tool == "finetune" and resolved[s.out].finetune.dev_fraction == 0)):
+        (a, first), (b, second) = two
+        raise ConfigError(f"stages '{first}' and '{second}' would be scored on different test sets (data.val {a} "
+                          f"and {b}), and the report refuses gaps between other images; give every probe and "
                           "fine-tune one data.val")
     if not cfg.sweep:  # a final may choose on its own labels; a sweep of one value chooses on a withheld split
         _warn_own_label_choices(stages, resolved)

@@ -239,9 +239,7 @@ def encoder_from(source, key: str, cfg, drop_path: float = 0.0) -> MaskedEncoder
         raise ConfigError(f"{key}={str(source)!r} does not exist; give a pre-training run directory, its "
                           "encoder.safetensors (with model.json beside it), or none (a randomly initialised model)")
     if held := unfinished_run(source):
-        raise ConfigError(f"{key}={str(source)!r} is a run directory without an exported encoder ({held}, no "
-                          "encoder.safetensors): its pre-training has not finished; run its pretrain command again "
-                          "to resume it, or give a finished run")
+        raise ConfigError(f"{key}={str(source)!r} is {_unfinished(held)}")
     return load_encoder(source, img_size=cfg.img_size, drop_path=drop_path, attn=cfg.train.attn, data=cfg.data)
 
 
@@ -255,6 +253,12 @@ def unfinished_run(path: str | Path) -> str:
     if ckpts := list_checkpoints(path / "checkpoints"):
         return f"checkpoints/{ckpts[-1].name}"
     return "config.yaml, no checkpoint" if (path / "config.yaml").is_file() else ""
+
+
+def _unfinished(held: str) -> str:
+    """What to say of a run directory whose training has not finished, holding `held` (`unfinished_run`)."""
+    return (f"a run directory without an exported encoder ({held}, no encoder.safetensors): its pre-training "
+            "has not finished; run its pretrain command again to resume it, or give a finished run")
 
 
 def trained_img_size(path: str | Path) -> int:
@@ -353,9 +357,7 @@ def load_encoder(path: str | Path, img_size: int = 0, drop_path: float = 0.0, at
     spec_file = weights.parent / "model.json"
     if not weights.is_file() or weights.suffix != ".safetensors" or not spec_file.is_file():
         if held := unfinished_run(path):
-            raise FileNotFoundError(f"{path}: a run directory without an exported encoder ({held}, no "
-                                    "encoder.safetensors): its pre-training has not finished; run its pretrain "
-                                    "command again to resume it, or give a finished run")
+            raise FileNotFoundError(f"{path}: {_unfinished(held)}")
         raise FileNotFoundError(f"{path}: need a run dir or an encoder.safetensors file with model.json beside it")
     name, kwargs, norm = read_model_json(spec_file)
     if not isinstance(name, str) or not timm.is_model(name):

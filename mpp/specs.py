@@ -59,6 +59,19 @@ def val_key(val, val_num_samples) -> tuple:
     return data_key(val), None if names_manifest(val) else val_num_samples
 
 
+def two_test_sets(scored) -> tuple | None:
+    """Of `scored` ((data.val, data.val_num_samples, name) of each probe and final fine-tune), the
+    first two on different test sets (`val_key`), as ((spelling, name), (spelling, name)); None
+    when all share one."""
+    first: dict = {}
+    for val, num, name in scored:
+        first.setdefault(val_key(val, num), name)
+    if len(first) < 2:
+        return None
+    (a, where_a), (b, where_b) = list(first.items())[:2]
+    return (a[0], where_a), (b[0], where_b)
+
+
 def dev_split(fraction, seed, dev_fraction) -> tuple:
     """A development split as (label_fraction, split_seed, dev_fraction), in one spelling (a YAML
     1 and 1.0 alike), as data.withhold lists them."""

@@ -209,9 +209,6 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     assert finals[0].args()[-4:-1] == ["finetune.pool=token", "optim.lr=0.03", "finetune.head_l2=0.01"]
     assert others[1].args()[-4:-1] == ["optim.lr=0.03", "finetune.pool=avg",
                                        "finetune.head_l2=1.0"]  # the other representation's, not the best's too
-    for stage in finals + runner_ups + others:  # each key once among a stage's choices, as its "chosen:" line
-        keys = [o.split("=", 1)[0] for o in stage.chosen()]
-        assert len(keys) == len(set(keys)), (stage.name, stage.chosen())
     assert runner_ups[0].args()[-4:-1] == ["finetune.pool=avg", "optim.lr=0.1", "finetune.head_l2=0.0001"]
     resolved = load_config(others[1].config, others[1].args() + ["finetune.head_init=probe"]).finetune
     assert (resolved.pool, resolved.head_l2) == ("avg", 1.0)  # this test's configs start the head at zero

@@ -47,7 +47,7 @@ from pathlib import Path
 from mpp import outcomes
 from mpp.fileio import write_atomic
 from mpp.gaps import across_pretrain_seeds, added_noise, derive, mean_std, pool_choice, runs_images
-from mpp.specs import data_key, dev_split, val_key
+from mpp.specs import data_key, dev_split, two_test_sets
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -202,15 +202,12 @@ def _draws(metrics: dict, shots: str) -> tuple[str, list[float]] | None:
 def _check_one_test_set(runs: list[dict]) -> None:
     """Every figure of the table is on one test set: refuse final fine-tunes and probes scored on
     different ones (`mpp.specs.val_key`), whose gaps would compare different images."""
-    scored: dict = {}
-    for r in runs:
-        if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev"):
-            scored.setdefault(val_key(r["settings"].get("data.val"), r["settings"].get("data.val_num_samples")),
-                              r["dir"])
-    if len(scored) > 1:
-        (a, where_a), (b, where_b) = list(scored.items())[:2]
-        raise ReportError(f"{where_a} and {where_b} were scored on different test sets (data.val {a[0]} and "
-                          f"{b[0]}), so their gaps would compare other images; report runs of one data.val")
+    if two := two_test_sets((r["settings"].get("data.val"), r["settings"].get("data.val_num_samples"), r["dir"])
+                            for r in runs
+                            if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev")):
+        (a, where_a), (b, where_b) = two
+        raise ReportError(f"{where_a} and {where_b} were scored on different test sets (data.val {a} and "
+                          f"{b}), so their gaps would compare other images; report runs of one data.val")
 
 
 def _read_dev_splits(pretrain: dict, runs: list[dict]) -> bool:
