@@ -265,7 +265,7 @@ def test_bad_inputs():
 
 
 def test_a_new_target_is_one_table_entry(monkeypatch):
-    """config.py takes mpp.target's allowed values from TARGETS: registering a target is enough."""
+    """mpp.config takes mpp.target's allowed values from TARGETS: registering a target is enough."""
     from mpp.config import ConfigError, build_config
     with pytest.raises(ConfigError, match="choose one of mean_color"):
         build_config({"mpp": {"target": "my_target"}})
