@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from mpp import outcomes
-from mpp.compare import (best_point, check_processes, check_unchanged, head_l2, plan, prepare_data, repeat_dir, run,
-                         time_split, validate)
+from mpp.compare import check_processes, check_unchanged, plan, prepare_data, repeat_dir, run, time_split, validate
+from mpp.compare.planning import best_point, head_l2
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
 from mpp.data import make_loader
 
@@ -93,9 +93,9 @@ def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher
     """The processes split the data, so a stage trained on 2 and resumed with another count is
     refused; where the launcher decides the count at run time (a GPU count, a config file, an
     unexpanded variable) it is not checked: resuming with the same launcher was refused."""
-    from mpp.compare import _stated_processes, launcher_words
+    from mpp.compare import launcher_words, stated_processes
     monkeypatch.delenv("SLURM_NNODES", raising=False)
-    assert _stated_processes(launcher_words(launcher, machine=False)) == stated
+    assert stated_processes(launcher_words(launcher, machine=False)) == stated
     stage = next(s for s in plan(load_compare_config(_write_configs(tmp_path, tmp_path / "d"))) if s.tool == "pretrain")
     stage.out.mkdir(parents=True)
     (stage.out / "metrics.json").write_text(json.dumps({"processes": 2}))
@@ -110,10 +110,10 @@ def test_a_launchers_variables_are_expanded_as_a_shell_would_and_an_unset_one_re
     """Stages run without a shell: `--nnodes $SLURM_NNODES` reached torchrun as the text '$SLURM_NNODES'
     (its int() failed at the first stage, after the data). $NAME and ${NAME} are expanded now, and
     counted; an unset one refused (left as written in a dry run); a shell's other forms refused."""
-    from mpp.compare import _stated_processes, launcher_words
+    from mpp.compare import launcher_words, stated_processes
     monkeypatch.setenv("SLURM_NNODES", "2")
     words = launcher_words("torchrun --nnodes $SLURM_NNODES --nproc_per_node=${SLURM_NNODES}", machine=False)
-    assert words == ["torchrun", "--nnodes", "2", "--nproc_per_node=2"] and _stated_processes(words) == 4
+    assert words == ["torchrun", "--nnodes", "2", "--nproc_per_node=2"] and stated_processes(words) == 4
     monkeypatch.delenv("SLURM_NNODES")
     monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
     with pytest.raises(ConfigError, match=r"names \$SLURM_NNODES, a variable not set here"):
@@ -745,12 +745,12 @@ def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeyp
 
     import psutil
 
-    import mpp.compare
+    import mpp.compare.stages
     from mpp.compare import run_stage
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     pid_file = tmp_path / "rank.pid"
-    real = mpp.compare._stop
-    monkeypatch.setattr(mpp.compare, "_stop", lambda proc: real(proc, first=0.5))  # no terminal's Ctrl-C to wait for
+    real = mpp.compare.stages._stop  # patched where run_stage calls it; no terminal's Ctrl-C to wait for
+    monkeypatch.setattr(mpp.compare.stages, "_stop", lambda proc: real(proc, first=0.5))
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -849,7 +849,7 @@ def test_an_exact_tie_is_broken_alike_by_the_comparison_and_the_report(tmp_path)
     comparison retrains (its finals, in seed*) is the report's cell, the other its runner-up."""
     import yaml
 
-    from mpp.compare import grid_points, toss_up
+    from mpp.compare.planning import grid_points, toss_up
     from mpp.report import write_report
     points, labels = grid_points({"optim.lr": [0.03, 0.003]}), np.arange(500) % 10
     outs = []
