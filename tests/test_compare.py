@@ -244,6 +244,14 @@ def test_bad_sweep_fails_before_any_work(tmp_path):
                               ['sweep={optim.lr: [0.01, "0.010"]}'])  # one value twice: one recipe, a false toss-up
     with pytest.raises(ConfigError, match="sweep optim.lr=0.01' and .*sweep optim.lr=0.010' resolve to the same"):
         validate(cfg, plan(cfg), machine=False)
+    # a key that a setting of the fine-tunes leaves unread (SGD's momentum under AdamW): its points train one recipe
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
+                              ["sweep={optim.momentum: [0.8, 0.9]}", "overrides=[optim.name=adamw]"])
+    with pytest.raises(ConfigError, match=r"the sweep names optim.momentum, which stage 'fine-tune .*' never reads "
+                                          r"\(optim.name=adamw\): its points would train the same recipe"):
+        validate(cfg, plan(cfg), machine=False)
+    validate(cfg := load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
+                                        ["sweep={optim.momentum: [0.8, 0.9]}"]), plan(cfg), machine=False)  # SGD's
     # a fine-tune key that the sweep, or finetune_pool: auto, sets after the overrides would reach no stage
     for compare_extra, overrides in ((SWEEP, ["overrides=[finetune.pool=avg]"]),
                                      (SWEEP, ["fraction_overrides={0.5: [finetune.pool=avg]}"]),

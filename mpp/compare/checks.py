@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mpp.compare.planning import Stage, dev_splits, metrics, probe_dev, probe_split
 from mpp.config import (CompareConfig, Config, ConfigError, as_list, changed_settings, flatten, parse_overrides, said,
-                        to_dict)
+                        to_dict, unread)
 from mpp.specs import data_key, dev_split, two_test_sets
 
 # a tool's key naming the encoder its stage starts from, and the metrics.json key of that file's sha256
@@ -65,6 +65,11 @@ def validate(cfg: CompareConfig, stages: list[Stage], machine: bool = True) -> d
                 raise ConfigError(f"stages '{points[key]}' and '{s.name}' resolve to the same settings: the sweep "
                                   "names one value twice; give each value once")
             points[key] = s.name
+            for who, keys in unread(resolved[s.out], s.tool).items():  # its points would train one recipe
+                if swept := [k for k in cfg.sweep if k in keys]:
+                    raise ConfigError(f"the sweep names {', '.join(swept)}, which stage '{s.name}' never reads ({who}): "
+                                      "its points would train the same recipe; drop it from the sweep, or sweep it "
+                                      "where it is read")
     for s in stages:  # each stage trains what its arm needs, and a fine-tune has test images
         c, need = resolved[s.out], {"pretrain": s.arm, "finetune": "classify"}.get(s.tool)
         if need and c.objective != need:

@@ -10,7 +10,7 @@ values); `mpp.config.loading` turns YAML files and overrides into a config; `mpp
 says what a config may be (`validate`, and `check_tool` for the tool that runs it);
 `mpp.config.saved` writes a run's config.yaml and tells what changed since.
 """
-from mpp.config.checks import TOOL_DEFAULTS, TOOL_OBJECTIVES, UNREAD, UNREAD_WITH, check_tool, validate
+from mpp.config.checks import TOOL_DEFAULTS, TOOL_OBJECTIVES, UNREAD, UNREAD_WITH, check_tool, unread, validate
 from mpp.config.loading import (DICT_SHAPES, OVERRIDDEN_BY_COMPARE, SET_BY_COMPARE, YamlLoader, as_list,
                                 build_config, load_compare_config, load_config, load_yaml, parse_overrides,
                                 read_yaml, settings)
@@ -25,4 +25,4 @@ __all__ = ["DICT_SHAPES", "ENCODER_KEYS", "MAX_BITS", "MAX_TOKENS", "OVERRIDDEN_
            "OptimConfig", "PrepareConfig", "ProbeConfig", "SupervisedConfig", "TrainConfig", "YamlLoader", "as_list",
            "build_config", "changed_settings", "check_tool", "choices", "flatten", "load_compare_config",
            "load_config", "load_yaml", "parse_overrides", "read_yaml", "said", "same_setting", "save_config",
-           "settings", "to_dict", "valid_keys", "validate"]
+           "settings", "to_dict", "unread", "valid_keys", "validate"]

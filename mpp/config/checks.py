@@ -32,27 +32,34 @@ def check_tool(cfg: Config, tool: str, source: str = "") -> list[str]:
     as a fine-tune), naming the `source` it came from (a config file) where given; return what
     `tool` never reads but differs from its default (a misplaced key, such as finetune.init given
     to a pre-training, or optim.momentum given with optim.name=adamw, does nothing), as phrases
-    'WHAT never reads KEY=VALUE, ...': the sections its objective never reads (UNREAD), then in
-    the others the keys that a setting leaves unread (UNREAD_WITH)."""
+    'WHAT never reads KEY=VALUE, ...' (`unread`)."""
     allowed = TOOL_OBJECTIVES.get(tool)
     if allowed and cfg.objective not in allowed:
         other = next(t for t, objectives in TOOL_OBJECTIVES.items() if cfg.objective in objectives)
         raise ConfigError(f"objective={cfg.objective}{f' (from {source})' if source else ''} is not what this tool "
                           f"trains ({' or '.join(allowed)}); run tools/{other}.py for it, or give this tool a config "
                           "of its own objective")
-    sections = UNREAD["probe" if tool == "linear_probe" else cfg.objective]
     now, default = flatten(to_dict(cfg)), flatten(to_dict(Config()))
-    readers = {"this tool" if tool == "linear_probe" else f"objective={cfg.objective}":
-               [k for k in sorted(now) if k.split(".")[0] in sections]}
-    for (key, value), keys in UNREAD_WITH.items():
-        if now[key] == value and key.split(".")[0] not in sections:
-            readers[f"{key}={str(value).lower() if isinstance(value, bool) else value}"] = keys
     phrases = []
-    for who, keys in readers.items():
+    for who, keys in unread(cfg, tool).items():
         given = [f"{k}={now[k]}" for k in keys if now[k] != default[k]]
         if given:
             phrases.append(f"{who} never reads {', '.join(given[:4])}{', ...' if len(given) > 4 else ''}")
     return phrases
+
+
+def unread(cfg: Config, tool: str) -> dict[str, list[str]]:
+    """The keys that `tool` running `cfg` never reads, by what leaves them unread ('objective=mpp',
+    'this tool', 'optim.name=adamw'): the sections its objective never reads (UNREAD), then in the
+    others the keys that a setting leaves unread (UNREAD_WITH)."""
+    sections = UNREAD["probe" if tool == "linear_probe" else cfg.objective]
+    now = flatten(to_dict(cfg))
+    readers = {"this tool" if tool == "linear_probe" else f"objective={cfg.objective}":
+               [k for k in sorted(now) if k.split(".")[0] in sections]}
+    for (key, value), keys in UNREAD_WITH.items():
+        if now[key] == value and key.split(".")[0] not in sections:
+            readers[f"{key}={str(value).lower() if isinstance(value, bool) else value}"] = list(keys)
+    return readers
 
 
 def validate(cfg: Config) -> None:
