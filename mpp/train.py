@@ -45,7 +45,7 @@ from mpp.checkpoint import checkpoint_name, checkpoint_order, list_checkpoints, 
 from mpp.compiled import compile_task, use_compile
 from mpp.config import Config, ConfigError, save_config
 from mpp.data import make_loader
-from mpp.data.decode import SAMPLE_SKIPS, SHARD_SKIPS
+from mpp.data.decode import SAMPLE_SKIPS, SHARD_SKIPS, DataError
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
@@ -273,11 +273,11 @@ def loop(run: Run) -> None:
             Sigterm() as sigterm:
         for step in range(run.start, run.steps):
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
-            micro, losses = [], []
+            micro, losses, counted = [], [], run.batches.counted
             for _ in range(accum):
                 t0 = time.perf_counter()
                 with phase("mpp/data"):
-                    micro.append(next(run.batches))
+                    micro.append(_next_batch(run, step, counted))
                 run.wait_win += time.perf_counter() - t0
             weights = _sample_weights(accelerator, micro)
             for i, batch in enumerate(micro):
@@ -466,6 +466,29 @@ def _log(run: Run, done: int, lr: float) -> None:
     run.wait_all += run.wait_win
     run.win.reset()
     run.t_win, run.wait_win = now, 0.0
+
+
+def _next_batch(run: Run, step: int, counted: dict) -> dict:
+    """The step's next micro-batch. Where the data stop the run (a DataError: a stalled read, a
+    shard changed since it was listed, a label out of range), one process first saves the step it
+    reached, unless a checkpoint holds it, so that the same command resumes there once the data are
+    mended; with the skips counted before this step (`counted`), as the resumed run reads its
+    batches again. Ranks cannot: the others wait in the step's all-reduce."""
+    try:
+        return next(run.batches)
+    except DataError as e:
+        every = run.cfg.train.ckpt_every
+        if run.accelerator.num_processes > 1 or step == run.start or (every and step % every == 0):
+            raise
+        run.batches.counted = counted
+        run.images += run.win.images  # the steps since the last log: a log closes the window before a checkpoint
+        try:
+            _checkpoint(run, step)
+        except Exception as saving:  # noqa: BLE001 - the data's error is the one to tell
+            raise DataError(f"{e} (saving a checkpoint of step {step} first failed too: {type(saving).__name__}: "
+                            f"{saving})") from None
+        raise DataError(f"{e} (the run saved its checkpoint of step {step} first: once the data are mended, the same "
+                        "command resumes there)") from None
 
 
 def _checkpoint(run: Run, done: int) -> None:

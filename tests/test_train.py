@@ -587,6 +587,40 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tm
     assert {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]} == before
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(tmp_path, monkeypatch, accum):
+    """A data error mid-run (a stalled read, a shard changed since it was listed) lost the steps
+    since the last checkpoint: one process saves the step it reached first, between two periodic
+    checkpoints and mid-step under grad_accum, and the same command resumes there to the weights,
+    images and skip counts of a run never stopped (the micro-batch read before the error, whose
+    corrupt samples were counted, is read again)."""
+    from shardutil import write_shards
+    shards, _ = write_shards(tmp_path / "d", [40, 40], extra=lambda s, j: {"png": b"bad"} if j % 5 == 0 else {})
+    def items(out):
+        return config(settings(tmp_path, out, steps=8 // accum, batch_size=8, **{
+            "data.train": shards, "data.shuffle_buffer": 0, "train.grad_accum": accum, "train.ckpt_every": 4 if accum == 1 else 3,
+            "train.log_every": 2 // accum, "optim.warmup_steps": 1}))
+    with cpu_only():
+        whole = train(items(tmp_path / "whole"))
+        real = mpp.train._batches
+        def failing(loader, start):  # micro-batch 5 does not come: step 5, or step 2's second micro-batch
+            for i, batch in enumerate(real(loader, start), start):
+                if i == 5:
+                    raise DataError("shard 000001.tar changed since it was listed")
+                yield batch
+        monkeypatch.setattr(mpp.train, "_batches", failing)
+        step = 5 // accum
+        with pytest.raises(DataError, match=rf"changed since it was listed \(the run saved its checkpoint of step "
+                                            rf"{step} first: once the data are mended, the same command resumes there"):
+            train(items(tmp_path / "run"))
+        assert [c.name for c in list_checkpoints(tmp_path / "run/checkpoints")][-1] == checkpoint_name(step)
+        monkeypatch.setattr(mpp.train, "_batches", real)
+        again = train(items(tmp_path / "run"))
+    assert again["skipped_samples"] == whole["skipped_samples"] and whole["skipped_samples"]
+    assert again["epochs"] == whole["epochs"]
+    assert_same(weights(tmp_path / "run/encoder.safetensors"), weights(tmp_path / "whole/encoder.safetensors"))
+
+
 def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run, tmp_path):
     """A fine-tune records the sha256 of its encoder file at its fresh start and keeps it across
     resumes: an interrupted fine-tune whose encoder has since been trained again is refused (its
