@@ -237,7 +237,7 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     assert out.startswith(f"[1/{total}] data: made where missing") and f"[{total}/{total}] figures and report" in out
 
 
-def test_bad_sweep_fails_before_any_work(tmp_path):
+def test_bad_sweep_fails_before_any_work(tmp_path, capsys):
     with pytest.raises(ConfigError, match="sets itself"):
         load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {seed: [0, 1]}\n"))
     cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
@@ -247,9 +247,18 @@ def test_bad_sweep_fails_before_any_work(tmp_path):
     # a key that a setting of the fine-tunes leaves unread (SGD's momentum under AdamW): its points train one recipe
     cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
                               ["sweep={optim.momentum: [0.8, 0.9]}", "overrides=[optim.name=adamw]"])
-    with pytest.raises(ConfigError, match=r"the sweep names optim.momentum, which stage 'fine-tune .*' never reads "
-                                          r"\(optim.name=adamw\): its points would train the same recipe"):
+    with pytest.raises(ConfigError, match=r"the sweep names optim.momentum, which no sweep stage reads \(optim.name="
+                                          r"adamw, e.g. stage 'fine-tune .*'\): its points would train the same recipe"):
         validate(cfg, plan(cfg), machine=False)
+    # ... where some stages read it (a grid over the optimiser too, or another one for one label fraction): warned
+    for mixed in (["sweep={optim.name: [sgd, adamw], optim.momentum: [0.8, 0.9]}"],
+                  ["sweep={optim.momentum: [0.8, 0.9]}", "fraction_overrides={1.0: [optim.name=adamw]}"]):
+        cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", fractions="[0.5, 1.0]",
+                                                 compare_extra=SWEEP), mixed)
+        capsys.readouterr()
+        validate(cfg, plan(cfg), machine=False)
+        assert ("warning: the sweep names optim.momentum, which some sweep stages never read (optim.name=adamw, e.g. "
+                "stage 'fine-tune") in capsys.readouterr().err, mixed
     validate(cfg := load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
                                         ["sweep={optim.momentum: [0.8, 0.9]}"]), plan(cfg), machine=False)  # SGD's
     # a fine-tune key that the sweep, or finetune_pool: auto, sets after the overrides would reach no stage
