@@ -275,10 +275,7 @@ def loop(run: Run) -> None:
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
             micro, losses, counted = [], [], run.batches.counted
             for _ in range(accum):
-                t0 = time.perf_counter()
-                with phase("mpp/data"):
-                    micro.append(_next_batch(run, step, counted))
-                run.wait_win += time.perf_counter() - t0
+                micro.append(_next_batch(run, step, counted))
             weights = _sample_weights(accelerator, micro)
             for i, batch in enumerate(micro):
                 images = batch["image"]
@@ -469,14 +466,18 @@ def _log(run: Run, done: int, lr: float) -> None:
 
 
 def _next_batch(run: Run, step: int, counted: dict) -> dict:
-    """The step's next micro-batch. Where the data stop the run (a DataError: a stalled read, a
-    shard changed since it was listed, a label out of range), one process first saves the step it
-    reached, unless a checkpoint holds it, so that the same command resumes there once the data are
-    mended; with the skips counted before this step (`counted`), as the resumed run reads its
-    batches again. Ranks cannot: the others wait in the step's all-reduce."""
+    """The step's next micro-batch, the wait for it counted as the window's data wait. Where the
+    data stop the run (a DataError: a stalled read, a shard changed since it was listed, a label
+    out of range), one process first saves the step it reached, unless a checkpoint holds it, so
+    that the same command resumes there once the data are mended; with the skips counted before
+    this step (`counted`), as the resumed run reads its batches again. Ranks cannot: the others
+    wait in the step's all-reduce."""
+    t0 = time.perf_counter()
     try:
-        return next(run.batches)
+        with phase("mpp/data"):
+            batch = next(run.batches)
     except DataError as e:
+        run.wait_win += time.perf_counter() - t0  # a stall's data.timeout too
         every = run.cfg.train.ckpt_every
         if run.accelerator.num_processes > 1 or step == run.start or (every and step % every == 0):
             raise
@@ -489,6 +490,8 @@ def _next_batch(run: Run, step: int, counted: dict) -> dict:
                             f"{saving})") from None
         raise DataError(f"{e} (the run saved its checkpoint of step {step} first: once the data are mended, the same "
                         "command resumes there)") from None
+    run.wait_win += time.perf_counter() - t0
+    return batch
 
 
 def _checkpoint(run: Run, done: int) -> None:

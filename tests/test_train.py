@@ -593,7 +593,8 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
     since the last checkpoint: one process saves the step it reached first, between two periodic
     checkpoints and mid-step under grad_accum, and the same command resumes there to the weights,
     images and skip counts of a run never stopped (the micro-batch read before the error, whose
-    corrupt samples were counted, is read again)."""
+    corrupt samples were counted, is read again); the wait for the batch that never came (a stall's
+    data.timeout) is data wait in its checkpoint."""
     from shardutil import write_shards
     shards, _ = write_shards(tmp_path / "d", [40, 40], extra=lambda s, j: {"png": b"bad"} if j % 5 == 0 else {})
     def items(out):
@@ -606,6 +607,7 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
         def failing(loader, start):  # micro-batch 5 does not come: step 5, or step 2's second micro-batch
             for i, batch in enumerate(real(loader, start), start):
                 if i == 5:
+                    time.sleep(1.0)  # a read that stalls, then fails
                     raise DataError("shard 000001.tar changed since it was listed")
                 yield batch
         monkeypatch.setattr(mpp.train, "_batches", failing)
@@ -613,7 +615,9 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
         with pytest.raises(DataError, match=rf"changed since it was listed \(the run saved its checkpoint of step "
                                             rf"{step} first: once the data are mended, the same command resumes there"):
             train(items(tmp_path / "run"))
-        assert [c.name for c in list_checkpoints(tmp_path / "run/checkpoints")][-1] == checkpoint_name(step)
+        saved = list_checkpoints(tmp_path / "run/checkpoints")[-1]
+        assert saved.name == checkpoint_name(step)
+        assert torch.load(saved / "state.pt", weights_only=True)["data_wait"] >= 1.0
         monkeypatch.setattr(mpp.train, "_batches", real)
         again = train(items(tmp_path / "run"))
     assert again["skipped_samples"] == whole["skipped_samples"] and whole["skipped_samples"]
