@@ -607,7 +607,7 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
         def failing(loader, start):  # micro-batch 5 does not come: step 5, or step 2's second micro-batch
             for i, batch in enumerate(real(loader, start), start):
                 if i == 5:
-                    time.sleep(1.0)  # a read that stalls, then fails
+                    time.sleep(2.0)  # a read that stalls, then fails (the reader's look-ahead hides part of it)
                     raise DataError("shard 000001.tar changed since it was listed")
                 yield batch
         monkeypatch.setattr(mpp.train, "_batches", failing)
