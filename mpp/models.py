@@ -225,7 +225,7 @@ def create_encoder(preset: str, img_size: int = 0, drop_path: float = 0.0, attn:
     kwargs = dict(kwargs)
     if img_size:
         kwargs["img_size"] = img_size
-    kwargs.setdefault("img_size", timm.models.get_pretrained_cfg(name).input_size[-1])
+    kwargs.setdefault("img_size", _default_img_size(name))
     return MaskedEncoder(name, kwargs, drop_path=drop_path, attn=attn)
 
 
@@ -247,8 +247,9 @@ def unfinished_run(path: str | Path) -> str:
     """What a run directory `path` holds when its training has not finished (its newest checkpoint,
     or its config.yaml: no encoder.safetensors, no metrics.json yet); "" for anything else."""
     from mpp.checkpoint import list_checkpoints  # it imports this module
+    from mpp.rundir import RUN_FILES  # what a finished run leaves (it imports mpp.checkpoint)
     path = Path(path)
-    if not path.is_dir() or (path / "encoder.safetensors").exists() or (path / "metrics.json").exists():
+    if not path.is_dir() or any((path / name).exists() for name in RUN_FILES):
         return ""
     if ckpts := list_checkpoints(path / "checkpoints"):
         return f"checkpoints/{ckpts[-1].name}"
@@ -265,8 +266,13 @@ def trained_img_size(path: str | Path) -> int:
     """The resolution the encoder of `path` (a run dir or its encoder.safetensors) was exported at:
     its model.json's img_size, else its timm name's (0 when neither says)."""
     name, kwargs, _ = read_model_json(encoder_file(path).parent / "model.json")
-    size = kwargs.get("img_size") or getattr(timm.models.get_pretrained_cfg(name), "input_size", [0])[-1]
+    size = kwargs.get("img_size") or _default_img_size(name)
     return int(size[-1] if isinstance(size, (list, tuple)) else size)
+
+
+def _default_img_size(name: str) -> int:
+    """The resolution of timm model `name` (its pretrained config's input size; 0 when it has none)."""
+    return getattr(timm.models.get_pretrained_cfg(name), "input_size", [0])[-1]
 
 
 def save_encoder(encoder: MaskedEncoder, out_dir: str | Path, data=None) -> Path:

@@ -296,7 +296,7 @@ def loop(run: Run) -> None:
                 run.optimizer.step()
                 run.optimizer.zero_grad(set_to_none=True)
             done = step + 1
-            checkpoint_now = (cfg.train.ckpt_every and done % cfg.train.ckpt_every == 0) or done == run.steps
+            checkpoint_now = _checkpoint_due(run, done)
             # a checkpoint closes the log window too: a run resumed there averages the same windows
             log_now = done % cfg.train.log_every == 0 or checkpoint_now
             stop = sigterm.now(accelerator, log_now)
@@ -478,8 +478,7 @@ def _next_batch(run: Run, step: int, counted: dict) -> dict:
             batch = next(run.batches)
     except DataError as e:
         run.wait_win += time.perf_counter() - t0  # a stall's data.timeout too
-        every = run.cfg.train.ckpt_every
-        if run.accelerator.num_processes > 1 or step == run.start or (every and step % every == 0):
+        if run.accelerator.num_processes > 1 or step == run.start or _checkpoint_due(run, step):
             raise
         run.batches.counted = counted
         run.images += run.win.images  # the steps since the last log: a log closes the window before a checkpoint
@@ -492,6 +491,12 @@ def _next_batch(run: Run, step: int, counted: dict) -> dict:
                         "command resumes there)") from None
     run.wait_win += time.perf_counter() - t0
     return batch
+
+
+def _checkpoint_due(run: Run, done: int) -> bool:
+    """Whether the loop checkpoints step `done`: every train.ckpt_every steps and at the end."""
+    every = run.cfg.train.ckpt_every
+    return bool(every) and done % every == 0 or done == run.steps
 
 
 def _checkpoint(run: Run, done: int) -> None:
