@@ -192,9 +192,9 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         newest = checkpoint_order(final.name)
         for old in superseded:
             if checkpoint_order(old.name) < newest and is_checkpoint(old):
-                _remove(old)
+                _prune(old)
         for old in [c for c in list_checkpoints(root) if checkpoint_order(c.name) <= newest][:-keep]:
-            _remove(old)
+            _prune(old)
     accelerator.wait_for_everyone()
     return final
 
@@ -202,17 +202,30 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
 def sweep_unfinished(root: str | Path) -> None:
     """Remove what a kill left of a checkpoint's save or removal (`.tmp_*` folders, each as large as
     a checkpoint and never one to resume from): at every save, and when a run starts (one resumed
-    when finished saves nothing)."""
+    when finished saves nothing). One that cannot be removed is warned of: it is never resumed from,
+    so it costs disk space, not the run."""
     for stale in Path(root).glob(".tmp_*"):
-        shutil.rmtree(stale)
+        try:
+            shutil.rmtree(stale)
+        except OSError as e:
+            log.warning("warning: could not remove %s, what a cut-off save or removal left (%s: %s): delete it "
+                        "by hand to free its space", stale, type(e).__name__, e)
 
 
-def _remove(checkpoint: Path) -> None:
-    """Delete a checkpoint folder: renamed out of the checkpoints' names first, so that one cut off
-    while it is deleted is no half checkpoint to resume from (`sweep_unfinished` removes the rest)."""
+def _prune(checkpoint: Path) -> None:
+    """Delete an older checkpoint once the new one is in place: renamed out of the checkpoints'
+    names first, so that one cut off while it is deleted is no half checkpoint to resume from
+    (`sweep_unfinished` removes the rest). A failure (a permission, a file held open on a network
+    mount) is warned of, not raised: the new checkpoint is saved and the run can go on, where
+    raising would stop it (and leave the other ranks waiting for this one)."""
     gone = checkpoint.with_name(f".tmp_removed_{checkpoint.name}")
-    checkpoint.rename(gone)
-    shutil.rmtree(gone)
+    try:
+        checkpoint.rename(gone)
+        shutil.rmtree(gone)
+    except OSError as e:
+        log.warning("warning: could not remove the older checkpoint %s (%s: %s); the new one is saved and the run "
+                    "goes on: delete it by hand to free its space", gone if gone.exists() else checkpoint,
+                    type(e).__name__, e)
 
 
 def _check_optimizer_state(optimizer, saved) -> None:

@@ -594,3 +594,33 @@ def test_checkpoints_past_seven_digits_rotate_and_order_as_steps(tmp_path):
         save_checkpoint(accelerator, tmp_path, step, model, optimizer, scheduler, state, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_10000001", "step_10000002"]
     assert checkpoint_order("step_9999999") < checkpoint_order("step_10000000")
+
+
+def test_an_older_checkpoint_that_cannot_be_removed_is_warned_of_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    """Rotation runs after the new checkpoint is in place: a removal that fails (a permission, a
+    file held open on a network mount) must not stop the run that just saved, nor the next save
+    (which sweeps the remains); both say what to delete, and a later save clears it."""
+    import shutil
+    from accelerate import Accelerator
+    from mpp.checkpoint import list_checkpoints, save_checkpoint
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    accelerator, rmtree = Accelerator(cpu=True), shutil.rmtree
+
+    def failing(path, *a, **k):
+        if Path(path).name.startswith(".tmp_removed_"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return rmtree(path, *a, **k)
+    save_checkpoint(accelerator, tmp_path, 1, model, optimizer, scheduler, {}, keep=1)
+    monkeypatch.setattr(shutil, "rmtree", failing)
+    for step in (2, 3):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mpp.checkpoint"):
+            final = save_checkpoint(accelerator, tmp_path, step, model, optimizer, scheduler, {}, keep=1)
+        assert [p.name for p in list_checkpoints(tmp_path)] == [final.name]
+        assert (final / "digests.json").is_file()
+        assert ".tmp_removed_step_" in caplog.text and "delete it by hand" in caplog.text
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    save_checkpoint(accelerator, tmp_path, 4, model, optimizer, scheduler, {}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000004"]
