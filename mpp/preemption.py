@@ -2,8 +2,10 @@
 with nothing lost, in one line (`Terminated`, exit 143), and the same command resumes it.
 
 In the training steps (`Sigterm`, around mpp.train's loop) the run first saves the step it came in
-as a checkpoint: on one process after that step, on several at the next log window, where the ranks
-agree on it, so that all save the same step (`terminated` then stops it). Outside them
+as a checkpoint: on one process after that step (or, when it came while the process waited for
+data, the step it reached: a stalled read would outlast a scheduler's grace period), on several at
+the next log window, where the ranks agree on it, so that all save the same step (`terminated`
+then stops it). Outside them
 (`stop_on_sigterm`: set-up, a start-up probe, the export, the final evaluation) it stops at once,
 as Ctrl-C does: nothing done there is missing from the last checkpoint.
 """
@@ -33,10 +35,10 @@ class Sigterm:
     after this step: on one process as soon as one came, on several only at a log window (a point
     that waits for the device anyway) and when one came to any rank (one all-reduce there). A rank
     blocked in a collective with a dead one never gets there: torchrun's SIGKILL ends it 30 s
-    after its SIGTERM."""
+    after its SIGTERM. `waiting` marks a wait for data, which a SIGTERM ends at once."""
 
     def __init__(self):
-        self.got, self.old = False, None
+        self.got, self.old, self.wait = False, None, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
@@ -46,6 +48,19 @@ class Sigterm:
 
     def _note(self, signum, frame) -> None:
         self.got = True
+        if self.wait:
+            raise Preempted
+
+    @contextlib.contextmanager
+    def waiting(self, interruptible: bool):
+        """Around the wait for a batch: with `interruptible` (one process) a SIGTERM there raises
+        `Preempted` at once, as a stalled read would otherwise hold the run for up to data.timeout,
+        past a scheduler's grace period, and its SIGKILL lose every step since the last checkpoint."""
+        self.wait = interruptible
+        try:
+            yield
+        finally:
+            self.wait = False
 
     def __exit__(self, *exc) -> None:
         if self.old is not None:
@@ -68,25 +83,30 @@ def stop_on_sigterm():
         yield
         return
     def stop(signum, frame):
-        raise _Preempted  # not an Exception: no handler of a damaged file or shard may take it for one
+        raise Preempted  # not an Exception: no handler of a damaged file or shard may take it for one
     old = signal.signal(signal.SIGTERM, stop)
     try:
         yield
-    except _Preempted:
+    except Preempted:
         raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
                          "stopped, nothing lost; the same command resumes from the last checkpoint") from None
     finally:
         signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
 
 
-class _Preempted(BaseException):
-    """SIGTERM outside the loop, raised where it lands, as Ctrl-C's KeyboardInterrupt is: an
-    `except Exception` around a checkpoint's load or a shard's read would count it as their damage."""
+class Preempted(BaseException):
+    """SIGTERM outside the loop or in a wait for data, raised where it lands, as Ctrl-C's
+    KeyboardInterrupt is: an `except Exception` around a checkpoint's load or a shard's read would
+    count it as their damage."""
 
 
-def terminated(run: Run, done: int) -> None:
-    """Stop the run after the checkpoint of step `done` that a SIGTERM asked for."""
+def terminated(run: Run, done: int, during: str = "") -> None:
+    """Stop the run after the checkpoint of step `done` that a SIGTERM asked for (`during`: where
+    it came, when not after a step)."""
     if run.writer:
         run.writer.close()  # keep what was logged
-    raise Terminated(f"SIGTERM: stopped after step {done} of {run.steps} and saved its checkpoint "
+    came = f"SIGTERM {during}:" if during else "SIGTERM:"
+    if not done:
+        raise Terminated(f"{came} stopped before the first step, nothing lost; run the same command again to start")
+    raise Terminated(f"{came} stopped after step {done} of {run.steps} and saved its checkpoint "
                      f"({checkpoint_name(done)}); run the same command again to resume")

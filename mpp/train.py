@@ -54,7 +54,7 @@ from mpp.models import save_encoder
 from mpp.nonfinite import BadSteps, check_export, check_finite, scaler_overflow, skip_unless_finite
 from mpp.objectives import OBJECTIVES, Task, build_task
 from mpp.optim import create_optimizer, create_scheduler, warmup_note
-from mpp.preemption import Sigterm, stop_on_sigterm, terminated
+from mpp.preemption import Preempted, Sigterm, Terminated, stop_on_sigterm, terminated
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
 from mpp.resume import check_changes, check_origin, resume
@@ -72,20 +72,22 @@ def train(cfg: Config) -> dict:
             try:
                 loop(run)
                 return finish(run)  # which closes them itself when it ends well
-            except BaseException:
-                _close_after_error(run)
+            except BaseException as e:
+                _close_after_error(run, e)
                 raise
     finally:
         rundir.unlock(cfg.output_dir)
 
 
-def _close_after_error(run: Run) -> None:
+def _close_after_error(run: Run, error: BaseException) -> None:
     """What a run stopped by an error or Ctrl-C leaves open: its progress bar, the prefetch thread
-    (first: it reads the loader), the data workers, TensorBoard's writer thread and file. A failure
-    here is said and the original error still raised: a full disk refusing TensorBoard's last flush
-    must not turn a Ctrl-C into an OSError."""
+    (first: it reads the loader; after a SIGTERM waited for 5 s only, as it may be stuck in a
+    stalled read and the scheduler's SIGKILL follows), the data workers, TensorBoard's writer thread
+    and file. A failure here is said and the original error still raised: a full disk refusing
+    TensorBoard's last flush must not turn a Ctrl-C into an OSError."""
+    wait = 5.0 if isinstance(error, Terminated) else 60.0
     closers = [("progress bar", run.bar.close),
-               ("data loader", lambda: run.batches.close() and run.loader.close()),
+               ("data loader", lambda: run.batches.close(wait) and run.loader.close()),
                ("TensorBoard writer", run.writer.close if run.writer else lambda: None)]
     for what, close in closers:
         try:
@@ -275,7 +277,7 @@ def loop(run: Run) -> None:
             # -- forward/backward over grad_accum micro-batches; gradients all-reduced on the last only
             micro, losses, counted = [], [], run.batches.counted
             for _ in range(accum):
-                micro.append(_next_batch(run, step, counted))
+                micro.append(_next_batch(run, step, counted, sigterm))
             weights = _sample_weights(accelerator, micro)
             for i, batch in enumerate(micro):
                 images = batch["image"]
@@ -465,32 +467,46 @@ def _log(run: Run, done: int, lr: float) -> None:
     run.t_win, run.wait_win = now, 0.0
 
 
-def _next_batch(run: Run, step: int, counted: dict) -> dict:
+def _next_batch(run: Run, step: int, counted: dict, sigterm: Sigterm) -> dict:
     """The step's next micro-batch, the wait for it counted as the window's data wait. Where the
     data stop the run (a DataError: a stalled read, a shard changed since it was listed, a label
-    out of range), one process first saves the step it reached, unless a checkpoint holds it, so
-    that the same command resumes there once the data are mended; with the skips counted before
-    this step (`counted`), as the resumed run reads its batches again. Ranks cannot: the others
-    wait in the step's all-reduce."""
-    t0 = time.perf_counter()
+    out of range) or a SIGTERM comes while it waits for them, one process first saves the step it
+    reached, unless a checkpoint holds it, so that the same command resumes there (once the data
+    are mended); with the skips counted before this step (`counted`), as the resumed run reads its
+    batches again. Ranks cannot: the others wait in the step's all-reduce."""
+    t0, alone = time.perf_counter(), run.accelerator.num_processes == 1
     try:
-        with phase("mpp/data"):
+        with phase("mpp/data"), sigterm.waiting(alone):
             batch = next(run.batches)
-    except DataError as e:
+    except (DataError, Preempted) as e:
         run.wait_win += time.perf_counter() - t0  # a stall's data.timeout too
-        if run.accelerator.num_processes > 1 or step == run.start or _checkpoint_due(run, step):
+        if not alone:
             raise
-        run.batches.counted = counted
-        run.images += run.win.images  # the steps since the last log: a log closes the window before a checkpoint
+        held = step == run.start or _checkpoint_due(run, step)  # nothing trained since, or saved
+        if isinstance(e, Preempted):
+            if not held:
+                _save_reached(run, step, counted)
+            terminated(run, step, "while it waited for data")
+        if held:
+            raise
         try:
-            _checkpoint(run, step)
+            _save_reached(run, step, counted)
         except Exception as saving:  # noqa: BLE001 - the data's error is the one to tell
             raise DataError(f"{e} (saving a checkpoint of step {step} first failed too: {type(saving).__name__}: "
                             f"{saving})") from None
+        how = "" if run.cfg.train.resume == "auto" else " with train.resume=auto"  # none, or an older path, refuses it
         raise DataError(f"{e} (the run saved its checkpoint of step {step} first: once the data are mended, the same "
-                        "command resumes there)") from None
+                        f"command{how} resumes there)") from None
     run.wait_win += time.perf_counter() - t0
     return batch
+
+
+def _save_reached(run: Run, step: int, counted: dict) -> None:
+    """Checkpoint the `step` steps done when a micro-batch of the next never came: the skips as
+    they stood before it (`counted`) and the images of the unlogged window."""
+    run.batches.counted = counted
+    run.images += run.win.images  # the steps since the last log: a log closes the window before a checkpoint
+    _checkpoint(run, step)
 
 
 def _checkpoint_due(run: Run, done: int) -> bool:
