@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -284,3 +285,31 @@ def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_differ
     with pytest.raises(SystemExit) as stop:
         mixup.main(["--alpha", "0", "--config", str(ROOT / "configs/synthetic_finetune.yaml")])
     assert stop.value.code == 2 and "--alpha must be > 0" in capsys.readouterr().err
+
+
+def test_paired_runs_averages_the_pairs_differences_with_errors_from_their_images(tmp_path, capsys):
+    """Two development splits, each a baseline and a lever scored on the same images: the mean of
+    the two differences and its standard error (each pair's paired over its images, the pairs'
+    added in quadrature); runs scored on other images are refused in one line."""
+    from mpp import outcomes
+    rng = np.random.default_rng(0)
+    pairs, diffs, errors = [], [], []
+    for split in range(2):
+        labels = rng.integers(0, 10, 200)
+        base, lever = rng.random(200) < 0.4, rng.random(200) < 0.5
+        for name, correct in (("base", base), ("lever", lever)):
+            run = tmp_path / f"{name}_s{split}"
+            run.mkdir()
+            (run / "metrics.json").write_text(json.dumps({"top1": correct.mean(), "start_top1": 0.3, "acc": 0.6,
+                                                          "outcomes": outcomes.record(correct, labels)}))
+        pairs.append(f"{tmp_path / f'base_s{split}'}:{tmp_path / f'lever_s{split}'}")
+        d = lever.astype(float) - base
+        diffs.append(100 * d.mean())
+        errors.append(100 * d.std(ddof=1) / np.sqrt(200))
+    paired = load("paired_runs")
+    paired.main(pairs)
+    mean, se = np.mean(diffs), np.sqrt(np.sum(np.square(errors))) / 2
+    assert f"mean over 2 pair(s): {mean:+.1f} ± {se:.1f} points" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        paired.main([f"{tmp_path / 'base_s0'}:{tmp_path / 'lever_s1'}"])
+    assert stop.value.code == 2 and "were scored on other images" in capsys.readouterr().err

@@ -1,0 +1,63 @@
+"""A lever screened against its baseline over several development splits: each pair is two runs'
+metrics.json (a fine-tune scored on the same images, e.g. the same finetune.split_seed), and the
+figure is the mean over the pairs of the top-1 difference, with its standard error from each
+pair's images (paired per image, `mpp.outcomes.paired_sem`; the splits' errors add in quadrature).
+The levers of docs/results.md are screened this way.
+
+  python benchmarks/paired_runs.py runs/base_s0:runs/lever_s0 runs/base_s1:runs/lever_s1 ...
+
+Prints each pair's top-1, start top-1 and final training accuracy, then the mean difference.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from mpp import outcomes
+from mpp.cli import ArgumentParser, UsageError, one_line_errors
+
+
+def scored(run: Path) -> tuple[dict, str, object]:
+    """A run's metrics, the digest of the labels it was scored on and its per-image outcomes."""
+    try:
+        metrics = json.loads((run / "metrics.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{run}: no readable metrics.json ({type(e).__name__}: {e}): give finished runs") from None
+    read = outcomes.read(metrics.get("outcomes"))
+    if read is None:
+        raise UsageError(f"{run}/metrics.json records no per-image outcomes: give runs of mpp's fine-tune tool")
+    return metrics, *read
+
+
+def pair(base: Path, lever: Path) -> tuple[float, float, str]:
+    """(difference, its standard error, a line) of one pair, in points."""
+    (mb, db, ob), (ml, dl, ol) = scored(base), scored(lever)
+    if db != dl:
+        raise UsageError(f"{base} and {lever} were scored on other images (label digests {db}, {dl}): pair runs of "
+                         "the same development split")
+    diff, se = 100 * (ol.mean() - ob.mean()), 100 * outcomes.paired_sem(ol, ob)
+    line = "  ".join(f"{m['top1'] * 100:5.1f} (start {m.get('start_top1', math.nan) * 100:4.1f}, train "
+                     f"{m.get('acc', math.nan) * 100:3.0f}%)" for m in (mb, ml))
+    return diff, se, f"{base.name} -> {lever.name}: {line}  {diff:+.1f} ± {se:.1f}"
+
+
+@one_line_errors()
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(__doc__)
+    p.add_argument("pairs", nargs="+", metavar="BASE:LEVER", help="two run folders scored on the same images")
+    a = p.parse_args(argv)
+    if any(s.count(":") != 1 for s in a.pairs):
+        raise UsageError("each pair is BASE:LEVER, two run folders joined by one ':'")
+    diffs, ses = [], []
+    for s in a.pairs:
+        diff, se, line = pair(*(Path(x) for x in s.split(":")))
+        print(line)
+        diffs.append(diff)
+        ses.append(se)
+    n = len(diffs)
+    print(f"mean over {n} pair(s): {sum(diffs) / n:+.1f} ± {math.sqrt(sum(s * s for s in ses)) / n:.1f} points")
+
+
+if __name__ == "__main__":
+    main()
