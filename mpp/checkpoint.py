@@ -14,19 +14,21 @@ The `.pt` files hold only tensors and plain Python values and are read with
 `torch.load(weights_only=True)`, so loading a checkpoint never unpickles code; one whose files
 do not match their digests, or whose weights or optimiser moments are not finite, is damaged. A directory gets its
 `step_*` name by one rename after everything in it was written, so every `step_*` directory is
-complete; a kill leaves at most a `.tmp_*` directory, removed by the next save. The output
+complete; a kill leaves at most a `.tmp_*` directory, removed by the next save (or warned of). The output
 directory must be visible to all ranks (a shared file system on several nodes). (Accelerate's
 `save_state` is not used: it writes in place, not atomically, and its RNG and custom-object files
 need full unpickling to load.)
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import random
 import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -202,14 +204,18 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
 def sweep_unfinished(root: str | Path) -> None:
     """Remove what a kill left of a checkpoint's save or removal (`.tmp_*` folders, each as large as
     a checkpoint and never one to resume from): at every save, and when a run starts (one resumed
-    when finished saves nothing). One that cannot be removed is warned of: it is never resumed from,
-    so it costs disk space, not the run."""
+    when finished saves nothing). One that cannot be removed is warned of, never resumed from, and
+    renamed aside (`.tmp_stale_*`, swept again at the next save) so that a save of its step can
+    take its name."""
     for stale in Path(root).glob(".tmp_*"):
         try:
             shutil.rmtree(stale)
         except OSError as e:
             log.warning("warning: could not remove %s, what a cut-off save or removal left (%s: %s): delete it "
                         "by hand to free its space", stale, type(e).__name__, e)
+            if stale.exists() and not stale.name.startswith(".tmp_stale_"):
+                with contextlib.suppress(OSError):  # else the save of that step fails on its name, saying so
+                    stale.rename(stale.with_name(f".tmp_stale_{uuid.uuid4().hex[:8]}_{stale.name[len('.tmp_'):]}"))
 
 
 def _prune(checkpoint: Path) -> None:
@@ -224,7 +230,7 @@ def _prune(checkpoint: Path) -> None:
         shutil.rmtree(gone)
     except OSError as e:
         log.warning("warning: could not remove the older checkpoint %s (%s: %s); the new one is saved and the run "
-                    "goes on: delete it by hand to free its space", gone if gone.exists() else checkpoint,
+                    "goes on: delete it by hand to free its space", checkpoint if checkpoint.exists() else gone,
                     type(e).__name__, e)
 
 

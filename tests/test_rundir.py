@@ -598,29 +598,48 @@ def test_checkpoints_past_seven_digits_rotate_and_order_as_steps(tmp_path):
 
 def test_an_older_checkpoint_that_cannot_be_removed_is_warned_of_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
     """Rotation runs after the new checkpoint is in place: a removal that fails (a permission, a
-    file held open on a network mount) must not stop the run that just saved, nor the next save
-    (which sweeps the remains); both say what to delete, and a later save clears it."""
+    file held open on a network mount), at its rename or after it, must not stop the run that just
+    saved, nor the next save (which sweeps the remains), nor a later save of the step whose cut-off
+    save left an unremovable folder of its name; each says what to delete, and a later save clears
+    it all."""
+    import pathlib
     import shutil
     from accelerate import Accelerator
     from mpp.checkpoint import list_checkpoints, save_checkpoint
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    accelerator, rmtree = Accelerator(cpu=True), shutil.rmtree
+    accelerator, rmtree, rename = Accelerator(cpu=True), shutil.rmtree, pathlib.Path.rename
 
-    def failing(path, *a, **k):
-        if Path(path).name.startswith(".tmp_removed_"):
-            raise PermissionError(13, "Permission denied", str(path))
-        return rmtree(path, *a, **k)
-    save_checkpoint(accelerator, tmp_path, 1, model, optimizer, scheduler, {}, keep=1)
-    monkeypatch.setattr(shutil, "rmtree", failing)
-    for step in (2, 3):
+    def save(step):
         caplog.clear()
         with caplog.at_level("WARNING", logger="mpp.checkpoint"):
             final = save_checkpoint(accelerator, tmp_path, step, model, optimizer, scheduler, {}, keep=1)
         assert [p.name for p in list_checkpoints(tmp_path)] == [final.name]
         assert (final / "digests.json").is_file()
-        assert ".tmp_removed_step_" in caplog.text and "delete it by hand" in caplog.text
+        return caplog.text
+
+    def failing(path, *a, **k):  # every leftover's removal fails; a checkpoint's own rename aside works
+        if Path(path).name.startswith(".tmp_"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return rmtree(path, *a, **k)
+    save(1)
+    monkeypatch.setattr(shutil, "rmtree", failing)
+    for step in (2, 3):
+        said = save(step)
+        assert ".tmp_removed_step_" in said and "delete it by hand" in said
+    (tmp_path / ".tmp_step_0000005").mkdir()  # a save of step 5 cut off, its folder unremovable
+    (tmp_path / ".tmp_step_0000005/model.safetensors").write_bytes(b"half")
+    assert ".tmp_step_0000005" in save(5)
+    monkeypatch.setattr(pathlib.Path, "rename", lambda self, target: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", str(self))) if Path(target).name.startswith(".tmp_removed_")
+        else rename(self, target))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mpp.checkpoint"):
+        save_checkpoint(accelerator, tmp_path, 6, model, optimizer, scheduler, {}, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000006"]
+    assert f"older checkpoint {tmp_path / 'step_0000005'} (PermissionError" in caplog.text
     monkeypatch.setattr(shutil, "rmtree", rmtree)
-    save_checkpoint(accelerator, tmp_path, 4, model, optimizer, scheduler, {}, keep=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000004"]
+    monkeypatch.setattr(pathlib.Path, "rename", rename)
+    save(7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000007"]
