@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpp.checkpoint import checkpoint_name
+from mpp.rundir import resume_command
 from mpp.data import shield_workers
 
 if TYPE_CHECKING:  # annotations only: mpp.train imports this module
@@ -26,7 +27,12 @@ if TYPE_CHECKING:  # annotations only: mpp.train imports this module
 
 
 class Terminated(RuntimeError):
-    """SIGTERM: the run saved a checkpoint and stopped; the same command resumes it."""
+    """SIGTERM: the run saved a checkpoint and stopped; the same command resumes it. `stalled`: it
+    came while the run waited for data, whose reader may be stuck in the read."""
+
+    def __init__(self, message: str, stalled: bool = False):
+        super().__init__(message)
+        self.stalled = stalled
 
 
 class Sigterm:
@@ -48,7 +54,8 @@ class Sigterm:
 
     def _note(self, signum, frame) -> None:
         self.got = True
-        if self.wait:
+        if self.wait:  # once: a second SIGTERM, during the save that follows, is only noted
+            self.wait = False
             raise Preempted
 
     @contextlib.contextmanager
@@ -56,8 +63,8 @@ class Sigterm:
         """Around the wait for a batch: with `interruptible` (one process) a SIGTERM there raises
         `Preempted` at once, as a stalled read would otherwise hold the run for up to data.timeout,
         past a scheduler's grace period, and its SIGKILL lose every step since the last checkpoint."""
-        self.wait = interruptible
         try:
+            self.wait = interruptible
             yield
         finally:
             self.wait = False
@@ -75,10 +82,10 @@ class Sigterm:
 
 
 @contextlib.contextmanager
-def stop_on_sigterm():
+def stop_on_sigterm(again: str = "the same command"):
     """Outside the loop (set-up, a fine-tune's start-up probe, the export, the final evaluation)
     SIGTERM stops the run at once with one line (exit 143), as Ctrl-C does: nothing is done there
-    that the last checkpoint lacks, and the same command does it again."""
+    that the last checkpoint lacks, and `again` (mpp.rundir.resume_command) does it again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -89,7 +96,7 @@ def stop_on_sigterm():
         yield
     except Preempted:
         raise Terminated("SIGTERM outside the training steps (set-up, start-up probe, export or final evaluation): "
-                         "stopped, nothing lost; the same command resumes from the last checkpoint") from None
+                         f"stopped, nothing lost; {again} resumes from the last checkpoint") from None
     finally:
         signal.signal(signal.SIGTERM, old or signal.SIG_DFL)
 
@@ -107,6 +114,8 @@ def terminated(run: Run, done: int, during: str = "") -> None:
         run.writer.close()  # keep what was logged
     came = f"SIGTERM {during}:" if during else "SIGTERM:"
     if not done:
-        raise Terminated(f"{came} stopped before the first step, nothing lost; run the same command again to start")
+        raise Terminated(f"{came} stopped before the first step, nothing lost; run the same command again to start",
+                         stalled=bool(during))
     raise Terminated(f"{came} stopped after step {done} of {run.steps} and saved its checkpoint "
-                     f"({checkpoint_name(done)}); run the same command again to resume")
+                     f"({checkpoint_name(done)}); run {resume_command(run.cfg.train.resume)} to resume",
+                     stalled=bool(during))

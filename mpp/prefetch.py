@@ -103,9 +103,10 @@ class DevicePrefetcher:
     def __next__(self) -> dict:
         if self.done:
             raise StopIteration
-        if self.thread is None:
-            self.thread = threading.Thread(target=self.reader.run, name="mpp-prefetch", daemon=True)
-            self.thread.start()
+        if self.thread is None:  # kept once started: `close` joins it (an interrupted start leaves none to join)
+            thread = threading.Thread(target=self.reader.run, name="mpp-prefetch", daemon=True)
+            thread.start()
+            self.thread = thread
         batch, copied, counted = self.reader.ready.get()
         if batch is _END or isinstance(batch, BaseException):
             self.done = True

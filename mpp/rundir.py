@@ -18,6 +18,7 @@
 - `check_probe_dir`: a linear probe's OUTPUT_DIR holds no training run, nor a probe of other settings.
 - `candidates`: `resume=auto`'s checkpoints newest first, and the `step_*` entries that cannot be
   one; `mpp.resume.resume` loads them in that order and skips and names the ones that do not load.
+- `resume_command`: what a stopped run's line tells the user to run.
 """
 from __future__ import annotations
 
@@ -154,6 +155,12 @@ def check_probe_dir(out: str | Path, cfg) -> None:
     if changed := [c for c in changed_settings(out / "config.yaml", cfg) or [] if not c.startswith(unread)]:
         raise ConfigError(f"output_dir '{out}' holds a finished probe of other settings ({said(changed)}); choose a "
                           "new output_dir, or delete the old probe")
+
+
+def resume_command(resume: str) -> str:
+    """The command that resumes a run stopped with checkpoints, started with train.resume=`resume`:
+    `none` refuses a folder that holds a run, an explicit path one with newer checkpoints."""
+    return "the same command" if resume == "auto" else "the same command with train.resume=auto"
 
 
 def candidates(root: str | Path) -> tuple[list[Path], list[str]]:

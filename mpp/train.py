@@ -67,7 +67,7 @@ def train(cfg: Config) -> dict:
     the figures also written to `OUTPUT_DIR/metrics.json`. The directory is locked meanwhile; a run
     stopped by an error or Ctrl-C ends its progress bar's line first, so the error line comes last."""
     try:
-        with deterministic(cfg.train.deterministic), stop_on_sigterm():
+        with deterministic(cfg.train.deterministic), stop_on_sigterm(rundir.resume_command(cfg.train.resume)):
             run = setup(cfg)
             try:
                 loop(run)
@@ -81,11 +81,11 @@ def train(cfg: Config) -> dict:
 
 def _close_after_error(run: Run, error: BaseException) -> None:
     """What a run stopped by an error or Ctrl-C leaves open: its progress bar, the prefetch thread
-    (first: it reads the loader; after a SIGTERM waited for 5 s only, as it may be stuck in a
-    stalled read and the scheduler's SIGKILL follows), the data workers, TensorBoard's writer thread
+    (first: it reads the loader; after a SIGTERM that came in a wait for data waited for 5 s only,
+    as it may be stuck in a stalled read and the scheduler's SIGKILL follows), the data workers, TensorBoard's writer thread
     and file. A failure here is said and the original error still raised: a full disk refusing
     TensorBoard's last flush must not turn a Ctrl-C into an OSError."""
-    wait = 5.0 if isinstance(error, Terminated) else 60.0
+    wait = 5.0 if isinstance(error, Terminated) and error.stalled else 60.0
     closers = [("progress bar", run.bar.close),
                ("data loader", lambda: run.batches.close(wait) and run.loader.close()),
                ("TensorBoard writer", run.writer.close if run.writer else lambda: None)]
@@ -494,9 +494,8 @@ def _next_batch(run: Run, step: int, counted: dict, sigterm: Sigterm) -> dict:
         except Exception as saving:  # noqa: BLE001 - the data's error is the one to tell
             raise DataError(f"{e} (saving a checkpoint of step {step} first failed too: {type(saving).__name__}: "
                             f"{saving})") from None
-        how = "" if run.cfg.train.resume == "auto" else " with train.resume=auto"  # none, or an older path, refuses it
-        raise DataError(f"{e} (the run saved its checkpoint of step {step} first: once the data are mended, the same "
-                        f"command{how} resumes there)") from None
+        raise DataError(f"{e} (the run saved its checkpoint of step {step} first: once the data are mended, "
+                        f"{rundir.resume_command(run.cfg.train.resume)} resumes there)") from None
     run.wait_win += time.perf_counter() - t0
     return batch
 

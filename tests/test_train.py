@@ -588,38 +588,72 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tm
     assert {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]} == before
 
 
-@pytest.mark.parametrize("accum, resume", [(1, "auto"), (2, "none")])
-def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(tmp_path, monkeypatch, accum, resume):
-    """A data error mid-run (a stalled read, a shard changed since it was listed) lost the steps
-    since the last checkpoint: one process saves the step it reached first, between two periodic
-    checkpoints and mid-step under grad_accum, and the same command resumes there to the weights,
-    images and skip counts of a run never stopped (the micro-batch read before the error, whose
-    corrupt samples were counted, is read again); the wait for the batch that never came (a stall's
-    data.timeout) is data wait in its checkpoint. A run started with train.resume=none (which would
-    refuse the folder the second time) is told to resume with train.resume=auto."""
+@pytest.fixture
+def waits(monkeypatch) -> list:
+    """The loop's waits for a micro-batch, one entry as each begins (`Sigterm.waiting`)."""
+    begun = []
+
+    class Watched(mpp.train.Sigterm):
+        def waiting(self, interruptible):
+            begun.append(interruptible)
+            return super().waiting(interruptible)
+    monkeypatch.setattr(mpp.train, "Sigterm", Watched)
+    return begun
+
+
+def stalling(real, at: int, waits: list, then):
+    """`mpp.train._batches` whose micro-batch `at` stalls: the reader (whose look-ahead reaches it
+    steps early) waits until the loop waits for it, then calls `then` there."""
+    def batches(loader, start):
+        for i, batch in enumerate(real(loader, start), start):
+            if i == at:
+                while len(waits) <= at:
+                    time.sleep(0.01)
+                time.sleep(0.3)  # the loop blocked in its wait
+                then()
+            yield batch
+    return batches
+
+
+def stopped_run_items(tmp_path, accum, **extra):
+    """A run of 8 micro-batches of 8 over shards with a corrupt sample in every five, checkpointed
+    every 4 steps (3 under grad_accum=2): micro-batch 5 falls between two checkpoints."""
     from shardutil import write_shards
     shards, _ = write_shards(tmp_path / "d", [40, 40], extra=lambda s, j: {"png": b"bad"} if j % 5 == 0 else {})
     def items(out, resume="auto"):
         return config(settings(tmp_path, out, steps=8 // accum, batch_size=8, **{
             "data.train": shards, "data.shuffle_buffer": 0, "train.grad_accum": accum, "train.ckpt_every": 4 if accum == 1 else 3,
-            "train.log_every": 2 // accum, "optim.warmup_steps": 1, "train.resume": resume}))
+            "train.log_every": 2 // accum, "optim.warmup_steps": 1, "train.resume": resume, **extra}))
+    return items
+
+
+@pytest.mark.parametrize("accum, resume", [(1, "auto"), (2, "none")])
+def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(tmp_path, monkeypatch, waits, accum,
+                                                                                 resume):
+    """A data error mid-run (a stalled read, a shard changed since it was listed) lost the steps
+    since the last checkpoint: one process saves the step it reached first, between two periodic
+    checkpoints and mid-step under grad_accum, and the same command resumes there to the weights,
+    images and skip counts of a run never stopped (the micro-batch read before the error, whose
+    corrupt samples were counted, is read again); the wait for the batch that never came (a stall's
+    data.timeout) is data wait in its checkpoint (read in this process, no worker start-up to wait
+    for). A run started with train.resume=none (which would refuse the folder the second time) is
+    told to resume with train.resume=auto."""
+    items = stopped_run_items(tmp_path, accum, **{"data.num_workers": 0, "data.timeout": 0})
     with cpu_only():
         whole = train(items(tmp_path / "whole"))
         real = mpp.train._batches
-        def failing(loader, start):  # micro-batch 5 does not come: step 5, or step 2's second micro-batch
-            for i, batch in enumerate(real(loader, start), start):
-                if i == 5:
-                    time.sleep(4.0)  # a read that stalls, then fails (the look-ahead hides up to two steps of it)
-                    raise DataError("shard 000001.tar changed since it was listed")
-                yield batch
-        monkeypatch.setattr(mpp.train, "_batches", failing)
-        step, how = 5 // accum, "" if resume == "auto" else " with train.resume=auto"
+        def fail():
+            time.sleep(1.5)
+            raise DataError("shard 000001.tar changed since it was listed")
+        monkeypatch.setattr(mpp.train, "_batches", stalling(real, 5, waits, fail))  # step 5, or step 2's second half
+        waits.clear()
+        step, how = 5 // accum, "the same command" if resume == "auto" else "the same command with train.resume=auto"
         with pytest.raises(DataError, match=rf"changed since it was listed \(the run saved its checkpoint of step "
-                                            rf"{step} first: once the data are mended, the same command{how} resumes there"):
+                                            rf"{step} first: once the data are mended, {how} resumes there"):
             train(items(tmp_path / "run", resume))
         saved = list_checkpoints(tmp_path / "run/checkpoints")[-1]
         assert saved.name == checkpoint_name(step)
-        assert torch.load(saved / "state.pt", weights_only=True)["data_wait"] >= 1.0
+        assert torch.load(saved / "state.pt", weights_only=True)["data_wait"] >= 1.5
         monkeypatch.setattr(mpp.train, "_batches", real)
         again = train(items(tmp_path / "run"))
     assert again["skipped_samples"] == whole["skipped_samples"] and whole["skipped_samples"]
@@ -627,57 +661,42 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
     assert_same(weights(tmp_path / "run/encoder.safetensors"), weights(tmp_path / "whole/encoder.safetensors"))
 
 
-def test_a_sigterm_while_the_run_waits_for_data_saves_the_step_it_reached_at_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("accum, resume", [(1, "none"), (2, "auto")])
+def test_a_sigterm_while_the_run_waits_for_data_saves_the_step_it_reached_at_once(tmp_path, monkeypatch, waits, accum,
+                                                                                   resume):
     """A SIGTERM while the run waits for a stalled read was only noted: the run waited out the
     stall (up to data.timeout) and the scheduler's SIGKILL lost every step since the last
-    checkpoint. It now stops the wait, saves the step reached (step 5, between two periodic
-    checkpoints) and exits in one line, long before the stall would end; the same command
-    resumes there to the weights of a run never stopped. One before the first step saves nothing."""
-    from shardutil import write_shards
-    shards, _ = write_shards(tmp_path / "d", [40, 40])
-    def items(out):
-        return config(settings(tmp_path, out, steps=8, batch_size=8, **{
-            "data.train": shards, "data.shuffle_buffer": 0, "train.ckpt_every": 4, "train.log_every": 2,
-            "optim.warmup_steps": 1}))
-    waits = []  # one entry as the loop begins each wait for a micro-batch
-
-    class Watched(mpp.train.Sigterm):
-        def waiting(self, interruptible):
-            waits.append(interruptible)
-            return super().waiting(interruptible)
-
-    def sigterm_in_wait(at):  # the scheduler's, once the loop waits for micro-batch `at`
-        while len(waits) <= at:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGTERM)
-    monkeypatch.setattr(mpp.train, "Sigterm", Watched)
+    checkpoint. It now stops the wait, saves the step reached (between two periodic checkpoints,
+    mid-step under grad_accum) and exits in one line (telling a run started with
+    train.resume=none to resume with train.resume=auto), long before the stall would end; the
+    same command resumes there to the weights and skip counts of a run never stopped. One before
+    the first step saves nothing."""
+    items, stall = stopped_run_items(tmp_path, accum), threading.Event()
     with cpu_only():
         whole = train(items(tmp_path / "whole"))
-        real, stall = mpp.train._batches, threading.Event()
-        def stalling(at):
-            def batches(loader, start):
-                for i, batch in enumerate(real(loader, start), start):
-                    if i == at:  # a read that stalls (the reader thread's look-ahead reaches it steps early)
-                        threading.Thread(target=sigterm_in_wait, args=(at,), daemon=True).start()
-                        stall.wait(60)
-                    yield batch
-            return batches
+        real = mpp.train._batches
+        def sigterm_then_stall():
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's
+            stall.wait(60)
+        how = "the same command" if resume == "auto" else "the same command with train.resume=auto"
         for at, said in ((0, "stopped before the first step, nothing lost"),
-                         (5, "stopped after step 5 of 8 and saved its checkpoint \\(step_0000005\\)")):
-            monkeypatch.setattr(mpp.train, "_batches", stalling(at))
+                         (5, f"stopped after step {5 // accum} of {8 // accum} and saved its checkpoint "
+                             f"\\(step_000000{5 // accum}\\); run {how} to resume")):
+            monkeypatch.setattr(mpp.train, "_batches", stalling(real, at, waits, sigterm_then_stall))
             waits.clear()
             t0 = time.perf_counter()
             with pytest.raises(Terminated, match=f"SIGTERM while it waited for data: {said}"), \
                     pytest.warns(UserWarning, match="did not stop within 5 s"):  # the reader, in the stalled read
-                train(items(tmp_path / "run"))
+                train(items(tmp_path / "run", resume))
             assert time.perf_counter() - t0 < 30, "the run waited for the stalled read"
             stall.set()  # the stalled reader thread ends
             stall.clear()
-        assert list_checkpoints(tmp_path / "run/checkpoints")[-1].name == checkpoint_name(5)
+            if at == 0:
+                assert not (tmp_path / "run").exists()
+        assert list_checkpoints(tmp_path / "run/checkpoints")[-1].name == checkpoint_name(5 // accum)
         monkeypatch.setattr(mpp.train, "_batches", real)
         again = train(items(tmp_path / "run"))
-    assert again["epochs"] == whole["epochs"]
+    assert again["skipped_samples"] == whole["skipped_samples"] and again["epochs"] == whole["epochs"]
     assert_same(weights(tmp_path / "run/encoder.safetensors"), weights(tmp_path / "whole/encoder.safetensors"))
 
 
