@@ -2,7 +2,10 @@
 metrics.json (a fine-tune scored on the same images, e.g. the same finetune.split_seed), and the
 figure is the mean over the pairs of the top-1 difference, with its standard error from each
 pair's images (paired per image, `mpp.outcomes.paired_sem`; the splits' errors add in quadrature).
-The levers of docs/results.md are screened this way.
+That error counts the images' sampling only: beside it the script prints the spread of the pairs'
+differences (their standard deviation over the square root of their number, n - 1 degrees of
+freedom), which also holds each run's training noise; read the larger. The levers of
+docs/results.md are screened this way.
 
   python benchmarks/paired_runs.py runs/base_s0:runs/lever_s0 runs/base_s1:runs/lever_s1 ...
 
@@ -24,7 +27,7 @@ def scored(run: Path) -> tuple[dict, str, object]:
         metrics = json.loads((run / "metrics.json").read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"{run}: no readable metrics.json ({type(e).__name__}: {e}): give finished runs") from None
-    read = outcomes.read(metrics.get("outcomes"))
+    read = outcomes.read(metrics.get("outcomes")) if isinstance(metrics, dict) else None
     if read is None:
         raise UsageError(f"{run}/metrics.json records no per-image outcomes: give runs of mpp's fine-tune tool")
     return metrics, *read
@@ -37,9 +40,14 @@ def pair(base: Path, lever: Path) -> tuple[float, float, str]:
         raise UsageError(f"{base} and {lever} were scored on other images (label digests {db}, {dl}): pair runs of "
                          "the same development split")
     diff, se = 100 * (ol.mean() - ob.mean()), 100 * outcomes.paired_sem(ol, ob)
-    line = "  ".join(f"{m['top1'] * 100:5.1f} (start {m.get('start_top1', math.nan) * 100:4.1f}, train "
-                     f"{m.get('acc', math.nan) * 100:3.0f}%)" for m in (mb, ml))
+    line = "  ".join(f"{o.mean() * 100:5.1f} (start {_points(m, 'start_top1')}, train {_points(m, 'acc')}%)"
+                     for m, o in ((mb, ob), (ml, ol)))
     return diff, se, f"{base.name} -> {lever.name}: {line}  {diff:+.1f} ± {se:.1f}"
+
+
+def _points(metrics: dict, key: str) -> str:
+    value = metrics.get(key)
+    return f"{value * 100:4.1f}" if isinstance(value, (int, float)) else "  - "
 
 
 @one_line_errors()
@@ -47,16 +55,24 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__)
     p.add_argument("pairs", nargs="+", metavar="BASE:LEVER", help="two run folders scored on the same images")
     a = p.parse_args(argv)
-    if any(s.count(":") != 1 for s in a.pairs):
-        raise UsageError("each pair is BASE:LEVER, two run folders joined by one ':'")
-    diffs, ses = [], []
-    for s in a.pairs:
-        diff, se, line = pair(*(Path(x) for x in s.split(":")))
+    split = [s.split(":") for s in a.pairs]
+    if any(len(p) != 2 or not all(p) or p[0] == p[1] for p in split):
+        raise UsageError("each pair is BASE:LEVER, two different run folders joined by one ':'")
+    diffs, ses, seen = [], [], set()
+    for base, lever in split:
+        diff, se, line = pair(Path(base), Path(lever))
+        images = scored(Path(base))[1]
+        if images in seen:
+            raise UsageError(f"{base}: a second pair scored on the same images (the same split): the pairs' "
+                             "errors add as independent ones only over other splits")
+        seen.add(images)
         print(line)
         diffs.append(diff)
         ses.append(se)
-    n = len(diffs)
-    print(f"mean over {n} pair(s): {sum(diffs) / n:+.1f} ± {math.sqrt(sum(s * s for s in ses)) / n:.1f} points")
+    n, mean = len(diffs), sum(diffs) / len(diffs)
+    spread = "" if n < 2 else (f"; spread of the pairs ± {math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n):.1f}"
+                               f" ({n - 1} degrees of freedom)")
+    print(f"mean over {n} pair(s): {mean:+.1f} ± {math.sqrt(sum(s * s for s in ses)) / n:.1f} points (images){spread}")
 
 
 if __name__ == "__main__":

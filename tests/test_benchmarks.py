@@ -290,7 +290,8 @@ def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_differ
 def test_paired_runs_averages_the_pairs_differences_with_errors_from_their_images(tmp_path, capsys):
     """Two development splits, each a baseline and a lever scored on the same images: the mean of
     the two differences and its standard error (each pair's paired over its images, the pairs'
-    added in quadrature); runs scored on other images are refused in one line."""
+    added in quadrature), and the spread of the two differences beside it; runs scored on other
+    images, and two pairs on the same images, are refused in one line."""
     from mpp import outcomes
     rng = np.random.default_rng(0)
     pairs, diffs, errors = [], [], []
@@ -308,8 +309,13 @@ def test_paired_runs_averages_the_pairs_differences_with_errors_from_their_image
         errors.append(100 * d.std(ddof=1) / np.sqrt(200))
     paired = load("paired_runs")
     paired.main(pairs)
-    mean, se = np.mean(diffs), np.sqrt(np.sum(np.square(errors))) / 2
-    assert f"mean over 2 pair(s): {mean:+.1f} ± {se:.1f} points" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as stop:
-        paired.main([f"{tmp_path / 'base_s0'}:{tmp_path / 'lever_s1'}"])
-    assert stop.value.code == 2 and "were scored on other images" in capsys.readouterr().err
+    mean, se, spread = np.mean(diffs), np.sqrt(np.sum(np.square(errors))) / 2, np.std(diffs, ddof=1) / np.sqrt(2)
+    out = capsys.readouterr().out
+    said = re.search(r"mean over 2 pair\(s\): ([+-][\d.]+) ± ([\d.]+) points \(images\); spread of the pairs ± "
+                     r"([\d.]+) \(1 degrees of freedom\)", out)
+    assert said and np.allclose([float(x) for x in said.groups()], [mean, se, spread], atol=0.051), out
+    for wrong, said in (([f"{tmp_path / 'base_s0'}:{tmp_path / 'lever_s1'}"], "were scored on other images"),
+                        ([pairs[0], pairs[0]], "a second pair scored on the same images")):
+        with pytest.raises(SystemExit) as stop:
+            paired.main(wrong)
+        assert stop.value.code == 2 and said in capsys.readouterr().err
