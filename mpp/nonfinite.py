@@ -90,9 +90,6 @@ def check_finite(run: Run, step: int) -> None:
         # as damaged, which stays on disk
         good = [c for c in list_checkpoints(run.out / "checkpoints")
                 if checkpoint_order(c.name) < checkpoint_order(checkpoint_name(step))]
-        run.bar.close()
-        if run.writer:
-            run.writer.close()  # keep the logged scalars that show what happened
         raise NonFiniteError(
             f"training stopped near step {step}: {limit} steps since the last finite one had a non-finite "
             f"loss or gradient (train.max_bad_steps); they were skipped, the weights never saw them; last good "

@@ -109,9 +109,7 @@ class Preempted(BaseException):
 
 def terminated(run: Run, done: int, during: str = "") -> None:
     """Stop the run after the checkpoint of step `done` that a SIGTERM asked for (`during`: where
-    it came, when not after a step)."""
-    if run.writer:
-        run.writer.close()  # keep what was logged
+    it came, when not after a step). mpp.train closes the progress bar, loader and TensorBoard."""
     came = f"SIGTERM {during}:" if during else "SIGTERM:"
     if not done:
         raise Terminated(f"{came} stopped before the first step, nothing lost; run the same command again to start",
