@@ -14,8 +14,8 @@ The `.pt` files hold only tensors and plain Python values and are read with
 `torch.load(weights_only=True)`, so loading a checkpoint never unpickles code; one whose files
 do not match their digests, or whose weights or optimiser moments are not finite, is damaged. A directory gets its
 `step_*` name by one rename after everything in it was written, so every `step_*` directory is
-complete; a kill leaves at most a `.tmp_*` directory, removed by the next save (or warned of). The output
-directory must be visible to all ranks (a shared file system on several nodes). (Accelerate's
+complete; a kill leaves at most a `.tmp_*` directory, removed by the next save (or warned of).
+The output directory must be visible to all ranks (a shared file system on several nodes). (Accelerate's
 `save_state` is not used: it writes in place, not atomically, and its RNG and custom-object files
 need full unpickling to load.)
 """

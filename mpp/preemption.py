@@ -5,9 +5,9 @@ In the training steps (`Sigterm`, around mpp.train's loop) the run first saves t
 as a checkpoint: on one process after that step (or, when it came while the process waited for
 data, the step it reached: a stalled read would outlast a scheduler's grace period), on several at
 the next log window, where the ranks agree on it, so that all save the same step (`terminated`
-then stops it). Outside them
-(`stop_on_sigterm`: set-up, a start-up probe, the export, the final evaluation) it stops at once,
-as Ctrl-C does: nothing done there is missing from the last checkpoint.
+then stops it). Outside them (`stop_on_sigterm`: set-up, a start-up probe, the export, the final
+evaluation) it stops at once, as Ctrl-C does: nothing done there is missing from the last
+checkpoint.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpp.checkpoint import checkpoint_name
-from mpp.rundir import resume_command
 from mpp.data import shield_workers
+from mpp.rundir import resume_command
 
 if TYPE_CHECKING:  # annotations only: mpp.train imports this module
     from mpp.train import Run

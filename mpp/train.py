@@ -82,9 +82,9 @@ def train(cfg: Config) -> dict:
 def _close_after_error(run: Run, error: BaseException) -> None:
     """What a run stopped by an error or Ctrl-C leaves open: its progress bar, the prefetch thread
     (first: it reads the loader; after a SIGTERM that came in a wait for data waited for 5 s only,
-    as it may be stuck in a stalled read and the scheduler's SIGKILL follows), the data workers, TensorBoard's writer thread
-    and file. A failure here is said and the original error still raised: a full disk refusing
-    TensorBoard's last flush must not turn a Ctrl-C into an OSError."""
+    as it may be stuck in a stalled read and the scheduler's SIGKILL follows), the data workers,
+    TensorBoard's writer thread and file. A failure here is said and the original error still
+    raised: a full disk refusing TensorBoard's last flush must not turn a Ctrl-C into an OSError."""
     wait = 5.0 if isinstance(error, Terminated) and error.stalled else 60.0
     closers = [("progress bar", run.bar.close),
                ("data loader", lambda: run.batches.close(wait) and run.loader.close()),
