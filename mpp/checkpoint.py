@@ -30,6 +30,7 @@ import random
 import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -160,18 +161,25 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp_{checkpoint_name(step)}"
-    if accelerator.is_main_process:
+
+    def begin() -> None:
         sweep_unfinished(root)
         first = not root.is_dir()
         tmp.mkdir(parents=True)
         if first:  # the checkpoints folder's own entry on the disk too, or a power cut loses every checkpoint in it
             fsync(root.parent)
-    accelerator.wait_for_everyone()
-    rng = tmp / f"rng_{accelerator.process_index}.pt"
-    with atomic_path(rng) as f:
-        torch.save(rng_state(), f)
-    digests = gather_object([(rng.name, file_sha256(rng))])  # every rank's, with the rest below
-    if accelerator.is_main_process:
+    _together(accelerator, begin, final.name)
+    mine = []
+
+    def write_rng() -> None:
+        rng = tmp / f"rng_{accelerator.process_index}.pt"
+        with atomic_path(rng) as f:
+            torch.save(rng_state(), f)
+        mine.append((rng.name, file_sha256(rng)))
+    _together(accelerator, write_rng, final.name, everyone=True)
+    digests = gather_object(mine)  # every rank's, with the rest below
+
+    def write() -> None:
         with atomic_path(tmp / "model.safetensors") as f:
             save_model(model, str(f))
         scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
@@ -179,10 +187,11 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
             torch.save({**state, "step": step, "world_size": accelerator.num_processes,
                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                         "scaler": scaler}, f)
-        digests += [(name, file_sha256(tmp / name)) for name in ("model.safetensors", "state.pt")]
-        write_atomic(tmp / DIGESTS, json.dumps(dict(sorted(digests)), indent=1) + "\n")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+        named = digests + [(name, file_sha256(tmp / name)) for name in ("model.safetensors", "state.pt")]
+        write_atomic(tmp / DIGESTS, json.dumps(dict(sorted(named)), indent=1) + "\n")
+    _together(accelerator, write, final.name)
+
+    def publish() -> None:
         if final.is_dir():  # the same step saved before (a finished run saved again): replace it
             shutil.rmtree(final)
         elif final.exists():  # a stray file of a checkpoint's name
@@ -197,8 +206,26 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
                 _prune(old)
         for old in [c for c in list_checkpoints(root) if checkpoint_order(c.name) <= newest][:-keep]:
             _prune(old)
-    accelerator.wait_for_everyone()
+    _together(accelerator, publish, final.name)
     return final
+
+
+def _together(accelerator, work: Callable[[], None], name: str, everyone: bool = False) -> None:
+    """`work` on the main process (every rank with `everyone`), then all ranks learn whether it
+    failed anywhere (one all-reduce, where a barrier stood): a failure (a full disk) stops every
+    rank at once, each with a line, where a barrier would hold the others until train.dist_timeout."""
+    error = None
+    if everyone or accelerator.is_main_process:
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - raised below, once the other ranks know
+            error = e
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max")
+        if failed.item() and error is None:
+            raise OSError(f"another process could not save checkpoint {name} (its own error line says why)")
+    if error is not None:
+        raise error
 
 
 def sweep_unfinished(root: str | Path) -> None:

@@ -4,7 +4,9 @@ OUTPUT_DIR/rank{r}.json the pixel hashes of the samples its loader gave, the ste
 digest of its final weights (encoder and head). With MPP_TEST_SLOW_BEGIN=S the main rank's
 start-up work (Task.begin, which the other ranks wait for) takes S seconds longer; with
 MPP_TEST_STALE_LISTING=1 the other ranks' listing of checkpoints misses the newest (as another
-node's view of a network file system can for a while)."""
+node's view of a network file system can for a while); with MPP_TEST_FULL_DISK=1 the main rank's
+writes of the model's weights fail as on a full disk."""
+import errno
 import hashlib
 import json
 import os
@@ -13,6 +15,7 @@ import time
 
 import torch
 
+import mpp.checkpoint
 import mpp.rundir
 import mpp.train
 from mpp.config import load_config
@@ -36,6 +39,10 @@ def main(*overrides: str) -> None:
     if slow:
         begin = mpp.train.Task.begin
         mpp.train.Task.begin = lambda self, *a: time.sleep(slow) or begin(self, *a)
+    if os.environ.get("MPP_TEST_FULL_DISK") and os.environ.get("RANK") == "0":
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
+        mpp.checkpoint.save_model = full
     if os.environ.get("MPP_TEST_STALE_LISTING") and os.environ.get("RANK") != "0":
         candidates = mpp.rundir.candidates
         mpp.rundir.candidates = lambda root: (lambda found, bad: (found[1:], bad))(*candidates(root))

@@ -237,6 +237,23 @@ def test_ranks_resume_from_the_checkpoint_the_main_process_lists(tmp_path):
     assert [r["steps"] for r in ranks] == [6, 6] and ranks[0]["weights"] == ranks[1]["weights"]
 
 
+def test_a_checkpoint_the_main_rank_cannot_write_stops_every_rank_at_once(tmp_path):
+    """A full disk on the main rank during a checkpoint's save: it raised, and the other rank
+    waited in the save's barrier, without a word of why, until the launcher killed it (torchrun
+    does within seconds; a launcher that does not would leave it to train.dist_timeout, here
+    120 s). Now every rank learns it at the save's next all-reduce and stops with its own line."""
+    manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
+    started = time.monotonic()
+    done = subprocess.run(torchrun(tmp_path / "run", manifest, 4, "data.num_workers=0", "img_size=16",
+                                   "train.dist_timeout=120", script="tests/dist_train_worker.py"),
+                          cwd=ROOT, env={**ENV, "MPP_TEST_FULL_DISK": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "No space left on device" in done.stderr, done.stderr[-3000:]
+    assert "another process could not save checkpoint step_0000002" in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - started < 100
+    assert not list((tmp_path / "run/checkpoints").glob("step_*"))
+
+
 def test_a_rank_waits_train_dist_timeout_for_the_main_ones_start_up(tmp_path):
     """train.dist_timeout reaches the process group: with 2 s, a main rank whose start-up work
     (a probe-head fit, in a fine-tune) takes 10 s leaves the other rank timed out at the broadcast
