@@ -242,29 +242,30 @@ def test_a_checkpoint_the_main_rank_cannot_write_stops_every_rank_at_once(tmp_pa
     waited in the save's barrier, without a word of why, until the launcher killed it (torchrun
     does within seconds; a launcher that does not would leave it to train.dist_timeout, here
     120 s). Now every rank learns it at the save's next all-reduce and stops with its own line."""
-    manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
-    started = time.monotonic()
-    done = subprocess.run(torchrun(tmp_path / "run", manifest, 4, "data.num_workers=0", "img_size=16",
-                                   "train.dist_timeout=120", script="tests/dist_train_worker.py"),
-                          cwd=ROOT, env={**ENV, "MPP_TEST_FULL_DISK": "1"}, capture_output=True, text=True,
-                          timeout=300)
+    done, took = worker_run(tmp_path, 4, 120, MPP_TEST_FULL_DISK="1")
     assert done.returncode != 0 and "No space left on device" in done.stderr, done.stderr[-3000:]
     assert "another process could not save checkpoint step_0000002" in done.stderr, done.stderr[-3000:]
-    assert time.monotonic() - started < 100
+    assert took < 100
     assert not list((tmp_path / "run/checkpoints").glob("step_*"))
+
+
+def worker_run(tmp_path: Path, steps: int, dist_timeout: int, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    """tests/dist_train_worker.py on two gloo ranks over 16 small images, with the worker's test
+    hooks in `env`: the finished process and its seconds."""
+    manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
+    started = time.monotonic()
+    done = subprocess.run(torchrun(tmp_path / "run", manifest, steps, "data.num_workers=0", "img_size=16",
+                                   f"train.dist_timeout={dist_timeout}", script="tests/dist_train_worker.py"),
+                          cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=300)
+    return done, time.monotonic() - started
 
 
 def test_a_rank_waits_train_dist_timeout_for_the_main_ones_start_up(tmp_path):
     """train.dist_timeout reaches the process group: with 2 s, a main rank whose start-up work
     (a probe-head fit, in a fine-tune) takes 10 s leaves the other rank timed out at the broadcast
     that waits for it, so the 1,800 s default, not torch's 600 s, is what a long fit gets."""
-    manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
-    started = time.monotonic()
-    done = subprocess.run(torchrun(tmp_path / "run", manifest, 2, "data.num_workers=0", "img_size=16",
-                                   "train.dist_timeout=2", script="tests/dist_train_worker.py"),
-                          cwd=ROOT, env={**ENV, "MPP_TEST_SLOW_BEGIN": "10"}, capture_output=True, text=True,
-                          timeout=300)
+    done, took = worker_run(tmp_path, 2, 2, MPP_TEST_SLOW_BEGIN="10")
     assert done.returncode != 0 and re.search(r"[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
-    assert time.monotonic() - started < 120
+    assert took < 120
     from mpp.config import Config
     assert Config().train.dist_timeout > 600  # the default outwaits torch's own time-out, as the docstring says
