@@ -218,9 +218,9 @@ def _together(accelerator, work: Callable[[], None], name: str, everyone: bool =
     if everyone or accelerator.is_main_process:
         try:
             work()
-        except Exception as e:  # noqa: BLE001 - raised below, once the other ranks know
+        except BaseException as e:  # noqa: BLE001 - raised below, once the other ranks know (a Ctrl-C too)
             error = e
-    if accelerator.num_processes > 1:
+    if accelerator.num_processes > 1:  # "max" (a sum, in accelerate before 1.x's MAX: also non-zero)
         failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max")
         if failed.item() and error is None:
             raise OSError(f"another process could not save checkpoint {name} (its own error line says why)")
