@@ -33,8 +33,9 @@ def scored(run: Path) -> tuple[dict, str, object]:
     return metrics, *read
 
 
-def pair(base: Path, lever: Path) -> tuple[float, float, str]:
-    """(difference, its standard error, a line) of one pair, in points."""
+def pair(base: Path, lever: Path) -> tuple[float, float, str, str]:
+    """(difference, its standard error, a line) of one pair, in points, and the digest of the
+    images both were scored on."""
     (mb, db, ob), (ml, dl, ol) = scored(base), scored(lever)
     if db != dl:
         raise UsageError(f"{base} and {lever} were scored on other images (label digests {db}, {dl}): pair runs of "
@@ -42,7 +43,7 @@ def pair(base: Path, lever: Path) -> tuple[float, float, str]:
     diff, se = 100 * (ol.mean() - ob.mean()), 100 * outcomes.paired_sem(ol, ob)
     line = "  ".join(f"{o.mean() * 100:5.1f} (start {_points(m, 'start_top1')}, train {_points(m, 'acc')}%)"
                      for m, o in ((mb, ob), (ml, ol)))
-    return diff, se, f"{base.name} -> {lever.name}: {line}  {diff:+.1f} ± {se:.1f}"
+    return diff, se, f"{base.name} -> {lever.name}: {line}  {diff:+.1f} ± {se:.1f}", db
 
 
 def _points(metrics: dict, key: str) -> str:
@@ -60,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UsageError("each pair is BASE:LEVER, two different run folders joined by one ':'")
     diffs, ses, seen = [], [], set()
     for base, lever in split:
-        diff, se, line = pair(Path(base), Path(lever))
-        images = scored(Path(base))[1]
+        diff, se, line, images = pair(Path(base), Path(lever))
         if images in seen:
             raise UsageError(f"{base}: a second pair scored on the same images (the same split): the pairs' "
                              "errors add as independent ones only over other splits")
@@ -69,10 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
         diffs.append(diff)
         ses.append(se)
-    n, mean = len(diffs), sum(diffs) / len(diffs)
-    spread = "" if n < 2 else (f"; spread of the pairs ± {math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n):.1f}"
-                               f" ({n - 1} degrees of freedom)")
-    print(f"mean over {n} pair(s): {mean:+.1f} ± {math.sqrt(sum(s * s for s in ses)) / n:.1f} points (images){spread}")
+    n, spread = len(diffs), outcomes.sem(diffs)  # the pairs' sd / sqrt(n); None for one pair
+    said = "" if spread is None else f"; spread of the pairs ± {spread:.1f} ({n - 1} degrees of freedom)"
+    print(f"mean over {n} pair(s): {sum(diffs) / n:+.1f} ± {math.hypot(*ses) / n:.1f} points (images){said}")
 
 
 if __name__ == "__main__":
