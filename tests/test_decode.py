@@ -195,6 +195,33 @@ def test_randaugment_follows_the_crop_rng_and_is_off_at_zero_ops():
     assert any(not torch.equal(a, b) for a, b in zip(first, run(augment, seed=1)[0]))
 
 
+def test_a_shift_is_a_crop_of_the_reflection_padded_image_drawn_from_the_crop_rng():
+    """`data.shift`: each image moved by up to `shift` pixels each way, the border reflected, is
+    the crop at that offset of the image padded by reflection (CIFAR's pad-and-crop); the moves
+    are drawn from the crops' rng after them, so a resumed run augments as the run did, and at 0
+    the transform and its draws are the plain one's."""
+    from mpp.data.transforms import shifted
+    image = torch.randint(0, 256, (3, 8, 9), dtype=torch.uint8)
+    padded = torch.nn.functional.pad(image[None].float(), (4, 4, 4, 4), mode="reflect")[0]
+    for dx, dy in [(0, 0), (4, -4), (-3, 2), (1, 4)]:
+        assert torch.equal(shifted(image, dx, dy), padded[:, 4 + dy:12 + dy, 4 + dx:13 + dx].to(torch.uint8))
+    data = [jpeg(40, 40, seed=s) for s in range(6)]
+
+    def run(transform, seed=0):
+        rng = random.Random(seed)
+        return transform.batch([open_image(d, CAP) for d in data], rng), rng
+    plain, rng = run(TrainTransform(32, (0.5, 1.0)))
+    off, rng_off = run(TrainTransform(32, (0.5, 1.0), shift=0))
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True)) and rng.random() == rng_off.random()
+    plain, rng = run(TrainTransform(32, (0.5, 1.0)))
+    moves = [(rng.randint(-4, 4), rng.randint(-4, 4)) for _ in plain]  # after the crops, image by image
+    moved, _ = run(TrainTransform(32, (0.5, 1.0), shift=4))
+    assert all(torch.equal(m, shifted(p, *d)) for m, p, d in zip(moved, plain, moves, strict=True))
+    assert sum(d != (0, 0) for d in moves) >= 4 and sum(not torch.equal(m, p) for m, p in zip(moved, plain)) >= 4
+    with pytest.raises(ValueError, match="shift must be in 0..31"):
+        TrainTransform(32, shift=32)
+
+
 def test_randaugment_setting_reaches_the_training_transform_and_is_checked():
     from mpp.config import ConfigError, DataConfig, build_config
     from mpp.data.transforms import build_transform
@@ -202,6 +229,11 @@ def test_randaugment_setting_reaches_the_training_transform_and_is_checked():
     assert build_transform(32, True, DataConfig()).augment is None  # off by default
     assert isinstance(build_transform(32, False, DataConfig(randaugment=(1, 5))), EvalTransform)  # training only
     assert build_config({"data": {"randaugment": [2, 9]}}).data.randaugment == (2, 9)
+    assert build_transform(32, True, DataConfig(shift=4)).shift == 4 and build_transform(32, True, DataConfig()).shift == 0
+    assert build_config({"model": "vit_mini8_32", "data": {"shift": 31}}).data.shift == 31
+    for bad in (-1, 32, 2.5):
+        with pytest.raises(ConfigError, match="data.shift"):
+            build_config({"model": "vit_mini8_32", "data": {"shift": bad}})
     for bad in ([1], [-1, 9], [1, 31], [1.5, 9]):
         with pytest.raises(ConfigError, match="data.randaugment"):
             build_config({"data": {"randaugment": bad}})

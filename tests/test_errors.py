@@ -227,6 +227,7 @@ CASES = [
      None),
     ("RandAugment of more ops than an image could take", "pretrain", lambda t: [*TRAIN(t), "data.randaugment=[1e19,9]"],
      None),
+    ("a shift as wide as the images", "pretrain", lambda t: [*TRAIN(t), "data.shift=32"], None),
     ("a manifest of no samples", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/empty"],
      lambda t: ((t / "empty").mkdir(), (t / "empty/manifest.json").write_text(
          '{"shards": [], "num_samples": 0, "classes": ["a", "b"]}'))),

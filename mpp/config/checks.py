@@ -124,6 +124,9 @@ def validate(cfg: Config) -> None:
           and 0 <= d.randaugment[0] <= 16 and 0 <= d.randaugment[1] <= 30,  # timm's and the paper's: 1-4 ops
           f"config key 'data.randaugment' must be [ops, magnitude] with ops in 0..16 (0: off) and magnitude in "
           f"0..30, got {list(d.randaugment)}")
+    check(isinstance(d.shift, int) and 0 <= d.shift < img,  # a reflection reaches one image width at most
+          f"config key 'data.shift' must be a whole number of pixels in 0..{img - 1} (below the {img}-pixel "
+          f"images; CIFAR's is 4), got {d.shift!r}")
     check(len(d.mean) == 3 and len(d.std) == 3 and all(1e-3 <= s <= 1e3 for s in d.std)
           and all(abs(m) <= 1e3 for m in d.mean),  # of pixels in [0, 1]: a std of 1e-300 overflowed every input
           f"config keys data.mean and data.std must be 3 numbers each, std in [0.001, 1000] and mean within "

@@ -33,6 +33,8 @@ class DataConfig:
     crop_scale: tuple = (0.08, 1.0)  # inception crop area range (paper: 0.08-1)
     hflip: float = 0.5
     randaugment: tuple = (0, 9)      # training images: RandAugment's (ops, magnitude) after crop and flip; 0 ops: off
+    shift: int = 0                   # training images: moved by up to this many pixels each way after crop and flip,
+                                     # the border reflected (CIFAR's pad-and-crop); 0: off
     eval_crop_pct: float = 0.875     # evaluation: resize to img_size / crop_pct, centre crop
     mean: tuple = (0.5, 0.5, 0.5)    # ViT normalisation to [-1, 1]
     std: tuple = (0.5, 0.5, 0.5)

@@ -187,15 +187,32 @@ class _Transform:
         return out
 
 
+def _reflected(n: int, offset: int) -> torch.Tensor:
+    """Source rows (or columns) of an n-pixel image moved by `offset`: i + offset, reflected
+    about the first and last pixel where it leaves the image (padding_mode="reflect")."""
+    i = torch.arange(n) + offset
+    return torch.where(i < 0, -i, torch.where(i >= n, 2 * (n - 1) - i, i))
+
+
+def shifted(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
+    """uint8 (3, H, W) pixels moved by (dx, dy), the border reflected: the pixels of a crop at
+    (dx, dy) of the image padded by reflection (CIFAR's pad-and-crop), exact in any dtype."""
+    return image[:, _reflected(image.shape[1], dy)][:, :, _reflected(image.shape[2], dx)]
+
+
 class TrainTransform(_Transform):
     """Random resized ("inception") crop to img_size with area scale `scale`, then a horizontal
-    flip with probability `hflip` (the paper's pre-training augmentation); with `randaugment`
-    (ops, magnitude), ops > 0, torchvision's RandAugment after them, driven by `rng` like the crops
-    (each image's ops drawn from a seed it gives), so a resumed run augments as the run did."""
+    flip with probability `hflip` (the paper's pre-training augmentation); with `shift` > 0 a move
+    of up to `shift` pixels each way with the border reflected (CIFAR's pad-and-crop); with
+    `randaugment` (ops, magnitude), ops > 0, torchvision's RandAugment last. Every draw comes from
+    `rng` like the crops' (RandAugment's from a seed each image draws), so a resumed run augments
+    as the run did."""
 
     def __init__(self, img_size: int, scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5,
-                 randaugment: Sequence[int] = (0, 9)):
-        self.size, self.scale, self.hflip = img_size, tuple(scale), hflip
+                 randaugment: Sequence[int] = (0, 9), shift: int = 0):
+        if not 0 <= shift < img_size:
+            raise ValueError(f"shift must be in 0..{img_size - 1} pixels for {img_size}-pixel images, got {shift}")
+        self.size, self.scale, self.hflip, self.shift = img_size, tuple(scale), hflip, shift
         self.augment, self.ops = None, []
         if randaugment[0] > 0:
             import torchvision
@@ -220,6 +237,10 @@ class TrainTransform(_Transform):
 
     def batch(self, images, rng=None):
         out = super().batch(images, rng)
+        for i, image in enumerate(out if self.shift else ()):
+            dx, dy = rng.randint(-self.shift, self.shift), rng.randint(-self.shift, self.shift)  # decoded or not
+            if image is not None:
+                out[i] = shifted(image, dx, dy)
         for i, image in enumerate(out if self.augment is not None else ()):
             seed = rng.getrandbits(63)  # drawn for every image, decoded or not
             if image is not None:
@@ -259,5 +280,5 @@ class EvalTransform(_Transform):
 def build_transform(img_size: int, train: bool, data_cfg) -> TrainTransform | EvalTransform:
     """The transform for a loader: train augmentation or the evaluation crop (from DataConfig)."""
     if train:
-        return TrainTransform(img_size, data_cfg.crop_scale, data_cfg.hflip, data_cfg.randaugment)
+        return TrainTransform(img_size, data_cfg.crop_scale, data_cfg.hflip, data_cfg.randaugment, data_cfg.shift)
     return EvalTransform(img_size, data_cfg.eval_crop_pct)
