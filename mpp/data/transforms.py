@@ -187,17 +187,12 @@ class _Transform:
         return out
 
 
-def _reflected(n: int, offset: int) -> torch.Tensor:
-    """Source rows (or columns) of an n-pixel image moved by `offset`: i + offset, reflected
-    about the first and last pixel where it leaves the image (padding_mode="reflect")."""
-    i = torch.arange(n) + offset
-    return torch.where(i < 0, -i, torch.where(i >= n, 2 * (n - 1) - i, i))
-
-
 def shifted(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
-    """uint8 (3, H, W) pixels moved by (dx, dy), the border reflected: the pixels of a crop at
-    (dx, dy) of the image padded by reflection (CIFAR's pad-and-crop), exact in any dtype."""
-    return image[:, _reflected(image.shape[1], dy)][:, :, _reflected(image.shape[2], dx)]
+    """uint8 (3, H, W) pixels moved by (dx, dy), the border reflected: the crop at (dx, dy) of the
+    image padded by reflection (torch's, which keeps uint8; CIFAR's pad-and-crop)."""
+    (_, height, width), x, y = image.shape, abs(dx), abs(dy)
+    padded = F.pad(image[None], (x, x, y, y), mode="reflect")[0]
+    return padded[:, y + dy:y + dy + height, x + dx:x + dx + width]
 
 
 class TrainTransform(_Transform):
