@@ -193,6 +193,20 @@ def test_true_or_false_for_a_string_key_is_refused_but_precision_false_means_off
     assert load_config(None, ["output_dir='false'"]).output_dir == "false"
 
 
+def test_true_or_false_for_a_number_key_is_refused():
+    """Python's True is the int 1, so a check of the value alone would read data.shift=true as a
+    shift of 1 pixel and steps=false as 0 steps: the loader refuses a boolean for every number
+    key, inside a list too, in one line naming the key."""
+    from mpp.config import ConfigError, load_config
+    for override, wanted in (("data.shift=true", "'data.shift' must be a whole number, got True"),
+                             ("steps=false", "'steps' must be a whole number, got False"),
+                             ("optim.lr=true", "'optim.lr' must be a number, got True"),
+                             ("data.randaugment=[true,9]", r"'data.randaugment' must be a list of numbers, got \[True, 9\]")):
+        with pytest.raises(ConfigError, match=wanted):
+            load_config(None, [override])
+    assert load_config(None, ["data.shift=1"]).data.shift == 1
+
+
 def test_a_launcher_as_init_is_known_by_each_of_its_forms(tmp_path, monkeypatch):
     """A container whose entrypoint (pid 1) is the launcher starts its ranks as init's children:
     `accelerate-launch` and `python -m accelerate.commands.launch` were not known as launchers, so
