@@ -201,7 +201,8 @@ def test_true_or_false_for_a_number_key_is_refused():
     for override, wanted in (("data.shift=true", "'data.shift' must be a whole number, got True"),
                              ("steps=false", "'steps' must be a whole number, got False"),
                              ("optim.lr=true", "'optim.lr' must be a number, got True"),
-                             ("data.randaugment=[true,9]", r"'data.randaugment' must be a list of numbers, got \[True, 9\]")):
+                             ("data.randaugment=[true,9]",
+                              r"'data.randaugment' must be a list of numbers, got \[True, 9\]")):
         with pytest.raises(ConfigError, match=wanted):
             load_config(None, [override])
     assert load_config(None, ["data.shift=1"]).data.shift == 1
