@@ -250,18 +250,17 @@ def dev_splits(cfg: CompareConfig, fractions=None, unswept: bool = False) -> set
     return splits
 
 
-def probe_dev(cfg: CompareConfig, probe_split: list[str]) -> tuple | None:
+def probe_dev(cfg: CompareConfig, split: list[str]) -> tuple | None:
     """The development split every linear probe chooses its representation and L2 on, as the probe
-    stages resolve it (its argument `probe_split`, the function `probe_split`'s, or what the
-    comparison's `overrides` give instead), in `dev_splits`' terms for `_withheld`; None where they
-    have none."""
-    p = load_config(cfg.probe, probe_split + as_list(cfg.overrides))
+    stages resolve it (`split`, the override `probe_split` gives, or what the comparison's
+    `overrides` give instead), in `dev_splits`' terms for `_withheld`; None where they have none."""
+    p = load_config(cfg.probe, split + as_list(cfg.overrides))
     return (data_key(p.data.train), 1.0, *p.probe.dev_split) if p.probe.dev_split else None
 
 
-def _withheld(cfg: CompareConfig, pretrain_config: str, probe_split: list[str]) -> list[str]:
+def _withheld(cfg: CompareConfig, pretrain_config: str, split: list[str]) -> list[str]:
     """The pre-training override that leaves out every development split the fine-tune sweeps and
-    the probes (`probe_dev` of `probe_split`) choose on from its training set (`data.withhold`), so that no swept
+    the probes (`probe_dev` of `split`) choose on from its training set (`data.withhold`), so that no swept
     value, nor a fine-tune's or a linear probe's representation, is chosen on images a
     pre-training trained on (the supervised one with their labels). Nothing for a pre-training on
     other data, or where nothing is chosen on a split; `pretrain_overrides` come after it (and
@@ -269,7 +268,7 @@ def _withheld(cfg: CompareConfig, pretrain_config: str, probe_split: list[str]) 
     `validate`, which names its stage."""
     try:
         train = load_config(pretrain_config, as_list(cfg.overrides) + as_list(cfg.pretrain_overrides)).data.train
-        probe = probe_dev(cfg, probe_split)
+        probe = probe_dev(cfg, split)
         splits = sorted(s[1:] for s in dev_splits(cfg) | ({probe} if probe else set()) if s[0] == data_key(train))
     except ConfigError:
         return []
