@@ -596,6 +596,25 @@ def test_the_recipe_lead_is_over_the_runner_up_of_three_values(tmp_path):
     assert choice_lead(0.55, 0.5, ("d", idx < 220), ("d", idx < 200))["clear"] is True  # over the worst: clear
 
 
+def test_a_choice_at_the_grids_end_is_marked_and_one_inside_it_is_not(tmp_path):
+    """A rate chosen at the top (or the bottom) of three or more tried may have a better one beyond
+    the grid: the recipe names the end and the table marks it ‡; a value inside the grid, or one
+    of two (always an end), is not marked."""
+    idx = np.arange(400)
+    cases = {"largest": {0.003: idx < 180, 0.01: idx < 200, 0.03: idx < 220},
+             "smallest": {0.03: idx < 220, 0.1: idx < 200, 0.3: idx < 180},
+             None: {0.01: idx < 200, 0.03: idx < 220, 0.1: idx < 180}, "two": {0.01: idx < 200, 0.03: idx < 220}}
+    for end, hits in cases.items():
+        out = tmp_path / f"out_{end}"
+        rep = write_report(_lr_sweep(tmp_path / f"runs_{end}", hits), out)
+        md = (out / "report.md").read_text()
+        if end in ("largest", "smallest"):
+            assert rep["recipes"]["supervised"]["0.1"]["edges"] == {"optim.lr": end}
+            assert f"lr 0.03 (the {end} lr tried ‡)" in md and "‡ the chosen value is the largest or the smallest" in md
+        else:
+            assert rep["recipes"]["supervised"]["0.1"]["edges"] == {} and "‡" not in md
+
+
 def test_the_recipe_lead_holds_when_the_finals_name_their_representation(tmp_path):
     """The comparison's finals set finetune.pool; the lead of the swept value must still be found
     (the representation is no swept key): here a toss-up, which marks the cell's figures."""

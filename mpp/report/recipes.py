@@ -152,7 +152,25 @@ def recipe(dev_runs: list[dict], varied: list[str], finals: list[dict], retraine
     return {"dev": dev, "chosen": chosen, "pool_choice": made,
             "lead": sweep_lead(dev, images, {k: chosen[k] for k in varied if k in chosen},
                                [_dev_rank(r) for r in dev_runs]),
+            "edges": grid_edges(dev, {k: chosen[k] for k in varied if k in chosen}),
             "retrained": retrained}
+
+
+def grid_edges(dev: list[dict], chosen: dict) -> dict:
+    """The swept numeric keys whose chosen value is the largest or the smallest of three or more
+    tried (key -> 'largest' | 'smallest'): the development split says nothing of the values beyond
+    it, so the grid may not hold the best, as a rate rising to the grid's top suggests; extending
+    the sweep (sweep.KEY=[...]) brackets it. With two values every choice is an end: none named."""
+    out = {}
+    for key, value in chosen.items():
+        tried = {x["values"].get(key) for x in dev}
+        if len(tried) < 3 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tried):
+            continue
+        if value == max(tried):
+            out[key] = "largest"
+        elif value == min(tried):
+            out[key] = "smallest"
+    return out
 
 
 def ranges(candidates: dict) -> dict:

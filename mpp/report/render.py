@@ -268,8 +268,14 @@ def _recipes_section(rep: dict) -> list[str]:
         how = (f" (pool by a probe of its training labels, {scored} "
                f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())}{images}: "
                f"lead {_lead_cell(pool['lead'])})" if pool else "")
-        lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{how} | {devs} | "
+        edges = [f"{end} {key.rsplit('.', 1)[-1]}" for key, end in (r.get("edges") or {}).items()]
+        edge = f" (the {' and '.join(edges)} tried ‡)" if edges else ""
+        lines.append(f"| {FAMILY_NAMES[f]} | {100 * float(fr):g}% | {_short(r['chosen'])}{edge}{how} | {devs} | "
                      f"{_lead_cell(r.get('lead'))} | {again} |")
+    if any(r.get("edges") for _, _, r in recipes):
+        lines += ["", "‡ the chosen value is the largest or the smallest of the three or more the sweep tried: the "
+                  "development split says nothing of values beyond it, so the grid may not hold the best; a sweep "
+                  "extended past it (sweep.KEY=[...]) would bracket it."]
     return lines
 
 
