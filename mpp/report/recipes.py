@@ -149,11 +149,10 @@ def recipe(dev_runs: list[dict], varied: list[str], finals: list[dict], retraine
     ranked = sorted(dev_runs, key=_dev_rank)
     made = next(filter(None, (pool_choice(r["metrics"]) for r in [*ranked, *finals]
                               if r["metrics"].get("pool") == chosen.get("finetune.pool"))), None)
+    swept = {k: chosen[k] for k in varied if k in chosen}
     return {"dev": dev, "chosen": chosen, "pool_choice": made,
-            "lead": sweep_lead(dev, images, {k: chosen[k] for k in varied if k in chosen},
-                               [_dev_rank(r) for r in dev_runs]),
-            "edges": grid_edges(dev, {k: chosen[k] for k in varied if k in chosen}),
-            "retrained": retrained}
+            "lead": sweep_lead(dev, images, swept, [_dev_rank(r) for r in dev_runs]),
+            "edges": grid_edges(dev, swept), "retrained": retrained}
 
 
 def grid_edges(dev: list[dict], chosen: dict) -> dict:
