@@ -400,6 +400,44 @@ def test_a_sweep_override_replaces_the_grid(tmp_path):
         "optim.lr": [0.1, 0.3], "optim.weight_decay": [0]}
 
 
+def test_fraction_sweep_gives_one_label_fraction_its_own_grid(tmp_path):
+    """`fraction_sweep`: one label fraction's sweep stages (every arm) try that fraction's values of
+    the sweep's keys, the others the sweep's; its finals choose among those; a fraction the
+    comparison does not run, another set of keys, no sweep, a pool of auto and a grid that is not
+    a mapping fail before any work."""
+    extra = "sweep: {optim.lr: [0.01, 0.03]}\nfraction_sweep: {1.0: {optim: {lr: [0.03, 0.1, 0.3]}}}\n"
+    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra))
+    assert cfg.fraction_sweep == {1.0: {"optim.lr": [0.03, 0.1, 0.3]}} and cfg.sweep_at(0.5) == cfg.sweep
+    stages = plan(cfg)
+    validate(cfg, stages)
+    for arm in ("mpp", "supervised", "scratch"):
+        for pct, lrs in (("50pct", {"0.01", "0.03"}), ("100pct", {"0.03", "0.1", "0.3"})):
+            swept = [s for s in stages if s.out.parent.name == f"finetune_{arm}_{pct}" and s.out.name.startswith("sweep_")]
+            assert {s.out.name for s in swept} == {f"sweep_lr{lr}" for lr in lrs}, (arm, pct)
+            assert all(f"optim.lr={s.out.name[len('sweep_lr'):]}" in s.overrides for s in swept)
+    # on the command line the grid replaces the file's
+    assert load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra),
+                               ["fraction_sweep={0.5: {optim.lr: [0.02, 0.05]}}"]
+                               ).fraction_sweep == {0.5: {"optim.lr": [0.02, 0.05]}}
+    for bad, match in [("{0.2: {optim.lr: [0.1]}}", "'fraction_sweep' names label fraction 0.2, which label_fractions"),
+                       ("{1.0: {optim.weight_decay: [0, 0.1]}}",
+                        "gives label fraction 1 a grid of optim.weight_decay where the sweep has optim.lr"),
+                       ("{1.0: {optim.lr: [0.1], finetune.pool: [token, avg]}}", "a grid of finetune.pool, optim.lr"),
+                       ("{1.0: [0.1, 0.3]}", "must be a mapping of label fractions to grids of the sweep's keys"),
+                       ("{1.0: {optim.lr: 0.1}}", "must be a mapping of label fractions to grids")]:
+        with pytest.raises(ConfigError, match=match):
+            load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra),
+                                [f"fraction_sweep={bad}"])
+    with pytest.raises(ConfigError, match="where the sweep has none"):
+        load_compare_config(_write_configs(tmp_path, tmp_path / "d"), ["fraction_sweep={1.0: {optim.lr: [0.1]}}"])
+    with pytest.raises(ConfigError, match="finetune.pool the value auto for label fraction 1"):
+        load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
+                            ["sweep={finetune.pool: [token, avg]}", "fraction_sweep={1.0: {finetune.pool: [auto, avg]}}"])
+    with pytest.raises(ConfigError, match=r"names label fraction 1 twice \('1.0' and '1'\)"):
+        load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra),
+                            ['fraction_sweep={"1.0": {optim.lr: [0.1]}, "1": {optim.lr: [0.2]}}'])
+
+
 def test_a_files_sweep_replaces_its_bases_grid(tmp_path):
     """A compare config's `sweep` is one grid: a file that inherits another (`base:`) and sweeps
     optim.lr sweeps only that, as `sweep=...` on the command line does (it was merged into the

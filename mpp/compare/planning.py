@@ -176,9 +176,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
         stages.append(Stage(f"linear probe {arm}{again}", "linear_probe", cfg.probe,
                             probe_dev_split + common + [f"probe.encoder={pre.get(arm, 'none')}"], root / f"probe_{arm}",
                             pretrain_seed=pretrain_seed, arm=arm))
-    points = grid_points(cfg.sweep)
     for frac in cfg.label_fractions:
-        pct = f"{frac * 100:g}pct"
+        pct, points = f"{frac * 100:g}pct", grid_points(cfg.sweep_at(frac))
         for arm in arms:
             base = common + cfg.fraction_overrides.get(frac, []) + [
                 f"finetune.init={pre.get(arm, 'none')}", f"finetune.label_fraction={frac}"]
@@ -241,7 +240,7 @@ def dev_splits(cfg: CompareConfig, fractions=None, unswept: bool = False) -> set
     A config that does not load raises its ConfigError."""
     common, splits = as_list(cfg.overrides), set()
     for frac in cfg.label_fractions if fractions is None else fractions:
-        for point in grid_points(cfg.sweep) if cfg.sweep or unswept else []:
+        for point in grid_points(cfg.sweep_at(frac)) if cfg.sweep or unswept else []:
             f = load_config(cfg.finetune, common + cfg.fraction_overrides.get(frac, [])
                             + [f"finetune.label_fraction={frac}"] + point
                             + [f"finetune.dev_fraction={cfg.dev_fraction}"], defaults=TOOL_DEFAULTS["finetune"])

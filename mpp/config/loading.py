@@ -6,6 +6,7 @@ and `load_compare_config` (a comparison's own config, with its checks).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -85,7 +86,9 @@ def _whole(seed: Any) -> Any:
 # what each mapping key of the compare config holds, for the error that names its shape
 DICT_SHAPES = {"sweep": "a mapping of config keys to non-empty lists of values, e.g. {optim.lr: [0.01, 0.03]}",
                "fraction_overrides": "a mapping of label fractions to non-empty lists of key=value overrides, "
-                                     "e.g. {1.0: [steps=2400]}"}
+                                     "e.g. {1.0: [steps=2400]}",
+               "fraction_sweep": "a mapping of label fractions to grids of the sweep's keys, e.g. {1.0: {optim.lr: "
+                                 "[0.0003, 0.001, 0.002]}}"}
 
 
 def _coerce(key: str, value: Any, kind: str) -> Any:
@@ -126,7 +129,10 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if kind == "tuple" and isinstance(value, (list, tuple)) and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             return tuple(value)
-        if kind == "dict" and isinstance(value, dict):
+        if kind == "dict" and key == "fraction_sweep" and isinstance(value, dict):  # a grid per label fraction,
+            with contextlib.suppress(ConfigError):  # each read as `sweep` is (else named below as a fraction_sweep)
+                return {k: _coerce("sweep", v, kind) for k, v in value.items()}
+        elif kind == "dict" and isinstance(value, dict):
             flat = flatten(value)
             if all(isinstance(v, list) and v and all(isinstance(x, (str, int, float, bool, list)) for x in v)
                    for v in flat.values()):
@@ -351,6 +357,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
             raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(taken))} for label "
                               f"fraction {frac}, which the comparison, its sweep or finetune_pool: auto sets; "
                               "override other keys")
+    _check_fraction_sweep(cfg)
     if cfg.seeds < 1 or cfg.pretrain_seeds < 1 or not 0 < cfg.dev_fraction < 1:
         raise ConfigError(f"compare config keys 'seeds' and 'pretrain_seeds' must be >= 1 and 'dev_fraction' in "
                           f"(0, 1), got {cfg.seeds}, {cfg.pretrain_seeds} and {cfg.dev_fraction}")
@@ -374,15 +381,36 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
     return cfg
 
 
-def _fraction(key: Any, fractions: tuple) -> float:
-    """A fraction_overrides key (a number, or its text from a key=value override) as the label
-    fraction it names."""
+def _check_fraction_sweep(cfg: CompareConfig) -> None:
+    """`fraction_sweep` keyed by label fractions the comparison runs, each once, each grid giving the
+    sweep's keys and no others: a cell's choice is then the same kind of choice at every fraction,
+    over values that suit it (a rate rising to the top of one grid at 100% labels, say)."""
+    by_fraction: dict = {}
+    for k, grid in cfg.fraction_sweep.items():
+        frac = _fraction(k, cfg.label_fractions, "fraction_sweep")
+        if frac in by_fraction:
+            raise ConfigError(f"compare config key 'fraction_sweep' names label fraction {frac:g} twice "
+                              f"({by_fraction[frac][0]!r} and {k!r}); give each fraction once")
+        by_fraction[frac] = (k, grid)
+        if set(grid) != set(cfg.sweep):
+            raise ConfigError(f"compare config key 'fraction_sweep' gives label fraction {frac:g} a grid of "
+                              f"{', '.join(sorted(grid))} where the sweep has {', '.join(sorted(cfg.sweep)) or 'none'}; "
+                              "give each fraction values of the sweep's keys alone")
+        if "auto" in grid.get("finetune.pool", ()):
+            raise ConfigError(f"compare config key 'fraction_sweep' gives finetune.pool the value auto for label "
+                              f"fraction {frac:g}; sweep token and avg")
+    cfg.fraction_sweep = {frac: {key: grid[key] for key in cfg.sweep} for frac, (_, grid) in by_fraction.items()}
+
+
+def _fraction(key: Any, fractions: tuple, name: str = "fraction_overrides") -> float:
+    """A key of `name` (a number, or its text from a key=value override) as the label fraction it
+    names."""
     try:
         frac = float(key) if not isinstance(key, bool) else None
     except (TypeError, ValueError):
         frac = None
     if frac not in fractions:
-        raise ConfigError(f"compare config key 'fraction_overrides' names label fraction {key!r}, which "
+        raise ConfigError(f"compare config key '{name}' names label fraction {key!r}, which "
                           f"label_fractions {list(fractions)} lacks; key it by one of those")
     return frac
 

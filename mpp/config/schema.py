@@ -211,8 +211,14 @@ class CompareConfig:
     pretrain_overrides: Any = ""  # ... and to both pre-trainings only, after those (e.g. [steps=4800])
     fraction_overrides: dict = field(default_factory=dict)  # label fraction -> overrides of its fine-tunes
                                # (sweep and final, every arm alike), after `overrides`, e.g. {1.0: [steps=2400]}
+    fraction_sweep: dict = field(default_factory=dict)  # label fraction -> its own values of the sweep's keys, in
+                               # place of `sweep` there, e.g. {1.0: {optim.lr: [0.0003, 0.001, 0.002]}}
     launcher: str = ""         # command that runs a tool ('' -> this python; e.g. 'torchrun --nproc_per_node 2')
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+    def sweep_at(self, fraction: float) -> dict:
+        """The grid the fine-tunes of one label fraction sweep: its `fraction_sweep`, else `sweep`."""
+        return self.fraction_sweep.get(fraction, self.sweep)
 
 
 # compare config keys whose mapping is one value (a grid), not settings: a file's replaces its base's

@@ -275,7 +275,7 @@ def _recipes_section(rep: dict) -> list[str]:
     if any(r.get("edges") for _, _, r in recipes):
         lines += ["", "‡ the chosen value is the largest or the smallest of the three or more the sweep tried: the "
                   "development split says nothing of values beyond it, so the grid may not hold the best; a sweep "
-                  "extended past it (sweep.KEY=[...]) would bracket it."]
+                  "extended past it (sweep.KEY=[...], or fraction_sweep for one label fraction) would bracket it."]
     return lines
 
 
