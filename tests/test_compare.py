@@ -415,6 +415,14 @@ def test_fraction_sweep_gives_one_label_fraction_its_own_grid(tmp_path):
             swept = [s for s in stages if s.out.parent.name == f"finetune_{arm}_{pct}" and s.out.name.startswith("sweep_")]
             assert {s.out.name for s in swept} == {f"sweep_lr{lr}" for lr in lrs}, (arm, pct)
             assert all(f"optim.lr={s.out.name[len('sweep_lr'):]}" in s.overrides for s in swept)
+            for rank, stage in enumerate(sorted(swept, key=lambda s: float(s.out.name[len("sweep_lr"):]))):
+                stage.out.mkdir(parents=True)  # the largest rate best on the development split
+                (stage.out / "metrics.json").write_text(json.dumps({"top1": 0.3 + 0.1 * rank, "evaluated_on": "dev",
+                                                                    "pool": "avg"}))
+    for pct, best, second in (("50%", "optim.lr=0.03", "optim.lr=0.01"), ("100%", "optim.lr=0.3", "optim.lr=0.1")):
+        for kind, value in (("seed", best), ("runner-up, seed", second)):  # each from its own fraction's grid
+            finals = [s for s in stages if s.name.startswith("fine-tune") and f", {pct} labels, {kind}" in s.name]
+            assert finals and all(value in s.chosen() for s in finals), (pct, kind)
     # on the command line the grid replaces the file's
     assert load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=extra),
                                ["fraction_sweep={0.5: {optim.lr: [0.02, 0.05]}}"]

@@ -194,7 +194,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
             outs = [s.out for s in sweep]
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages (with the "
                            "finetune.head_l2 it chose, if it started from a probe head)", points[0],
-                           lambda outs=outs: best_point(points, outs))] if sweep else []
+                           lambda outs=outs, points=points: best_point(points, outs))] if sweep else []
             # the representation that the best (the second-best) sweep stage chose on its training labels
             pools = [Choice(f"finetune.pool: the {nth} sweep stage's, chosen on its training labels",
                             ["finetune.pool=token"],
@@ -209,7 +209,7 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
             if cfg.runner_up and len(sweep) > 1:
                 second = Choice(f"{', '.join(cfg.sweep)}: second-best dev top-1 of {len(sweep)} sweep stages "
                                 "(with its finetune.head_l2, if any)",
-                                points[1], lambda outs=outs: best_point(points, outs, rank=1))
+                                points[1], lambda outs=outs, points=points: best_point(points, outs, rank=1))
                 when = Condition("the best value's dev lead over it is under t times its standard error (a toss-up)",
                                  lambda outs=outs: toss_up(outs))
                 for seed in range(cfg.seeds):
