@@ -340,14 +340,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError("compare config key 'sweep' gives finetune.pool the value auto, with which a final fine-tune "
                           "would choose its representation on its own training labels; sweep token and avg (or "
                           "leave finetune.pool out of the sweep: finetune_pool: auto chooses it on the dev split)")
-    by_fraction: dict = {}
-    for k, v in cfg.fraction_overrides.items():
-        frac = _fraction(k, cfg.label_fractions)
-        if frac in by_fraction:  # 0.1 and '0.10': one would be dropped
-            raise ConfigError(f"compare config key 'fraction_overrides' names label fraction {frac:g} twice "
-                              f"({by_fraction[frac][0]!r} and {k!r}); give each fraction once")
-        by_fraction[frac] = (k, v)
-    cfg.fraction_overrides = {frac: v for frac, (_, v) in by_fraction.items()}
+    cfg.fraction_overrides = _by_fraction(cfg, "fraction_overrides")
     for frac, extra in cfg.fraction_overrides.items():
         if not all(isinstance(o, str) for o in extra):
             raise ConfigError(f"compare config key 'fraction_overrides' gives label fraction {frac} {extra!r}; give "
@@ -385,13 +378,8 @@ def _check_fraction_sweep(cfg: CompareConfig) -> None:
     """`fraction_sweep` keyed by label fractions the comparison runs, each once, each grid giving the
     sweep's keys and no others: a cell's choice is then the same kind of choice at every fraction,
     over values that suit it (a rate rising to the top of one grid at 100% labels, say)."""
-    by_fraction: dict = {}
-    for k, grid in cfg.fraction_sweep.items():
-        frac = _fraction(k, cfg.label_fractions, "fraction_sweep")
-        if frac in by_fraction:
-            raise ConfigError(f"compare config key 'fraction_sweep' names label fraction {frac:g} twice "
-                              f"({by_fraction[frac][0]!r} and {k!r}); give each fraction once")
-        by_fraction[frac] = (k, grid)
+    cfg.fraction_sweep = _by_fraction(cfg, "fraction_sweep")
+    for frac, grid in cfg.fraction_sweep.items():
         if set(grid) != set(cfg.sweep):
             raise ConfigError(f"compare config key 'fraction_sweep' gives label fraction {frac:g} a grid of "
                               f"{', '.join(sorted(grid))} where the sweep has {', '.join(sorted(cfg.sweep)) or 'none'}; "
@@ -399,20 +387,27 @@ def _check_fraction_sweep(cfg: CompareConfig) -> None:
         if "auto" in grid.get("finetune.pool", ()):
             raise ConfigError(f"compare config key 'fraction_sweep' gives finetune.pool the value auto for label "
                               f"fraction {frac:g}; sweep token and avg")
-    cfg.fraction_sweep = {frac: {key: grid[key] for key in cfg.sweep} for frac, (_, grid) in by_fraction.items()}
+    cfg.fraction_sweep = {frac: {key: grid[key] for key in cfg.sweep} for frac, grid in cfg.fraction_sweep.items()}
 
 
-def _fraction(key: Any, fractions: tuple, name: str = "fraction_overrides") -> float:
-    """A key of `name` (a number, or its text from a key=value override) as the label fraction it
-    names."""
-    try:
-        frac = float(key) if not isinstance(key, bool) else None
-    except (TypeError, ValueError):
-        frac = None
-    if frac not in fractions:
-        raise ConfigError(f"compare config key '{name}' names label fraction {key!r}, which "
-                          f"label_fractions {list(fractions)} lacks; key it by one of those")
-    return frac
+def _by_fraction(cfg: CompareConfig, name: str) -> dict:
+    """The compare config's mapping `name` keyed by the label fractions its keys name (a number, or
+    its text from a key=value override), each a fraction the comparison runs, each once (0.1 and
+    '0.10' would otherwise drop one)."""
+    out: dict = {}
+    for key, value in getattr(cfg, name).items():
+        try:
+            frac = float(key) if not isinstance(key, bool) else None
+        except (TypeError, ValueError):
+            frac = None
+        if frac not in cfg.label_fractions:
+            raise ConfigError(f"compare config key '{name}' names label fraction {key!r}, which "
+                              f"label_fractions {list(cfg.label_fractions)} lacks; key it by one of those")
+        if frac in out:
+            raise ConfigError(f"compare config key '{name}' names label fraction {frac:g} twice "
+                              f"({out[frac][0]!r} and {key!r}); give each fraction once")
+        out[frac] = (key, value)
+    return {frac: value for frac, (_, value) in out.items()}
 
 
 def as_list(v: Any) -> list[str]:
