@@ -99,15 +99,16 @@ def train_tool(description: str, argv: list[str] | None, tool: str) -> None:
 
 
 def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], type]:
-    """The errors whose message is meant for the user: bad arguments (exit 2), bad data, a diverged
-    run (exit 1), a run stopped by SIGTERM after its checkpoint (exit 143, as a shell reports a
-    process SIGTERM ended). Imported late: tools that need only the config skip torch."""
+    """The errors whose message is meant for the user, beyond a bad config or argument: a bad
+    report input (exit 2), bad data, a diverged run (exit 1), a run stopped by SIGTERM after its
+    checkpoint (exit 143, as a shell reports a process SIGTERM ended). Imported late, and only for
+    an error that is not a ConfigError or UsageError: their modules import torch."""
     from mpp.data.decode import DataError
     from mpp.data.writer import ShardError
     from mpp.nonfinite import NonFiniteError
     from mpp.preemption import Terminated
     from mpp.report import ReportError
-    return (ConfigError, ReportError, UsageError), (DataError, ShardError, NonFiniteError), Terminated
+    return (ReportError,), (DataError, ShardError, NonFiniteError), Terminated
 
 
 def os_message(e: OSError) -> str:
@@ -149,6 +150,8 @@ def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupte
             raise SystemExit(130) from None
         _fail(interrupted, 130)
     except Exception as e:
+        if isinstance(e, (ConfigError, UsageError)):  # a bad key or argument: one line, torch never imported
+            _fail(str(e), 2)
         bad_args, bad_run, terminated = _user_errors()
         if isinstance(e, bad_args):
             _fail(str(e), 2)

@@ -3,14 +3,17 @@ runs the same `main` as its `mpp-*` script, usage errors are one line, and the c
 and docs cite exist."""
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
+import os
 import re
 import runpy
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+from toolrun import call
 
 try:
     import tomllib
@@ -26,18 +29,10 @@ def entry(target: str):
     return getattr(importlib.import_module(module), func)
 
 
-def call(main, argv: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of a tool's main."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
-        main(argv)
-    return e.value.code, out.getvalue(), err.getvalue()
-
-
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_entry_point_answers_help(script):
-    code, out, _ = call(entry(SCRIPTS[script]), ["--help"])
-    assert code == 0 and out.startswith("usage:") and "--help" in out
+    r = call(entry(SCRIPTS[script]), ["--help"])
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and "--help" in r.stdout
 
 
 def test_every_tool_script_is_an_entry_point():
@@ -50,9 +45,30 @@ def test_every_tool_script_is_an_entry_point():
 
 
 def test_usage_errors_are_one_line():
-    code, _, err = call(entry(SCRIPTS["mpp-make-shards"]), ["only-one-argument"])
-    assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: ") and "the following arguments are required: out" in err
+    r = call(entry(SCRIPTS["mpp-make-shards"]), ["only-one-argument"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: ") and "the following arguments are required: out" in r.stderr
+
+
+def test_a_bad_key_answers_at_once_without_importing_torch():
+    """A mistyped key is answered before torch, torchvision and timm are imported (the error's own
+    handling imported them: 8 s on a slow machine for a one-line answer). In a fresh process, as a
+    user's: this one has imported torch long ago."""
+    code = textwrap.dedent("""\
+        import sys
+        for tool, argv in (("pretrain", ["optim.lrr=0.1"]), ("finetune", ["optim.lrr=0.1"]),
+                           ("linear_probe", ["optim.lrr=0.1"]), ("compare", ["lable_fractions=[1.0]"])):
+            try:
+                __import__(f"mpp.tools.{tool}", fromlist=["main"]).main(["--config", "configs/synthetic_mpp.yaml"
+                                                                         if tool != "compare" else
+                                                                         "configs/compare_synthetic.yaml", *argv])
+            except SystemExit as e:
+                print(tool, e.code, "torch" in sys.modules)""")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.split("\n")[:4] == [f"{t} 2 False" for t in ("pretrain", "finetune", "linear_probe", "compare")], (
+        r.stdout, r.stderr[-2000:])
+    assert r.stderr.count("did you mean 'optim.lr'?") == 3 and "did you mean 'label_fractions'?" in r.stderr
 
 
 def test_cited_configs_exist():
