@@ -24,6 +24,7 @@ from mpp.compare import check_processes, check_unchanged, plan, prepare_data, re
 from mpp.compare.planning import best_point, head_l2
 from mpp.config import ConfigError, load_compare_config, load_config, to_dict
 from mpp.data import make_loader
+from toolrun import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tools and their stages import this checkout's mpp
@@ -471,8 +472,7 @@ def test_bad_stage_key_fails_before_any_work(tmp_path):
     cfg = load_compare_config(path)
     with pytest.raises(ConfigError, match="pre-train mpp.*unknown config key 'mpp.ratioo'"):
         validate(cfg, plan(cfg))
-    r = subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)],
-                       capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    r = run_tool("compare", "--config", path, cwd=tmp_path)
     assert r.returncode != 0 and "mpp.ratioo" in r.stderr
     assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()  # nothing started
 
@@ -700,18 +700,19 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     def files():  # every file of the stages and figures; the report itself is rewritten on purpose
         return {f: f.stat().st_mtime_ns for f in runs.rglob("*") if f.is_file() and f.parent != runs}
     before = files()
-    r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    again = ("compare", "--config", path)  # in this process from here: a tool's own process takes seconds of imports
+    r2 = run_tool(*again, cwd=tmp_path)
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert r2.stdout.count("done earlier") == len(ran) and r2.stdout.count("not needed") == len(stages) - len(ran)
     assert files() == before  # nothing re-trained, re-probed or redrawn
     # settings changed since: the finished stage they touch is an error, not a silently reused result
-    r3 = subprocess.run(cmd + ["pretrain_overrides=[steps=3]"], capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    r3 = run_tool(*again, "pretrain_overrides=[steps=3]", cwd=tmp_path)
     assert r3.returncode != 0 and _one_error(r3.stderr) and "Traceback" not in r3.stderr, r3.stderr[-2000:]
     assert "stage 'pre-train mpp' finished earlier" in r3.stderr and "steps: 2 -> 3" in r3.stderr, r3.stderr
     assert files() == before
     # a stage deleted to run it again: the finished stages whose choices read it are checked once it ran
     (runs / "probe_mpp" / "metrics.json").unlink()
-    r4 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    r4 = run_tool(*again, cwd=tmp_path)
     assert r4.returncode == 0 and "linear probe mpp -> " in r4.stdout, r4.stderr[-2000:]
     assert r4.stdout.count("done earlier") == len(ran) - 1
     # each probe and fine-tune records the encoder file it started from (none: a random init) ...
@@ -725,7 +726,7 @@ def test_end_to_end_then_resume_skips_finished_stages(tmp_path):
     weights = load_file(str(encoder))
     save_file({k: v + 1 for k, v in weights.items()}, str(encoder))
     before = files()
-    r5 = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    r5 = run_tool(*again, cwd=tmp_path)
     assert r5.returncode != 0 and _one_error(r5.stderr) and "Traceback" not in r5.stderr, r5.stderr[-2000:]
     assert f"stage 'linear probe mpp' finished earlier in {runs / 'probe_mpp'} from another encoder" in r5.stderr
     assert files() == before
@@ -1345,8 +1346,7 @@ def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
 
 def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", fractions="[1.0]", compare_extra="pretrain_seeds: 2\n")
-    r = subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), "--config", str(path)],
-                       capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    r = run_tool("compare", "--config", path, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     runs, repeat = tmp_path / "runs", tmp_path / "runs_pretrain_seed1"
     reps = [json.loads((d / "report.json").read_text()) for d in (runs, repeat)]
@@ -1370,16 +1370,13 @@ def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_
     assert across["repeats"] == ["../runs_pretrain_seed1"] and "`../runs_pretrain_seed1`" in md
     # re-rendered in place, the report keeps the repeats its report.json names
     (runs / "report.json").write_text(json.dumps({**reps[0], "pretrain_seeds": {**across, "seeds": 9}}))
-    again = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs)],
-                           capture_output=True, text=True, env=ENV)
+    again = run_tool("report", runs)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((runs / "report.json").read_text())["pretrain_seeds"] == across
     assert "../runs_pretrain_seed1" in again.stdout
     # elsewhere it keeps the section when told where the repeat is
-    again = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs), "--out", str(tmp_path / "re"),
-                            "--repeat", str(repeat)], capture_output=True, text=True, env=ENV)
+    again = run_tool("report", runs, "--out", tmp_path / "re", "--repeat", repeat)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((tmp_path / "re" / "report.json").read_text())["pretrain_seeds"] == across
-    bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(runs), "--out", str(tmp_path / "re"),
-                          "--repeat", str(tmp_path / "nope")], capture_output=True, text=True, env=ENV)
+    bad = run_tool("report", runs, "--out", tmp_path / "re", "--repeat", tmp_path / "nope")
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "pretrain_seedN" in bad.stderr, bad.stderr

@@ -24,6 +24,7 @@ from mpp.figures.predictions import HEAD_FILE, KEPT_RGB, load_mpp_task, predict,
 from mpp.models import create_encoder, save_encoder
 from mpp.objectives import MPPTask
 from mpp.targets import class_colors, quantize
+from toolrun import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tool imports this checkout's mpp
@@ -222,22 +223,20 @@ def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, 
     saved_mpp_run(tmp_path / "r1")
     saved_mpp_run(tmp_path / "r2", seed=1)
     shards = str(data.parent / "{000000..000001}.tar")
-    tool = [sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", f"mpp a={tmp_path / 'r1'}",
-            "--encoder", f"mpp_a={tmp_path / 'r2'}", "--data", shards, "--images", "4", "--batch-size", "4"]
-    r = subprocess.run(tool + ["--num-samples", "16", "--grid-images", "4", "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, env=ENV)
+    tool = ["--encoder", f"mpp a={tmp_path / 'r1'}", "--encoder", f"mpp_a={tmp_path / 'r2'}", "--data", shards,
+            "--images", "4", "--batch-size", "4"]
+    r = run_tool("inspect_encoders", *tool, "--num-samples", "16", "--grid-images", "4", "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr[-2000:]
     numbers = json.loads((tmp_path / "o" / "inspect.json").read_text())["encoders"]
     files = [numbers[n]["predictions_png"] for n in ("mpp a", "mpp_a")]
     assert files == ["predictions_mpp_a.png", "predictions_mpp_a_2.png"]
     assert all((tmp_path / "o" / f).stat().st_size > 1000 for f in files)
-    r = subprocess.run(tool + ["--num-samples", "16", "--grid-images", "0", "--out", str(tmp_path / "g")],
-                       capture_output=True, text=True, env=ENV)
+    r = run_tool("inspect_encoders", *tool, "--num-samples", "16", "--grid-images", "0", "--out", tmp_path / "g")
     assert r.returncode == 0, r.stderr[-2000:]
     assert not list((tmp_path / "g").glob("predictions_*.png")) and (tmp_path / "g" / "filters.png").is_file()
     kept = json.loads((tmp_path / "g" / "inspect.json").read_text())["encoders"]  # no grid, the accuracy still
     assert kept["mpp a"]["mpp_chosen_color_accuracy"] == numbers["mpp a"]["mpp_chosen_color_accuracy"]
-    r = subprocess.run(tool + ["--out", str(tmp_path / "n")], capture_output=True, text=True, env=ENV)
+    r = run_tool("inspect_encoders", *tool, "--out", tmp_path / "n")
     assert r.returncode == 2 and "not a manifest.json: give its total sample count with --num-samples N" in r.stderr
     assert not (tmp_path / "n").exists()
 
@@ -259,9 +258,7 @@ def test_tool_rejects_a_missing_encoder(data, tmp_path):
     and a label with nothing after it (read as the current directory) are usage errors naming --encoder."""
     for spec, says in [(str(tmp_path / "nope"), "no such file"), ("none:vit_nope", "unknown model preset 'vit_nope'"),
                        ("none:", "unknown model preset ''"), ("mpp=", "'mpp=' names no encoder")]:
-        r = subprocess.run([sys.executable, str(ROOT / "tools/inspect_encoders.py"), "--encoder", spec,
-                            "--data", str(data), "--out", str(tmp_path / "o")],
-                           capture_output=True, text=True, env=ENV, cwd=tmp_path)
+        r = run_tool("inspect_encoders", "--encoder", spec, "--data", data, "--out", tmp_path / "o", cwd=tmp_path)
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and last.startswith("error: --encoder") and says in last, (spec, r.stderr[-500:])
     assert not (tmp_path / "o").exists()

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ from mpp import outcomes
 from mpp.gaps import choice_lead, derive
 from mpp.report import ReportError, write_report
 from mpp.report.runs import read_repeat
+from toolrun import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,19 +235,16 @@ def test_relative_init_paths_resolve_from_elsewhere(tmp_path, monkeypatch):
 
 def test_tool_prints_table_and_fails_in_one_line(tmp_path):
     runs = _paper_runs(tmp_path / "runs")
-    ok = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), *map(str, runs)],
-                        capture_output=True, text=True)
+    ok = run_tool("report", *runs)
     assert ok.returncode == 0, ok.stderr
     assert "share recovered" in ok.stdout and (tmp_path / "runs" / "report.md").is_file()
     (tmp_path / "runs" / "ft_mpp_1" / "feature_cache").mkdir()  # no run: skipped when searching
-    whole = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(tmp_path / "runs"),
-                            "--out", str(tmp_path / "whole")], capture_output=True, text=True)
+    whole = run_tool("report", tmp_path / "runs", "--out", tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr  # a directory of runs stands for every run below it
     same = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("whole", "runs")]
     assert same[0]["table"] == same[1]["table"] and same[0]["derived"] == same[1]["derived"]
     assert sorted(r["dir"] for r in same[0]["runs"]) == sorted(map(str, runs))
-    bad = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(tmp_path / "nope")],
-                         capture_output=True, text=True)
+    bad = run_tool("report", tmp_path / "nope")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "metrics.json" in bad.stderr
 
 
@@ -920,14 +916,13 @@ def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_
     seed1 = [r for r in _paper_runs(tmp_path / "cmp_seed1") if not r.name.startswith("ft_scratch")]
     write_report([*seed1, *scratch], tmp_path / "cmp_seed1", [])  # as a comparison lays a repeat out
     (tmp_path / "cmp_seed1" / "report.md").unlink()
-    tool = [sys.executable, str(ROOT / "tools/report.py")]
     for _ in range(2):  # the re-render records the plan again
-        again = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
+        again = run_tool("report", tmp_path / "cmp")
         assert again.returncode == 0, again.stderr
         assert "left out 1 run directory below" in again.stdout and "ft_mpp_0.1_old_lr" in again.stdout
         rep = json.loads((tmp_path / "cmp" / "report.json").read_text())
         assert rep["table"] == first["table"] and rep["plan"] == first["plan"]
-    again = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
+    again = run_tool("report", tmp_path / "cmp_seed1")
     assert again.returncode == 0, again.stderr  # written in the repeat's folder, not the runs' common parent
     assert (tmp_path / "cmp_seed1" / "report.md").is_file() and not (tmp_path / "report.md").exists()
     rep = json.loads((tmp_path / "cmp_seed1" / "report.json").read_text())
@@ -935,16 +930,15 @@ def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_
     assert sorted(d for d in rep["plan"] if d.startswith("..")) == sorted(f"../cmp/{r.name}" for r in scratch)
     assert {r["dir"] for r in rep["runs"]} >= {str(r) for r in scratch}  # named as the main report names them
     assert json.loads((tmp_path / "cmp" / "report.json").read_text())["plan"] == first["plan"]
-    every = subprocess.run([*tool, str(tmp_path / "cmp"), str(tmp_path / "cmp" / "ft_mpp_0.1_old_lr"),
-                            "--out", str(tmp_path / "all")], capture_output=True, text=True)
+    every = run_tool("report", tmp_path / "cmp", tmp_path / "cmp" / "ft_mpp_0.1_old_lr", "--out", tmp_path / "all")
     assert every.returncode == 0, every.stderr  # named, it counts (a seed of the MPP cell)
     assert json.loads((tmp_path / "all" / "report.json").read_text())["table"]["mpp"] != first["table"]["mpp"]
     for out in (tmp_path / "cmp", tmp_path / "named"):  # runs named with --out: that folder re-renders from them
-        named = subprocess.run([*tool, *map(str, runs), "--out", str(out)], capture_output=True, text=True)
+        named = run_tool("report", *runs, "--out", out)
         assert named.returncode == 0, named.stderr
         plan = json.loads((out / "report.json").read_text())["plan"]
         assert plan == [os.path.relpath(r.resolve(), out.resolve()) for r in runs]
-        again = subprocess.run([*tool, str(out)], capture_output=True, text=True)
+        again = run_tool("report", out)
         assert again.returncode == 0, again.stderr
         assert json.loads((out / "report.json").read_text())["table"] == first["table"]  # the same runs, as named
     (tmp_path / "view").mkdir()  # reached through a link, the repeat's '../cmp' runs are the same runs
@@ -952,11 +946,11 @@ def test_a_reports_folder_re_renders_from_its_plan_and_names_the_runs_it_leaves_
     linked = write_report([tmp_path / "view" / "seed1"])
     assert linked["table"]["scratch"] == first["table"]["scratch"] and linked["out_dir"] == str(tmp_path / "view/seed1")
     shutil.rmtree(tmp_path / "cmp" / "ft_scratch_0.1")
-    gone = subprocess.run([*tool, str(tmp_path / "cmp_seed1")], capture_output=True, text=True)
+    gone = run_tool("report", tmp_path / "cmp_seed1")
     assert gone.returncode == 2 and gone.stderr.count("\n") == 1 and "ft_scratch_0.1" in gone.stderr
     assert "plan" in gone.stderr
     (tmp_path / "cmp" / "report.json").write_text(json.dumps({"plan": "ft_mpp_1"}))
-    bad = subprocess.run([*tool, str(tmp_path / "cmp")], capture_output=True, text=True)
+    bad = run_tool("report", tmp_path / "cmp")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "plan" in bad.stderr
 
 
