@@ -43,6 +43,7 @@ from mpp.nonfinite import NonFiniteError
 from mpp.preemption import Terminated
 from mpp.runtime import check_ranks_fit
 from mpp.train import train
+from toolrun import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -151,7 +152,7 @@ def test_supervised_run_learns(colours, tmp_path):
     assert losses[-1] < losses[0] - 0.3 and acc[-1] > 0.6, (losses, acc)
 
 
-def run_tool(args: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+def run_script(args: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     """A tool in a subprocess, importing this checkout's mpp (not an installed one)."""
     env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
@@ -173,7 +174,7 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
     assert not (out / "metrics.json").exists()
     fewshot = {"fewshot.every": 4, "fewshot.train": data / "train/manifest.json",
                "fewshot.test": data / "test/manifest.json", "fewshot.shots": "[1,2]", "fewshot.seeds": 1}
-    done = run_tool(["tools/pretrain.py", *settings(data, out, **fewshot)], env=cpu_env())
+    done = run_script(["tools/pretrain.py", *settings(data, out, **fewshot)], env=cpu_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
@@ -199,7 +200,7 @@ def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
     assert err.splitlines()[-1] == f"error: {RESUMABLE}" and "Ctrl-C saves none, SIGTERM saves one first" in err
     assert not (out / ".lock").exists()
     step = int(sorted((out / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
-    done = run_tool(["tools/pretrain.py", *settings(data, out, steps=step)])  # the newest checkpoint: finished
+    done = run_script(["tools/pretrain.py", *settings(data, out, steps=step)])  # the newest checkpoint: finished
     assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
 
 
@@ -220,7 +221,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_wei
     step = int(re.search(r"stopped after step (\d+) of 24", err.splitlines()[-1]).group(1))
     assert step < 24 and [p.name for p in list_checkpoints(out / "checkpoints")][-1] == checkpoint_name(step)
     assert not (out / ".lock").exists() and not (out / "metrics.json").exists()
-    done = run_tool(["tools/pretrain.py", *settings(data, out)], env=cpu_env())
+    done = run_script(["tools/pretrain.py", *settings(data, out)], env=cpu_env())
     assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
 
@@ -249,7 +250,7 @@ def test_a_sigterm_during_the_last_checkpoint_stops_before_the_export(data, tmp_
 def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
     """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
     for name in ("a", "b"):
-        done = run_tool(["tools/pretrain.py", *settings(data, tmp_path / name, steps=4, **{"train.attn": "auto"})],
+        done = run_script(["tools/pretrain.py", *settings(data, tmp_path / name, steps=4, **{"train.attn": "auto"})],
                         env=cpu_env())
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same(weights(tmp_path / "a/encoder.safetensors"), weights(tmp_path / "b/encoder.safetensors"))
@@ -305,7 +306,7 @@ def test_two_torchrun_ranks_end_with_identical_weights(data, tmp_path):
            *settings(data, tmp_path, steps=6, batch_size=32, **{"train.log_every": 2, "train.ckpt_every": 3,
                                                                 "data.val": data / "test/manifest.json"})]
     gloo = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks on any machine
-    done = run_tool(cmd, env=gloo, timeout=300)
+    done = run_script(cmd, env=gloo, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for run in (tmp_path, tmp_path / "ft"):
         assert_same(weights(run / "rank0.safetensors"), weights(run / "rank1.safetensors"))
@@ -492,9 +493,9 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
 
 
 def test_finetune_loads_the_pretrained_encoder(data, mpp_run, tmp_path):
-    done = run_tool(["tools/finetune.py", *settings(data, tmp_path, steps=1, **{
+    done = run_tool("finetune", *settings(data, tmp_path, steps=1, **{
         "finetune.init": mpp_run, "finetune.label_fraction": 0.5, "data.val": data / "test/manifest.json",
-        "optim.name": "sgd", "optim.weight_decay": 0, "optim.warmup_steps": 0})])
+        "optim.name": "sgd", "optim.weight_decay": 0, "optim.warmup_steps": 0}))
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["objective"] == "classify" and metrics["init"] == str(mpp_run)
@@ -516,7 +517,7 @@ def test_finetune_from_scratch_beats_chance_on_held_out_data(colours, tmp_path):
 
 
 def test_bad_settings_fail_before_any_work(data, tmp_path):
-    done = run_tool(["tools/pretrain.py", f"output_dir={tmp_path / 'x'}", "optim.lrr=0.1"])
+    done = run_script(["tools/pretrain.py", f"output_dir={tmp_path / 'x'}", "optim.lrr=0.1"])
     assert done.returncode == 2
     assert "unknown config key 'optim.lrr'; did you mean 'optim.lr'?" in done.stderr
     with pytest.raises(ConfigError, match="'resume'; did you mean 'train.resume'"):  # right name, no section
