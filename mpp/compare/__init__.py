@@ -55,12 +55,14 @@ from mpp.compare.checks import (check_data, check_encoder, check_processes, chec
                                 launcher_words, stated_processes, validate)
 from mpp.compare.planning import plan, repeat_dir
 from mpp.compare.prepare import prepare_data
-from mpp.compare.stages import StageTerminated, killed, run_stage, seconds, time_split
+from mpp.compare.stages import StageTerminated, killed, run_stage, seconds, start_server, time_split
 from mpp.config import CompareConfig, as_list
 
 
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
     """Run (or resume) the comparison; returns the report path."""
+    if not (dry_run or cfg.launcher):
+        start_server()  # its imports, seconds, overlap the planning's and the data's
     stages = plan(cfg)
     resolved = validate(cfg, stages, machine=not dry_run)
     launcher = launcher_words(cfg.launcher, machine=False) or [sys.executable]

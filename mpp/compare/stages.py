@@ -31,7 +31,7 @@ def _tool_main(module: str, argv: list[str]) -> None:
     comparison (the process is the forkserver's child, so nothing else ends it when the comparison
     is killed: it trained on, orphaned, holding its run directory). Ctrl-C ends it quietly (exit 130,
     `QUIET_INTERRUPT`): the comparison's line names the stage and how to resume."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver's SIG_IGN (`_start_forkserver`) is not the stage's
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver's SIG_IGN (`start_server`) is not the stage's
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_die_with, args=(parent.sentinel,), daemon=True).start()
@@ -48,11 +48,15 @@ def _die_with(sentinel: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # checkpoints and metrics.json are written atomically
 
 
-def _start_forkserver() -> None:
-    """Start Python's forkserver, once, ignoring SIGTERM (kept across its exec): a scheduler's
-    SIGTERM to the whole process group ended it, the comparison then read the stage it had served
-    as ended (exit 255), stopped, and took the stage down before its checkpoint. Each stage restores
-    the default (`_tool_main`); the server still ends with the comparison (its pipe closes)."""
+def start_server() -> None:
+    """Start Python's forkserver, once, with the training and evaluation code to import; the
+    comparison calls it before it plans, so that the server's seconds of imports overlap its own
+    (the first stage waited for them). SIGTERM is ignored there (kept across its exec): a
+    scheduler's SIGTERM to the whole process group ended it, the comparison then read the stage it
+    had served as ended (exit 255), stopped, and took the stage down before its checkpoint. Each
+    stage restores the default (`_tool_main`); the server still ends with the comparison (its pipe
+    closes)."""
+    multiprocessing.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
     old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         multiprocessing.forkserver.ensure_running()
@@ -78,8 +82,7 @@ def run_stage(cmd: list[str], launcher: str) -> int:
                 raise
     else:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["mpp.train", "mpp.evaluators.linear_probe"])
-        _start_forkserver()
+        start_server()
         proc = ctx.Process(target=_tool_main, args=(cmd[2], cmd[3:]))  # cmd: python -m module ...
         proc.start()
         try:
