@@ -52,7 +52,7 @@ def test_usage_errors_are_one_line():
 
 def test_a_bad_key_answers_at_once_without_importing_torch():
     """A mistyped key is answered before torch, torchvision and timm are imported (the error's own
-    handling imported them: 8 s on a slow machine for a one-line answer). In a fresh process, as a
+    handling imported them: seconds for a one-line answer). In a fresh process, as a
     user's: this one has imported torch long ago."""
     code = textwrap.dedent("""\
         import sys

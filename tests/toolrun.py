@@ -1,7 +1,7 @@
 """Test helper: run a tool's `main` in this process as `python tools/NAME.py ARGS...` would, and
 return what subprocess.run(..., capture_output=True, text=True) would (returncode, stdout,
-stderr). A tool's own process pays seconds of imports (torch, torchvision, timm, matplotlib; 8-10 s
-on a slow machine), so the suite keeps a subprocess only where the process is what is tested:
+stderr). A tool's own process pays seconds of imports (torch, torchvision, timm,
+matplotlib), so the suite keeps a subprocess only where the process is what is tested:
 signals, launchers, ranks, a script's entry point, what a fresh process imports."""
 from __future__ import annotations
 
