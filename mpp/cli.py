@@ -98,17 +98,18 @@ def train_tool(description: str, argv: list[str] | None, tool: str) -> None:
     leave_process_group()
 
 
-def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], type]:
+def _user_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
     """The errors whose message is meant for the user, beyond a bad config or argument: a bad
     report input (exit 2), bad data, a diverged run (exit 1), a run stopped by SIGTERM after its
-    checkpoint (exit 143, as a shell reports a process SIGTERM ended). Imported late, and only for
-    an error that is not a ConfigError or UsageError: their modules import torch."""
-    from mpp.data.decode import DataError
-    from mpp.data.writer import ShardError
-    from mpp.nonfinite import NonFiniteError
-    from mpp.preemption import Terminated
-    from mpp.report import ReportError
-    return (ReportError,), (DataError, ShardError, NonFiniteError), Terminated
+    checkpoint (exit 143, as a shell reports a process SIGTERM ended). Each is looked up only in a
+    module already imported (an error of a module never imported was never raised), so that an
+    error's one line never waits for torch to import."""
+    def loaded(module: str, name: str) -> tuple[type, ...]:
+        return (getattr(sys.modules[module], name),) if module in sys.modules else ()
+    return (loaded("mpp.report", "ReportError"),
+            (*loaded("mpp.data.decode", "DataError"), *loaded("mpp.data.writer", "ShardError"),
+             *loaded("mpp.nonfinite", "NonFiniteError")),
+            loaded("mpp.preemption", "Terminated"))
 
 
 def os_message(e: OSError) -> str:
@@ -150,10 +151,8 @@ def one_line_errors(extra: tuple[type, ...] = (), interrupted: str = "interrupte
             raise SystemExit(130) from None
         _fail(interrupted, 130)
     except Exception as e:
-        if isinstance(e, (ConfigError, UsageError)):  # a bad key or argument: one line, torch never imported
-            _fail(str(e), 2)
         bad_args, bad_run, terminated = _user_errors()
-        if isinstance(e, bad_args):
+        if isinstance(e, (ConfigError, UsageError, *bad_args)):
             _fail(str(e), 2)
         if isinstance(e, terminated):
             _fail(str(e), 128 + signal.SIGTERM)

@@ -50,25 +50,27 @@ def test_usage_errors_are_one_line():
     assert r.stderr.startswith("error: ") and "the following arguments are required: out" in r.stderr
 
 
-def test_a_bad_key_answers_at_once_without_importing_torch():
-    """A mistyped key is answered before torch, torchvision and timm are imported (the error's own
-    handling imported them: seconds for a one-line answer). In a fresh process, as a
-    user's: this one has imported torch long ago."""
+def test_a_bad_key_or_path_answers_at_once_without_importing_torch():
+    """A mistyped key, or a report of a folder with no runs, is answered before torch, torchvision
+    and timm are imported (the error's own handling imported them: seconds for a one-line answer).
+    In a fresh process, as a user's: this one has imported torch long ago."""
     code = textwrap.dedent("""\
         import sys
-        for tool, argv in (("pretrain", ["optim.lrr=0.1"]), ("finetune", ["optim.lrr=0.1"]),
-                           ("linear_probe", ["optim.lrr=0.1"]), ("compare", ["lable_fractions=[1.0]"])):
+        for tool, argv in (("pretrain", ["--config", "configs/synthetic_mpp.yaml", "optim.lrr=0.1"]),
+                           ("finetune", ["--config", "configs/synthetic_finetune.yaml", "optim.lrr=0.1"]),
+                           ("linear_probe", ["--config", "configs/synthetic_probe.yaml", "optim.lrr=0.1"]),
+                           ("compare", ["--config", "configs/compare_synthetic.yaml", "lable_fractions=[1.0]"]),
+                           ("report", [sys.argv[1]])):
             try:
-                __import__(f"mpp.tools.{tool}", fromlist=["main"]).main(["--config", "configs/synthetic_mpp.yaml"
-                                                                         if tool != "compare" else
-                                                                         "configs/compare_synthetic.yaml", *argv])
+                __import__(f"mpp.tools.{tool}", fromlist=["main"]).main(argv)
             except SystemExit as e:
                 print(tool, e.code, "torch" in sys.modules)""")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "nowhere")], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.stdout.split("\n")[:4] == [f"{t} 2 False" for t in ("pretrain", "finetune", "linear_probe", "compare")], (
-        r.stdout, r.stderr[-2000:])
+    tools = ("pretrain", "finetune", "linear_probe", "compare", "report")
+    assert r.stdout.split("\n")[:5] == [f"{t} 2 False" for t in tools], (r.stdout, r.stderr[-2000:])
     assert r.stderr.count("did you mean 'optim.lr'?") == 3 and "did you mean 'label_fractions'?" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {ROOT / 'nowhere'}")
 
 
 def test_cited_configs_exist():
