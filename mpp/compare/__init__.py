@@ -2,22 +2,22 @@
 and of a randomly initialised encoder (the probe's from-scratch baseline), fine-tuning of both
 and of a from-scratch baseline at each label fraction, then the gap report.
 
-Fine-tuning follows the paper's protocol, identically for every arm: each value of the `sweep`
-grid is trained on the labels minus a class-balanced development split (`dev_fraction`) and
-scored on it; the best is retrained on all the labels, `seeds` times, and tested on `data.val`
-once per seed (`fraction_sweep` gives a label fraction values of its own: a rate that suits 10%
-of the labels may sit low for all of them). Where the split could not separate the best value
-from the next (its lead under t times its paired standard error, Student's t at the images'
-degrees of freedom: a toss-up), `runner_up` also retrains the next with the same seeds, so that
-the report can give each figure the range that choice spans (and likewise the best value through the other representation where
-the best stage's choice of it was a toss-up). `finetune.pool` is best swept like the rate (every
-shipped comparison but the `hog` and `histogram` ones does: the fine-tune itself then chooses
-it); left out of the sweep, a linear probe of the sweep's own training labels chooses it, scored
-on its development split (`finetune_pool: auto`, i.e. finetune.pool=auto in the sweep stages; the
-finals take the best one's): one cheap frozen-feature fit per arm and label fraction, and a
-10%-label cell never leans on a probe of all the labels. Such run-time choices are `Choice`s of a
-stage (whether it runs at all, its `Condition`), read from the finished stages' metrics.json just
-before it starts.
+Fine-tuning follows the paper's protocol, identically for every arm: each value of the `sweep` grid
+is trained on the labels minus a class-balanced development split (`dev_fraction`) and scored on
+it; the best is retrained on all the labels, `seeds` times, and tested on `data.val` once per seed
+(`fraction_sweep` gives a label fraction values of its own: a rate that suits 10% of the labels may
+sit low for all of them). Where the split could not separate the best value from the next (its lead
+under t times its paired standard error, Student's t at the images' degrees of freedom: a toss-up),
+`runner_up` also retrains the next with the same seeds, so that the report can give each figure the
+range that choice spans (and likewise the best value through the other representation where the
+best stage's choice of it was a toss-up). `finetune.pool` is best swept like the rate (every
+shipped comparison but the `hog` and `histogram` ones does: the fine-tune itself then chooses it);
+left out of the sweep, a linear probe of the sweep's own training labels chooses it, scored on its
+development split (`finetune_pool: auto`, i.e. finetune.pool=auto in the sweep stages; the finals
+take the best one's): one cheap frozen-feature fit per arm and label fraction, and a 10%-label cell
+never leans on a probe of all the labels. Such run-time choices are `Choice`s of a stage (whether
+it runs at all, its `Condition`), read from the finished stages' metrics.json just before it
+starts.
 
 A pre-training is one draw too: `pretrain_seeds: N` pre-trains MPP and supervised N times (seed
 0..N-1, in place of their configs' seed), each repeat fine-tuned, probed and reported the same

@@ -378,8 +378,8 @@ def _check_fraction_sweep(cfg: CompareConfig) -> None:
     """`fraction_sweep` keyed by label fractions the comparison runs, each once, each grid giving the
     sweep's keys and no others: a cell's choice is then the same kind of choice at every fraction,
     over values that suit it (a rate rising to the top of one grid at 100% labels, say)."""
-    cfg.fraction_sweep = _by_fraction(cfg, "fraction_sweep")
-    for frac, grid in cfg.fraction_sweep.items():
+    grids = _by_fraction(cfg, "fraction_sweep")
+    for frac, grid in grids.items():
         if set(grid) != set(cfg.sweep):
             raise ConfigError(f"compare config key 'fraction_sweep' gives label fraction {frac:g} a grid of "
                               f"{', '.join(sorted(grid))} where the sweep has {', '.join(sorted(cfg.sweep)) or 'none'}; "
@@ -387,7 +387,7 @@ def _check_fraction_sweep(cfg: CompareConfig) -> None:
         if "auto" in grid.get("finetune.pool", ()):
             raise ConfigError(f"compare config key 'fraction_sweep' gives finetune.pool the value auto for label "
                               f"fraction {frac:g}; sweep token and avg")
-    cfg.fraction_sweep = {frac: {key: grid[key] for key in cfg.sweep} for frac, grid in cfg.fraction_sweep.items()}
+    cfg.fraction_sweep = {frac: {key: grid[key] for key in cfg.sweep} for frac, grid in grids.items()}
 
 
 def _by_fraction(cfg: CompareConfig, name: str) -> dict:
