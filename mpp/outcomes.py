@@ -96,12 +96,15 @@ def critical(dof: float, level: float = 0.95) -> float:
     """Two-sided quantile of Student's t at `level` for `dof` degrees of freedom (a Welch
     combination's are fractional; under 1 counts as 1): 12.71 for one, 2.78 for four, 1.96 for
     many. With t = sqrt(dof) tan(a), the density in a is proportional to cos(a)^(dof - 1), smooth
-    and bounded on [0, pi/2) however heavy the tail: Simpson's rule integrates it and bisection
-    finds the quantile (no scipy dependency)."""
+    and bounded on [0, pi/2) however heavy the tail: Simpson's rule integrates it and Newton's
+    method finds the quantile (no scipy dependency). The mass is concave in a (v >= 1), so Newton
+    from the normal quantile, which lies below, climbs to it without overshooting; a bracket
+    catches a step that leaves it all the same."""
     if math.isnan(dof) or not 0 < level < 1:
         raise ValueError(f"critical: dof={dof}, level={level}; need a number of degrees and 0 < level < 1")
+    z = NormalDist().inv_cdf(0.5 + level / 2)
     if dof > 1e5:
-        return NormalDist().inv_cdf(0.5 + level / 2)
+        return z
     v = max(dof, 1.0)
     norm = math.exp(math.lgamma((v + 1) / 2) - math.lgamma(v / 2)) / math.sqrt(math.pi)
 
@@ -110,8 +113,14 @@ def critical(dof: float, level: float = 0.95) -> float:
         y = norm * np.cos(x) ** (v - 1)
         return float((x[1] - x[0]) / 3 * (y[0] + y[-1] + 4 * y[1:-1:2].sum() + 2 * y[2:-1:2].sum()))
 
-    lo, hi = 0.0, math.pi / 2
+    lo, hi, a = 0.0, math.pi / 2, math.atan(z / math.sqrt(v))
     for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mass(mid) < level / 2 else (lo, mid)
-    return math.sqrt(v) * math.tan((lo + hi) / 2)
+        miss = mass(a) - level / 2
+        lo, hi = (a, hi) if miss < 0 else (lo, a)
+        density = norm * math.cos(a) ** (v - 1)
+        after = a - miss / density if density > 0 else lo
+        after = after if lo < after < hi else (lo + hi) / 2
+        if abs(after - a) <= 1e-15:
+            break
+        a = after
+    return math.sqrt(v) * math.tan(a)
