@@ -223,7 +223,8 @@ def _together(accelerator, work: Callable[[], None], name: str, everyone: bool =
     if accelerator.num_processes > 1:  # "max" (a sum, in accelerate before 1.x's MAX: also non-zero)
         failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max")
         if failed.item() and error is None:
-            raise OSError(f"another process could not save checkpoint {name} (its own error line says why)")
+            raise OSError(f"another process could not save checkpoint {name} (its own error line, or its "
+                          "traceback, says why)")
     if error is not None:
         raise error
 
