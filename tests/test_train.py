@@ -185,22 +185,28 @@ def test_kill_and_resume_reach_the_uninterrupted_weights(data, mpp_run, tmp_path
 
 def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
     """Ctrl-C (the terminal's SIGINT to the run and its data workers) mid-run: exit 130, the last
-    line says how to go on, no traceback, the lock released; the same command then resumes."""
+    line says how to go on, no traceback, the lock released; the same command then resumes. The
+    shards come slowly (a second each), so the Ctrl-C lands while the prefetch thread waits on a
+    worker that it ends: the run stops at once, where it took a minute (mpp.data.loader.WATCH_S)."""
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "tools/pretrain.py", *settings(data, out, steps=100000)], cwd=ROOT,
+    slow = {"data.train": "[" + ", ".join(f"'pipe:sleep 1; cat {shard}'" for shard in
+                                          sorted((data / "train").glob("*.tar"))) + "]", "data.num_samples": 256}
+    proc = subprocess.Popen([sys.executable, "tools/pretrain.py", *settings(data, out, steps=100000, **slow)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},  # Ctrl-C as from a terminal, even where
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # pytest ignores it
     deadline = time.time() + 120
     while not (out / "checkpoints/step_0000008").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
+    sent = time.time()
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert time.time() - sent < 20, f"{time.time() - sent:.1f} s from Ctrl-C to the end"
     assert err.splitlines()[-1] == f"error: {RESUMABLE}" and "Ctrl-C saves none, SIGTERM saves one first" in err
     assert not (out / ".lock").exists()
     step = int(sorted((out / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
-    done = run_script(["tools/pretrain.py", *settings(data, out, steps=step)])  # the newest checkpoint: finished
+    done = run_script(["tools/pretrain.py", *settings(data, out, steps=step, **slow)])  # the newest: finished
     assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
 
 

@@ -380,7 +380,11 @@ def _take(pieces: list[dict], n: int, keys) -> dict:
     return {k: torch.cat([p[k] for p in parts]) for k in keys}
 
 
-WATCH_S = 60  # the longest single wait for a worker item (see ShardLoader._next_item)
+# the longest single wait for a worker item (see ShardLoader._next_item); torch looks for workers
+# that ended only when a wait ends, so it is also how long a reader waits on a worker that Ctrl-C
+# ended (the terminal's SIGINT reaches the workers too): at 60 s a run waiting for data took a
+# minute to stop
+WATCH_S = 1
 
 
 def _timed_out(e: RuntimeError) -> bool:
