@@ -118,8 +118,8 @@ def critical(dof: float, level: float = 0.95) -> float:
         miss = mass(a) - level / 2
         lo, hi = (a, hi) if miss < 0 else (lo, a)
         density = norm * math.cos(a) ** (v - 1)
-        after = a - miss / density if density > 0 else lo
-        after = after if lo < after < hi else (lo + hi) / 2
+        after = a - miss / density if density > 0 else math.nan  # no slope (far out in a heavy tail)
+        after = after if lo < after < hi else (lo + hi) / 2  # outside the bracket: bisect instead
         if abs(after - a) <= 1e-15:
             break
         a = after
