@@ -301,6 +301,12 @@ def test_compare_figures_add_a_random_init(data, tmp_path):
     (tmp_path / "figures/inspect.json").write_text(json.dumps({k: v for k, v in kept.items() if k != "filters"}))
     write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)
     assert (tmp_path / "figures/filters.png").exists()  # drawn before filters were shown on raw RGB: drawn again
+    for damaged in ('{"specs": [', "[]"):  # a record that is not one: drawn again, no traceback
+        (tmp_path / "figures/filters.png").unlink()
+        (tmp_path / "figures/inspect.json").write_text(damaged)
+        assert write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4,
+                                     grid_images=2)["encoders"].keys() == numbers["encoders"].keys()
+        assert (tmp_path / "figures/filters.png").exists()
     (tmp_path / "figures/filters.png").unlink()
     save_encoder(create_encoder("vit_micro4_32"), sup)  # a newer encoder: drawn again
     write_compare_figures([tmp_path / "pretrain_mpp", sup], data, tmp_path / "figures", images=4, grid_images=2)

@@ -225,7 +225,7 @@ def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path
     """The figures of a comparison's pre-trained encoders plus a random initialisation of the
     first one's preset and resolution, on `data` (default: the first run's data.val, else its data.train). Like a
     finished stage, figures of the same encoders and data, newer than every encoder, are kept (a
-    resumed comparison redraws nothing)."""
+    resumed comparison redraws nothing); a record that does not read as one is drawn again."""
     runs = [Path(d) for d in run_dirs if (Path(d) / "encoder.safetensors").is_file()]
     if not runs:
         raise ValueError(f"none of {[str(d) for d in run_dirs]} holds an encoder.safetensors")
@@ -236,7 +236,11 @@ def write_compare_figures(run_dirs: list[str | Path], data=None, out: str | Path
                                    else (cfg.data.train, cfg.data.num_samples))
     done = Path(out) / "inspect.json"
     if done.is_file() and all(done.stat().st_mtime > (r / "encoder.safetensors").stat().st_mtime for r in runs):
-        kept = json.loads(done.read_text())
+        try:
+            kept = json.loads(done.read_text())
+        except (OSError, ValueError):  # damaged (edited, or a disk's fault): draw them again
+            kept = None
+        kept = kept if isinstance(kept, dict) else {}
         same = {"specs": specs, "data": str(data), "num_samples": kw.get("num_samples", 0), "filters": FILTERS}
         if all(kept.get(k) == v for k, v in same.items()):  # the same encoders on the same images, drawn alike
             return kept
