@@ -584,6 +584,52 @@ def test_a_shard_that_counted_a_skip_is_read_and_counted_every_epoch_while_the_r
             clean.unlink()  # from now on served from the cache alone
 
 
+def test_images_decoded_while_a_shard_is_read_leave_its_own_counts_and_caching_alone(tmp_path):
+    """Decoding runs between a shard's reads and counts into the same epoch's skips: a corrupt image
+    decoded then is not the shard's. So a shard that reads to its end is cached, and one that holds
+    fewer samples than its manifest says, without breaking, counts no lost samples (the loader pads
+    the batch count instead), whether or not an image failed meanwhile."""
+    manifest, _ = write_shards(tmp_path / "d", [6, 6], classes=3,
+                               extra=lambda s, j: {"png": b"not a png"} if (s, j) == (1, 1) else {})
+    m = json.loads(Path(manifest).read_text())
+    m["shards"][1]["num_samples"], m["num_samples"] = 7, 13  # shard 1 holds one sample fewer
+    Path(manifest).write_text(json.dumps(m))
+    stream = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                         data_cfg=cfg(cache_mb=1, shuffle_buffer=0, num_workers=1)).stream
+    for epoch in range(2):  # the second from the cache: the corrupt image decoded and counted again
+        assert list(stream._epoch(epoch, 0))[-1]["skips"] == {"corrupt_image": 1}, epoch
+        assert set(stream.cache or ()) == {0, 1}, epoch
+
+
+def test_a_worker_reads_a_broken_shard_of_another_worker_once_to_fill_its_cache(tmp_path, monkeypatch):
+    """At an epoch's end each worker reads the rank's shards it does not hold into its cache; a
+    shard that broke is never cached, so it is read there once, not again every epoch."""
+    import mpp.data.stream as stream_module
+    manifest, _ = write_shards(tmp_path / "d", [6, 6, 6, 6], classes=3)
+    stream = make_loader(manifest, batch_size=4, img_size=16, train=True, labeled=True,
+                         data_cfg=cfg(cache_mb=1, shuffle_buffer=0, num_workers=2)).stream
+    cut = Path(stream.shards.urls[1])
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    reads = Counter()
+
+    def read_shard(url, skips):
+        reads[url] += 1
+        return real(url, skips)
+
+    real = stream_module.read_shard
+    monkeypatch.setattr(stream_module, "read_shard", read_shard)
+    for epoch in range(4):
+        reads.clear()
+        items = list(stream._epoch(epoch, 0))
+        mine = [stream.shards.urls[s] for s in stream.plan(epoch).bins[0]]
+        assert set(stream.cache) == {0, 2, 3}, epoch
+        if epoch == 0:
+            assert sorted(reads) == sorted(stream.shards.urls), reads  # its own, then the fill
+        else:  # its own broken shard, read again for its counts; nothing else
+            assert reads == Counter({str(cut): 1} if str(cut) in mine else {}), (epoch, reads, mine)
+        assert ("truncated_tar" in items[-1]["skips"]) == (str(cut) in mine), epoch
+
+
 def test_a_data_worker_leaves_sigterm_to_the_trainer_only_while_shielded(tmp_path):
     """A worker's SIGTERM handler: while the trainer shields its process's workers (any loader's,
     also one forked before), a worker lives on (the trainer handles a process group's SIGTERM and

@@ -155,6 +155,7 @@ class ShardStream(IterableDataset):
         # raw samples by shard id, kept by each persistent worker across epochs (see _read_keep)
         self.cache: dict[int, list[dict]] | None = {} if cache_bytes > 0 else None
         self.cache_limit, self.cache_bytes = cache_bytes, 0
+        self.broken: set[int] = set()  # shards that counted a skip in this worker: never cached
         # resampled mode draws forever: shard draws since a sample last decoded, and how many in a
         # row mean that none will (every shard corrupt, unreadable or without labels), an error then
         # instead of a run that waits forever for its first batch
@@ -183,27 +184,27 @@ class ShardStream(IterableDataset):
                 continue
             yield from self._read_keep(s, skips)
         if self.cache is not None:  # the rank's other shards too, as the shuffle hands them to every
-            for s in itertools.chain(*self.plan(epoch).bins):  # worker in turn (first epoch's end only)
-                if self.cache is not None and s not in self.cache:
+            for s in itertools.chain(*self.plan(epoch).bins):  # worker in turn (a broken one is not read again)
+                if self.cache is not None and s not in self.cache and s not in self.broken:
                     for _ in self._read_keep(s, {}):
                         pass
 
-    def _read(self, shard: int, skips: dict) -> Iterator[dict]:
+    def _read(self, shard: int, broke: dict) -> Iterator[dict]:
         """The raw samples of a shard that belong to the subset (all without one). A shard that
-        breaks (`read_shard` counts it) loses the samples after the break: counted as `lost_samples`
-        where the manifest's counts are exact."""
+        breaks (`read_shard` counts it in `broke`, a dict of this read's own) loses the samples after
+        the break: counted there as `lost_samples` where the manifest's counts are exact."""
         keys = self.shards.keys[shard] if self.shards.keys is not None else None
-        before, read = dict(skips), 0
+        read = 0
         self.beats.value += 1  # alive, for the main process's watchdog (`ShardLoader._next_item`)
-        for sample in read_shard(self.shards.urls[shard], skips):
+        for sample in read_shard(self.shards.urls[shard], broke):
             self.beats.value += 1
             if keys is None or sample["__key__"] in keys:
                 read += 1
                 yield sample
-        if skips != before and self.shards.exact:
+        if broke and self.shards.exact:
             held = len(keys) if keys is not None else self.shards.counts[shard]
             if held > read:
-                skips["lost_samples"] = skips.get("lost_samples", 0) + held - read
+                broke["lost_samples"] = broke.get("lost_samples", 0) + held - read
 
     def _read_keep(self, shard: int, skips: dict) -> Iterator[dict]:
         """`_read`, caching a completely read shard's raw samples in this worker while the worker's
@@ -211,16 +212,20 @@ class ShardStream(IterableDataset):
         for small sets read many times, where each epoch would re-read the shards: a 10% label
         subset reads all of them), and what it held is freed at once, so that a worker holds no
         more than the cache's limit on top of its shuffle buffer. A shard that counted a skip is
-        read again next time, so its counters repeat."""
-        kept, size, before = [], 0, dict(skips)
-        for sample in self._read(shard, skips):
+        read again next time, so its counters repeat (the fill at an epoch's end skips it)."""
+        kept, size, broke = [], 0, {}  # the shard's own counts, apart from the images decoded meanwhile
+        for sample in self._read(shard, broke):
             if kept is not None and self.cache is not None:
                 kept.append(sample)
                 size += raw_bytes(sample)
-                if self.cache_bytes + size > self.cache_limit or skips != before:
+                if self.cache_bytes + size > self.cache_limit:
                     kept = None  # not cached: free what was kept now
             yield sample
-        if self.cache is not None and skips == before:
+        for kind, n in broke.items():
+            skips[kind] = skips.get(kind, 0) + n
+        if broke:
+            self.broken.add(shard)
+        elif self.cache is not None:
             if kept is None:
                 self.cache = None  # the set does not fit: free what was kept, stop caching
             else:
