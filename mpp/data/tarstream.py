@@ -24,6 +24,8 @@ SKIP_CHUNK = 1 << 20     # unselected members of unseekable streams are discarde
 MAX_SIZE = 1 << 62       # a declared size past this is corrupt (no file holds it; a seek past it overflows)
 MAX_INFLATE = 1000       # a compressed shard yields at most this many bytes a byte read, plus INFLATE_SLACK
 INFLATE_SLACK = 16 << 20
+READ_INFLATE = 10_000    # the members read (images, labels): at most this many bytes a byte read, plus READ_SLACK
+READ_SLACK = MAX_MEMBER
 
 
 class TruncatedTar(tarfile.ReadError):
@@ -179,13 +181,14 @@ class _Inflated:
     """A decompressed stream in which all but the members read (headers, extended headers, skipped
     members) comes to at most MAX_INFLATE bytes a compressed byte (plus INFLATE_SLACK): a few KB of
     bzip2 can declare and hold terabytes of zeros, or of headers, which reading past would
-    decompress for hours; past the bound it is CorruptTar. The members read (`payload`) are bounded
-    already (MAX_MEMBER each) and decode to samples, so a shard of highly redundant images reads
-    whatever its ratio. Unseekable, so a skip reads (and counts) what a seek would have
-    decompressed anyway."""
+    decompress for hours; past the bound it is CorruptTar. The members read (`payload`) have a bound
+    of their own, READ_INFLATE bytes a compressed byte plus READ_SLACK (one largest member): a shard
+    of highly redundant images reads, while one of hundreds of members named as images, each 256 MiB
+    of zeros in a few hundred bytes, ends after the first. Unseekable, so a skip reads (and counts)
+    what a seek would have decompressed anyway."""
 
     def __init__(self, f, raw: _Counted):
-        self.f, self.raw, self.counted = f, raw, 0
+        self.f, self.raw, self.counted, self.payloads = f, raw, 0, 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
@@ -196,8 +199,13 @@ class _Inflated:
         return data
 
     def payload(self, n: int) -> bytes:
-        """n bytes of a member that is read, not counted."""
-        return _read(self.f, n)
+        """n bytes of a member that is read, counted apart."""
+        data = _read(self.f, n)
+        self.payloads += len(data)
+        if self.payloads > READ_INFLATE * self.raw.n + READ_SLACK:
+            raise CorruptTar(f"the shard's members decompress to more than {READ_INFLATE} times its size "
+                             f"(a compression bomb: {self.payloads} bytes from {self.raw.n})")
+        return data
 
     def seekable(self) -> bool:
         return False
