@@ -616,6 +616,20 @@ def test_a_dangling_link_a_fifo_and_a_device_are_skipped_and_counted(folder: Pat
     assert examples.count("not a regular file (a FIFO, socket or device)") == 2, examples
 
 
+def test_a_class_folder_that_is_a_link_is_read_and_a_link_loop_ends(folder: Path, tmp_path: Path):
+    """A class folder linked in from elsewhere (as subsets of a data set are often made) was
+    skipped unsaid by Path.rglob, and every later class's label moved down one; it is read like
+    the others. A link back to a folder above it is not followed (it would never end)."""
+    before = write_shards(folder, tmp_path / "before", progress=False)
+    (folder / "b_cls").rename(tmp_path / "elsewhere")
+    (folder / "b_cls").symlink_to(tmp_path / "elsewhere")
+    (folder / "a_cls" / "loop").symlink_to(folder)
+    m = write_shards(folder, tmp_path / "out", progress=False)
+    assert m["classes"] == before["classes"] == sorted(CLASSES)
+    assert (m["num_samples"], m["skipped"]["count"]) == (before["num_samples"], before["skipped"]["count"])
+    assert _read_shards(tmp_path / "out") == _read_shards(tmp_path / "before")  # the same images and labels
+
+
 def test_a_compressed_source_is_not_held_in_memory(tmp_path: Path):
     """A .tar.gz was read whole into memory to shuffle its members; it is decompressed into a
     temporary file and read member by member, like a plain tar."""

@@ -322,9 +322,18 @@ def _image_name(name: str) -> bool:
 
 def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
     """Every entry but folders (a dangling link, a FIFO too: their readers raise, so they are
-    skipped and counted, not dropped unsaid) and readers for them."""
-    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if not p.is_dir() and not any(part.startswith(STAGING) for part in p.relative_to(root).parts))
+    skipped and counted, not dropped unsaid) and readers for them. Links to folders are followed,
+    as links to files are (a subset's class folders are often links; Path.rglob skipped them and
+    every later class's label moved down), but not back into a folder they lie in (a loop)."""
+    names, above = [], {str(root): {os.path.realpath(root)}}
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        chain = above.pop(folder)
+        dirs[:] = [d for d in dirs if not d.startswith(STAGING)
+                   and os.path.realpath(os.path.join(folder, d)) not in chain]
+        above.update((os.path.join(folder, d), chain | {os.path.realpath(os.path.join(folder, d))}) for d in dirs)
+        rel = Path(folder).relative_to(root)
+        names += [(rel / f).as_posix() for f in files if not f.startswith(STAGING)]
+    names.sort()
     return names, [functools.partial(_read_file, root / n) for n in names]
 
 
