@@ -137,8 +137,8 @@ def check_unfinished(out: str | Path) -> None:
 def check_probe_dir(out: str | Path, cfg) -> None:
     """A linear probe's OUTPUT_DIR (it writes config.yaml and metrics.json there) must not hold a
     training run, whose files the probe would overwrite or stand beside as if they were its own,
-    nor a finished probe of other settings (`cfg`: the probe's config; settings it never reads
-    aside); one of the same settings is probed again."""
+    nor a finished probe of other settings or of settings unknown (`cfg`: the probe's config;
+    settings it never reads aside); one of the same settings is probed again."""
     out = Path(out)
     try:
         kind = json.loads((out / "metrics.json").read_text()).get("kind")
@@ -152,7 +152,10 @@ def check_probe_dir(out: str | Path, cfg) -> None:
     if kind != "linear_probe":
         return
     unread = tuple(f"{section}." for section in UNREAD["probe"]) + ("steps:", "epochs:")  # nothing to the probe
-    if changed := [c for c in changed_settings(out / "config.yaml", cfg) or [] if not c.startswith(unread)]:
+    if (changed := changed_settings(out / "config.yaml", cfg)) is None:
+        raise ConfigError(f"output_dir '{out}' holds a finished probe (metrics.json) but no config.yaml this mpp can "
+                          "read, so its settings are unknown; choose a new output_dir, or delete the old probe")
+    if changed := [c for c in changed if not c.startswith(unread)]:
         raise ConfigError(f"output_dir '{out}' holds a finished probe of other settings ({said(changed)}); choose a "
                           "new output_dir, or delete the old probe")
 

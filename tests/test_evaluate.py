@@ -638,7 +638,8 @@ def test_the_probe_tool_gives_its_settings_to_its_fits(shards, tmp_path, monkeyp
 def test_a_probe_into_a_training_runs_folder_or_a_probe_of_other_settings_is_refused(shards, tmp_path):
     """A probe writes config.yaml and metrics.json: into the folder of the run it probes it replaced
     that run's and exited 0 (the run could no longer be exported again, and a report took it for a
-    probe); a finished probe of other settings is refused, one of the same settings probed again."""
+    probe); a finished probe of other settings, or of settings it cannot read, is refused, one of the
+    same settings probed again."""
     import mpp.evaluators.linear_probe as lp
     from mpp.config import ConfigError, load_config
     run = tmp_path / "pretrain"
@@ -659,6 +660,9 @@ def test_a_probe_into_a_training_runs_folder_or_a_probe_of_other_settings_is_ref
     assert probe(tmp_path / "probe", "optim.lr=0.5")["top1"] == first["top1"]  # and one the probe never reads
     with pytest.raises(ConfigError, match="holds a finished probe of other settings .*probe.l2_grid"):
         probe(tmp_path / "probe", "probe.l2_grid=[0.1]")
+    (tmp_path / "probe" / "config.yaml").write_text("model: [")  # damaged: its settings are unknown, so kept
+    with pytest.raises(ConfigError, match="holds a finished probe .* no config.yaml this mpp can read"):
+        probe(tmp_path / "probe")
 
 
 def test_probe_l2_grid_is_a_config_key(tmp_path):
