@@ -62,9 +62,13 @@ class Sigterm:
     def waiting(self, interruptible: bool):
         """Around the wait for a batch: with `interruptible` (one process) a SIGTERM there raises
         `Preempted` at once, as a stalled read would otherwise hold the run for up to data.timeout,
-        past a scheduler's grace period, and its SIGKILL lose every step since the last checkpoint."""
+        past a scheduler's grace period, and its SIGKILL lose every step since the last checkpoint;
+        so does one noted since the last step's check (in its log, checkpoint or evaluators)."""
         try:
-            self.wait = interruptible
+            self.wait = interruptible  # set first: a SIGTERM from here on raises in `_note` or below
+            if interruptible and self.got:
+                self.wait = False
+                raise Preempted
             yield
         finally:
             self.wait = False

@@ -707,6 +707,28 @@ def test_a_sigterm_while_the_run_waits_for_data_saves_the_step_it_reached_at_onc
     assert_same(weights(tmp_path / "run/encoder.safetensors"), weights(tmp_path / "whole/encoder.safetensors"))
 
 
+def test_a_sigterm_after_a_steps_check_does_not_wait_out_the_next_stalled_read(tmp_path, monkeypatch, waits):
+    """A SIGTERM that came after a step's check (in its log, checkpoint or evaluators) was only
+    noted, and the next wait for a stalled read ran to data.timeout. The wait now stops at once and
+    the run saves the step it reached."""
+    items, stall = stopped_run_items(tmp_path, 1), threading.Event()
+    real_log = mpp.train._log
+
+    def log(run, done, lr):
+        real_log(run, done, lr)
+        if done == 2:  # no checkpoint due (ckpt_every 4)
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(mpp.train, "_log", log)
+    monkeypatch.setattr(mpp.train, "_batches", stalling(mpp.train._batches, 2, waits, lambda: stall.wait(60)))
+    t0 = time.perf_counter()
+    with cpu_only(), pytest.raises(Terminated, match=r"stopped after step 2 of 8 and saved its checkpoint"), \
+            pytest.warns(UserWarning, match="did not stop within 5 s"):  # the reader, in the stalled read
+        train(items(tmp_path / "run"))
+    stall.set()
+    assert time.perf_counter() - t0 < 30, "the run waited for the stalled read"
+    assert list_checkpoints(tmp_path / "run/checkpoints")[-1].name == checkpoint_name(2)
+
+
 def test_a_fine_tune_resumes_only_from_the_encoder_it_started_from(data, mpp_run, tmp_path):
     """A fine-tune records the sha256 of its encoder file at its fresh start and keeps it across
     resumes: an interrupted fine-tune whose encoder has since been trained again is refused (its
