@@ -74,6 +74,8 @@ def _misstated(state: dict) -> list[str]:
             if k not in bad and state.get(k, 0) < 0]
     if "skipped" not in bad and not all(fits(n, int) and n >= 0 for n in state.get("skipped", {}).values()):
         bad.append("skipped")
+    if "last" not in bad and not all(fits(v, (int, float)) for v in state["last"].values()):
+        bad.append("last")  # the last log window's figures, which the finished run prints as numbers
     if not _sound_scaler(state.get("scaler", ())):
         bad.append("scaler")
     return bad

@@ -496,6 +496,7 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
     (lambda s: s.update(bad_run="3"), "bad_run"),
     (lambda s: s.update(overflow_run=-1), "overflow_run"),
     (lambda s: s.update(last={1: 0.5}), "last"),
+    (lambda s: s.update(last={"loss": "n/a"}), "last"),  # printed as a number when the run ends
     (lambda s: s.pop("elapsed"), "elapsed"),
     # an fp16 run's loss scale: NaN or 0 makes every step an overflow, for good
     (lambda s: s.update(scaler={"scale": float("nan"), "growth_factor": 2.0, "backoff_factor": 0.5,
