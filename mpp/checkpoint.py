@@ -194,12 +194,16 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
     _together(accelerator, write, final.name)
 
     def publish() -> None:
-        if final.is_dir():  # the same step saved before (a finished run saved again): replace it
-            shutil.rmtree(final)
+        gone = None
+        if final.is_dir():  # the same step saved before (a finished run saved again): replace it, moved
+            gone = final.with_name(f".tmp_removed_{final.name}")  # aside first, so that a kill while it is
+            final.rename(gone)  # deleted leaves no half checkpoint under a checkpoint's name
         elif final.exists():  # a stray file of a checkpoint's name
             final.unlink()
         tmp.rename(final)
         fsync(root)  # the rename on the disk, not only its files
+        if gone is not None:
+            shutil.rmtree(gone, ignore_errors=True)  # what is left, sweep_unfinished removes (or warns of)
         # the newest `keep` up to this step; later ones (ones resume=auto skipped as damaged) are
         # neither counted nor removed, so they never push out the checkpoint just written
         newest = checkpoint_order(final.name)

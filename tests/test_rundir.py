@@ -283,6 +283,33 @@ def test_a_checkpoint_skipped_as_damaged_takes_no_place_of_the_kept_ones(run, tm
     assert sorted(os.listdir(ck)) == ["step_0000003", "step_0000004", "step_0000005"]
 
 
+def test_a_kill_while_a_replaced_checkpoint_is_deleted_leaves_the_new_one_under_its_name(run, tmp_path,
+                                                                                          monkeypatch):
+    """A damaged checkpoint saved again at its step was deleted in place before the new one took its
+    name: a kill during the deletion left a half checkpoint under the name, and the next start swept
+    the complete new one away. The old one is moved aside first."""
+    import mpp.checkpoint
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    ck = out / "checkpoints"
+    (ck / "step_0000003/state.pt").write_bytes(b"cut short")
+    shutil.rmtree(ck / "step_0000004")
+    real = shutil.rmtree
+
+    def killed(path, *a, **k):  # the kill lands after the first file of the replaced checkpoint is gone
+        if Path(path).name.endswith("step_0000003"):
+            (Path(path) / "model.safetensors").unlink()
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+    monkeypatch.setattr(mpp.checkpoint.shutil, "rmtree", killed)
+    with cpu_only(), pytest.raises(KeyboardInterrupt):
+        train(load_config(None, items(data, out, steps=5, **{"train.keep_ckpts": 3})))
+    saved = ck / "step_0000003"  # whole: every file its digests name, as written
+    recorded = mpp.checkpoint._read_digests(saved)
+    mpp.checkpoint._check_digests(saved, recorded, tuple(recorded))
+    assert torch.load(saved / "state.pt", weights_only=True)["step"] == 3
+
+
 def test_a_checkpoint_of_more_gpus_than_this_process_sees_resumes_and_says_so(run, tmp_path, caplog):
     """rng_0.pt written where the process saw more GPUs (another node shape): the run resumes, its
     CUDA RNG going on from a seed of its own with a warning; torch would fail on the missing devices, and
