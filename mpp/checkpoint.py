@@ -30,7 +30,6 @@ import random
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -41,6 +40,7 @@ from safetensors.torch import load_model, save_model
 from mpp.config import ConfigError
 from mpp.fileio import atomic_path, file_sha256, fsync, write_atomic
 from mpp.models import mismatched, nonfinite
+from mpp.runtime import together
 
 log = logging.getLogger(__name__)
 PREFIX = "step_"
@@ -170,7 +170,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         tmp.mkdir(parents=True)
         if first:  # the checkpoints folder's own entry on the disk too, or a power cut loses every checkpoint in it
             fsync(root.parent)
-    _together(accelerator, begin, final.name)
+    together(accelerator, begin, f"save checkpoint {final.name}")
     mine = []
 
     def write_rng() -> None:
@@ -178,7 +178,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         with atomic_path(rng) as f:
             torch.save(rng_state(), f)
         mine.append((rng.name, file_sha256(rng)))
-    _together(accelerator, write_rng, final.name, everyone=True)
+    together(accelerator, write_rng, f"save checkpoint {final.name}", everyone=True)
     digests = gather_object(mine)  # every rank's, with the rest below
 
     def write() -> None:
@@ -191,7 +191,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
                         "scaler": scaler}, f)
         named = digests + [(name, file_sha256(tmp / name)) for name in ("model.safetensors", "state.pt")]
         write_atomic(tmp / DIGESTS, json.dumps(dict(sorted(named)), indent=1) + "\n")
-    _together(accelerator, write, final.name)
+    together(accelerator, write, f"save checkpoint {final.name}")
 
     def publish() -> None:
         gone = None
@@ -212,27 +212,8 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
                 _prune(old)
         for old in [c for c in list_checkpoints(root) if checkpoint_order(c.name) <= newest][:-keep]:
             _prune(old)
-    _together(accelerator, publish, final.name)
+    together(accelerator, publish, f"save checkpoint {final.name}")
     return final
-
-
-def _together(accelerator, work: Callable[[], None], name: str, everyone: bool = False) -> None:
-    """`work` on the main process (every rank with `everyone`), then all ranks learn whether it
-    failed anywhere (one all-reduce, where a barrier stood): a failure (a full disk) stops every
-    rank at once, each with a line, where a barrier would hold the others until train.dist_timeout."""
-    error = None
-    if everyone or accelerator.is_main_process:
-        try:
-            work()
-        except BaseException as e:  # noqa: BLE001 - raised below, once the other ranks know (a Ctrl-C too)
-            error = e
-    if accelerator.num_processes > 1:  # "max" (a sum, in accelerate before 1.x's MAX: also non-zero)
-        failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max")
-        if failed.item() and error is None:
-            raise OSError(f"another process could not save checkpoint {name} (its own error line, or its "
-                          "traceback, says why)")
-    if error is not None:
-        raise error
 
 
 def sweep_unfinished(root: str | Path) -> None:

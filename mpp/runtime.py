@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from typing import Callable
 
 import torch
 
@@ -94,6 +95,25 @@ def deterministic(on: bool):
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def together(accelerator, work: Callable[[], None], what: str, everyone: bool = False) -> None:
+    """`work` on the main process (every rank with `everyone`), then all ranks learn whether it
+    failed anywhere (one all-reduce, where a barrier stood): a failure (a full disk, an output_dir
+    another run holds) stops every rank at once, each with a line, where a barrier or the next
+    collective would hold the others until train.dist_timeout. `what`: the work, for their line."""
+    error = None
+    if everyone or accelerator.is_main_process:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - raised below, once the other ranks know (a Ctrl-C too)
+            error = e
+    if accelerator.num_processes > 1:  # "max" (a sum, in accelerate before 1.x's MAX: also non-zero)
+        failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max")
+        if failed.item() and error is None:
+            raise OSError(f"another process could not {what} (its own error line, or its traceback, says why)")
+    if error is not None:
+        raise error
 
 
 def leave_process_group() -> None:

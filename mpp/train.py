@@ -58,7 +58,7 @@ from mpp.preemption import Preempted, Sigterm, Terminated, stop_on_sigterm, term
 from mpp.prefetch import DevicePrefetcher
 from mpp.profiling import StepProfiler, phase
 from mpp.resume import check_changes, check_origin, resume
-from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, resolve_precision
+from mpp.runtime import check_ranks_fit, check_run_settings, deterministic, resolve_precision, together
 from mpp.tensorboard import TensorBoard
 
 
@@ -169,13 +169,13 @@ def setup(cfg: Config) -> Run:
     # lock the run directory before the heavy set-up: a directory another run holds, or one that
     # train.resume=none may not reuse, stops the run before it loads encoders and data (locked
     # first: what a directory holds is told only of one no live run is writing)
-    if accelerator.is_main_process:
+    def claim() -> None:
         rundir.lock(out)
         if cfg.train.resume == "none":
             rundir.check_fresh(out)
         elif cfg.train.resume == "auto":
             rundir.check_unfinished(out)
-    accelerator.wait_for_everyone()
+    together(accelerator, claim, f"take output_dir '{out}'")  # the other ranks stop with it, not at a barrier
     # evaluators check their settings and data now, on every rank; they run on the main process
     periodic = evaluators.periodic(cfg, device)
     final = evaluators.create(objective.final_eval, cfg, device) if objective.final_eval else None
@@ -348,9 +348,10 @@ def finish(run: Run) -> dict:
     _record(run)  # a run resumed at its last step did none
     totals = _totals(run)
     check_export(task.encoder, int(run.bad.run.item()), list_checkpoints(out / "checkpoints"))
-    if accelerator.is_main_process:
+    def export() -> None:
         save_encoder(task.encoder, out, cfg.data)  # with the normalisation a fine-tune must use
         task.export(out)
+    together(accelerator, export, f"export the encoder to '{out}'")
     encoder = task.encoder
     img_size = encoder_img_size(encoder)
     results = {
@@ -381,11 +382,11 @@ def finish(run: Run) -> dict:
     results.update(run.state["begun"])  # the Task's start-up figures, kept across resumes
     results.update(run.state["origin"])  # what the run started from, checked at every resume
     results["wall_time_s"] = run.state["elapsed"] + time.time() - run.t_begin  # all segments, evaluation included
-    if accelerator.is_main_process:
+    def write() -> None:
         run.writer.close()  # its files written (or their error raised) before the run counts as finished
         write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
         print(summary(results, out))
-    accelerator.wait_for_everyone()
+    together(accelerator, write, f"write '{out / 'metrics.json'}'")
     return results
 
 

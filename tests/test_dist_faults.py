@@ -55,6 +55,24 @@ def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks_and_refuse_other_se
     assert again.returncode != 0 and 1 <= len(refusals) <= 2, again.stderr[-3000:]
     assert all("holds a finished run of other settings" in ln for ln in refusals), refusals
     assert "[rank1]" not in again.stderr and "Connection closed" not in again.stderr, again.stderr[-3000:]
+    # and with train.resume=none, which the main rank alone checks before the others wait for it:
+    # they stop with it, one line each (rank 1 died in the barrier with a gloo traceback)
+    fresh = subprocess.run(torchrun(tmp_path / "run", manifest, 6, "train.resume=none"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in fresh.stderr.splitlines() if ln.startswith("error: ")]
+    assert fresh.returncode != 0 and any("train.resume=none but output_dir" in ln for ln in lines), fresh.stderr[-3000:]
+    assert all("train.resume=none but output_dir" in ln or "another process could not take output_dir" in ln
+               for ln in lines), lines
+    assert "[rank1]" not in fresh.stderr and "Connection closed" not in fresh.stderr, fresh.stderr[-3000:]
+    # an export the main rank cannot write (here a folder where the encoder file goes): the same
+    (tmp_path / "run/metrics.json").unlink()
+    (tmp_path / "run/encoder.safetensors").unlink()
+    (tmp_path / "run/encoder.safetensors").mkdir()
+    export = subprocess.run(torchrun(tmp_path / "run", manifest, 6), cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    lines = [ln for ln in export.stderr.splitlines() if ln.startswith("error: ")]
+    assert export.returncode != 0 and any("encoder.safetensors" in ln for ln in lines), export.stderr[-3000:]
+    assert "[rank1]" not in export.stderr and "Connection closed" not in export.stderr, export.stderr[-3000:]
 
 
 ORPHAN = """import os, sys, time
