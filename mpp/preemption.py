@@ -68,7 +68,9 @@ class Sigterm:
             self.wait = interruptible  # set first: a SIGTERM from here on raises in `_note` or below
             if interruptible and self.got:
                 self.wait = False
-                raise Preempted
+                noted = Preempted()
+                noted.waited = False
+                raise noted
             yield
         finally:
             self.wait = False
@@ -108,7 +110,8 @@ def stop_on_sigterm(again: str = "the same command"):
 class Preempted(BaseException):
     """SIGTERM outside the loop or in a wait for data, raised where it lands, as Ctrl-C's
     KeyboardInterrupt is: an `except Exception` around a checkpoint's load or a shard's read would
-    count it as their damage."""
+    count it as their damage. `waited`: False where it was noted before the wait began."""
+    waited = True
 
 
 def terminated(run: Run, done: int, during: str = "") -> None:

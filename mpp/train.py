@@ -487,7 +487,7 @@ def _next_batch(run: Run, step: int, counted: dict, sigterm: Sigterm) -> dict:
         if isinstance(e, Preempted):
             if not held:
                 _save_reached(run, step, counted)
-            terminated(run, step, "while it waited for data")
+            terminated(run, step, "while it waited for data" if e.waited else "before the next batch")
         if held:
             raise
         try:

@@ -475,9 +475,10 @@ def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path
 def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data, tmp_path, monkeypatch):
     """From the train.max_bad_steps-th fp16 overflow in a row on, an overflow is a failed step. A
     checkpoint did not keep how many overflows were in a row, so a run resumed there counted
-    afresh, took more overflows as the scaler's and stopped later than the run it resumed (here at
-    step 8, not 6). Simulated as in the test above: every gradient non-finite, reported as the
-    scaler's overflow."""
+    afresh, took more overflows as the scaler's and stopped later than the run it resumed (near
+    step 8, not 6, from step 3). Simulated as in the test above: every gradient non-finite, reported
+    as the scaler's overflow; the run is stopped by a SIGTERM during its checkpoint of step 2, two
+    overflows into the run."""
     monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
     monkeypatch.setattr(mpp.train, "scaler_overflow", lambda accelerator, finite, losses: ~finite)
     items = dict(steps=8, **{"train.log_every": 2, "train.ckpt_every": 2, "train.max_bad_steps": 3})
@@ -492,7 +493,7 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
 
     with monkeypatch.context() as m:
         m.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
-        with pytest.raises(Terminated, match="stopped after step 3 of 8"):
+        with pytest.raises(Terminated, match="before the next batch: stopped after step 2 of 8"):
             train(config(settings(data, tmp_path / "resumed", **items)))
     with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
         train(config(settings(data, tmp_path / "resumed", **items)))
@@ -721,7 +722,8 @@ def test_a_sigterm_after_a_steps_check_does_not_wait_out_the_next_stalled_read(t
     monkeypatch.setattr(mpp.train, "_log", log)
     monkeypatch.setattr(mpp.train, "_batches", stalling(mpp.train._batches, 2, waits, lambda: stall.wait(60)))
     t0 = time.perf_counter()
-    with cpu_only(), pytest.raises(Terminated, match=r"stopped after step 2 of 8 and saved its checkpoint"), \
+    with cpu_only(), pytest.raises(Terminated, match=r"SIGTERM before the next batch: stopped after step 2 of 8 and "
+                                                     r"saved its checkpoint"), \
             pytest.warns(UserWarning, match="did not stop within 5 s"):  # the reader, in the stalled read
         train(items(tmp_path / "run"))
     stall.set()
