@@ -32,6 +32,7 @@ from mpp.evaluators.features import extract_features
 from mpp.evaluators.fewshot import BIAS_CONSTANT, Evaluator, fewshot_correct, fewshot_eval, fewshot_lstsq
 from mpp.evaluators.linear_probe import linear_probe
 from mpp.models import create_encoder, save_encoder
+from mpp.nonfinite import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -985,8 +986,18 @@ def test_non_finite_encoders_and_features_are_refused_and_never_cached(shards, t
         out["avg"][0] = float("nan")  # one image a batch (3 batches)
         return out
     monkeypatch.setattr(mpp.evaluators.features, "encode_images", some_nan)
-    with pytest.raises(ValueError, match=r"avg features of 3 of 80 images .* are NaN or infinite"):
-        extract_features(enc, shards["test"], **kw)
+    with pytest.raises(NonFiniteError, match=r"avg features of 3 of 80 images .* are NaN or infinite \(precision no\); "
+                                             r"give a finite encoder$"):
+        extract_features(enc, shards["test"], precision="no", **kw)  # fp32: no overflow to blame
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+    from toolrun import run_tool
+    save_encoder(enc, tmp_path / "finite")  # a fine-tune's probe head on them: one line, not a traceback
+    done = run_tool("finetune", f"output_dir={tmp_path / 'ft'}", "model=vit_micro4_32", "batch_size=32", "steps=1",
+                    f"data.train={shards['train']}", f"data.val={shards['test']}", "data.num_workers=1",
+                    f"finetune.init={tmp_path / 'finite'}", "finetune.head_init=probe", "finetune.pool=avg",
+                    f"probe.cache_dir={tmp_path / 'cache'}")
+    assert done.returncode == 1 and done.stderr.splitlines()[-1].startswith("error: the encoder's avg features of "), \
+        done.stderr[-2000:]
     assert not list((tmp_path / "cache").glob("*.safetensors"))
     monkeypatch.undo()
     first = extract_features(enc, shards["test"], **kw)
@@ -1011,6 +1022,31 @@ def test_non_finite_encoders_and_features_are_refused_and_never_cached(shards, t
     finally:
         monkeypatch.undo()
         mpp.evaluators.features.code_version.cache_clear()
+
+
+def test_the_few_shot_watch_shows_nan_for_non_finite_features(shards, tmp_path, monkeypatch):
+    """The watch during pre-training reads its features unchecked: NaN features (an fp16 overflow
+    in evaluation, a diverging encoder) solved to the chance-level figures of an argmax over NaN
+    (class 0 for every image), a plausible flat curve. Their figures are NaN now, with a warning;
+    the other representation's are as before."""
+    finite = fs_mod.encode_images
+
+    def nan_avg(*a, **k):
+        out = finite(*a, **k)
+        out["avg"][:, 0] = float("nan")
+        return out
+    cfg = _cfg(shards, tmp_path / "run", fewshot={"train": shards["train"], "test": shards["test"], "shots": [1, 5],
+                                                  "seeds": 2, "max_test": 40})
+    evaluator = Evaluator(cfg, "cpu")
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16)
+    clean = evaluator.run(encoder)
+    monkeypatch.setattr(fs_mod, "encode_images", nan_avg)
+    with pytest.warns(UserWarning, match="few-shot: the encoder's avg features are NaN or infinite"):
+        got = evaluator.run(encoder)
+    assert all(math.isnan(v) for k, v in got.items() if k.startswith("avg/")) and "avg/5shot_mean" in got
+    assert {k: v for k, v in got.items() if k.startswith("token/")} == {
+        k: v for k, v in clean.items() if k.startswith("token/")}
 
 
 def test_the_few_shot_watch_names_its_own_count_keys_and_refuses_a_stray_label(tmp_path):

@@ -19,11 +19,12 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mpp.config import Config
-from mpp.data import make_loader, normalize, to_float01
+from mpp.data import DataError, make_loader, normalize, to_float01
 from mpp.data.sources import resolve
 from mpp.fileio import atomic_path, sweep_orphans
 from mpp.models import POOLS
-from mpp.runtime import autocast
+from mpp.nonfinite import NonFiniteError
+from mpp.runtime import autocast, resolve_precision
 from mpp.specs import local_path
 
 log = logging.getLogger(__name__)
@@ -203,13 +204,14 @@ def extract_features(encoder, spec, *, cfg: Config, pools: tuple[str, ...] = POO
                                        precision=precision))
             labels.append(batch["label"].long().cpu())
     if not feats:
-        raise ValueError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
+        raise DataError(f"no labeled samples read from {spec!r}; check the shards and their 'cls' entries")
     features, labels = {p: torch.cat([f[p] for f in feats]) for p in pools}, torch.cat(labels)
     for p, f in features.items():  # an overflow (fp16) or a diverged encoder: refused, never cached
         if rows := int((~torch.isfinite(f).all(1)).sum()):
-            raise ValueError(f"the encoder's {p} features of {rows} of {len(f)} images from {spec!r} are NaN or "
-                             f"infinite (precision {precision}); probe it at train.precision=no, or give a finite "
-                             "encoder")
+            ran = resolve_precision(precision, device.type)  # fp32 overflows only where the encoder diverged
+            fix = "give a finite encoder" if ran == "no" else "run it at train.precision=no, or give a finite encoder"
+            raise NonFiniteError(f"the encoder's {p} features of {rows} of {len(f)} images from {spec!r} are NaN or "
+                                 f"infinite (precision {ran}); {fix}")
     skipped = loader.counters()
     num_classes = len(loader.classes) if loader.classes else int(labels.max()) + 1  # the cache's label bound
     if path is not None:

@@ -19,6 +19,7 @@ from mpp.data import make_loader
 from mpp.data.sources import check_same_classes, class_count, resolve, warn_shared
 from mpp.evaluators.features import (candidate_pools, encode_images, encoder_img_size, eval_batch_size, eval_mode,
                                      standardize)
+from mpp.runtime import resolve_precision
 
 BIAS_CONSTANT = 100.0  # big_vision: a large constant bias feature is almost unregularised
 
@@ -171,7 +172,14 @@ class Evaluator:
                 tr_f, te_f = self._features(encoder, tr_x, pools), self._features(encoder, te_x, pools)
         out, classes = {}, class_count(fs.train, fs.train_num_samples, tr_y)
         for p in pools:
-            figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
-                                   num_classes=classes)
+            if not (torch.isfinite(tr_f[p]).all() and torch.isfinite(te_f[p]).all()):  # an overflow, or divergence:
+                # NaN on the watch, not the chance-level figures a NaN solve gives (its argmax says class 0)
+                warnings.warn(f"few-shot: the encoder's {p} features are NaN or infinite (precision "
+                              f"{resolve_precision(self.cfg.train.precision, self.device.type)}): its figures are "
+                              "NaN", stacklevel=2)
+                figures = {f"{int(k)}shot_{s}": float("nan") for k in fs.shots for s in ("mean", "std")}
+            else:
+                figures = fewshot_eval(tr_f[p], tr_y, te_f[p], te_y, shots=fs.shots, seeds=fs.seeds, l2=fs.l2,
+                                       num_classes=classes)
             out.update({(f"{p}/{k}" if len(pools) > 1 else k): v for k, v in figures.items()})
         return out | {f"skipped_{kind}": n for kind, n in skipped.items()}

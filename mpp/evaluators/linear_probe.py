@@ -25,6 +25,7 @@ from timm.utils import accuracy
 
 from mpp import outcomes, rundir
 from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
+from mpp.data import DataError
 from mpp.data.sources import check_same_classes, class_count
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
                                      feature_cache_key, feature_stats, read_cached)
@@ -144,7 +145,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
         perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
         n_val = max(1, int(round(val_fraction * len(train_y))))
         if len(train_y) - n_val < 1:
-            raise ValueError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
+            raise DataError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
         fit_x, fit_y = {n: x[perm[n_val:]] for n, x in train_x.items()}, train_y[perm[n_val:]]
         val_x, val_y = {n: x[perm[:n_val]] for n, x in train_x.items()}, train_y[perm[:n_val]]
     else:
