@@ -261,6 +261,8 @@ CASES = [
     ("a negative generator seed", "make_synthetic", lambda t: [f"{t}/syn", "--seed", "-1"], None),
     ("config file that is not UTF-8 text", "pretrain", lambda t: ["--config", f"{t}/bin.yaml"],
      lambda t: (t / "bin.yaml").write_bytes(b"steps: 1\n\xff\xfe\n")),
+    ("config nested 2,000 lists deep", "pretrain", lambda t: ["--config", f"{t}/deep.yaml"],
+     lambda t: (t / "deep.yaml").write_text("steps: " + "[" * 2000 + "]" * 2000 + "\n")),
     ("config whose base: includes itself", "pretrain", lambda t: ["--config", f"{t}/loop.yaml"],
      lambda t: (t / "loop.yaml").write_text("base: loop.yaml\nsteps: 1\n")),
     ("mistyped data directory", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/data/trian"], None),

@@ -661,9 +661,10 @@ def test_a_probe_into_a_training_runs_folder_or_a_probe_of_other_settings_is_ref
     assert probe(tmp_path / "probe", "optim.lr=0.5")["top1"] == first["top1"]  # and one the probe never reads
     with pytest.raises(ConfigError, match="holds a finished probe of other settings .*probe.l2_grid"):
         probe(tmp_path / "probe", "probe.l2_grid=[0.1]")
-    (tmp_path / "probe" / "config.yaml").write_text("model: [")  # damaged: its settings are unknown, so kept
-    with pytest.raises(ConfigError, match="holds a finished probe .* no config.yaml this mpp can read"):
-        probe(tmp_path / "probe")
+    for damaged in (b"model: [", b"model: \xff\xfe"):  # not YAML, not UTF-8: its settings unknown, so kept
+        (tmp_path / "probe" / "config.yaml").write_bytes(damaged)
+        with pytest.raises(ConfigError, match="holds a finished probe .* no config.yaml this mpp can read"):
+            probe(tmp_path / "probe")
 
 
 def test_probe_l2_grid_is_a_config_key(tmp_path):

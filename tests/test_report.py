@@ -887,18 +887,33 @@ def test_run_directories_from_elsewhere_cannot_blow_up_or_crash_the_report(tmp_p
     good = cfg.read_text()
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdef", "bcdefg")) + "seed: *g\n"
+    import yaml
+    from mpp.config import read_yaml
+
+    def with_finetune(section) -> str:
+        return yaml.safe_dump({**read_yaml(good), "finetune": section})
     for text, match in ((bomb, r"config.yaml is not valid YAML .*\*a stands for a list or mapping"),
-                        (good + "seed: [1, 2]\n", "seed \\[1, 2\\] is not a whole number")):
-        cfg.write_text(text)
+                        (good + "seed: [1, 2]\n", "seed \\[1, 2\\] is not a whole number"),
+                        ("steps: " + "[" * 2000 + "]" * 2000 + "\n", "config.yaml is not valid YAML .*nested too deeply"),
+                        (good.encode() + b"\xff\xfe\n", "config.yaml is not UTF-8 text"),
+                        (with_finetune([1]), "finetune is a YAML list, not a mapping"),
+                        (with_finetune({"label_fraction": "abc"}), "label_fraction 'abc' is not a number"),
+                        (with_finetune({"init": 5}), "the encoder it read, 5, is no path")):
+        cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(ReportError, match=match):
             write_report(runs, tmp_path / "out")
     cfg.write_text(good)
+    m = runs[2] / "metrics.json"
+    kept = m.read_bytes()
+    m.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ReportError, match="metrics.json is not valid JSON"):
+        write_report(runs, tmp_path / "out")
+    m.write_bytes(kept)
     probe = next(r for r in runs if (r / "metrics.json").read_text().count("linear_probe"))
     m = json.loads((probe / "metrics.json").read_text())
     (probe / "metrics.json").write_text(json.dumps({**m, "probe_val_top1": {"abc": 0.5}}))
     with pytest.raises(ReportError, match="probe_val_top1 is not a mapping of L2 strengths"):
         write_report(runs, tmp_path / "out")
-    from mpp.config import read_yaml
     assert read_yaml("lr: &lr 0.1\nmin_lr: *lr\n") == {"lr": 0.1, "min_lr": 0.1}  # a scalar's alias stays fine
 
 

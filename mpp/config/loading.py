@@ -63,8 +63,12 @@ for _tag, _rx, _first in (
 
 
 def read_yaml(text) -> Any:
-    """`text` (a string or an open file) parsed with `YamlLoader`."""
-    return yaml.load(text, Loader=YamlLoader)
+    """`text` (a string or an open file) parsed with `YamlLoader`; nesting deeper than Python's
+    recursion allows (PyYAML's RecursionError, no YAMLError) is a yaml.YAMLError too."""
+    try:
+        return yaml.load(text, Loader=YamlLoader)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply (hundreds of levels of lists or mappings)") from None
 
 
 def _as_number(value: Any) -> Any:

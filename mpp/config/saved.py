@@ -28,7 +28,7 @@ def changed_settings(path: str | Path, now: Config) -> list[str] | None:
     try:
         data = read_yaml(Path(path).read_text()) or {}
         saved = flatten(to_dict(build_config(data))) if isinstance(data, dict) else None
-    except (OSError, yaml.YAMLError, ConfigError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError):
         saved = None
     if saved is None:
         return None

@@ -24,7 +24,7 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ReportError(f"{path} is missing; is {path.parent} a finished run directory?") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ReportError(f"{path} is not valid JSON ({e}); rerun that step") from None
     if not isinstance(data, dict):
         raise ReportError(f"{path} holds a JSON {type(data).__name__}, not the run's figures (an object); "
@@ -38,10 +38,12 @@ def _read_config(run_dir: Path) -> dict:
     if not path.is_file():
         raise ReportError(f"{path} is missing; every run directory needs its resolved config.yaml")
     try:
-        with open(path) as f:  # a stream names the file in the parser's message
+        with open(path, encoding="utf-8") as f:  # a stream names the file in the parser's message
             cfg = read_yaml(f) or {}
     except yaml.YAMLError as e:
         raise ReportError(f"{path} is not valid YAML ({' '.join(str(e).split())}); rerun that step") from None
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); rerun that step") from None
     if not isinstance(cfg, dict):
         raise ReportError(f"{path} holds a YAML {type(cfg).__name__}, not a config (a mapping); rerun that step")
     return cfg
@@ -64,6 +66,15 @@ def _source_family(init: str, run_dir: Path) -> str:
     return objective
 
 
+def _section(cfg: dict, name: str, run_dir: Path) -> dict:
+    """A config.yaml's section (empty where absent), refused where it is no mapping."""
+    section = cfg.get(name) or {}
+    if not isinstance(section, dict):
+        raise ReportError(f"{run_dir}/config.yaml: {name} is a YAML {type(section).__name__}, not a mapping; "
+                          "rerun that step")
+    return section
+
+
 def describe_run(run_dir: str | Path) -> dict:
     """{"dir", "kind": pretrain|finetune|probe, "family", "label_fraction", "metrics"} of one run."""
     run_dir = Path(run_dir)
@@ -71,13 +82,15 @@ def describe_run(run_dir: str | Path) -> dict:
     cfg = _read_config(run_dir)
     objective = cfg.get("objective")
     if metrics.get("kind") == "linear_probe":
-        kind, source = "probe", (cfg.get("probe") or {}).get("encoder", "")
+        kind, source = "probe", _section(cfg, "probe", run_dir).get("encoder", "")
     elif objective in ("mpp", "supervised"):
         kind, source = "pretrain", None
     elif objective == "classify":
-        kind, source = "finetune", (cfg.get("finetune") or {}).get("init", "none")
+        kind, source = "finetune", _section(cfg, "finetune", run_dir).get("init", "none")
     else:
         raise ReportError(f"{run_dir}/config.yaml: objective {objective!r} is none of mpp, supervised, classify")
+    if source is not None and not isinstance(source, str):
+        raise ReportError(f"{run_dir}/config.yaml: the encoder it read, {source!r}, is no path; rerun that step")
     family = metrics.get("role")
     if family is None:
         if kind == "pretrain":
@@ -90,7 +103,11 @@ def describe_run(run_dir: str | Path) -> dict:
         raise ReportError(f"{run_dir}/metrics.json: role {family!r} is none of {', '.join(FAMILIES)}")
     if kind == "pretrain" and family == "scratch":
         raise ReportError(f"{run_dir}: a pre-training run cannot have role 'scratch'")
-    fraction = float((cfg.get("finetune") or {}).get("label_fraction", 1.0)) if kind == "finetune" else None
+    fraction = _section(cfg, "finetune", run_dir).get("label_fraction", 1.0) if kind == "finetune" else None
+    if fraction is not None:
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
+            raise ReportError(f"{run_dir}/config.yaml: label_fraction {fraction!r} is not a number; rerun that step")
+        fraction = float(fraction)
     if not isinstance(cfg.get("seed", 0), int) or isinstance(cfg.get("seed"), bool):
         raise ReportError(f"{run_dir}/config.yaml: seed {cfg['seed']!r} is not a whole number; rerun that step")
     return {"dir": str(run_dir), "kind": kind, "family": family, "label_fraction": fraction, "metrics": metrics,
