@@ -43,11 +43,17 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
     The settings are checked first, as a run checks them at its start (ConfigError, nothing
     written): a bad one would fail every run."""
-    from mpp.config import ConfigError, load_config
+    from mpp.config import ConfigError, check_tool, flatten, load_config, parse_overrides
     from mpp.data.synthetic import make_synthetic
     from mpp.runtime import check_run_settings
+    if own := [k for k in ("output_dir", "data.train") if k in flatten(parse_overrides(settings))]:
+        # the soak counts what its runs lost in OUT/run's checkpoints, and makes their data there
+        raise ConfigError(f"{' and '.join(own)}: the soak's own (its runs in OUT/run, on its synthetic data in "
+                          "OUT/data); give the soak another OUT instead")
     overrides = [f"output_dir={out / 'run'}", f"data.train={out / 'data/train/manifest.json'}", *settings]
-    check_run_settings(load_config(None, overrides))
+    cfg = load_config(None, overrides)
+    check_tool(cfg, "pretrain")  # as each run checks them at its start
+    check_run_settings(cfg)
     if (out / "run").exists():  # its runs would resume that soak's run, with its settings, and mix the figures
         raise ConfigError(f"'{out / 'run'}' holds an earlier soak's run; give the soak a new folder, or delete it")
     rng = random.Random(seed)

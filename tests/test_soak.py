@@ -47,7 +47,11 @@ def test_overrides_follow_the_options_and_are_checked_before_anything_is_written
     assert seen[0][-1] == "batch_size=16"
     monkeypatch.undo()
     for bad, said in (("stepz=3", "unknown config key 'stepz'"),  # and what a run checks at its start:
-                      ("train.grad_accum=5", "batch_size=32 is not divisible")):  # every run failed on it
+                      ("train.grad_accum=5", "batch_size=32 is not divisible"),  # every run failed on it
+                      ("objective=classify", "is not what this tool trains"),
+                      # the soak read another folder's checkpoints than its runs wrote
+                      (f"output_dir={tmp_path / 'else'}", "output_dir: the soak's own"),
+                      ("data={train: x}", "data.train: the soak's own")):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path / "b"), bad, "--minutes", "0.01"])
         err = capsys.readouterr().err
