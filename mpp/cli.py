@@ -77,7 +77,7 @@ def parse_config_args(description: str, argv: list[str] | None = None, tool: str
         epilog="overrides are dotted keys with YAML values, e.g. steps=200 mpp.ratio=0.4 data.train=out/manifest.json\n"
                "valid keys: " + ", ".join(valid_keys()),
     )
-    parser.add_argument("--config", help="YAML config (see configs/); keys not given keep their defaults")
+    parser.add_argument("--config", type=path, help="YAML config (see configs/); keys not given keep their defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides, defaults=TOOL_DEFAULTS.get(tool, []))

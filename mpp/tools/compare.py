@@ -7,14 +7,14 @@ Finished stages are skipped, so the same command resumes an interrupted comparis
 """
 from __future__ import annotations
 
-from mpp.cli import ArgumentParser, one_line_errors
+from mpp.cli import ArgumentParser, one_line_errors, path
 from mpp.config import CompareConfig, load_compare_config, valid_keys
 
 
 @one_line_errors(extra=(RuntimeError,))  # a failed stage: its own output said why
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(__doc__, epilog="valid keys: " + ", ".join(valid_keys(CompareConfig)))
-    p.add_argument("--config", required=True, help="comparison config, e.g. configs/compare_synthetic.yaml")
+    p.add_argument("--config", required=True, type=path, help="comparison config, e.g. configs/compare_synthetic.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the stages and their commands, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="comparison config overrides, e.g. output_dir=runs/x 'overrides=[steps=20]'")

@@ -16,14 +16,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(__doc__, epilog="A run's role comes from its config (objective, finetune.init, "
                                             "probe.encoder, finetune.label_fraction) or a 'role' key in its "
                                             "metrics.json; see mpp/report/__init__.py.")
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", type=path,
                         help="run directories holding metrics.json and config.yaml, or directories to search "
                              "for them (a folder a report was written to: the runs its report.json's plan names)")
     parser.add_argument("--out", type=path,
                         help="where report.md/.json/.png go, over any report there (default: the folder named, "
                              "where one folder that is not a run is named, else the runs' common parent; not over "
                              "a report of other runs)")
-    parser.add_argument("--repeat", action="append", default=[], metavar="REPORT_DIR",
+    parser.add_argument("--repeat", action="append", default=[], metavar="REPORT_DIR", type=path,
                         help="the output_dir of the same comparison with another pre-training seed (its report.json; "
                              "compare's pretrain_seeds writes OUTPUT_DIR_pretrain_seedN): the report adds each gap "
                              "over the pre-training seeds; repeat for each (default: the repeats that the report "
