@@ -264,6 +264,7 @@ def test_bad_sweep_fails_before_any_work(tmp_path, capsys):
                                         ["sweep={optim.momentum: [0.8, 0.9]}"]), plan(cfg), machine=False)  # SGD's
     # a fine-tune key that the sweep, or finetune_pool: auto, sets after the overrides would reach no stage
     for compare_extra, overrides in ((SWEEP, ["overrides=[finetune.pool=avg]"]),
+                                     (SWEEP, ['overrides=["finetune={pool: avg}"]']),  # a section's mapping too
                                      (SWEEP, ["fraction_overrides={0.5: [finetune.pool=avg]}"]),
                                      ("sweep: {finetune.layer_decay: [0.5, 0.75]}\n",
                                       ["overrides=[finetune.layer_decay=0.9]"])):
@@ -495,6 +496,8 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
     refused("'sweep' names train.log_every", "sweep.train.log_every=[1,2]", compare=True)
     refused("'overrides' sets finetune.init, seed, which the comparison sets itself",
             "overrides=[seed=3,finetune.init=x]", compare=True)
+    refused("'overrides' sets finetune.init, which the comparison sets itself", 'overrides=["finetune={init: x}"]',
+            compare=True)
     refused("'launcher' names 'torchrn', which is no command on PATH", "launcher=torchrn")
     refused("'launcher' .* does not split into words", f"launcher={sys.executable} '--x")
     refused("'pretrain_overrides' sets seed, which the repeats would ignore",

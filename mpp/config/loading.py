@@ -290,6 +290,12 @@ def settings(data: dict) -> dict:
     return flatten(to_dict(cfg))
 
 
+def _keys(overrides) -> set[str]:
+    """The dotted keys that key=value `overrides` set, a section given as a mapping
+    (finetune={pool: avg}) by its keys."""
+    return set(flatten(parse_overrides(as_list(overrides))))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 defaults: list[str] | None = None) -> Config:
     """The config of the file at `path` with `overrides` over it; `defaults` (a tool's own,
@@ -326,15 +332,15 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError(f"compare config key 'sweep' names {', '.join(unread)}, which no fine-tune's result depends "
                           "on (a pre-training key, or one of speed or logging alone): its stages would differ in "
                           "nothing; sweep recipe keys such as optim.lr")
-    taken = {o.split("=", 1)[0].strip() for o in as_list(cfg.overrides)} & set(OVERRIDDEN_BY_COMPARE)
+    taken = _keys(cfg.overrides) & set(OVERRIDDEN_BY_COMPARE)
     if taken:
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(sorted(taken))}, which the comparison sets "
                           "itself for its stages (seeds: 'seeds' and 'pretrain_seeds'); override other keys")
-    if cfg.pretrain_seeds > 1 and "seed" in {o.split("=", 1)[0].strip() for o in as_list(cfg.pretrain_overrides)}:
+    if cfg.pretrain_seeds > 1 and "seed" in _keys(cfg.pretrain_overrides):
         raise ConfigError("compare config key 'pretrain_overrides' sets seed, which the repeats would ignore: with "
                           "pretrain_seeds > 1 they take seeds 0..N-1 themselves")
     chosen = set(cfg.sweep) | ({"finetune.pool"} if cfg.finetune_pool == "auto" else set())
-    lost = sorted(k for k in {o.split("=", 1)[0].strip() for o in as_list(cfg.overrides)} & chosen
+    lost = sorted(k for k in _keys(cfg.overrides) & chosen
                   if k.startswith("finetune."))  # read by the fine-tunes alone, each of which sets it after
     if lost:
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(lost)}, which the sweep or finetune_pool: "
@@ -349,7 +355,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         if not all(isinstance(o, str) for o in extra):
             raise ConfigError(f"compare config key 'fraction_overrides' gives label fraction {frac} {extra!r}; give "
                               f"key=value overrides, e.g. {{{frac}: [steps=2400]}}")
-        taken = {o.split("=", 1)[0].strip() for o in extra} & (set(SET_BY_COMPARE) | chosen)
+        taken = _keys(extra) & (set(SET_BY_COMPARE) | chosen)
         if taken:
             raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(taken))} for label "
                               f"fraction {frac}, which the comparison, its sweep or finetune_pool: auto sets; "
