@@ -338,8 +338,9 @@ def test_the_compare_figures_random_init_has_the_runs_resolution_and_normalisati
     assert numbers["specs"][-1] == "random init=none:vit_micro4_32@48"
     assert fed["random init"] == fed["pretrain_supervised"] == ((0.1, 0.2, 0.3), (12, 12))
     assert numbers["images"] == 16 and "holds 16 images, fewer than the 100 asked for" in capsys.readouterr().err
-    with pytest.raises(UsageError, match="none:PRESET@IMG_SIZE"):
-        inspection.load_inspected("none:vit_micro4_32@big")
+    for size in ("big", "\u00b2"):  # a superscript two is a digit to str.isdigit, and no int
+        with pytest.raises(UsageError, match="none:PRESET@IMG_SIZE"):
+            inspection.load_inspected(f"none:vit_micro4_32@{size}")
     with pytest.raises(UsageError, match="patch size 4 does not divide 30"):
         inspection.load_inspected("none:vit_micro4_32@30")
 

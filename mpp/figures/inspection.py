@@ -60,7 +60,7 @@ def load_inspected(spec: str, seed: int = 0) -> Inspected:
                          "or none:PRESET")
     if source.startswith("none:"):
         preset, at, size = source[5:].partition("@")
-        if at and not (size.isdigit() and int(size) > 0):
+        if at and not (size.isascii() and size.isdigit() and int(size) > 0):  # '²' is a digit int() refuses
             raise UsageError(f"--encoder {source}: give none:PRESET or none:PRESET@IMG_SIZE (whole pixels)")
         if preset not in PRESETS:
             raise UsageError(f"--encoder {source}: unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
