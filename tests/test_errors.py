@@ -265,6 +265,8 @@ CASES = [
      lambda t: (t / "bin.yaml").write_bytes(b"steps: 1\n\xff\xfe\n")),
     ("config nested 2,000 lists deep", "pretrain", lambda t: ["--config", f"{t}/deep.yaml"],
      lambda t: (t / "deep.yaml").write_text("steps: " + "[" * 2000 + "]" * 2000 + "\n")),
+    ("config whose base: does not exist", "pretrain", lambda t: ["--config", f"{t}/orphan.yaml"],
+     lambda t: (t / "orphan.yaml").write_text("base: gone.yaml\nsteps: 1\n")),
     ("config whose base: includes itself", "pretrain", lambda t: ["--config", f"{t}/loop.yaml"],
      lambda t: (t / "loop.yaml").write_text("base: loop.yaml\nsteps: 1\n")),
     ("mistyped data directory", "pretrain", lambda t: [*TRAIN(t), f"data.train={t}/data/trian"], None),

@@ -248,6 +248,9 @@ def load_yaml(path: str | Path, whole: tuple = (), _seen: tuple = ()) -> dict:
     if path.is_dir():
         raise ConfigError(f"config file '{path}' is a folder; give a YAML file (e.g. one of configs/)")
     if not path.is_file():
+        if _seen:  # a base: line's file, relative to the file that names it
+            raise ConfigError(f"config file '{path}' does not exist: '{_seen[-1]}' names it as its base: (relative to "
+                              "its own folder); fix that line")
         where = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
         raise ConfigError(f"config file '{path}' does not exist{where}; see configs/ for the shipped ones")
     try:
