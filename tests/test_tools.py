@@ -157,9 +157,10 @@ def test_a_tool_s_defaults_lie_beneath_its_config_file(tmp_path):
 def test_values_are_read_as_written(tmp_path):
     """Overrides and config files keep the text of a string (YAML 1.1 reads 010 as 8, 12:30 as 750,
     1_000 as 1000, off as false and 2026-12-04 as a date, a ' #' would start a comment, and an
-    override's runs/a: b or - a is YAML's mapping or list) and read numbers in decimal."""
+    override's runs/a: b, - a or #1 is YAML's mapping, list or comment) and read numbers in decimal."""
     from mpp.config import load_compare_config, load_config
-    for text in ("010", "12:30", "1_000", "off", "runs/a #1", "2026-12-04", "2026-12-04 10:00:00", "runs/a: b", "- a"):
+    for text in ("010", "12:30", "1_000", "off", "runs/a #1", "#1", "2026-12-04", "2026-12-04 10:00:00", "runs/a: b",
+                 "- a"):
         assert load_config(None, [f"output_dir={text}"]).output_dir == text
     compare = load_compare_config(ROOT / "configs/compare_synthetic.yaml", ["output_dir=runs/a: b"])
     assert compare.output_dir == "runs/a: b"

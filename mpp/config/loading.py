@@ -204,8 +204,9 @@ def parse_overrides(overrides: list[str], whole: tuple = (), root: type = Config
             value = read_yaml(raw) if raw != "" else ""
             if isinstance(value, str) and not raw.lstrip().startswith(("'", '"')):
                 value = raw.strip()  # all of it: a '#' in an override's value begins no comment
-            elif isinstance(value, (dict, list)) and _kind(key.strip(), root) == "str":
-                value = raw.strip()  # runs/a: b or - a, which YAML reads as a mapping or a list
+            elif (isinstance(value, (dict, list)) or value is None and raw.strip()[:1] == "#") \
+                    and _kind(key.strip(), root) == "str":
+                value = raw.strip()  # runs/a: b, - a or #a, which YAML reads as a mapping, a list or a comment
         except yaml.YAMLError:
             value = raw
         node = out
