@@ -865,6 +865,29 @@ def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path, gr
     assert not (tmp_path / "runs/pretrain_mpp/.lock").exists()
 
 
+def test_a_lone_sigint_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path):
+    """A SIGINT to the comparison alone (kill -INT, an IDE's stop button; not a terminal's Ctrl-C,
+    which reaches the stage too) left the stage training 30 s, then killed it with SIGKILL: no
+    checkpoint of the step it reached. The stage now gets SIGTERM after 5 s, as a launcher's does,
+    and its trainer saves."""
+    import signal
+    import time
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra="pretrain_overrides: [steps=100000]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mpp.tools.compare", "--config", str(path)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "runs/pretrain_mpp/config.yaml").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    start = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - start < 25, err[-3000:]
+    assert proc.returncode == 130 and "saved its checkpoint" in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted during stage 'pre-train mpp'"), err[-3000:]
+    assert list((tmp_path / "runs/pretrain_mpp/checkpoints").glob("step_*"))
+
+
 def test_a_stage_dies_with_the_comparison(tmp_path):
     """A stage is the forkserver's child, not the comparison's: a kill -9 of the comparison must
     still end it (it trained on, orphaned, holding its run directory against the next run); so

@@ -88,8 +88,11 @@ def run_stage(cmd: list[str], launcher: str) -> int:
         try:
             with _passing_sigterm(proc) as passed:
                 proc.join()
-        except KeyboardInterrupt:  # the stage got Ctrl-C too: it ends first, so its last lines come first
-            proc.join(timeout=30)
+        except KeyboardInterrupt:  # a terminal's Ctrl-C reached the stage too: it ends first, so its last
+            proc.join(timeout=5)  # lines come first; a lone kill -INT did not: SIGTERM, and its trainer saves
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=STOP_GRACE_S)
             if proc.is_alive():
                 proc.kill()
             raise
@@ -170,7 +173,8 @@ def _passing_sigterm(proc):
 
     def pass_on(signum, frame):
         passed.append(signum)
-        proc.terminate()  # SIGTERM; nothing once the stage has ended
+        if getattr(proc, "exitcode", None) is None:  # a forked stage's exit read first: its pid may be reused
+            proc.terminate()  # SIGTERM (a Popen reads its own exit first)
 
     old = signal.signal(signal.SIGTERM, pass_on)
     try:
