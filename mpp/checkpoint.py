@@ -170,7 +170,8 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         tmp.mkdir(parents=True)
         if first:  # the checkpoints folder's own entry on the disk too, or a power cut loses every checkpoint in it
             fsync(root.parent)
-    together(accelerator, begin, f"save checkpoint {final.name}")
+    what = f"save checkpoint {final.name}"  # the other ranks' line where one rank's step fails
+    together(accelerator, begin, what)
     mine = []
 
     def write_rng() -> None:
@@ -178,7 +179,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
         with atomic_path(rng) as f:
             torch.save(rng_state(), f)
         mine.append((rng.name, file_sha256(rng)))
-    together(accelerator, write_rng, f"save checkpoint {final.name}", everyone=True)
+    together(accelerator, write_rng, what, everyone=True)
     digests = gather_object(mine)  # every rank's, with the rest below
 
     def write() -> None:
@@ -191,7 +192,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
                         "scaler": scaler}, f)
         named = digests + [(name, file_sha256(tmp / name)) for name in ("model.safetensors", "state.pt")]
         write_atomic(tmp / DIGESTS, json.dumps(dict(sorted(named)), indent=1) + "\n")
-    together(accelerator, write, f"save checkpoint {final.name}")
+    together(accelerator, write, what)
 
     def publish() -> None:
         gone = None
@@ -212,7 +213,7 @@ def save_checkpoint(accelerator, root: str | Path, step: int, model: torch.nn.Mo
                 _prune(old)
         for old in [c for c in list_checkpoints(root) if checkpoint_order(c.name) <= newest][:-keep]:
             _prune(old)
-    together(accelerator, publish, f"save checkpoint {final.name}")
+    together(accelerator, publish, what)
     return final
 
 

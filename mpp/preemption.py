@@ -68,9 +68,7 @@ class Sigterm:
             self.wait = interruptible  # set first: a SIGTERM from here on raises in `_note` or below
             if interruptible and self.got:
                 self.wait = False
-                noted = Preempted()
-                noted.waited = False
-                raise noted
+                raise Preempted(waited=False)
             yield
         finally:
             self.wait = False
@@ -111,7 +109,10 @@ class Preempted(BaseException):
     """SIGTERM outside the loop or in a wait for data, raised where it lands, as Ctrl-C's
     KeyboardInterrupt is: an `except Exception` around a checkpoint's load or a shard's read would
     count it as their damage. `waited`: False where it was noted before the wait began."""
-    waited = True
+
+    def __init__(self, waited: bool = True):
+        super().__init__()
+        self.waited = waited
 
 
 def terminated(run: Run, done: int, during: str = "") -> None:

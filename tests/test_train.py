@@ -476,8 +476,8 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
     """From the train.max_bad_steps-th fp16 overflow in a row on, an overflow is a failed step. A
     checkpoint did not keep how many overflows were in a row, so a run resumed there counted
     afresh, took more overflows as the scaler's and stopped later than the run it resumed (near
-    step 8, not 6, from step 3). Simulated as in the test above: every gradient non-finite, reported
-    as the scaler's overflow; the run is stopped by a SIGTERM during its checkpoint of step 2, two
+    step 8, not 6). Simulated as in the test above: every gradient non-finite, reported as the
+    scaler's overflow; the run is stopped by a SIGTERM during its checkpoint of step 2, two
     overflows into the run."""
     monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
     monkeypatch.setattr(mpp.train, "scaler_overflow", lambda accelerator, finite, losses: ~finite)

@@ -336,7 +336,8 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError(f"compare config key 'sweep' names {', '.join(unread)}, which no fine-tune's result depends "
                           "on (a pre-training key, or one of speed or logging alone): its stages would differ in "
                           "nothing; sweep recipe keys such as optim.lr")
-    taken = _keys(cfg.overrides) & set(OVERRIDDEN_BY_COMPARE)
+    overridden = _keys(cfg.overrides)
+    taken = overridden & set(OVERRIDDEN_BY_COMPARE)
     if taken:
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(sorted(taken))}, which the comparison sets "
                           "itself for its stages (seeds: 'seeds' and 'pretrain_seeds'); override other keys")
@@ -344,7 +345,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError("compare config key 'pretrain_overrides' sets seed, which the repeats would ignore: with "
                           "pretrain_seeds > 1 they take seeds 0..N-1 themselves")
     chosen = set(cfg.sweep) | ({"finetune.pool"} if cfg.finetune_pool == "auto" else set())
-    lost = sorted(k for k in _keys(cfg.overrides) & chosen
+    lost = sorted(k for k in overridden & chosen
                   if k.startswith("finetune."))  # read by the fine-tunes alone, each of which sets it after
     if lost:
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(lost)}, which the sweep or finetune_pool: "

@@ -328,9 +328,9 @@ def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
     names, above = [], {str(root): {os.path.realpath(root)}}
     for folder, dirs, files in os.walk(root, followlinks=True):
         chain = above.pop(folder)
-        dirs[:] = [d for d in dirs if not d.startswith(STAGING)
-                   and os.path.realpath(os.path.join(folder, d)) not in chain]
-        above.update((os.path.join(folder, d), chain | {os.path.realpath(os.path.join(folder, d))}) for d in dirs)
+        real = {d: os.path.realpath(os.path.join(folder, d)) for d in dirs if not d.startswith(STAGING)}
+        dirs[:] = [d for d, r in real.items() if r not in chain]
+        above.update((os.path.join(folder, d), chain | {real[d]}) for d in dirs)
         rel = Path(folder).relative_to(root)
         names += [(rel / f).as_posix() for f in files if not f.startswith(STAGING)]
     names.sort()

@@ -80,13 +80,14 @@ def describe_run(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     metrics = _read_json(run_dir / "metrics.json")
     cfg = _read_config(run_dir)
-    objective = cfg.get("objective")
+    objective, fraction = cfg.get("objective"), None
     if metrics.get("kind") == "linear_probe":
         kind, source = "probe", _section(cfg, "probe", run_dir).get("encoder", "")
     elif objective in ("mpp", "supervised"):
         kind, source = "pretrain", None
     elif objective == "classify":
-        kind, source = "finetune", _section(cfg, "finetune", run_dir).get("init", "none")
+        finetune = _section(cfg, "finetune", run_dir)
+        kind, source, fraction = "finetune", finetune.get("init", "none"), finetune.get("label_fraction", 1.0)
     else:
         raise ReportError(f"{run_dir}/config.yaml: objective {objective!r} is none of mpp, supervised, classify")
     if source is not None and not isinstance(source, str):
@@ -103,7 +104,6 @@ def describe_run(run_dir: str | Path) -> dict:
         raise ReportError(f"{run_dir}/metrics.json: role {family!r} is none of {', '.join(FAMILIES)}")
     if kind == "pretrain" and family == "scratch":
         raise ReportError(f"{run_dir}: a pre-training run cannot have role 'scratch'")
-    fraction = _section(cfg, "finetune", run_dir).get("label_fraction", 1.0) if kind == "finetune" else None
     if fraction is not None:
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
             raise ReportError(f"{run_dir}/config.yaml: label_fraction {fraction!r} is not a number; rerun that step")
