@@ -247,10 +247,11 @@ def across_pretrain_seeds(reps: list[dict]) -> dict:
 def pool_choice(m: dict) -> dict | None:
     """How a probe chose the representation (a fine-tune's finetune.pool=auto, or the linear
     probe's, from its metrics.json): each candidate's top-1 on the images it was chosen on (`on`:
-    dev, the run's development split, or heldout, a held-out part of its training labels), how many
+    dev, the run's development split, heldout, a held-out part of its training labels, or cv, all
+    its labels in folds), how many
     images that was, the next best candidate (`other`) and the chosen one's lead over it
     (`choice_lead`, paired over those images). None where the run recorded no such choice."""
-    on = "dev" if "pool_dev_top1" in m else "heldout"
+    on = next((on for on in ("dev", "cv") if f"pool_{on}_top1" in m), "heldout")
     if not m.get(f"pool_{on}_top1") or not m.get("pool"):
         return None
     top1, records = m[f"pool_{on}_top1"], m.get(f"pool_{on}_outcomes") or {}

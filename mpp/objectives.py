@@ -214,7 +214,8 @@ class ClassifyTask(LabelTask):
     representation the way the linear probe does, but on this run's own labels only (a 10%-label
     fine-tune must not lean on a probe of all the labels): a probe of its training part, scored on
     its development split where it has one (which a comparison's pre-trainings never saw), else on
-    a held-out part of its training labels. The probe head's L2 is chosen on the same images."""
+    a held-out part of its training labels, or with finetune.pool_folds on all its labels in folds
+    (for an encoder that never trained on labels). The probe head's L2 is chosen on the same images."""
     final_eval = "classify"
 
     @classmethod

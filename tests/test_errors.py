@@ -244,6 +244,7 @@ CASES = [
     ("a seed past numpy's 2**32 - 1", "finetune", lambda t: [*FT(t), "seed=1e23"], None),
     ("a split seed past 2**32 - 1", "finetune", lambda t: [*FT(t), "finetune.split_seed=1e23"], None),
     ("finetune.head_l2 without a probe head", "finetune", lambda t: [*FT(t), "finetune.head_l2=0.01"], None),
+    ("one fold for the representation's choice", "finetune", lambda t: [*FT(t), "finetune.pool_folds=1"], None),
     ("a dotted key in a config file", "pretrain", lambda t: ["--config", f"{t}/dot.yaml", *TRAIN(t)],
      lambda t: (t / "dot.yaml").write_text("optim.lr: 0.1\n")),
     ("batch not divisible by accumulation", "pretrain", lambda t: [*TRAIN(t), "batch_size=6", "train.grad_accum=4"],

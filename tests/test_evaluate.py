@@ -26,7 +26,7 @@ import mpp.evaluators.linear_probe
 import mpp.objectives
 from mpp import outcomes
 from mpp.config import ConfigError, build_config
-from mpp.data import make_loader
+from mpp.data import DataError, make_loader
 from mpp.evaluators import create
 from mpp.evaluators.features import extract_features
 from mpp.evaluators.fewshot import BIAS_CONSTANT, Evaluator, fewshot_correct, fewshot_eval, fewshot_lstsq
@@ -112,7 +112,7 @@ def test_the_class_count_is_the_manifests_and_never_the_test_labels(tmp_path):
     assert class_count(manifest, 0, torch.tensor([0, 1])) == 5
     pattern = str(tmp_path / "a" / "{000000..000001}.tar")
     assert class_count(pattern, 8, torch.tensor([0, 3, 1, 2])) == 4
-    from mpp.data.decode import DataError  # a stray label made a head of a billion classes (hundreds of GiB)
+    # a stray label made a head of a billion classes (hundreds of GiB)
     with pytest.raises(DataError, match="its largest label, 999999999, would make 1000000000 classes for 3 labeled"):
         class_count(pattern, 8, torch.tensor([0, 1, 999_999_999]))
 
@@ -589,6 +589,73 @@ def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninform
         train(_cfg(shards, tmp_path / "fixed", finetune=fixed, **{**run, "train": {**run["train"], "ckpt_every": 1}}))
         (tmp_path / "fixed" / "metrics.json").unlink()
         train(_cfg(shards, tmp_path / "fixed", finetune=tune, **{**run, "steps": 2}))
+
+
+def test_choose_probe_with_folds_scores_every_labeled_image():
+    """With folds, the representation is chosen on every labeled image, the training part and the
+    development split together, each scored by fits that never saw it: a small development split
+    on which the weaker representation happens to win (as 500 CIFAR images did) no longer decides."""
+    from mpp.evaluators.linear_probe import choose_probe
+    g = torch.Generator().manual_seed(0)
+    y, dev_y = torch.arange(400) % 4, torch.arange(20) % 4
+
+    def features(labels, signal):
+        return torch.nn.functional.one_hot(labels, 8).float() * signal + torch.randn(len(labels), 8, generator=g)
+    train = {"weak": features(y, 0.7), "strong": features(y, 1.5)}
+    dev = (({"weak": features(dev_y, 3.0), "strong": features(dev_y, 0.0)}), dev_y)  # the weak one wins here
+    kw = dict(num_classes=4, l2_grid=(1e-3, 1e-1))
+    one, cv = choose_probe(train, y, dev=dev, **kw), choose_probe(train, y, dev=dev, folds=5, **kw)
+    assert (one.pool, one.on, cv.pool, cv.on) == ("weak", "dev", "strong", "cv")
+    for name, record in cv.outcomes.items():  # every labeled image once
+        assert record["n"] == 420 and outcomes.read(record)[1].mean() == pytest.approx(max(cv.scores[name].values()))
+    assert choose_probe(train, y, dev=dev, folds=5, **kw).scores == cv.scores  # seeded folds
+    assert choose_probe(train, y, dev=dev, folds=5, seed=1, **kw).scores != cv.scores
+    alone = choose_probe(train, y, folds=4, **kw)  # without a development split: the training labels in folds
+    assert alone.on == "cv" and {r["n"] for r in alone.outcomes.values()} == {400}
+    with pytest.raises(DataError, match="pool_folds=5 needs at least 5 labeled samples"):
+        choose_probe({"x": torch.randn(3, 2)}, torch.arange(3), folds=5, **kw)
+
+
+@pytest.mark.parametrize("init, config, fitted", [
+    ("none", None, False), ("run", "objective: mpp\n", False), ("run/encoder.safetensors", "objective: mpp\n", False),
+    ("run", "objective: supervised\n", True), ("run", "objective: classify\n", True), ("run", None, True),
+    ("run", "objective: [mpp\n", True), ("run", "- mpp\n", True)])
+def test_fitted_labels_trusts_only_a_label_free_pre_training(tmp_path, init, config, fitted):
+    """Folds validate a probe on the images the encoder was pre-trained on, which flatters what it
+    memorised where it fitted their labels: only a random init or a run whose config.yaml says
+    objective: mpp is known not to have; a supervised or fine-tuned run, or one whose config is
+    missing or unreadable, is taken as fitted."""
+    from mpp.evaluators.linear_probe import fitted_labels
+    (tmp_path / "run").mkdir()
+    if config is not None:
+        (tmp_path / "run" / "config.yaml").write_text(config)
+    assert fitted_labels(init if init == "none" else str(tmp_path / init)) is fitted
+
+
+def test_fine_tune_pool_folds_only_for_an_encoder_that_never_fitted_labels(shards, tmp_path):
+    """finetune.pool_folds scores a fine-tune's representation choice on all its labels in folds
+    when its init never trained on labels (pool_cv_*, every labeled image once); from a supervised
+    pre-training the development split alone decides, as without folds."""
+    from mpp.train import train
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    save_encoder(encoder, tmp_path)
+    encoder.vit.norm.register_forward_hook(_constant_cls)
+    run = dict(objective="classify", steps=1, data={"eval_crop_pct": 1.0}, train={"attn": "math"},
+               optim={"name": "sgd", "warmup_steps": 1, "weight_decay": 0.0})
+    tune = {"init": str(tmp_path), "pool": "auto", "label_fraction": 0.5, "dev_fraction": 0.25, "pool_folds": 3}
+    seen = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mpp.objectives, "encoder_from", lambda *a, **k: encoder)
+        for objective in ("mpp", "supervised"):
+            (tmp_path / "config.yaml").write_text(f"objective: {objective}\n")
+            seen[objective] = train(_cfg(shards, tmp_path / objective, finetune=tune, **run))
+    cv, dev = seen["mpp"], seen["supervised"]
+    assert cv["pool"] == dev["pool"] == "avg" and "pool_dev_top1" not in cv and "pool_cv_top1" not in dev
+    assert cv["pool_cv_top1"]["avg"] > 0.6 > 0.5 > cv["pool_cv_top1"]["token"]
+    for record in cv["pool_cv_outcomes"].values():  # the training part and the development split, once each
+        assert record["n"] == cv["train_samples"] + cv["val_samples"]
+    assert {r["n"] for r in dev["pool_dev_outcomes"].values()} == {dev["val_samples"]}
 
 
 @pytest.mark.slow

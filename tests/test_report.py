@@ -311,7 +311,7 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert f"supervised pre-training: token 60.0, avg 55.0 (lead +5.0 ± {dev_noise:.1f} on 100 " \
            "development images)" in md
     noise = 100 * outcomes.paired_sem(idx < 20, idx < 18)  # 5 points' lead, under twice its noise
-    assert "pool token (pool by a probe of its training labels, development top-1 token 50.0, avg 45.0 on 40 images: " \
+    assert "pool token (pool by a probe of its labels, development top-1 token 50.0, avg 45.0 on 40 images: " \
            f"lead +5.0 ± {noise:.1f} toss-up)" in md and 5 < 2 * noise
     assert rep["recipes"]["scratch"]["0.1"]["pool_choice"]["lead"]["clear"] is False  # the report's own verdict
     # dev runs without outcomes: no learning-rate toss-up claimed (no lead's noise known); scratch's
@@ -493,17 +493,19 @@ def test_what_fine_tuning_added_to_its_start(tmp_path):
     assert "| from scratch | 10%" not in md.split("What fine-tuning added")[1]
 
 
-def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path):
+@pytest.mark.parametrize("on, scored", [("heldout", "held-out"), ("cv", "cross-validated")])
+def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path, on, scored):
     """The comparison's other-representation stages: the chosen value's finals through the pool
     the best sweep stage did not choose, beside the chosen pool's. The chosen pool's runs stay the
     cell (whatever order the runs come in); where that choice was a toss-up on the cell's held-out
-    training labels (MPP here), each figure of the arm gets its range over both representations."""
+    training labels, or on all its labels in folds (MPP here), each figure of the arm gets its
+    range over both representations."""
     root = tmp_path / "runs"
     mpp = _run(root, "mpp", {"objective": "mpp"}, {"steps": 10})
     sup = _run(root, "sup", {"objective": "supervised"}, {"steps": 10})
     held, h = np.arange(100) % 10, np.arange(100)
-    toss = {"pool": "avg", "pool_heldout_top1": {"avg": 0.6, "token": 0.5},  # disagree on 90 of 100: a toss-up
-            "pool_heldout_outcomes": {"avg": outcomes.record(h < 60, held), "token": outcomes.record(h >= 50, held)}}
+    toss = {"pool": "avg", f"pool_{on}_top1": {"avg": 0.6, "token": 0.5},  # disagree on 90 of 100: a toss-up
+            f"pool_{on}_outcomes": {"avg": outcomes.record(h < 60, held), "token": outcomes.record(h >= 50, held)}}
     finals = {"supervised": {"token": (0.70, 0.72)}, "mpp": {"token": (0.40, 0.42), "avg": (0.50, 0.52)},
               "scratch": {"avg": (0.30, 0.32)}}
     chosen = {"supervised": "token", "mpp": "avg", "scratch": "avg"}
@@ -533,6 +535,7 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
                           "recovered_share": pytest.approx([0.25, 0.5], abs=1e-4)}
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| lr 0.03, pool token: 41.0 ± 1.4 (n=2) |" in md and "the range spans that too" in md
+    assert f"(pool by a probe of its labels, {scored} top-1 avg 60.0, token 50.0 on 100 images: lead" in md
     assert f"`{root / 'ft_mpp/token_seed1'}` (mpp finetune, another representation retrained)" in md
 
 

@@ -188,6 +188,8 @@ def validate(cfg: Config) -> None:
           f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
           "drop_path and label_smoothing must be in [0, 1)")
+    check(f.pool_folds == 0 or 2 <= f.pool_folds <= 20,
+          f"config key 'finetune.pool_folds' must be 0 (one split) or a number of folds in 2..20, got {f.pool_folds}")
     check(f.head_l2 >= 0 and (f.head_l2 == 0 or f.head_init == "probe"),
           f"config key 'finetune.head_l2' must be >= 0 (0: chosen by the run) and is the L2 of a probe head: "
           f"set finetune.head_init=probe or finetune.head_l2=0, got {f.head_l2} with head_init={f.head_init}")

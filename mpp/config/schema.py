@@ -78,6 +78,8 @@ class FinetuneConfig:
     dev_fraction: float = 0.0  # > 0: hold out this class-balanced share of that subset, train on the rest
                                # and evaluate on it instead of data.val (to choose a recipe, never on test)
     split_seed: int = 0        # draws the subset and the dev split (kept across `seed`, which varies the run)
+    pool_folds: int = 0        # >= 2: pool=auto (and a probe head's L2) scored by k-fold cross-validation over all
+                               # the run's labels, dev split included, for an encoder that never trained on labels
     drop_path: float = 0.0
     label_smoothing: float = 0.0
     head_init: str = "zero"    # zero (the paper) | probe: the linear probe of the frozen encoder on the

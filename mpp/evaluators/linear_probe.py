@@ -18,13 +18,14 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import yaml
 from accelerate.utils import set_seed
 from safetensors import safe_open
 from safetensors.torch import save_file
 from timm.utils import accuracy
 
 from mpp import outcomes, rundir
-from mpp.config import Config, ConfigError, ProbeConfig, save_config, to_dict
+from mpp.config import Config, ConfigError, ProbeConfig, read_yaml, save_config, to_dict
 from mpp.data import DataError
 from mpp.data.sources import check_same_classes, class_count
 from mpp.evaluators.features import (candidate_pools, encoder_img_size, extract_features, feature_cache_dir,
@@ -97,14 +98,15 @@ def fit_linear_head(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: floa
 class ProbeChoice(NamedTuple):
     """What `choose_probe` found: the representation and L2 strength with the best validation top-1,
     every pair's score there ({representation: {L2: top-1}}), that pair's fitted head (weight
-    (C, D), bias (C,) on raw features), the warm start of the refit on all the features, and each
+    (C, D), bias (C,) on raw features; with folds, the last fold's), the warm start of the refit on
+    all the features, and each
     representation's validation outcomes at its best L2 ({representation: mpp.outcomes record}),
     from which a report can tell how sure the choice of representation was. `head_l2s` holds each
     representation's L2 for a fine-tune's starting head (see `choose_probe`); `head_l2` (the chosen
     representation's), its `start_head` and `losses` ({L2: (validation cross-entropy, its standard
     error)} of the chosen representation) are that choice for the chosen one. `on`
-    names the validation images: `dev` (a development split) or `heldout` (a held-out part of the
-    training features)."""
+    names the validation images: `dev` (a development split), `heldout` (a held-out part of the
+    training features) or `cv` (every labeled image, in folds)."""
     pool: str
     l2: float
     scores: dict
@@ -120,9 +122,32 @@ class ProbeChoice(NamedTuple):
         return self.head_l2s[self.pool]
 
 
+def _splits(train_x: dict, train_y: torch.Tensor, val_fraction: float, seed: int, dev, folds: int) -> list:
+    """The (fit features, fit labels, validation features, validation labels) pairs `choose_probe`
+    scores: one split (`dev`, else a held-out part of the training features), or with `folds` k
+    seeded folds of all the labeled images (training and `dev` together), each validated once."""
+    if folds:
+        x = train_x if dev is None else {n: torch.cat([v, dev[0][n]]) for n, v in train_x.items()}
+        y = train_y if dev is None else torch.cat([train_y, dev[1].long()])
+        if len(y) < folds:
+            raise DataError(f"finetune.pool_folds={folds} needs at least {folds} labeled samples, got {len(y)}")
+        parts = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed)).tensor_split(folds)
+        rest = [torch.cat([q for j, q in enumerate(parts) if j != i]) for i in range(folds)]
+        return [({n: v[r] for n, v in x.items()}, y[r], {n: v[p] for n, v in x.items()}, y[p])
+                for p, r in zip(parts, rest)]
+    if dev is not None:
+        return [(train_x, train_y, dev[0], dev[1].long())]
+    perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(round(val_fraction * len(train_y))))
+    if len(train_y) - n_val < 1:
+        raise DataError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
+    return [({n: x[perm[n_val:]] for n, x in train_x.items()}, train_y[perm[n_val:]],
+             {n: x[perm[:n_val]] for n, x in train_x.items()}, train_y[perm[:n_val]])]
+
+
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
                  val_fraction: float = 0.1, l2_grid=ProbeConfig.l2_grid, seed: int = 0,
-                 dev: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None) -> ProbeChoice:
+                 dev: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None, folds: int = 0) -> ProbeChoice:
     """Every (representation, L2) pair of {representation: features (N, D)} fitted and scored on
     validation images; the best wins (ties: the stronger L2, then the earlier representation).
 
@@ -132,6 +157,10 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     pre-training has fitted the labels of the training features (all of them but the withheld
     development splits), so a held-out part of them flatters what it memorised, in the
     representation and in the L2 alike: a comparison gives every probe a development split.
+    With `folds` >= 2 they are every image of `train_x` and `dev` together, in k seeded folds, each
+    scored by the fits on the others (`on` cv): a 10% development split of a 10% label subset is
+    500 CIFAR images, on which two representations a few points apart swap places (docs/results.md),
+    and all the labels are ten times that. Only for an encoder that never fitted these labels.
 
     A fine-tune's starting head (LP-FT) takes its L2 by another rule, on the chosen representation:
     the strongest whose validation cross-entropy is within one standard error of the lowest (the
@@ -141,30 +170,24 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     its standard error, as on a few dozen validation images, the strongest would be a head near
     zero; the start then takes, of the L2s within that standard error, the best validation top-1."""
     train_y = train_y.long()
-    if dev is None:
-        perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
-        n_val = max(1, int(round(val_fraction * len(train_y))))
-        if len(train_y) - n_val < 1:
-            raise DataError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
-        fit_x, fit_y = {n: x[perm[n_val:]] for n, x in train_x.items()}, train_y[perm[n_val:]]
-        val_x, val_y = {n: x[perm[:n_val]] for n, x in train_x.items()}, train_y[perm[:n_val]]
-    else:
-        (fit_x, fit_y), (val_x, val_y) = (train_x, train_y), (dev[0], dev[1].long())
-    scores: dict[str, dict[float, float]] = {}
     fits: dict[tuple[str, float], torch.Tensor] = {}
-    stats, hits, losses = {}, {}, {}
-    for name, x in fit_x.items():
-        fx, vx = x.float(), val_x[name].float()
-        stats[name] = mean, std = feature_stats(fx)
-        fx, vx = (fx - mean) / std, (vx - mean) / std
-        scores[name], losses[name], w = {}, {}, None
-        for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
-            w = fits[name, l2] = _fit_logistic(fx, fit_y, num_classes, l2, init=w)
-            logits = vx @ w[:-1] + w[-1]
-            scores[name][l2] = _topk(logits, val_y, 1)
-            hits[name, l2] = logits.topk(1, dim=1).indices[:, 0].eq(val_y)  # the images _topk counted
-            ce = F.cross_entropy(logits, val_y, reduction="none")
-            losses[name][l2] = (ce.mean().item(), ce.std().item() / len(ce) ** 0.5 if len(ce) > 1 else 0.0)
+    stats, right, ces, val_ys = {}, {}, {}, []
+    for fit_x, fit_y, val_x, val_y in _splits(train_x, train_y, val_fraction, seed, dev, folds):
+        val_ys.append(val_y)
+        for name, x in fit_x.items():
+            fx, vx = x.float(), val_x[name].float()
+            stats[name] = mean, std = feature_stats(fx)
+            fx, vx, w = (fx - mean) / std, (vx - mean) / std, None
+            for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
+                w = fits[name, l2] = _fit_logistic(fx, fit_y, num_classes, l2, init=w)
+                logits = vx @ w[:-1] + w[-1]
+                right.setdefault((name, l2), []).append(logits.topk(1, dim=1).indices[:, 0].eq(val_y))
+                ces.setdefault((name, l2), []).append(F.cross_entropy(logits, val_y, reduction="none"))
+    val_y = torch.cat(val_ys)  # every validated image once, in the order of the hits and losses
+    hits = {k: torch.cat(v) for k, v in right.items()}
+    scores = {n: {l2: hits[n, l2].float().mean().item() for l2 in l2_grid} for n in train_x}
+    losses = {n: {l2: ((ce := torch.cat(ces[n, l2])).mean().item(), ce.std().item() / len(ce) ** 0.5
+                       if len(ce) > 1 else 0.0) for l2 in l2_grid} for n in train_x}
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
@@ -180,7 +203,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     return ProbeChoice(rep, best, scores, _fold(fits[rep, best], *stats[rep]),
                        {n: outcomes.record(hits[n, own[n]].numpy(), val_y.numpy()) for n in order},
                        _fold(fits[rep, head_l2s[rep]], *stats[rep]), losses[rep],
-                       "heldout" if dev is None else "dev", head_l2s)
+                       "cv" if folds else "heldout" if dev is None else "dev", head_l2s)
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, num_classes: int | None = None,
@@ -249,14 +272,31 @@ def _read_head(path: Path, pools: tuple[str, ...], shape: tuple[int, int], on: s
     return {"weight": weight, "bias": bias, **fit}
 
 
+def fitted_labels(init: str) -> bool:
+    """Whether the encoder a finetune.init names may have trained on labels, so that validating a
+    probe on its training images would flatter what it memorised (see `choose_probe`): False for
+    none (a random init) and for a run directory, or its encoder.safetensors, whose config.yaml
+    says objective: mpp; True for any other (a supervised pre-training, a fine-tune, or unknown)."""
+    if init == "none":
+        return False
+    run = Path(init) if Path(init).is_dir() else Path(init).parent
+    try:
+        with open(run / "config.yaml", encoding="utf-8") as f:
+            saved = read_yaml(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return True
+    return not (isinstance(saved, dict) and saved.get("objective") == "mpp")
+
+
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str, dev_subset: tuple | None = None) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
     chosen on validation top-1) of the labeled `subset` of data.train (as `make_loader` takes it),
     its L2 chosen by the starting-head rule of `choose_probe`, on `dev_subset` (the run's
     development split) where given, else on a held-out part (probe.val_fraction, split by
-    finetune.split_seed), or given as finetune.head_l2: {weight (C, D), bias (C,), pool, l2, and with
-    ON dev or heldout: ON_top1 and ON_loss (at that L2), pool_ON_top1 and pool_ON_outcomes (each
+    finetune.split_seed), or with finetune.pool_folds on every labeled image in folds where the
+    encoder never trained on labels (`fitted_labels`), or given as finetune.head_l2: {weight (C, D),
+    bias (C,), pool, l2, and with ON dev, heldout or cv: ON_top1 and ON_loss (at that L2), pool_ON_top1 and pool_ON_outcomes (each
     candidate's best and its per-image outcomes), pool_head_l2 (each candidate's starting-head L2)},
     the starting head of a fine-tune with finetune.head_init=probe and the representation of one
     with finetune.pool=auto. Features and the head go through the
@@ -270,10 +310,11 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
                                  subset=subset)
     rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
     grid = (cfg.finetune.head_l2,) if cfg.finetune.head_l2 else p.l2_grid
+    folds = 0 if fitted_labels(cfg.finetune.init) else cfg.finetune.pool_folds
     key = json.dumps([features, list(pools), sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
-                      rule, dev_subset and list(dev_subset)])  # heads cached under an earlier rule are refitted
+                      rule, dev_subset and list(dev_subset)] + ([folds] if folds else []))  # old heads keep their key
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
-    on = "dev" if dev_subset else "heldout"  # choose_probe's name of the validation images
+    on = "cv" if folds else "dev" if dev_subset else "heldout"  # choose_probe's name of the validation images
     if (cached := read_cached(path, lambda f: _read_head(f, pools, (num_classes, encoder.embed_dim), on))) is not None:
         return cached
     x, y, _ = extract_features(encoder, cfg.data.train, cfg=cfg, pools=POOLS, num_samples=cfg.data.num_samples,
@@ -285,7 +326,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
                                      subset=dev_subset)
         dev = {n: dx[n] for n in pools}, dy
     c = choose_probe(x, y, num_classes=num_classes, val_fraction=p.val_fraction, l2_grid=grid,
-                     seed=cfg.finetune.split_seed, dev=dev)
+                     seed=cfg.finetune.split_seed, dev=dev, folds=folds)
     weight, bias = fit_linear_head(x[c.pool], y, num_classes, c.head_l2, init=c.start_head)
     fit = {"pool": c.pool, "l2": c.head_l2, f"{c.on}_top1": c.scores[c.pool][c.head_l2],
            f"{c.on}_loss": c.losses[c.head_l2][0], f"pool_{c.on}_outcomes": c.outcomes,

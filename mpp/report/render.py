@@ -14,6 +14,9 @@ from mpp.gaps import GAPS, significant
 from mpp.report import FAMILIES, FAMILY_NAMES, PAPER_SHARE, ReportError
 from mpp.report.runs import pretrain_seeds
 
+# the images a representation was chosen on (mpp.gaps.pool_choice's `on`), as the report names them
+SCORED_ON = {"dev": "development", "heldout": "held-out", "cv": "cross-validated"}
+
 
 def _pct(v) -> str:
     return "—" if v is None else f"{100 * v:.1f}"
@@ -203,7 +206,7 @@ def _probe_notes(t: dict) -> list[str]:
     for f in FAMILIES:
         if not (c := t[f].get("probe_pool_choice")):
             continue
-        where = "development" if c["on"] == "dev" else "held-out"
+        where = SCORED_ON[c["on"]]
         held.append(f"{FAMILY_NAMES[f]}: " + ", ".join(f"{p} {100 * v:.1f}" for p, v in c["top1"].items())
                     + (f" (lead {_lead_cell(c['lead'])} on {c['n']} {where} images)" if c.get("n") and c.get("lead")
                        else f" ({where})"))
@@ -263,9 +266,9 @@ def _recipes_section(rep: dict) -> list[str]:
         again = ", ".join(f"{_short(x['values'])}: {_seeds_cell(x['top1'], x['std'], x['n'])}"
                           for x in r["retrained"]) or "—"
         pool = r.get("pool_choice")
-        scored = ("development top-1" if pool.get("on") == "dev" else "held-out top-1") if pool else ""
+        scored = f"{SCORED_ON[pool['on']]} top-1" if pool else ""
         images = f" on {pool['n']} images" if pool and pool["n"] is not None else ""
-        how = (f" (pool by a probe of its training labels, {scored} "
+        how = (f" (pool by a probe of its labels, {scored} "
                f"{', '.join(f'{k} {_pct(v)}' for k, v in pool['top1'].items())}{images}: "
                f"lead {_lead_cell(pool['lead'])})" if pool else "")
         edges = [f"{end} {key.rsplit('.', 1)[-1]}" for key, end in (r.get("edges") or {}).items()]
