@@ -610,6 +610,8 @@ def test_choose_probe_with_folds_scores_every_labeled_image():
         assert record["n"] == 420 and outcomes.read(record)[1].mean() == pytest.approx(max(cv.scores[name].values()))
     assert choose_probe(train, y, dev=dev, folds=5, **kw).scores == cv.scores  # seeded folds
     assert choose_probe(train, y, dev=dev, folds=5, seed=1, **kw).scores != cv.scores
+    twice = choose_probe(train, y, dev=dev, folds=5, num_classes=4, l2_grid=(1e-3, 1e-1, 1e-3))  # a repeated L2
+    assert (twice.scores, twice.losses, twice.outcomes) == (cv.scores, cv.losses, cv.outcomes)
     alone = choose_probe(train, y, folds=4, **kw)  # without a development split: the training labels in folds
     assert alone.on == "cv" and {r["n"] for r in alone.outcomes.values()} == {400}
     with pytest.raises(DataError, match="pool_folds=5 needs at least 5 labeled samples"):
@@ -635,7 +637,8 @@ def test_fitted_labels_trusts_only_a_label_free_pre_training(tmp_path, init, con
 def test_fine_tune_pool_folds_only_for_an_encoder_that_never_fitted_labels(shards, tmp_path):
     """finetune.pool_folds scores a fine-tune's representation choice on all its labels in folds
     when its init never trained on labels (pool_cv_*, every labeled image once); from a supervised
-    pre-training the development split alone decides, as without folds."""
+    pre-training the development split alone decides, as without folds; and a final given its
+    representation and its head's L2 chooses nothing, so fits no folds."""
     from mpp.train import train
     torch.manual_seed(0)
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
@@ -650,12 +653,16 @@ def test_fine_tune_pool_folds_only_for_an_encoder_that_never_fitted_labels(shard
         for objective in ("mpp", "supervised"):
             (tmp_path / "config.yaml").write_text(f"objective: {objective}\n")
             seen[objective] = train(_cfg(shards, tmp_path / objective, finetune=tune, **run))
+        final = {**tune, "pool": "avg", "dev_fraction": 0.0, "head_init": "probe", "head_l2": 0.01}
+        (tmp_path / "config.yaml").write_text("objective: mpp\n")
+        seen["final"] = train(_cfg(shards, tmp_path / "final_mpp", finetune=final, **run))
     cv, dev = seen["mpp"], seen["supervised"]
     assert cv["pool"] == dev["pool"] == "avg" and "pool_dev_top1" not in cv and "pool_cv_top1" not in dev
     assert cv["pool_cv_top1"]["avg"] > 0.6 > 0.5 > cv["pool_cv_top1"]["token"]
     for record in cv["pool_cv_outcomes"].values():  # the training part and the development split, once each
         assert record["n"] == cv["train_samples"] + cv["val_samples"]
     assert {r["n"] for r in dev["pool_dev_outcomes"].values()} == {dev["val_samples"]}
+    assert "head_probe_heldout_top1" in seen["final"] and not [k for k in seen["final"] if "_cv_" in k]
 
 
 @pytest.mark.slow

@@ -536,6 +536,8 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| lr 0.03, pool token: 41.0 ± 1.4 (n=2) |" in md and "the range spans that too" in md
     assert f"(pool by a probe of its labels, {scored} top-1 avg 60.0, token 50.0 on 100 images: lead" in md
+    folds = "but for MPP pre-training the representation was chosen by a probe scored in folds over all the cell's"
+    assert (folds in md) is (on == "cv")  # the intro's "never chosen on images it trained on" qualified
     assert f"`{root / 'ft_mpp/token_seed1'}` (mpp finetune, another representation retrained)" in md
 
 

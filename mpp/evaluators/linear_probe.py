@@ -122,27 +122,29 @@ class ProbeChoice(NamedTuple):
         return self.head_l2s[self.pool]
 
 
-def _splits(train_x: dict, train_y: torch.Tensor, val_fraction: float, seed: int, dev, folds: int) -> list:
-    """The (fit features, fit labels, validation features, validation labels) pairs `choose_probe`
-    scores: one split (`dev`, else a held-out part of the training features), or with `folds` k
-    seeded folds of all the labeled images (training and `dev` together), each validated once."""
+def _splits(train_x: dict, train_y: torch.Tensor, val_fraction: float, seed: int, dev, folds: int):
+    """The (fit features, fit labels, validation features, validation labels) that `choose_probe`
+    scores, one at a time: one split (`dev`, else a held-out part of the training features), or
+    with `folds` k seeded folds of all the labeled images (training and `dev` together), each
+    validated once."""
     if folds:
         x = train_x if dev is None else {n: torch.cat([v, dev[0][n]]) for n, v in train_x.items()}
         y = train_y if dev is None else torch.cat([train_y, dev[1].long()])
         if len(y) < folds:
             raise DataError(f"finetune.pool_folds={folds} needs at least {folds} labeled samples, got {len(y)}")
         parts = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed)).tensor_split(folds)
-        rest = [torch.cat([q for j, q in enumerate(parts) if j != i]) for i in range(folds)]
-        return [({n: v[r] for n, v in x.items()}, y[r], {n: v[p] for n, v in x.items()}, y[p])
-                for p, r in zip(parts, rest)]
-    if dev is not None:
-        return [(train_x, train_y, dev[0], dev[1].long())]
-    perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
-    n_val = max(1, int(round(val_fraction * len(train_y))))
-    if len(train_y) - n_val < 1:
-        raise DataError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
-    return [({n: x[perm[n_val:]] for n, x in train_x.items()}, train_y[perm[n_val:]],
-             {n: x[perm[:n_val]] for n, x in train_x.items()}, train_y[perm[:n_val]])]
+        for i, p in enumerate(parts):
+            r = torch.cat([q for j, q in enumerate(parts) if j != i])
+            yield {n: v[r] for n, v in x.items()}, y[r], {n: v[p] for n, v in x.items()}, y[p]
+    elif dev is not None:
+        yield train_x, train_y, dev[0], dev[1].long()
+    else:
+        perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
+        n_val = max(1, int(round(val_fraction * len(train_y))))
+        if len(train_y) - n_val < 1:
+            raise DataError(f"linear probe needs at least 2 training samples, got {len(train_y)}")
+        yield ({n: x[perm[n_val:]] for n, x in train_x.items()}, train_y[perm[n_val:]],
+               {n: x[perm[:n_val]] for n, x in train_x.items()}, train_y[perm[:n_val]])
 
 
 def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num_classes: int,
@@ -169,7 +171,7 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     encoder (docs/evaluation.md). Where no L2's validation loss beats a uniform guess's (log C) by
     its standard error, as on a few dozen validation images, the strongest would be a head near
     zero; the start then takes, of the L2s within that standard error, the best validation top-1."""
-    train_y = train_y.long()
+    train_y, grid = train_y.long(), sorted(set(l2_grid), reverse=True)  # strong to weak: each fit warm-starts the next
     fits: dict[tuple[str, float], torch.Tensor] = {}
     stats, right, ces, val_ys = {}, {}, {}, []
     for fit_x, fit_y, val_x, val_y in _splits(train_x, train_y, val_fraction, seed, dev, folds):
@@ -178,16 +180,16 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
             fx, vx = x.float(), val_x[name].float()
             stats[name] = mean, std = feature_stats(fx)
             fx, vx, w = (fx - mean) / std, (vx - mean) / std, None
-            for l2 in sorted(l2_grid, reverse=True):  # strong to weak: each fit warm-starts the next
+            for l2 in grid:
                 w = fits[name, l2] = _fit_logistic(fx, fit_y, num_classes, l2, init=w)
                 logits = vx @ w[:-1] + w[-1]
                 right.setdefault((name, l2), []).append(logits.topk(1, dim=1).indices[:, 0].eq(val_y))
                 ces.setdefault((name, l2), []).append(F.cross_entropy(logits, val_y, reduction="none"))
     val_y = torch.cat(val_ys)  # every validated image once, in the order of the hits and losses
     hits = {k: torch.cat(v) for k, v in right.items()}
-    scores = {n: {l2: hits[n, l2].float().mean().item() for l2 in l2_grid} for n in train_x}
+    scores = {n: {l2: hits[n, l2].float().mean().item() for l2 in grid} for n in train_x}
     losses = {n: {l2: ((ce := torch.cat(ces[n, l2])).mean().item(), ce.std().item() / len(ce) ** 0.5
-                       if len(ce) > 1 else 0.0) for l2 in l2_grid} for n in train_x}
+                       if len(ce) > 1 else 0.0) for l2 in grid} for n in train_x}
     order = list(train_x)
     rep, best = max(((n, l2) for n in order for l2 in scores[n]),
                     key=lambda p: (scores[p[0]][p[1]], p[1], -order.index(p[0])))
@@ -310,7 +312,8 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
                                  subset=subset)
     rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
     grid = (cfg.finetune.head_l2,) if cfg.finetune.head_l2 else p.l2_grid
-    folds = 0 if fitted_labels(cfg.finetune.init) else cfg.finetune.pool_folds
+    chooses = pool == "auto" or not cfg.finetune.head_l2  # the representation, or the L2, or both
+    folds = cfg.finetune.pool_folds if chooses and not fitted_labels(cfg.finetune.init) else 0
     key = json.dumps([features, list(pools), sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
                       rule, dev_subset and list(dev_subset)] + ([folds] if folds else []))  # old heads keep their key
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"

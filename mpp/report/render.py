@@ -72,16 +72,22 @@ def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in values.items()) or "—"
 
 
-def _withheld_note(t: dict, chosen: bool) -> str:
+def _withheld_note(t: dict, recipes: dict) -> str:
     """What the pre-trainings left out, for the table's intro: the fine-tunes' development splits
-    (data.withhold), or, where recipes were `chosen` on such splits, the arms whose pre-training
-    read them."""
+    (data.withhold), or, where `recipes` were chosen on such splits, the arms whose pre-training
+    read them; and the arms whose representation was chosen in folds (finetune.pool_folds) over
+    images their pre-training read unlabeled."""
     kept = [{"mpp": "MPP"}.get(f, f) for f in FAMILIES
             if t[f]["pretrain"] and t[f]["pretrain"].get("read_dev_splits")]
-    if not kept or not chosen:
+    folded = [FAMILY_NAMES[f] for f in FAMILIES
+              if any((r.get("pool_choice") or {}).get("on") == "cv" for r in (recipes.get(f) or {}).values())]
+    if not kept or not any(recipes.get(f) for f in FAMILIES):
         return (" (the comparison leaves the fine-tunes' development splits out of a pre-training on their training "
                 "set, data.withhold, so that no fine-tune's learning rate or representation is chosen on images it "
-                "trained on).") if not kept else "."
+                "trained on" + (f"; but for {' and '.join(folded)} the representation was chosen by a probe scored "
+                                "in folds over all the cell's labels, finetune.pool_folds, images that a pre-training "
+                                "may have read, never their labels" if folded else "")
+                + ").") if not kept else "."
     many = len(kept) > 1
     return (f". The {' and '.join(kept)} pre-training{'s' if many else ''} read fine-tunes' development splits "
             f"(data.withhold empty or short of them): the learning rates and representations chosen on those splits for "
@@ -106,7 +112,7 @@ def _main_table(rep: dict) -> list[str]:
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
              "on training images its fit left out (below; token: [class] token, avg: mean of the patch tokens). Pre-training: its "
-             "steps and the images it read" + _withheld_note(t, any(rep["recipes"].get(f) for f in FAMILIES)), "",
+             "steps and the images it read" + _withheld_note(t, rep["recipes"]), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FAMILIES:
         row = t[f]
@@ -189,7 +195,7 @@ def _gaps_table(rep: dict) -> list[str]:
                      "runner-up value, retrained on all the labels with the same seeds (test top-1 in the recipe "
                      "table), in every combination." if ranged else "")
                   + (" A toss-up of the representation (finetune.pool, chosen by a probe of the cell's own "
-                     "training labels) is marked too; where the comparison retrained the chosen value through the "
+                     "labels) is marked too; where the comparison retrained the chosen value through the "
                      "other representation as well (same seeds), the range spans that too." if pooled else "")]
     if probed:
         lines += ["", "† on the linear-probe and few-shot rows: an arm whose probe chose its representation by a "
