@@ -114,8 +114,8 @@ def best_point(points: list[list[str]], outs: list[Path], rank: int = 0) -> list
 
 def head_l2(outs: list[Path], rank: int = 0, pool: str | None = None) -> list[str]:
     """The override that gives a final fine-tune the starting head's L2 (finetune.head_l2) that the
-    sweep stage ranked `rank` chose on its development split for representation `pool` (default:
-    its own), so that the finals choose nothing on their training labels, most of which a
+    sweep stage ranked `rank` chose on its development split (or in folds, finetune.pool_folds) for
+    representation `pool` (default: its own), so that the finals choose nothing on their training labels, most of which a
     supervised pre-training fitted; none where that stage fitted no probe head for it, nor where its
     head started at zero (finetune.pool=auto then fits a probe only to choose the representation)."""
     m = _ranked(outs)[rank][1]
@@ -195,8 +195,8 @@ def _plan_one(cfg: CompareConfig, pretrain_seed: int) -> list[Stage]:
             best = [Choice(f"{', '.join(cfg.sweep)}: best dev top-1 of {len(sweep)} sweep stages (with the "
                            "finetune.head_l2 it chose, if it started from a probe head)", points[0],
                            lambda outs=outs, points=points: best_point(points, outs))] if sweep else []
-            # the representation that the best (the second-best) sweep stage chose on its training labels
-            pools = [Choice(f"finetune.pool: the {nth} sweep stage's, chosen on its training labels",
+            # the representation that the best (the second-best) sweep stage chose on its labels
+            pools = [Choice(f"finetune.pool: the {nth} sweep stage's, chosen by a probe of its labels",
                             ["finetune.pool=token"],
                             lambda outs=outs, r=r: [f"finetune.pool={_ranked(outs)[r][1]['pool']}"])
                      for r, nth in enumerate(("best", "second-best"))] if choose and sweep else []
