@@ -215,6 +215,9 @@ def test_the_figures_say_what_they_show(data, tmp_path, drawn):
     assert "on its own; a component's sign is arbitrary" in drawn["filters.png"]
     assert "first 3 of 10 images" in drawn["predictions_m.png"]
     assert "of the chosen patches of all 10 fall in the true colour class" in drawn["predictions_m.png"]
+    inspect_encoders([f"m={tmp_path / 'mpp'}"], data, tmp_path / "few", images=2, grid_images=3, batch_size=4)
+    assert "first 3 images" in drawn["predictions_m.png"]  # more rows than the accuracy counts: it says so
+    assert "of the chosen patches of the first 2 of them fall in the true colour class" in drawn["predictions_m.png"]
 
 
 def test_tool_reads_a_brace_pattern_with_its_count_and_keeps_labels_apart(data, tmp_path):

@@ -98,7 +98,8 @@ def filters(components: dict[str, torch.Tensor], path: Path) -> None:
 def predictions(grid: torch.Tensor, name: str, accuracy: float, rows: int, images: int, path: Path) -> None:
     """The MPP prediction grid (uint8 H x W x 3 from `predictions.prediction_grid`, four panels per
     row, `rows` images) with its column labels and a title giving the colour `accuracy` over
-    `images` images: it names that count, as the grid shows only the first few."""
+    `images` images: it names that count, as the grid shows only the first few (or, with more rows
+    than `images`, images beyond those the accuracy counts)."""
     plt = _pyplot()
     h, w = grid.shape[:2]
     fig, ax = plt.subplots(figsize=(max(7.0, w / 80), h / 80 + 1.0), dpi=100)
@@ -111,8 +112,10 @@ def predictions(grid: torch.Tensor, name: str, accuracy: float, rows: int, image
     ax.set_yticks([])
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_title(f"{name}: MPP predictions on the chosen patches of the first {rows} of {images} images\n"
-                 f"{100 * accuracy:.0f}% of the chosen patches of all {images} fall in the true colour class",
+    shown, counted = (f"{rows} of {images} images", f"all {images}") if rows <= images else \
+        (f"{rows} images", f"the first {images} of them")
+    ax.set_title(f"{name}: MPP predictions on the chosen patches of the first {shown}\n"
+                 f"{100 * accuracy:.0f}% of the chosen patches of {counted} fall in the true colour class",
                  fontsize=9)
     fig.tight_layout()
     save_figure(fig, path)
