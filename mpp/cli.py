@@ -13,7 +13,7 @@ import signal
 import sys
 
 from mpp.config import TOOL_DEFAULTS, Config, ConfigError, check_tool, load_config, valid_keys
-from mpp.launcher import die_with_launcher
+from mpp.launcher import die_with_launcher, launch_env
 
 
 class UsageError(Exception):
@@ -83,7 +83,7 @@ def parse_config_args(description: str, argv: list[str] | None = None, tool: str
     cfg = load_config(args.config, args.overrides, defaults=TOOL_DEFAULTS.get(tool, []))
     typed = "objective" in {o.split("=", 1)[0].strip() for o in args.overrides}
     unread = check_tool(cfg, tool, source=f"config file '{args.config}'" if args.config and not typed else "")
-    if unread and int(os.environ.get("RANK", "0")) == 0:
+    if unread and launch_env()["RANK"] == 0:
         print(f"warning: {'; '.join(unread)}: those settings do nothing here", file=sys.stderr)
     return cfg
 

@@ -10,6 +10,8 @@ import os
 import signal
 import sys
 
+from mpp.config import ConfigError
+
 
 def follow_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies (Linux; elsewhere nothing)."""
@@ -43,3 +45,34 @@ def die_with_launcher() -> None:
         if os.getppid() == 1 and not _init_is_launcher():
             raise SystemExit("error: this rank's launcher (torchrun / accelerate launch) exited while it "
                              "started; start the job again")
+
+
+LAUNCH_VARS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}  # name: value where unset
+
+
+def launch_env() -> dict[str, int]:
+    """The launcher's variables (torchrun's, accelerate launch's: LAUNCH_VARS and MASTER_PORT, None
+    where unset) as whole numbers, checked before torch or Accelerate read them: a mistyped or
+    stray one gave their traceback (int('abc') in torch's rendezvous), and a WORLD_SIZE above 1
+    left from another launch, without MASTER_ADDR, Accelerate's. ConfigError in one line instead."""
+    fix = "the launcher sets it (torchrun): unset it to run one process, or launch with torchrun"
+    got: dict = {}
+    for name, unset in [*LAUNCH_VARS.items(), ("MASTER_PORT", None)]:
+        text = os.environ.get(name)
+        try:
+            got[name] = unset if text is None else int(text)
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={text!r} is not a whole number; {fix}") from None
+    world, rank, port = got["WORLD_SIZE"], got["RANK"], got["MASTER_PORT"]
+    bad = [f"{name}={got[name]}" for name, ok in (
+        ("WORLD_SIZE", world >= 1), ("RANK", rank >= 0 and ("WORLD_SIZE" not in os.environ or rank < world)),
+        ("LOCAL_RANK", got["LOCAL_RANK"] >= 0), ("LOCAL_WORLD_SIZE", got["LOCAL_WORLD_SIZE"] >= 1),
+        ("MASTER_PORT", port is None or 1 <= port <= 65535)) if not ok]
+    if bad:
+        raise ConfigError(f"environment variable {bad[0]} is out of range (WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE, "
+                          f"LOCAL_RANK >= 0, LOCAL_WORLD_SIZE >= 1, MASTER_PORT in 1..65535); {fix}")
+    if world > 1 and not os.environ.get("MASTER_ADDR"):
+        raise ConfigError(f"environment variable WORLD_SIZE={world} asks for {world} processes, but MASTER_ADDR, where "
+                          "they meet, is unset: a variable left from another launch? Unset WORLD_SIZE to run one "
+                          "process, or launch with torchrun")
+    return got

@@ -25,7 +25,6 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -49,7 +48,7 @@ from mpp.data.decode import SAMPLE_SKIPS, SHARD_SKIPS, DataError
 from mpp.data.sources import resolve
 from mpp.evaluators.features import encoder_img_size
 from mpp.fileio import write_atomic
-from mpp.launcher import die_with_launcher
+from mpp.launcher import die_with_launcher, launch_env
 from mpp.models import save_encoder
 from mpp.nonfinite import BadSteps, check_export, check_finite, scaler_overflow, skip_unless_finite
 from mpp.objectives import OBJECTIVES, Task, build_task
@@ -157,10 +156,11 @@ def setup(cfg: Config) -> Run:
     AcceleratorState._reset_state()  # a later train() in the same process may use another precision
     # cpu=True on machines without an accelerator: only then does Accelerate treat torchrun /
     # accelerate launch processes as MULTI_CPU (gloo) ranks instead of independent single runs
+    launch = launch_env()
     on_accelerator = torch.accelerator.is_available()
     device_type = torch.accelerator.current_accelerator().type if on_accelerator else "cpu"
     if on_accelerator:
-        check_ranks_fit(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.accelerator.device_count(), device_type)
+        check_ranks_fit(launch["LOCAL_WORLD_SIZE"], torch.accelerator.device_count(), device_type)
     precision = resolve_precision(cfg.train.precision, device_type)
     accelerator = Accelerator(mixed_precision=precision, cpu=not on_accelerator, kwargs_handlers=[
         InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout))])

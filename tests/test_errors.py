@@ -615,6 +615,25 @@ def test_out_of_memory_is_one_line_saying_what_to_lower():
         raise RuntimeError("a bug")
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"MASTER_PORT": "abc", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+     "environment variable MASTER_PORT='abc' is not a whole number"),
+    ({"MASTER_PORT": "70000", "MASTER_ADDR": "127.0.0.1"}, "environment variable MASTER_PORT=70000 is out of range"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1"}, "environment variable RANK=2 is out of range"),
+    ({"WORLD_SIZE": "2"}, "environment variable WORLD_SIZE=2 asks for 2 processes, but MASTER_ADDR")])
+def test_a_bad_launch_variable_is_one_line(data_root, tmp_path, monkeypatch, env, says):
+    """The launcher's variables, mistyped or left from another launch, ended in torch's or
+    Accelerate's traceback (int('abc') in the rendezvous; MASTER_ADDR not set), or with MASTER_ADDR
+    in a wait of train.dist_timeout for ranks that never come; now one line before any work."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err = tool_in_process("pretrain", [f"output_dir={tmp_path}/out", f"data.train={data_root}/train", *SMALL])
+    assert code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 0, err
+    assert not (tmp_path / "out").exists()
+
+
 class _Usage:
     def __init__(self, free: int):
         self.free = free
