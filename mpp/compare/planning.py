@@ -115,9 +115,10 @@ def best_point(points: list[list[str]], outs: list[Path], rank: int = 0) -> list
 def head_l2(outs: list[Path], rank: int = 0, pool: str | None = None) -> list[str]:
     """The override that gives a final fine-tune the starting head's L2 (finetune.head_l2) that the
     sweep stage ranked `rank` chose on its development split (or in folds, finetune.pool_folds) for
-    representation `pool` (default: its own), so that the finals choose nothing on their training labels, most of which a
-    supervised pre-training fitted; none where that stage fitted no probe head for it, nor where its
-    head started at zero (finetune.pool=auto then fits a probe only to choose the representation)."""
+    representation `pool` (default: its own), so that the finals choose nothing on their training
+    labels, most of which a supervised pre-training fitted; none where that stage fitted no probe
+    head for it, nor where its head started at zero (finetune.pool=auto then fits a probe only to
+    choose the representation)."""
     m = _ranked(outs)[rank][1]
     if m.get("head_init", "probe") != "probe":
         return []

@@ -298,11 +298,11 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     development split) where given, else on a held-out part (probe.val_fraction, split by
     finetune.split_seed), or with finetune.pool_folds on every labeled image in folds where the
     encoder never trained on labels (`fitted_labels`), or given as finetune.head_l2: {weight (C, D),
-    bias (C,), pool, l2, and with ON dev, heldout or cv: ON_top1 and ON_loss (at that L2), pool_ON_top1 and pool_ON_outcomes (each
-    candidate's best and its per-image outcomes), pool_head_l2 (each candidate's starting-head L2)},
-    the starting head of a fine-tune with finetune.head_init=probe and the representation of one
-    with finetune.pool=auto. Features and the head go through the
-    feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
+    bias (C,), pool, l2, and with ON dev, heldout or cv: ON_top1 and ON_loss (at that L2),
+    pool_ON_top1 and pool_ON_outcomes (each candidate's best and its per-image outcomes),
+    pool_head_l2 (each candidate's starting-head L2)}, the starting head of a fine-tune with
+    finetune.head_init=probe and the representation of one with finetune.pool=auto. Features and
+    the head go through the feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
     and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     # features of every representation (one forward gives them all), so that the sweep's stages of
