@@ -43,10 +43,10 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
     The settings are checked first, as a run checks them at its start (ConfigError, nothing
     written): a bad one would fail every run."""
-    from mpp.config import ConfigError, check_tool, flatten, load_config, parse_overrides
+    from mpp.config import ConfigError, check_tool, load_config, override_keys
     from mpp.data.synthetic import make_synthetic
     from mpp.runtime import check_run_settings
-    if own := [k for k in ("output_dir", "data.train") if k in flatten(parse_overrides(settings))]:
+    if own := sorted({"output_dir", "data.train"} & override_keys(settings), reverse=True):
         # the soak counts what its runs lost in OUT/run's checkpoints, and makes their data there
         raise ConfigError(f"{' and '.join(own)}: the soak's own (its runs in OUT/run, on its synthetic data in "
                           "OUT/data); give the soak another OUT instead")

@@ -12,8 +12,8 @@ says what a config may be (`validate`, and `check_tool` for the tool that runs i
 """
 from mpp.config.checks import TOOL_DEFAULTS, TOOL_OBJECTIVES, UNREAD, UNREAD_WITH, check_tool, unread, validate
 from mpp.config.loading import (DICT_SHAPES, OVERRIDDEN_BY_COMPARE, SET_BY_COMPARE, YamlLoader, as_list,
-                                build_config, load_compare_config, load_config, load_yaml, parse_overrides,
-                                read_yaml, settings)
+                                build_config, load_compare_config, load_config, load_yaml, override_keys,
+                                parse_overrides, read_yaml, settings)
 from mpp.config.saved import ENCODER_KEYS, SAID_MOST, changed_settings, said, same_setting, save_config
 from mpp.config.schema import (MAX_BITS, MAX_TOKENS, RESULT_NEUTRAL, WHOLE, CompareConfig, Config, ConfigError,
                                DataConfig, FewshotConfig, FinetuneConfig, MPPConfig, OptimConfig, PrepareConfig,
@@ -24,5 +24,5 @@ __all__ = ["DICT_SHAPES", "ENCODER_KEYS", "MAX_BITS", "MAX_TOKENS", "OVERRIDDEN_
            "CompareConfig", "Config", "ConfigError", "DataConfig", "FewshotConfig", "FinetuneConfig", "MPPConfig",
            "OptimConfig", "PrepareConfig", "ProbeConfig", "SupervisedConfig", "TrainConfig", "YamlLoader", "as_list",
            "build_config", "changed_settings", "check_tool", "choices", "flatten", "load_compare_config",
-           "load_config", "load_yaml", "parse_overrides", "read_yaml", "said", "same_setting", "save_config",
+           "load_config", "load_yaml", "override_keys", "parse_overrides", "read_yaml", "said", "same_setting", "save_config",
            "settings", "to_dict", "unread", "valid_keys", "validate"]

@@ -294,7 +294,7 @@ def settings(data: dict) -> dict:
     return flatten(to_dict(cfg))
 
 
-def _keys(overrides) -> set[str]:
+def override_keys(overrides) -> set[str]:
     """The dotted keys that key=value `overrides` set, a section given as a mapping
     (finetune={pool: avg}) by its keys."""
     return set(flatten(parse_overrides(as_list(overrides))))
@@ -336,12 +336,12 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         raise ConfigError(f"compare config key 'sweep' names {', '.join(unread)}, which no fine-tune's result depends "
                           "on (a pre-training key, or one of speed or logging alone): its stages would differ in "
                           "nothing; sweep recipe keys such as optim.lr")
-    overridden = _keys(cfg.overrides)
+    overridden = override_keys(cfg.overrides)
     taken = overridden & set(OVERRIDDEN_BY_COMPARE)
     if taken:
         raise ConfigError(f"compare config key 'overrides' sets {', '.join(sorted(taken))}, which the comparison sets "
                           "itself for its stages (seeds: 'seeds' and 'pretrain_seeds'); override other keys")
-    if cfg.pretrain_seeds > 1 and "seed" in _keys(cfg.pretrain_overrides):
+    if cfg.pretrain_seeds > 1 and "seed" in override_keys(cfg.pretrain_overrides):
         raise ConfigError("compare config key 'pretrain_overrides' sets seed, which the repeats would ignore: with "
                           "pretrain_seeds > 1 they take seeds 0..N-1 themselves")
     chosen = set(cfg.sweep) | ({"finetune.pool"} if cfg.finetune_pool == "auto" else set())
@@ -360,7 +360,7 @@ def load_compare_config(path: str | Path, overrides: list[str] | None = None) ->
         if not all(isinstance(o, str) for o in extra):
             raise ConfigError(f"compare config key 'fraction_overrides' gives label fraction {frac} {extra!r}; give "
                               f"key=value overrides, e.g. {{{frac}: [steps=2400]}}")
-        taken = _keys(extra) & (set(SET_BY_COMPARE) | chosen)
+        taken = override_keys(extra) & (set(SET_BY_COMPARE) | chosen)
         if taken:
             raise ConfigError(f"compare config key 'fraction_overrides' sets {', '.join(sorted(taken))} for label "
                               f"fraction {frac}, which the comparison, its sweep or finetune_pool: auto sets; "

@@ -302,8 +302,9 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
     pool_ON_top1 and pool_ON_outcomes (each candidate's best and its per-image outcomes),
     pool_head_l2 (each candidate's starting-head L2)}, the starting head of a fine-tune with
     finetune.head_init=probe and the representation of one with finetune.pool=auto. Features and
-    the head go through the feature cache: a comparison's sweep points and seeds start from the same encoder and labels,
-    and the head is fitted once for all of them (an unreadable cached head is fitted again)."""
+    the head go through the feature cache: a comparison's sweep points and seeds start from the
+    same encoder and labels, and the head is fitted once for all of them (an unreadable cached
+    head is fitted again)."""
     cache, p, pools = feature_cache_dir(cfg), cfg.probe, candidate_pools(pool)
     # features of every representation (one forward gives them all), so that the sweep's stages of
     # either representation share one extraction; the head's fit reads only `pools`
