@@ -427,6 +427,23 @@ def test_a_drawing_again_leaves_no_earlier_grid_and_the_accuracy_is_of_the_image
     assert not list(out.glob("predictions_*.png")) and "predictions" not in figures_section(tmp_path / "cmp")
 
 
+def test_a_drawing_that_fails_leaves_no_record_of_the_one_before(data, tmp_path, monkeypatch):
+    """A drawing that stopped after its first figures left the earlier drawing's inspect.json beside
+    them: the report linked the new PNGs as the old record's, and a comparison took them as done."""
+    from mpp.figures import inspection
+    from mpp.report.render import figures_section
+    saved_mpp_run(tmp_path / "mpp")
+    out = tmp_path / "cmp/figures"
+    inspection.inspect_encoders([str(tmp_path / "mpp")], data, out, images=2, grid_images=2, batch_size=2)
+    assert "attention_distance.png" in figures_section(tmp_path / "cmp")
+    def fail(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(inspection.plots, "filters", fail)
+    with pytest.raises(OSError, match="disk full"):
+        inspection.inspect_encoders([str(tmp_path / "mpp")], data, out, images=2, grid_images=2, batch_size=2)
+    assert not (out / "inspect.json").exists() and figures_section(tmp_path / "cmp") == ""
+
+
 def test_a_bad_mpp_head_or_encoder_file_is_refused_in_one_line(tmp_path):
     """A head file that is no safetensors, of other mpp settings, without the [mask] embedding or
     diverged ended in a traceback of safetensors or torch; so did a hand-made non-square encoder,

@@ -184,6 +184,7 @@ def inspect_encoders(specs: list[str], data, out: str | Path, images: int = 64, 
               "averages over those", file=sys.stderr)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "inspect.json").unlink(missing_ok=True)  # a crash below leaves no record for the figures it left half-drawn
     numbers: dict = {"data": str(data), "num_samples": num_samples, "specs": list(specs),
                      "images": len(cache[first][:images]), "filters": FILTERS, "encoders": {}}
     distances, sims, comps, grids, patch, sizes = {}, {}, {}, {}, {}, {}
