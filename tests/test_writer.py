@@ -692,3 +692,74 @@ def test_a_compressed_source_checks_the_output_first_and_says_when_its_copy_find
         write_shards(src, tmp_path / "out", progress=False)
     monkeypatch.setattr(tempfile, "TemporaryFile", real)
     assert write_shards(src, tmp_path / "out", progress=False)["num_samples"] > 0
+
+
+def test_an_output_folder_is_a_path_never_a_url(folder: Path, tmp_path: Path, monkeypatch):
+    """Each shard's path went to webdataset as a string, which it reads as a URL: an output folder
+    'v2:shards' failed (no handler for 'v2:'), and one named 'pipe:...' ran a shell command."""
+    monkeypatch.chdir(tmp_path)
+    m = write_shards(folder, "v2:shards", samples_per_shard=5, progress=False)
+    _check_round_trip(tmp_path / "v2:shards", folder, m)
+    write_shards(folder, "pipe:touch PWNED", progress=False)
+    assert not list(tmp_path.rglob("PWNED*")) and (tmp_path / "pipe:touch PWNED" / "manifest.json").is_file()
+
+
+def test_a_folder_that_cannot_be_listed_is_refused_not_dropped(folder: Path, tmp_path: Path, monkeypatch):
+    """os.walk dropped a folder it could not list without a word: its images were lost and, a
+    class, every later class's label moved down one. It is an error naming the folder."""
+    scandir = os.scandir
+    def denied(path="."):
+        if Path(path) == folder / "b_cls":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+    monkeypatch.setattr(os, "scandir", denied)
+    with pytest.raises(ShardError, match=f"cannot list folder '{folder / 'b_cls'}' \\(Permission denied\\)"):
+        write_shards(folder, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_class_folder_keeps_its_label_from_a_folder_and_a_tar(folder: Path, tmp_path: Path):
+    """A truly empty class folder (a test split's) vanished from the classes, and every later
+    class's label moved down one; only one holding some non-image file kept its label."""
+    shutil.rmtree(folder / CLASSES[1])
+    (folder / CLASSES[1]).mkdir()
+    (folder / "loose.jpg").unlink()  # an image beside the class folders: the tar's 'src/' would be the class
+    src = tmp_path / "src.tar"
+    with tarfile.open(src, "w") as tar:
+        tar.add(folder, arcname="src")
+    for i, source in enumerate((folder, src)):
+        m = write_shards(source, tmp_path / f"out{i}", progress=False)
+        assert m["classes"] == CLASSES
+        assert {lab for s in json.loads((tmp_path / f"out{i}" / "labels.json").read_text()) for _, lab in s} == {0, 2}
+
+
+def test_a_path_stored_twice_writes_the_later_under_its_own_key(tmp_path: Path):
+    """'/a/x.jpg' and 'a/x.jpg' (or './a/x.jpg') are one path to extracting the tar: the earlier
+    is skipped as replaced (the absolute spelling was written too), and the one written takes the
+    path's key, as from a folder ('a/x', not 'a/x_2')."""
+    first, later = _image_bytes(1), _image_bytes(2)
+    for spelling in ("/a_cls/x.jpg", "./a_cls/x.jpg"):
+        src = tmp_path / "src.tar"
+        with tarfile.open(src, "w") as tar:
+            for name, data in ((spelling, first), ("a_cls/x.jpg", later), ("b_cls/y.jpg", first)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        m = write_shards(src, tmp_path / "out", progress=False)
+        assert (m["num_samples"], m["skipped"]["count"]) == (2, 1), m["skipped"]
+        assert dict(s for shard in _read_shards(tmp_path / "out") for s in shard)["a_cls/x"]["jpg"] == later
+
+
+def test_a_cut_compressed_tar_and_a_pipe_source_are_refused_in_one_line(folder: Path, tmp_path: Path):
+    """A .tar.gz cut inside its first block raised EOFError from tarfile.open (a traceback); a
+    pipe given as the source (<(tar c ...)) was reported as missing."""
+    src = tmp_path / "src.tar.gz"
+    with tarfile.open(src, "w:gz") as tar:
+        tar.add(folder, arcname="src")
+    (tmp_path / "cut.tar.gz").write_bytes(src.read_bytes()[:60])
+    with pytest.raises(ShardError, match="cut.tar.gz' is neither a folder nor a readable tar archive"):
+        write_shards(tmp_path / "cut.tar.gz", tmp_path / "o1", progress=False)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ShardError, match="fifo' is neither a folder nor a regular file"):
+        write_shards(tmp_path / "fifo", tmp_path / "o2", progress=False)

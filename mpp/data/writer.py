@@ -214,7 +214,7 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
         skipped: list[str] = []
         formats: dict[str, int] = {}
         writer, count, payload = None, 0, 0
-        try:
+        with contextlib.ExitStack() as current:
             for i in tqdm(order, desc=f"writing {out}", unit="img", disable=not progress):
                 name, read, label = items[i]
                 try:
@@ -229,11 +229,14 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                 size = sum(_member_bytes(f"{keys[i]}.{k}", v) for k, v in sample.items() if k != "__key__")
                 if writer is None or count >= samples_per_shard or (
                         count and _tar_bytes(payload + size) > bytes_per_shard):
-                    if writer is not None:
-                        writer.close()
+                    current.close()  # the shard before, if any
                     shards.append({"name": f"{len(shards):06d}.tar", "num_samples": 0})
                     labels.append([])
-                    writer = wds.TarWriter(str(new / shards[-1]["name"]), encoder=False, mtime=_MTIME)
+                    # a file opened here: given its path, webdataset reads it as a URL ('pipe:' in a folder's
+                    # name ran a shell command, 'v2:' had no handler)
+                    file = current.enter_context(open(new / shards[-1]["name"], "wb"))
+                    writer = wds.TarWriter(file, encoder=False, mtime=_MTIME)
+                    current.callback(writer.close)  # first out: the tar's end, then the file
                     count = payload = 0
                 writer.write(sample)
                 if label is not None:
@@ -241,9 +244,6 @@ def write_samples(items: Sequence[Item], out: str | Path, *, classes: list[str] 
                 count, payload = count + 1, payload + size
                 shards[-1]["num_samples"] = count
                 formats[ext] = formats.get(ext, 0) + 1
-        finally:
-            if writer is not None:
-                writer.close()
         for shard in shards:  # what the reader checks the shards against (sources.check_shard_sizes)
             shard["bytes"] = (new / shard["name"]).stat().st_size
             fsync(new / shard["name"])  # on the disk before the manifest that vouches for it
@@ -296,13 +296,14 @@ def _junk(folder: str) -> bool:
     return folder == "__MACOSX" or folder.startswith(".")
 
 
-def _label_items(names: list[str], readers: list[Callable[[], bytes]], unlabeled: bool, src: Path
-                 ) -> tuple[list[Item], list[str] | None]:
+def _label_items(names: list[str], readers: list[Callable[[], bytes]], folders: set[str], unlabeled: bool,
+                 src: Path) -> tuple[list[Item], list[str] | None]:
     """Items labeled by their top folder (`_class_folder`; classes sorted by name give 0, 1, ...,
-    as ImageFolder); files outside any class folder become items that are reported and skipped."""
+    as ImageFolder, empty top `folders` too: a test split's empty class would shift every later
+    label); files outside any class folder become items that are reported and skipped."""
     if unlabeled:
         return [(n, r, None) for n, r in zip(names, readers)], None
-    classes = sorted({c for n in names if (c := _class_folder(n))})
+    classes = sorted({c for n in names if (c := _class_folder(n))} | {f for f in folders if not _junk(f)})
     if not classes:
         raise ShardError(f"source '{src}' has no class sub-folders (__MACOSX and hidden folders are none); put "
                          "each class in its own folder or treat it as unlabeled (--unlabeled)")
@@ -320,21 +321,30 @@ def _image_name(name: str) -> bool:
     return Image.registered_extensions().get(os.path.splitext(name)[1].lower()) in FORMAT_EXT
 
 
-def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]]]:
+def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]], set[str]]:
     """Every entry but folders (a dangling link, a FIFO too: their readers raise, so they are
-    skipped and counted, not dropped unsaid) and readers for them. Links to folders are followed,
-    as links to files are (a subset's class folders are often links; Path.rglob skipped them and
-    every later class's label moved down), but not back into a folder they lie in (a loop)."""
-    names, above = [], {str(root): {os.path.realpath(root)}}
-    for folder, dirs, files in os.walk(root, followlinks=True):
+    skipped and counted, not dropped unsaid), readers for them, and the top folders. Links to
+    folders are followed, as links to files are (a subset's class folders are often links;
+    Path.rglob skipped them and every later class's label moved down), but not back into a folder
+    they lie in (a loop). A folder that cannot be listed is an error: its images would be lost."""
+    names, above, tops = [], {str(root): {os.path.realpath(root)}}, set()
+    for folder, dirs, files in os.walk(root, onerror=_unlisted, followlinks=True):
         chain = above.pop(folder)
         real = {d: os.path.realpath(os.path.join(folder, d)) for d in dirs if not d.startswith(STAGING)}
         dirs[:] = [d for d, r in real.items() if r not in chain]
         above.update((os.path.join(folder, d), chain | {real[d]}) for d in dirs)
         rel = Path(folder).relative_to(root)
         names += [(rel / f).as_posix() for f in files if not f.startswith(STAGING)]
+        if not rel.parts:  # the root
+            tops = set(dirs)
     names.sort()
-    return names, [functools.partial(_read_file, root / n) for n in names]
+    return names, [functools.partial(_read_file, root / n) for n in names], tops
+
+
+def _unlisted(e: OSError) -> None:
+    raise ShardError(f"cannot list folder '{e.filename}' ({e.strerror}): its images would be left out and, "
+                     "were it a class, every later class's label would shift; make it readable "
+                     "(chmod -R a+rX) or move it out of the source")
 
 
 def _read_file(path: Path) -> bytes:
@@ -353,14 +363,16 @@ def _past_limit(size: int, what: str = "") -> str:
     return f"{size} bytes{what}, past the {MAX_MEMBER >> 20} MiB a shard member may hold"
 
 
-def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]]]:
-    """Member names (without a single common top folder of the files) and readers for any order,
-    seeking in a plain tar (`_random_access`). A member past `MAX_MEMBER` (the most the loader
-    reads) or a sparse one (a 10 KB archive can declare any size) is never read, nor a link (not
-    followed) or a device or FIFO, nor a member that a later one of the same path replaces (as extracting the tar
-    would): their readers raise, and each is skipped and counted."""
-    members = sorted((m for m in tar.getmembers() if not m.isdir()), key=lambda m: m.name)
-    names = [os.path.normpath(m.name).lstrip("/") for m in members]
+def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]], set[str]]:
+    """Member names (without a single common top folder of the files), readers for any order,
+    seeking in a plain tar (`_random_access`), and the top folders. A member past `MAX_MEMBER` (the
+    most the loader reads) or a sparse one (a 10 KB archive can declare any size) is never read,
+    nor a link (not followed) or a device or FIFO, nor a member that a later one of the same path
+    replaces (as extracting the tar would): their readers raise, and each is skipped and counted.
+    The member written takes its path's key, as from a folder; one it replaces, the next ('_2')."""
+    last = {_path(m): m for m in tar.getmembers()}  # archive order: the last of a path wins
+    members = sorted((m for m in tar.getmembers() if not m.isdir()), key=lambda m: (_path(m), last[_path(m)] is not m))
+    names = [_path(m) for m in members]
     # links, never written, decide nothing, nor a zip's '__MACOSX/' or a hidden folder (macOS archives hold both)
     files = [n for n, m in zip(names, members) if m.isfile() and not _junk(n.split("/", 1)[0])]
     tops = {n.split("/", 1)[0] for n in files if "/" in n}
@@ -371,8 +383,16 @@ def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], byt
             and not any(n.count("/") == 1 and _image_name(n) for n in files)):
         top = f"{tops.pop()}/"
         names = [n.removeprefix(top) for n in names]
-    last = {os.path.normpath(m.name): m for m in tar.getmembers()}  # archive order: the last of a path wins
-    return names, [_reader(tar, m, last[os.path.normpath(m.name)]) for m in members]
+    else:
+        top = ""
+    folders = [d.removeprefix(top) for m in tar.getmembers() if m.isdir() and (d := _path(m)).startswith(top)]
+    return names, [_reader(tar, m, last[_path(m)]) for m in members], {
+        d.split("/", 1)[0] for d in folders if d not in ("", ".")}
+
+
+def _path(m: tarfile.TarInfo) -> str:
+    """A member's path as extracting the tar would write it ('./a/x.jpg', '/a/x.jpg': 'a/x.jpg')."""
+    return os.path.normpath(m.name).lstrip("/")
 
 
 def _reader(tar: tarfile.TarFile, m: tarfile.TarInfo, latest: tarfile.TarInfo) -> Callable[[], bytes]:
@@ -445,7 +465,8 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
         _check_out(Path(out), overwrite)  # before any decompression
         try:
             tar = tarfile.open(src, "r:*")
-        except (tarfile.TarError, ValueError, OverflowError) as e:  # ValueError: a size field past any offset
+        # ValueError: a size field past any offset; EOFError and the others: a cut or garbled compressed stream
+        except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError, ValueError, OverflowError) as e:
             raise ShardError(f"source '{src}' is neither a folder nor a readable tar archive ({e})") from None
         with contextlib.ExitStack() as stack:
             stack.enter_context(tar)
@@ -457,4 +478,7 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
                 raise ShardError(f"tar archive '{src}' is damaged ({e}); re-create or re-download it") from None
             items, classes = _label_items(*entries, unlabeled, src)
             return write_samples(items, out, classes=classes, **kw)
+    if src.exists():  # a pipe (<(tar c ...)), a device: read whole in any order, a tar must be a file
+        raise ShardError(f"source '{src}' is neither a folder nor a regular file; give an image folder or a tar "
+                         "archive saved to a file")
     raise ShardError(f"source '{src}' does not exist; give an image folder or a tar archive")
