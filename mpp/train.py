@@ -314,7 +314,8 @@ def loop(run: Run) -> None:
             if log_now:
                 _log(run, done, lr)
 
-            # -- MPP prediction grid of a fixed set of images (the first logged batch's) to TensorBoard
+            # -- MPP prediction grid of a fixed set of images to TensorBoard: this segment's first batch (a
+            # resumed run shows others from its resume on)
             if main and cfg.train.image_every and done % cfg.train.image_every == 0:
                 from mpp.figures.predictions import log_predictions
                 shown = images[:8].clone() if shown is None else shown
@@ -323,15 +324,16 @@ def loop(run: Run) -> None:
             # -- checkpoint (also at the end, so a finished run resumes to nothing)
             if checkpoint_now:
                 _checkpoint(run, done)
-            if stop:
-                terminated(run, done)
 
-            # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches)
+            # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches); a
+            # SIGTERM's stop waits for them, the checkpoint saved: its resume starts past this step
             for name, every, evaluator in run.periodic:
                 if main and done % every == 0:
                     for k, v in evaluator.run(run.task.encoder).items():
                         if v is not None:  # a std of one draw
                             run.writer.add_scalar(f"{name}/{k}", v, done)
+            if stop:
+                terminated(run, done)
             profiler.step()
         # one that came during the last step's checkpoint or evaluators: that checkpoint is the run's last
         if run.start < run.steps and sigterm.now(accelerator, window=True):
@@ -383,7 +385,8 @@ def finish(run: Run) -> dict:
     results.update(run.state["origin"])  # what the run started from, checked at every resume
     results["wall_time_s"] = run.state["elapsed"] + time.time() - run.t_begin  # all segments, evaluation included
     def write() -> None:
-        run.writer.close()  # its files written (or their error raised) before the run counts as finished
+        if run.writer is not None:  # its files written (or their error raised) before the run counts as finished
+            run.writer.close()
         write_atomic(out / "metrics.json", json.dumps(results, indent=2))  # last: compare's "stage finished"
         print(summary(results, out))
     together(accelerator, write, f"write '{out / 'metrics.json'}'")
@@ -421,9 +424,10 @@ def _record(run: Run) -> None:
     if run.accelerator.is_main_process and run.writer is None:
         if run.start < run.steps or not (run.out / "config.yaml").is_file():  # not a resume that trained nothing
             save_config(run.cfg, run.out / "config.yaml")
-        # TensorBoard hides an earlier attempt's events from purge_step on: those after the checkpoint
-        # resumed from, whose own step closed a log window before it was saved
-        run.writer = TensorBoard(run.out / "tensorboard", purge_step=run.start + 1 if run.start else 0)
+        if run.start < run.steps:  # a finished run started again writes no events (a file of them would be empty)
+            # TensorBoard hides an earlier attempt's events from purge_step on: those after the checkpoint
+            # resumed from, whose own step closed a log window before it was saved
+            run.writer = TensorBoard(run.out / "tensorboard", purge_step=run.start + 1 if run.start else 0)
 
 
 def _sample_weights(accelerator, micro: list[dict]) -> list:

@@ -253,6 +253,35 @@ def test_a_sigterm_during_the_last_checkpoint_stops_before_the_export(data, tmp_
     assert train(config(settings(data, out, steps=4)))["steps"] == 4
 
 
+def test_a_sigterm_at_an_evaluators_step_keeps_its_evaluation(data, tmp_path, monkeypatch):
+    """A SIGTERM acted on at a step that is a multiple of fewshot.every stopped the run after the
+    step's checkpoint, before its evaluators; the resumed run starts past that step, so its
+    few-shot figures were never computed. The stop waits for them. The finished run started again
+    added an empty events file each time; it adds none."""
+    real, calls = mpp.train._sample_weights, []
+
+    def sigterm_in_step_4(accelerator, micro):
+        calls.append(1)
+        if len(calls) == 4:  # the scheduler's, during step 4's forward
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(accelerator, micro)
+
+    monkeypatch.setattr(mpp.train, "_sample_weights", sigterm_in_step_4)
+    out = tmp_path / "run"
+    fewshot = {"steps": 8, "fewshot.every": 4, "fewshot.train": data / "train/manifest.json",
+               "fewshot.test": data / "test/manifest.json", "fewshot.shots": "[1]", "fewshot.seeds": 1}
+    with pytest.raises(Terminated, match="stopped after step 4 of 8"):
+        train(config(settings(data, out, **fewshot)))
+    monkeypatch.undo()
+    train(config(settings(data, out, **fewshot)))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("fewshot/avg/1shot_mean")] == [4, 8]
+    files = sorted((out / "tensorboard").iterdir())
+    assert train(config(settings(data, out, **fewshot)))["steps"] == 8
+    assert sorted((out / "tensorboard").iterdir()) == files
+
+
 def test_identical_runs_in_two_processes_are_bit_identical(data, tmp_path):
     """Same machine, same settings (attn=auto, bf16), separate processes: the same encoder bits."""
     for name in ("a", "b"):
