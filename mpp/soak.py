@@ -42,7 +42,8 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     """Run `mpp.tools.pretrain` in `out/run` again and again until `seconds` have passed, each run
     killed with SIGKILL after a uniform random time in `kill_after` (seconds); returns the report.
     The settings are checked first, as a run checks them at its start (ConfigError, nothing
-    written): a bad one would fail every run."""
+    written): a bad one would fail every run, and one without checkpoints to resume from would test
+    no recovery."""
     from mpp.config import ConfigError, check_tool, load_config, override_keys
     from mpp.data.synthetic import make_synthetic
     from mpp.runtime import check_run_settings
@@ -54,6 +55,15 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     cfg = load_config(None, overrides)
     check_tool(cfg, "pretrain")  # as each run checks them at its start
     check_run_settings(cfg)
+    every, steps = cfg.train.ckpt_every, cfg.steps
+    if not every or steps and every >= steps:  # each restart would begin at step 0: no resume to test
+        below = f", not below steps={steps}," if every else ""
+        raise ConfigError(f"train.ckpt_every={every}{below} saves no checkpoint before the run's end, so "
+                          "no run would resume from one; give a train.ckpt_every of fewer steps than a run trains "
+                          "before its kill (the soak's own is 20), or leave it out")
+    if cfg.train.resume != "auto":
+        raise ConfigError(f"train.resume={cfg.train.resume}: the soak tests resuming from its run's newest checkpoint "
+                          "(train.resume=auto); leave it out")
     if (out / "run").exists():  # its runs would resume that soak's run, with its settings, and mix the figures
         raise ConfigError(f"'{out / 'run'}' holds an earlier soak's run; give the soak a new folder, or delete it")
     rng = random.Random(seed)
@@ -66,12 +76,13 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     stopped = signal.signal(signal.SIGTERM, _exit_143)  # a SIGTERM to the soak runs the `finally` below too
     try:
         while time.time() - t0 < seconds:
-            log = out / f"run{len(runs)}.log"
+            log, newest = out / f"run{len(runs)}.log", _newest_checkpoint(out / "run")  # what it should resume
             with open(log, "w") as f:
                 proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                         preexec_fn=follow_parent)  # a soak killed -9 takes its run along
             ps, start = psutil.Process(proc.pid), time.time()
-            life = min(rng.uniform(*kill_after), seconds - (start - t0))
+            drawn, left = rng.uniform(*kill_after), seconds - (start - t0)
+            life = min(drawn, left)
             try:
                 while proc.poll() is None and time.time() - start < life:
                     samples.append((time.time() - t0, _tree_rss(ps)))
@@ -85,6 +96,8 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
             reached = max([int(m.group(1)) for m in PROGRESS.finditer(text)] or [0])
             resumed = RESUMED.search(text)
             run = {"seconds": round(time.time() - start, 1), "killed": killed, "exit": proc.returncode,
+                   "at_deadline": killed and drawn >= left,  # the soak's end, not a fault it injected
+                   "newest_at_start": newest,
                    # None: killed before it resumed or trained (starved of CPU, or at the deadline)
                    "resumed_at": int(resumed.group(1)) if resumed else (0 if reached else None),
                    "reached": reached}
@@ -99,7 +112,10 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
     if runs and not any(r["reached"] for r in runs) and not any(r["problems"] for r in runs):
         runs[-1]["problems"].append(f"no run trained a step in {time.time() - t0:.0f} s")  # a short soak's stall
     return {"seconds": round(time.time() - t0), "restarts": len(runs) - 1,
-            "kills": sum(r["killed"] for r in runs), "failed_runs": sum(bool(r["problems"]) for r in runs),
+            "kills": sum(r["killed"] and not r["at_deadline"] for r in runs),
+            "stopped_at_deadline": any(r["at_deadline"] for r in runs),
+            "resumes": sum(bool(r["resumed_at"]) for r in runs),
+            "failed_runs": sum(bool(r["problems"]) for r in runs),
             "final_step": max(r["reached"] for r in runs) if runs else 0,
             "steps_lost": sum(r.get("lost", 0) for r in runs),
             "peak_rss_mib_per_window": {f"{int(k * WINDOW_S)}s": round(v / 2**20) for k, v in sorted(buckets.items())},
@@ -107,10 +123,18 @@ def soak(out: Path, seconds: float, kill_after: tuple[float, float], settings: l
 
 
 def verdict(report: dict, out: Path) -> str | None:
-    """Why the soak failed, in one line (None: no run failed): how many runs failed, and the first
-    one's first problem and its log in `out`."""
+    """Why the soak failed, in one line (None: it passed): how many runs failed, and the first one's
+    first problem and its log in `out`; or, none failing, that runs restarted after its kills but
+    none resumed from a checkpoint, which leaves the recovery the soak is for untested."""
     failed = [i for i, r in enumerate(report["runs"]) if r["problems"]]
     if not failed:
+        runs = report["runs"]
+        restarted = [nxt for prev, nxt in zip(runs, runs[1:]) if prev["killed"]]
+        if restarted and not any(r["resumed_at"] for r in restarted):
+            return (f"{len(restarted)} soak run(s) restarted after a kill, but none resumed from a checkpoint "
+                    "(each began at step 0, or was killed before it resumed), so recovery went untested; give "
+                    "--kill-after a MIN longer than a run takes to its first checkpoint, or a smaller "
+                    "train.ckpt_every")
         return None
     first = failed[0]
     return (f"{len(failed)} of {len(report['runs'])} soak runs failed; the first, run{first}: "
@@ -123,11 +147,16 @@ STALL_S = 120  # runs in a row alive this long in all without a step past where 
 def problems(run: dict, log: str) -> list[str]:
     """What went wrong in one run of the soak, from its record and its log: an error line or a
     traceback; an exit the soak did not cause (a crash, the kernel's OOM kill); a resume that
-    skipped checkpoints that do not load (a kill broke a write the checkpoints promise is whole)."""
+    skipped checkpoints that do not load (a kill broke a write the checkpoints promise is whole); a
+    run that began before the newest checkpoint on disk when it started (it redid saved steps)."""
     found = [ln for ln in log.splitlines() if ln.startswith(("error:", "Traceback"))]
     if not run["killed"] and run["exit"] != 0 and not found:
         found.append(f"exited {run['exit']} without being killed")
-    return found + [ln for ln in log.splitlines() if ln.startswith("warning: resume skipped checkpoints")]
+    found += [ln for ln in log.splitlines() if ln.startswith("warning: resume skipped checkpoints")]
+    if run["resumed_at"] is not None and run["resumed_at"] < run["newest_at_start"]:
+        found.append(f"began at step {run['resumed_at']}, not at step {run['newest_at_start']}, the newest checkpoint "
+                     "on disk when it started: it trained saved steps again")
+    return found
 
 
 def mark_stalls(runs: list[dict]) -> None:

@@ -1,6 +1,7 @@
 """The soak report's accounting of lost steps and its command line (the soak itself is not part of
 the suite)."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -51,7 +52,11 @@ def test_overrides_follow_the_options_and_are_checked_before_anything_is_written
                       ("objective=classify", "is not what this tool trains"),
                       # the soak read another folder's checkpoints than its runs wrote
                       (f"output_dir={tmp_path / 'else'}", "output_dir: the soak's own"),
-                      ("data={train: x}", "data.train: the soak's own")):
+                      ("data={train: x}", "data.train: the soak's own"),
+                      # every restart began at step 0: the soak passed, recovery never tested
+                      ("train.ckpt_every=0", "train.ckpt_every=0 saves no checkpoint before the run's end"),
+                      ("train.ckpt_every=1000000", "not below steps=1000000, saves no checkpoint"),
+                      ("train.resume=none", "train.resume=none: the soak tests resuming")):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path / "b"), bad, "--minutes", "0.01"])
         err = capsys.readouterr().err
@@ -73,7 +78,7 @@ def test_a_crash_a_skipped_checkpoint_or_a_stall_is_a_failed_run():
     """Only error lines failed a run: a SIGSEGV or the kernel's OOM kill (no line), a resume that
     skipped a checkpoint a kill broke, and a run that hung until killed all passed as kills."""
     from mpp.soak import problems
-    run = dict(killed=True, exit=-9, seconds=30.0, resumed_at=20, reached=35)
+    run = dict(killed=True, exit=-9, seconds=30.0, newest_at_start=20, resumed_at=20, reached=35)
     assert problems(run, "resumed from x (step 20)\n") == []  # a kill the soak made
     assert problems({**run, "killed": False, "exit": -11}, "") == ["exited -11 without being killed"]
     assert problems({**run, "killed": False, "exit": 0}, "") == []  # a run that finished
@@ -87,6 +92,69 @@ def test_a_crash_a_skipped_checkpoint_or_a_stall_is_a_failed_run():
     mpp.soak.mark_stalls(runs)
     assert [r["problems"] for r in runs] == [[], [], [], [], [], [], ["no step in 137 s over 4 run(s) in a row: stalled"],
                                              []]
+
+
+def test_a_run_that_began_before_the_newest_checkpoint_is_a_failed_run():
+    """Only a resume that warned of skipped checkpoints failed a run: one that passed over the
+    newest checkpoint silently, or began afresh beside it, counted its redone steps as lost."""
+    from mpp.soak import problems
+    run = dict(killed=True, exit=-9, seconds=30.0, newest_at_start=40, resumed_at=20, reached=45)
+    said = "the newest checkpoint on disk when it started: it trained saved steps again"
+    assert problems(run, "resumed from x (step 20)\n") == [f"began at step 20, not at step 40, {said}"]
+    assert problems({**run, "resumed_at": 0}, "") == [f"began at step 0, not at step 40, {said}"]
+    assert problems({**run, "resumed_at": 40}, "resumed from x (step 40)\n") == []
+    assert problems({**run, "resumed_at": None, "reached": 0}, "") == []  # killed before it began
+
+
+def test_restarts_that_never_resumed_fail_the_soak(tmp_path, monkeypatch):
+    """Kills before the first checkpoint (a short --kill-after, a large train.ckpt_every) restarted
+    every run at step 0: the soak passed, with 0 failed runs, having tested no recovery."""
+    def record(killed, resumed_at):
+        return {"killed": killed, "resumed_at": resumed_at, "problems": []}
+    never = [record(True, 0), record(True, 0), record(True, None), record(True, 0)]  # the last: at the deadline
+    monkeypatch.setattr(mpp.soak, "soak", lambda *a, **k: {"failed_runs": 0, "runs": never})
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--minutes", "0.01"])
+    assert e.value.code == ("error: 3 soak run(s) restarted after a kill, but none resumed from a checkpoint (each "
+                            "began at step 0, or was killed before it resumed), so recovery went untested; give "
+                            "--kill-after a MIN longer than a run takes to its first checkpoint, or a smaller "
+                            "train.ckpt_every")
+    once = [record(True, 0), record(True, None), record(True, 20), record(True, None)]
+    alone = [record(True, 0)]  # a soak shorter than one kill: stopped at its deadline, nothing to resume
+    assert mpp.soak.verdict({"runs": once}, tmp_path) is None and mpp.soak.verdict({"runs": alone}, tmp_path) is None
+
+
+def test_the_report_counts_injected_kills_apart_from_the_deadline_stop(tmp_path, monkeypatch):
+    """The kill at the soak's end counted as one of its kills, though no run recovered from it; and
+    each run's record holds the newest checkpoint on disk before it started, the one it must resume."""
+    import subprocess
+    import sys
+    import time
+    import types
+    (tmp_path / "data/train").mkdir(parents=True)
+    (tmp_path / "data/train/manifest.json").write_text("{}")  # the soak makes no data
+    logs = [" 25/1000000 [", "resumed from x (step 20)\n 31/1000000 [", "resumed from x (step 20)\n 22/1000000 ["]
+    started = []
+
+    def popen(cmd, **kw):  # a stand-in run that prints its log, then waits to be killed
+        started.append(subprocess.Popen([sys.executable, "-c", f"import time; print({logs[len(started)]!r}, "
+                                         "flush=True); time.sleep(60)"], **kw))
+        while not Path(kw["stdout"].name).read_text():
+            assert started[-1].poll() is None, "the stand-in run ended before it printed"
+            time.sleep(0.01)
+        (tmp_path / "run/checkpoints/step_0000020").mkdir(parents=True, exist_ok=True)  # the first one's save
+        return started[-1]
+    clock = [0.0]
+    monkeypatch.setattr(mpp.soak, "subprocess", types.SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr(mpp.soak, "time", types.SimpleNamespace(time=lambda: clock[0],
+                                                                sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
+    report = mpp.soak.soak(tmp_path, 10, (4, 4), mpp.soak.SETTINGS)  # killed at 4 and 8 s, stopped at 10 s
+    assert len(started) == 3 and all(p.poll() is not None for p in started)
+    assert {k: report[k] for k in ("restarts", "kills", "stopped_at_deadline", "resumes", "failed_runs")} == \
+        {"restarts": 2, "kills": 2, "stopped_at_deadline": True, "resumes": 2, "failed_runs": 0}
+    assert [(r["at_deadline"], r["newest_at_start"], r["resumed_at"]) for r in report["runs"]] == \
+        [(False, 0, 0), (False, 20, 20), (True, 20, 20)]
+    assert mpp.soak.verdict(report, tmp_path) is None
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])

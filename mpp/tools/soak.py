@@ -3,9 +3,12 @@ run at random moments and resume it, then report restarts, steps lost and peak m
 
   nice mpp-soak runs/soak --minutes 60 [key=value ...]     (report: runs/soak/soak.json)
 
-The settings are checked before any run; the exit is 1 when a run failed: an error, an exit the
-soak did not cause (a crash), a resume that skipped damaged checkpoints, or a stall (runs in a row
-without a step for two minutes in all; or none in the whole soak).
+The settings are checked before any run (they must checkpoint before a run's end, and resume with
+train.resume=auto); the exit is 1 when a run failed: an error, an exit the soak did not cause (a
+crash), a resume that skipped damaged checkpoints or began before the newest one, or a stall (runs
+in a row without a step for two minutes in all; or none in the whole soak); and when runs restarted
+after its kills but none resumed from a checkpoint (recovery untested). The report's `kills` are
+the faults it injected; the run it stops at the end is `stopped_at_deadline`.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", type=path, help="working directory (data/, run/, logs, soak.json)")
     p.add_argument("--minutes", type=float, default=60.0,
                    help="how long to soak, in wall-clock minutes (default 60); the run in progress is killed "
-                        "at the end, so the report covers exactly this time")
+                        "at the end (not one of the report's kills), so the report covers exactly this time")
     p.add_argument("--kill-after", type=float, nargs=2, default=(15.0, 60.0), metavar=("MIN", "MAX"),
                    help="seconds before each kill -9, drawn uniformly (default 15 60)")
     p.add_argument("--seed", type=seed, default=0, help="seeds the kill times (default 0)")
