@@ -6,8 +6,10 @@ set read many times (a label-fraction fine-tune), with the workers running on in
 
 Record the figures in docs/benchmarks.md.
 
-The step is simulated by bf16 matrix products on the main process (torch's threads, as a real
-step), sized to `--step-ms`, so the workers share the cores with it as they do in training. Each
+The step is simulated by small fp32 matrix products on the main process (torch's threads, as a
+real step; fp32, which every CPU runs fast, so the count sized to `--step-ms` is many), so the
+workers share the cores with it as they do in training; the step time it took is printed beside
+the table. Each
 way reads the same `--epochs` epochs of the class-balanced `--fraction` subset (the in-memory raw
 cache on, as shipped); the ways alternate `--repeats` times. Reported per way: the wait for the
 first batch of the run (worker start-up and the first pass over the shards, which both ways pay),
@@ -28,24 +30,29 @@ from mpp.data import make_loader
 
 
 def busy_step(seconds: float) -> tuple[int, torch.Tensor]:
-    """How many bf16 matrix products of the returned operand take about `seconds` here."""
-    a = torch.randn(512, 512, dtype=torch.bfloat16)
+    """How many fp32 128 x 128 matrix products of the returned operand take about `seconds` here;
+    a ValueError if one product alone takes longer (the step would silently be slower than asked)."""
+    a = torch.randn(128, 128)
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < 0.5:
         a = (a @ a).clamp(-1, 1)
         n += 1
     per = (time.perf_counter() - t0) / n
-    return max(1, round(seconds / per)), a
+    if per > seconds:
+        raise ValueError(f"one 128x128 fp32 product takes {1000 * per:.1f} ms here, more than the simulated "
+                         f"step of {1000 * seconds:g} ms; give a larger --step-ms")
+    return round(seconds / per), a
 
 
 def run(data: str, *, fraction: float, batch_size: int, workers: int, epochs: int, step_s: float,
         follow: bool) -> dict:
-    """One way: waits (s) for the first batch, for each later epoch's first batch, and in total."""
+    """One way: waits (s) for the first batch, for each later epoch's first batch, and in total;
+    the simulated step's mean time (s)."""
+    reps, a = busy_step(step_s)
     loader = make_loader(data, batch_size=batch_size, img_size=32, train=True, labeled=True,
                          data_cfg=DataConfig(num_workers=workers, eval_crop_pct=1.0), subset=(fraction, 0))
     loader.stream.follow = follow  # read by the workers when they are forked, at the first epoch
-    reps, a = busy_step(step_s)
-    starts, total, t_run = [], 0.0, time.perf_counter()
+    starts, total, busy, steps, t_run = [], 0.0, 0.0, 0, time.perf_counter()
     for e in range(epochs):
         batches = loader.epoch(e)
         while True:
@@ -57,11 +64,13 @@ def run(data: str, *, fraction: float, batch_size: int, workers: int, epochs: in
                 break
             if len(starts) == e:
                 starts.append(wait)
+            t0 = time.perf_counter()
             for _ in range(reps):
                 a = (a @ a).clamp(-1, 1)
+            busy, steps = busy + time.perf_counter() - t0, steps + 1
     elapsed = time.perf_counter() - t_run
     loader.close()
-    return {"first": starts[0], "later": statistics.mean(starts[1:]), "share": total / elapsed}
+    return {"first": starts[0], "later": statistics.mean(starts[1:]), "share": total / elapsed, "step": busy / steps}
 
 
 @one_line_errors(extra=(ValueError,))
@@ -91,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {a.workers} | {name} | " + " / ".join(f"{r['first']:.3f}" for r in runs) + " | "
               + " / ".join(f"{r['later']:.4f}" for r in runs) + " | "
               + " / ".join(f"{100 * r['share']:.1f}%" for r in runs) + " |")
+    print(f"simulated step, asked {a.step_ms:g} ms, took (mean per run): " + "; ".join(
+        f"{name} " + " / ".join(f"{1000 * r['step']:.1f} ms" for r in runs) for name, runs in rows.items()))
     ratio = [r["later"] / b["later"] for r, b in zip(rows["run on (shipped)"], rows["restarted every epoch"])]
     print("later epoch starts' wait, run on / restarted: " + " / ".join(f"{x:.2f}" for x in ratio))
 

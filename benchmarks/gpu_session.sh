@@ -11,8 +11,11 @@
 #                                                  left, each under its own time limit: `trainer`, then
 #                                                  Ti/4's in-memory compiled step, then `workers 14 11`,
 #                                                  then `ratio`
-#   bash benchmarks/gpu_session.sh ratio           after trainer and step ti4 (what session ends with): the
-#                                                  trainer's median window over the in-memory compiled step
+#   bash benchmarks/gpu_session.sh ratio           after trainer and step ti4 of the same call (what session
+#                                                  ends with): the trainer's median window over the in-memory
+#                                                  compiled step at its batch and precision (a call: one
+#                                                  `session`, or the parts of one command run with one CALL
+#                                                  exported)
 #   bash benchmarks/gpu_session.sh cuda-tests      the compiled-step, precision, prefetch and profile tests on CUDA
 #   bash benchmarks/gpu_session.sh step ti4 s16 [--methods ...] [--no-loader]
 #                                                  the step table (train_step.py --device cuda)
@@ -48,6 +51,7 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # `session` runs the parts with it, after the cd
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_out}
+export CALL=${CALL:-$(date -u +%Y%m%dT%H%M%SZ)-$$}  # the parts `session` runs share it: what `ratio` sets together
 parts="wheels | session | ratio | cuda-tests | step MODEL... | trainer | workers | finetune | graphs | trainer-b16 | graphs-b16 | recompiles | deterministic | mainjob | probe-threads | tests [K/N | FILE[::TEST]...]"
 what=${1:?"say what: $parts"}
 shift
@@ -106,7 +110,9 @@ print(f"{what}: windows after the first (compile) and before the last (profile, 
       f"data wait median {100 * statistics.median(wait[mid]):.1f}%, max {100 * max(wait[mid]):.1f}%; "
       f"whole run {m['images_per_s']:.0f} images/s, wait {100 * m['data_wait_frac']:.1f}%, {m['wall_time_s']:.0f} s")
 with open(os.environ["OUT"] + "/windows.jsonl", "a") as f:  # what `ratio` sets against the in-memory step
-    f.write(json.dumps({"run": run, "what": what, "median_images_per_s": statistics.median(ips[mid])}) + "\n")
+    f.write(json.dumps({"run": run, "what": what, "call": os.environ["CALL"], "batch": m["batch_size"],
+                        "precision": {"no": "fp32"}.get(m["precision"], m["precision"]),  # train_step.py's names
+                        "median_images_per_s": statistics.median(ips[mid])}) + "\n")
 print("  per window images/s:", " ".join(f"{x:.0f}" for x in ips))
 print("  per window wait %:  ", " ".join(f"{100 * x:.1f}" for x in wait))
 PY
@@ -152,18 +158,25 @@ session)  # one lent session's worth, most wanted first, each part under its own
 ratio)  # the trainer's Ti/4 windows against the in-memory compiled step, both measured in this call
     python3 - <<'PY' | tee -a "$OUT/session.txt"
 import json, os, sys
-out = os.environ["OUT"]
-try:  # the latest of each: an OUT used by earlier calls holds theirs too
+out, call = os.environ["OUT"], os.environ["CALL"]
+try:  # this call's only: an OUT used by earlier calls (another card, perhaps) holds theirs too
     trainer = [r for r in map(json.loads, open(f"{out}/windows.jsonl"))
-               if r["run"] == "/tmp/runs/pre_vit_ti4_32_default"][-1]
-    step = [r for r in json.load(open(f"{out}/step_ti4.json"))["rows"]
-            if r["method"] == "mpp+compile" and r["precision"] == "bf16"][-1]
+               if r["run"] == "/tmp/runs/pre_vit_ti4_32_default" and r.get("call") == call][-1]
+    table = json.load(open(f"{out}/step_ti4.json"))
+    if table.get("call") != call:
+        raise ValueError(f"the step table is call {table.get('call')}'s")
 except (OSError, IndexError, KeyError, ValueError) as e:
-    sys.exit(f"ratio: no Ti/4 trainer window or compiled step in {out} ({type(e).__name__}: {e}); did trainer "
-             "or step ti4 time out?")
-print(f"Ti/4 batch {step['batch']}: trainer {trainer['median_images_per_s']:.0f} images/s (median window) / in-memory "
-      f"compiled step {step['images_per_s']:.0f} images/s = {trainer['median_images_per_s'] / step['images_per_s']:.2f} "
-      "(target >= 0.90)")
+    sys.exit(f"ratio: no Ti/4 trainer window or compiled step of call {call} in {out} ({type(e).__name__}: {e}); "
+             "did trainer or step ti4 time out?")
+steps = [r for r in table["rows"] if r["method"] == "mpp+compile"]
+step = next((r for r in steps if (r["batch"], r["precision"]) == (trainer["batch"], trainer["precision"])), None)
+if step is None:
+    sys.exit(f"ratio: the trainer ran batch {trainer['batch']} {trainer['precision']}, the compiled step only "
+             + (", ".join(f"batch {r['batch']} {r['precision']}" for r in steps) or "not at all")
+             + f"; run step ti4 --batch-size {trainer['batch']}")
+print(f"Ti/4 batch {step['batch']} {step['precision']}: trainer {trainer['median_images_per_s']:.0f} images/s (median "
+      f"window) / in-memory compiled step {step['images_per_s']:.0f} images/s = "
+      f"{trainer['median_images_per_s'] / step['images_per_s']:.2f} (target >= 0.90)")
 PY
     ;;
 cuda-tests)
@@ -171,8 +184,15 @@ cuda-tests)
 step)  # eager, compiled and CUDA-graph steps against the plain timm loop, MFU, memory
     models=(); while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do models+=("$1"); shift; done
     name=$(IFS=_; echo "${models[*]}")
+    rm -f "$OUT/step_$name.json"  # cut off, this call must leave no table (an earlier call's would stand for it)
     python3 benchmarks/train_step.py --device cuda --precision bf16 --only "${models[@]}" --loader-model "${models[0]}" \
-        --workers 12 --json "$OUT/step_$name.json" "$@" 2>&1 | tee "$OUT/step_$name.log" ;;
+        --workers 12 --json "$OUT/step_$name.json" "$@" 2>&1 | tee "$OUT/step_$name.log"
+    python3 - "$OUT/step_$name.json" <<'PY'  # the call that measured it, for `ratio`
+import json, os, sys
+table = json.load(open(sys.argv[1]))
+json.dump({**table, "call": os.environ["CALL"]}, open(sys.argv[1], "w"), indent=1)
+PY
+    ;;
 trainer)  # synthetic shards (CIFAR-10's exceed what travels); 20,000 images: an epoch every ~20 steps
     python3 -m mpp.tools.make_synthetic /tmp/syn32 --train 20000 --test 1000 --shards 32 >/dev/null 2>&1
     rate() { python3 benchmarks/loader_rate.py --data /tmp/syn32/train/manifest.json "$@" | tee -a "$OUT/trainer.txt"; }
@@ -202,6 +222,7 @@ recompiles)
     # 4,096 rows); TORCH_LOGS=recompiles names the guard of every recompile
     [ -f /tmp/syn198/train/manifest.json ] ||
         python3 -m mpp.tools.make_synthetic /tmp/syn198 --train 19800 --test 200 --shards 16 >/dev/null 2>&1
+    rm -rf /tmp/runs/recompiles  # an earlier call's finished run would resume: no steps, no recompiles
     TORCH_LOGS=recompiles python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=vit_ti4_32 \
         batch_size=1024 steps=45 data.train=/tmp/syn198/train/manifest.json data.val=/tmp/syn198/test/manifest.json \
         data.num_workers=14 train.log_every=5 train.ckpt_every=100000 train.compile=always \
@@ -213,6 +234,7 @@ deterministic)  # a and b as shipped, c and d under train.deterministic=true; ea
     [ -f /tmp/syn5k/train/manifest.json ] ||
         python3 -m mpp.tools.make_synthetic /tmp/syn5k --train 5000 --test 200 --shards 8 >/dev/null 2>&1
     for run in a:false b:false c:true d:true; do
+        rm -rf /tmp/runs/det_${run%:*}  # an earlier call's finished run would resume and be compared
         python3 -m mpp.tools.pretrain --config configs/synthetic_mpp.yaml model=vit_ti4_32 batch_size=1024 \
             steps=60 data.train=/tmp/syn5k/train/manifest.json data.val=/tmp/syn5k/test/manifest.json \
             data.num_workers=14 train.log_every=20 train.ckpt_every=100000 train.compile=never \
@@ -234,6 +256,7 @@ print(f"deterministic: as shipped the two encoders are {'the same bits' if a and
 PY
     ;;
 mainjob)
+    rm -rf runs/compare_synthetic  # an earlier call's finished stages would be skipped, its report read
     start=$(date +%s)  # its own limit inside the part's, so that what follows runs even when it is cut off
     timeout 350 python3 -m mpp.tools.compare --config configs/compare_synthetic.yaml > "$OUT/mainjob.log" 2>&1 ||
         echo "main job ended with status $? (124: stopped at 350 s)" | tee -a "$OUT/trainer.txt"

@@ -20,9 +20,11 @@ a block of `--block` steps at a time in turn and summarised by the median step t
 - `vit-pytorch`: the `vit_pytorch` package's `ViT` + `MPP` at 50% / 80-10-10 (its `cls_token`
   and `pos_embedding` reshaped to the 3-D tensors its MPP expects), `torch.optim.AdamW`.
 Model FLOPs of one step are counted with `torch.utils.flop_counter` (matmuls, convolutions,
-attention; forward and backward) and set against the machine's bf16 matmul peak, measured here
-with a large bf16 matmul; the `ceiling` column is the images/s the step would reach if all its
-FLOPs ran at the matmul peak of its precision and everything else were free. The loader check
+attention; forward and backward) and set against the machine's matmul peak of each precision
+benchmarked, measured here with the largest square product (up to 4096^3) that about a second
+allows: `of peak` is model FLOP/s over the bf16 peak (blank without bf16), the `ceiling` column
+the images/s the step would reach if all its FLOPs ran at the matmul peak of its precision and
+everything else were free. The loader check
 (`loader_check`) times the `mpp` step in steady state on batches from `make_loader` over
 generated synthetic shards (through `mpp.prefetch`, as the trainer) against the same step on an
 in-memory batch. `device`: cpu or cuda (CUDA steps are timed with a synchronize after each block; peak
@@ -75,33 +77,41 @@ def _sync(device: torch.device) -> None:
 
 
 def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, reps: int = 10,
-                device: torch.device = CPU) -> float:
-    """FLOP/s of the best of `reps` (m x k) @ (k x n) matmuls in `dtype`."""
+                device: torch.device = CPU, budget_s: float = 1.0) -> float:
+    """FLOP/s of the best of up to `reps` (m x k) @ (k x n) matmuls in `dtype`, no rep started after
+    `budget_s` seconds of them: a dtype with no fast path here (bf16 on an AVX2 CPU) takes seconds
+    a product, and ten of them would hold the benchmark up for minutes."""
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
     a @ b
-    best = math.inf
+    best, start = math.inf, time.perf_counter()
     for _ in range(reps):
         _sync(device)
         t = time.perf_counter()
         a @ b
         _sync(device)
         best = min(best, time.perf_counter() - t)
+        if time.perf_counter() - start >= budget_s:
+            break
     return 2 * m * k * n / best
 
 
-def matmul_peak(n: int = 4096, dtype: torch.dtype = torch.bfloat16, device: torch.device = CPU) -> float:
-    """FLOP/s of a large n x n x n matmul in `dtype` (the machine's practical peak)."""
-    return matmul_rate(n, n, n, dtype, device=device)
+def matmul_peak(dtype: torch.dtype, max_n: int, device: torch.device = CPU, budget_s: float = 1.0) -> dict:
+    """The practical matmul peak in `dtype`: {"flops": FLOP/s, "n": size} of an n x n x n product,
+    n doubled from 256 up to `max_n` while the next size's product (8x the last one's time) would
+    take at most half of `budget_s`, then timed for `budget_s` (`matmul_rate`). A size that does not
+    fill the machine only lowers the peak; the printed size says which one counted."""
+    n = 256
+    while n < max_n and 8 * 2 * n ** 3 / matmul_rate(n, n, n, dtype, reps=1, device=device) <= budget_s / 2:
+        n *= 2
+    return {"flops": matmul_rate(n, n, n, dtype, device=device, budget_s=budget_s), "n": n}
 
 
-def matmul_peaks(precisions=("bf16", "fp32"), device: torch.device = CPU) -> dict[str, float]:
-    """{precision: matmul peak FLOP/s}; bf16 always (the reference of the "of peak" column); 8192^3
-    on CUDA, where 4096^3 does not fill the card."""
+def matmul_peaks(precisions=("bf16", "fp32"), device: torch.device = CPU) -> dict[str, dict]:
+    """{precision: `matmul_peak`} of the precisions benchmarked only; up to 4096^3 for bf16 (8192^3
+    on CUDA, where 4096^3 does not fill the card), half that for fp32."""
     n = 8192 if device.type == "cuda" else 4096
-    peaks = {"bf16": matmul_peak(n, device=device)}
-    if "fp32" in precisions:
-        peaks["fp32"] = matmul_peak(n=n // 2, dtype=torch.float32, device=device)
-    return peaks
+    dtypes = {"bf16": (torch.bfloat16, n), "fp32": (torch.float32, n // 2)}
+    return {p: matmul_peak(dtypes[p][0], dtypes[p][1], device) for p in precisions}
 
 
 def gemm_rates(model: str, batch_size: int = 0, device: torch.device = CPU) -> dict[str, float]:
@@ -114,13 +124,15 @@ def gemm_rates(model: str, batch_size: int = 0, device: torch.device = CPU) -> d
     return {f"{tokens}x{k}x{n}": matmul_rate(tokens, k, n, device=device) for k, n in shapes}
 
 
-def add_peaks(rows: list[dict], peaks: dict[str, float]) -> None:
-    """Rows with `flops` get model FLOP/s as a fraction of the bf16 matmul peak and the ceiling:
-    images/s with every model FLOP at the matmul peak of the row's precision, nothing else."""
+def add_peaks(rows: list[dict], peaks: dict[str, dict]) -> None:
+    """Rows with `flops` get the ceiling (images/s with every model FLOP at the matmul peak of the
+    row's precision, nothing else) and, where bf16 was benchmarked, model FLOP/s as a fraction of
+    the bf16 matmul peak."""
     for r in rows:
         if "flops" in r:
-            r["of_bf16_peak"] = r["flops"] / r["step_s"] / peaks["bf16"]
-            r["ceiling_images_per_s"] = r["batch"] * peaks[r["precision"]] / r["flops"]
+            r["ceiling_images_per_s"] = r["batch"] * peaks[r["precision"]]["flops"] / r["flops"]
+            if "bf16" in peaks:
+                r["of_bf16_peak"] = r["flops"] / r["step_s"] / peaks["bf16"]["flops"]
 
 
 def _arch(preset: str) -> tuple[str, dict, dict]:
@@ -337,12 +349,13 @@ def run(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METH
 
 
 def run_with_peaks(models=("ti4", "s16"), precisions=("bf16", "fp32"), methods=DEFAULT_METHODS["cpu"],
-                   device: torch.device = CPU, **kwargs) -> tuple[list[dict], dict[str, float]]:
-    """`run` plus the matmul peaks (measured before and after it, the higher counts: other work on
-    the machine only lowers a peak) and the columns that depend on them (`add_peaks`)."""
+                   device: torch.device = CPU, **kwargs) -> tuple[list[dict], dict[str, dict]]:
+    """`run` plus the matmul peaks of its precisions (measured before and after it, the higher
+    counts: other work on the machine only lowers a peak) and the columns that depend on them
+    (`add_peaks`)."""
     before = matmul_peaks(precisions, device)
     rows = run(models, precisions, methods, device=device, **kwargs)
-    peaks = {k: max(v, before[k]) for k, v in matmul_peaks(precisions, device).items()}
+    peaks = {k: max(v, before[k], key=lambda p: p["flops"]) for k, v in matmul_peaks(precisions, device).items()}
     add_peaks(rows, peaks)
     return rows, peaks
 
@@ -415,11 +428,13 @@ def loader_check(work_dir: str | Path, model: str = "ti4", *, blocks: int = 5, b
                 wait_s=sum(waits) / len(waits), cold_start_s=cold)
 
 
-def format_table(rows: list[dict], peaks: dict[str, float] | None, loader: dict | None,
+def format_table(rows: list[dict], peaks: dict[str, dict] | None, loader: dict | None,
                  gemms: dict[str, dict[str, float]] | None = None) -> str:
     lines = []
     if peaks:
-        lines.append("matmul peak: " + ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in peaks.items()))
+        lines.append("matmul peak (best product within about a second): " + ", ".join(
+            f"{k} {v['flops'] / 1e12:.3f} TFLOP/s at {v['n']}^3" for k, v in peaks.items())
+                     + ("" if "bf16" in peaks else "; bf16 not benchmarked, not measured: no 'of peak'"))
     for model, rates in (gemms or {}).items():
         shapes = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in rates.items())
         lines.append(f"{model} bf16 linear-layer GEMM shapes: {shapes} TFLOP/s")

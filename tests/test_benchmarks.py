@@ -52,10 +52,39 @@ def test_train_step_benchmark_times_every_method_and_counts_flops(monkeypatch):
     assert rows[0]["flops"] > 0 and "flops" not in rows[1]
     assert rows[0]["speedup"] == pytest.approx(rows[0]["vs"]["timm+loop"])
     assert rows[0]["vs"]["timm+loop"] == pytest.approx(rows[0]["images_per_s"] / rows[1]["images_per_s"])
-    b.add_peaks(rows, {"bf16": 1e12, "fp32": 1e12})
-    table = b.format_table(rows, {"bf16": 1e12}, None)
-    assert "timm+loop" in table and "mpp" in table and "matmul peak: bf16 1.000 TFLOP/s" in table
+    b.add_peaks(rows, {"bf16": {"flops": 1e12, "n": 4096}, "fp32": {"flops": 1e12, "n": 2048}})
+    table = b.format_table(rows, {"bf16": {"flops": 1e12, "n": 4096}}, None)
+    assert "timm+loop" in table and "mpp" in table and "bf16 1.000 TFLOP/s at 4096^3" in table
     assert f"micro fp32 mpp: {rows[0]['vs']['timm+loop']:.2f}x timm+loop" in table
+
+
+def test_train_step_measures_only_the_benchmarked_precisions_peaks_within_about_a_second(monkeypatch, capsys):
+    """One bf16 4096^3 product takes minutes on a CPU without bf16 hardware: it was measured for an
+    fp32-only run too, ten times, twice. Now a precision's peak is measured only when it is
+    benchmarked, at the largest size whose product fits the time, and no rep starts after it."""
+    b = load("train_step")
+    synced = []
+    monkeypatch.setattr(b, "_sync", lambda device: synced.append(device))
+    b.matmul_rate(8, 8, 8, torch.float32, reps=10, budget_s=0)  # the time is spent after one rep
+    assert len(synced) == 2
+    rates = []
+
+    def rate(m, k, n, dtype, reps=10, device=b.CPU, budget_s=1.0):  # 1 GFLOP/s: bf16 on an AVX2 CPU
+        rates.append((dtype, n))
+        return 1e9
+    monkeypatch.setattr(b, "matmul_rate", rate)
+    # 512^3 takes 0.27 s at that rate, so 1024^3 (2.1 s) would exceed half the second
+    assert b.matmul_peak(torch.bfloat16, 4096) == {"flops": 1e9, "n": 512}
+    assert max(n for _, n in rates) == 512
+    rates.clear()
+    monkeypatch.setitem(b.MODELS, "micro", "vit_micro4_32")
+    b.main(["--only", "micro", "--precision", "fp32", "--methods", "mpp", "--steps", "1", "--warmup", "0",
+            "--batch-size", "2", "--no-loader"])
+    assert rates and {dtype for dtype, _ in rates} == {torch.float32}
+    out = capsys.readouterr().out
+    assert "fp32 0.001 TFLOP/s at 512^3; bf16 not benchmarked, not measured: no 'of peak'" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("micro  fp32  mpp"))
+    assert re.search(r" [\d.]+ +$", row) and "%" not in row, out  # the ceiling, no of-peak
 
 
 
@@ -141,6 +170,21 @@ def test_epoch_starts_benchmark_times_both_ways(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 1 | restarted every epoch |" in out and "| 1 | run on (shipped) |" in out
     assert "later epoch starts' wait, run on / restarted: " in out
+    # the step it simulated, measured: bf16 products sized it on a CPU without bf16 hardware at 3.5x
+    # the time asked, silently
+    took = re.search(r"simulated step, asked 1 ms, took \(mean per run\): restarted every epoch ([\d.]+) ms; "
+                     r"run on \(shipped\) ([\d.]+) ms\n", out)
+    assert took and all(float(ms) > 0 for ms in took.groups()), out
+
+
+def test_epoch_starts_refuses_a_step_shorter_than_one_of_its_products(capsys):
+    """One product longer than the step asked made the simulated step that product, silently."""
+    b = load("epoch_starts")
+    with pytest.raises(SystemExit) as stop:
+        b.main(["--data", str(ROOT / "pyproject.toml"), "--step-ms", "1e-6"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and re.fullmatch(r"error: one 128x128 fp32 product takes [\d.]+ ms here, more than "
+                                                 r"the simulated step of 1e-06 ms; give a larger --step-ms\n", err), err
 
 
 def test_data_loading_refuses_counts_that_time_no_batch(capsys):
@@ -250,23 +294,68 @@ def test_gpu_session_script_parses_and_names_its_parts():
 
 def test_the_gpu_session_sets_the_trainer_against_the_in_memory_step_it_measured(tmp_path):
     """The trainer / in-memory ratio was worked out by hand from two outputs; `session` now prints
-    it from the trainer's windows and the step table of the same call."""
+    it from the trainer's windows and the step table of the same call, at the same batch and
+    precision: the trainer's window (batch 1024) was set against a step row of any batch, and the
+    latest window of an $OUT reused across calls could be another call's, on another card."""
+    window = {"run": "/tmp/runs/pre_vit_ti4_32_default", "call": "this", "batch": 1024, "precision": "bf16"}
     (tmp_path / "windows.jsonl").write_text(
-        json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default", "median_images_per_s": 1.0}) + "\n"  # an earlier call's
-        + json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default_w8_1", "median_images_per_s": 2.0}) + "\n"
-        + json.dumps({"run": "/tmp/runs/pre_vit_ti4_32_default", "median_images_per_s": 45000.0}) + "\n")
-    rows = [{"method": "mpp+compile", "precision": "bf16", "batch": 1024, "images_per_s": 50000.0},
+        json.dumps({**window, "median_images_per_s": 45000.0}) + "\n"
+        + json.dumps({**window, "run": "/tmp/runs/pre_vit_ti4_32_default_w8_1", "median_images_per_s": 2.0}) + "\n"
+        + json.dumps({**window, "call": "later", "median_images_per_s": 1.0}) + "\n")  # a later call's, same OUT
+    rows = [{"method": "mpp+compile", "precision": "bf16", "batch": 256, "images_per_s": 30000.0},
+            {"method": "mpp+compile", "precision": "bf16", "batch": 1024, "images_per_s": 50000.0},
             {"method": "mpp", "precision": "bf16", "batch": 1024, "images_per_s": 1.0}]
-    (tmp_path / "step_ti4.json").write_text(json.dumps({"rows": rows}))
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "ratio"], capture_output=True, text=True,
-                       env={**os.environ, "OUT": str(tmp_path)})
+
+    def ratio(rows, call="this"):
+        (tmp_path / "step_ti4.json").write_text(json.dumps({"rows": rows, "call": call}))
+        return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "ratio"], capture_output=True,
+                              text=True, env={**os.environ, "OUT": str(tmp_path), "CALL": "this"})
+    r = ratio(rows)
     assert r.returncode == 0, r.stderr
-    assert ("Ti/4 batch 1024: trainer 45000 images/s (median window) / in-memory compiled step 50000 images/s = 0.90"
-            in r.stdout), r.stdout
+    assert ("Ti/4 batch 1024 bf16: trainer 45000 images/s (median window) / in-memory compiled step 50000 images/s "
+            "= 0.90" in r.stdout), r.stdout
+    for wrong, said in (
+            (ratio(rows[:1]), "ratio: the trainer ran batch 1024 bf16, the compiled step only batch 256 bf16; run "
+                              "step ti4 --batch-size 1024"),
+            (ratio([{**rows[1], "precision": "fp32"}]), "ratio: the trainer ran batch 1024 bf16, the compiled step "
+                                                        "only batch 1024 fp32"),
+            (ratio(rows, call="earlier"), "ratio: no Ti/4 trainer window or compiled step of call this in")):
+        assert wrong.returncode == 1 and wrong.stderr.startswith(said) and len(wrong.stderr.splitlines()) == 1, wrong
+        assert not wrong.stdout, wrong.stdout
+    (tmp_path / "windows.jsonl").write_text(json.dumps({**window, "call": "later", "median_images_per_s": 1.0}) + "\n")
+    r = ratio(rows)  # this call's trainer timed out: only another call's window
+    assert r.returncode == 1 and r.stderr.startswith("ratio: no Ti/4 trainer window or compiled step of call this"), r
     (tmp_path / "step_ti4.json").unlink()  # the step part timed out: said in one line
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "ratio"], capture_output=True, text=True,
                        env={**os.environ, "OUT": str(tmp_path)})
-    assert r.returncode == 1 and r.stderr.startswith("ratio: no Ti/4 trainer window or compiled step in"), r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("ratio: no Ti/4 trainer window or compiled step"), r.stderr
+
+
+def test_every_gpu_session_run_starts_in_a_folder_emptied_first():
+    """A warm machine keeps /tmp and the checkout between calls: a finished run left in a fixed
+    folder by an earlier call resumes with nothing to train (a comparison skips its stages), and the
+    part reads the old run as this call's. Each part or function that trains (pretrain, finetune,
+    compare) removes its run folder before it, in its own body."""
+    import yaml
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    lines = script.splitlines()
+    runs = 0
+    for i, line in enumerate(lines):
+        if not re.search(r"python3 -m mpp\.tools\.(pretrain|finetune|compare)\b", line):
+            continue
+        command = line
+        for nxt in lines[i + 1:]:
+            if not command.endswith("\\"):
+                break
+            command += "\n" + nxt
+        folder = re.search(r"output_dir=(\S+)", command)
+        folder = folder[1] if folder else yaml.safe_load(
+            (ROOT / re.search(r"--config (\S+)", command)[1]).read_text())["output_dir"]
+        body = next(k for k in range(i, -1, -1) if re.match(r"(\w+\(\) \{|[\w|-]+\))", lines[k]))
+        removed = [re.escape(f) for f in (folder, f'"{folder}"')]
+        assert any(re.search(rf"rm -rf ({'|'.join(removed)})(\s|$)", x) for x in lines[body:i]), (lines[body], folder)
+        runs += 1
+    assert runs == 5  # pretrain(), finetune(), recompiles, deterministic, mainjob
 
 
 def test_finetune_mixup_runs_the_baseline_beside_it_and_prints_the_paired_difference(tmp_path, capsys):
