@@ -8,6 +8,7 @@ when the table is stale."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -411,7 +412,13 @@ CASES = [
     ("make_shards of an empty source path", "make_shards", lambda t: ["", f"{t}/shards"], None),
     ("make_shards into a folder inside its source", "make_shards", lambda t: [f"{t}/imgs", f"{t}/imgs/shards"],
      lambda t: _image_folder(t / "imgs")),
+    ("make_shards from a .tar.gz cut inside its first block", "make_shards",
+     lambda t: [f"{t}/cut.tar.gz", f"{t}/out"],
+     lambda t: (t / "cut.tar.gz").write_bytes(gzip.compress(bytes(10240))[:12])),
+    ("make_shards from a pipe", "make_shards", lambda t: [f"{t}/fifo", f"{t}/out"], lambda t: os.mkfifo(t / "fifo")),
     ("soak for a negative time", "soak", lambda t: [f"{t}/soak", "--minutes", "-1"], None),
+    ("soak whose runs save no checkpoint before their end", "soak",
+     lambda t: [f"{t}/soak", "--minutes", "1", "train.ckpt_every=0"], None),
     ("soak for no time", "soak", lambda t: [f"{t}/soak", "--minutes", "0"], None),
     ("soak into an earlier soak's folder", "soak", lambda t: [f"{t}/soak", "--minutes", "1"],
      lambda t: (t / "soak/run").mkdir(parents=True)),
