@@ -174,8 +174,9 @@ class _Transform:
     def batch(self, images: list[Image.Image | Jpeg], rng: random.Random | None = None
               ) -> list[torch.Tensor | None]:
         """Each image as uint8 (3, size, size) (channels-last), or None where its data fail to
-        decode; crops are drawn from `rng` in list order (the draws of transforming the images one
-        by one), so augmentation is reproducible. Each image is decoded, cropped and closed before
+        decode; crops are drawn from `rng` in list order (a training transform then draws every
+        image's shift, then every image's RandAugment seed), so augmentation is reproducible for the
+        same groups of images, which the loader's are. Each image is decoded, cropped and closed before
         the next, so a batch holds one decoded image at a time (pixel caps bound one image)."""
         out = []
         for img, (box, flip) in zip(images, [self.params(img, rng) for img in images]):
