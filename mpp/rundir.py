@@ -22,6 +22,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -106,7 +107,8 @@ def unlock(out: str | Path) -> None:
         (out / ".lock").unlink(missing_ok=True)  # before close: no one else can hold it meanwhile
         f.close()
         if created and not any(out.iterdir()):
-            out.rmdir()
+            with contextlib.suppress(OSError):  # another run locked it meanwhile: its folder now
+                out.rmdir()
 
 
 def _run_files(out: Path) -> list[str]:

@@ -671,3 +671,25 @@ def test_an_older_checkpoint_that_cannot_be_removed_is_warned_of_and_the_run_goe
     monkeypatch.setattr(pathlib.Path, "rename", rename)
     save(7)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000007"]
+
+
+def test_a_folder_another_run_locks_as_this_one_lets_go_stays_and_hides_no_error(tmp_path, monkeypatch):
+    """A failed run removes the folder its lock made; another run that locked it between the
+    emptiness check and the removal made the removal raise 'Directory not empty', which replaced
+    the failed run's own error. The folder stays to the new run, and the error is the run's."""
+    from mpp import rundir
+    out, real = tmp_path / "run", Path.rmdir
+
+    def another_run_first(self):
+        if self == out:
+            (out / ".lock").write_text("4242")  # the other run's lock, taken just now
+        real(self)
+
+    rundir.lock(out)
+    monkeypatch.setattr(Path, "rmdir", another_run_first)
+    with pytest.raises(RuntimeError, match="the run's own"):
+        try:
+            raise RuntimeError("the run's own")
+        finally:
+            rundir.unlock(out)
+    assert (out / ".lock").read_text() == "4242"
