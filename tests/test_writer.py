@@ -700,22 +700,30 @@ def test_an_output_folder_is_a_path_never_a_url(folder: Path, tmp_path: Path, mo
     monkeypatch.chdir(tmp_path)
     m = write_shards(folder, "v2:shards", samples_per_shard=5, progress=False)
     _check_round_trip(tmp_path / "v2:shards", folder, m)
-    write_shards(folder, "pipe:touch PWNED", progress=False)
-    assert not list(tmp_path.rglob("PWNED*")) and (tmp_path / "pipe:touch PWNED" / "manifest.json").is_file()
+    write_shards(folder, "pipe:touch PWNED;", progress=False)  # ';': the command ran whatever followed
+    assert not list(tmp_path.rglob("PWNED*")) and (tmp_path / "pipe:touch PWNED;" / "manifest.json").is_file()
 
 
-def test_a_folder_that_cannot_be_listed_is_refused_not_dropped(folder: Path, tmp_path: Path, monkeypatch):
+def test_a_folder_that_cannot_be_listed_is_refused_not_dropped(folder: Path, tmp_path: Path, monkeypatch, caplog):
     """os.walk dropped a folder it could not list without a word: its images were lost and, a
     class, every later class's label moved down one. It is an error naming the folder."""
     scandir = os.scandir
     def denied(path="."):
-        if Path(path) == folder / "b_cls":
+        if not isinstance(path, int) and Path(path) in (folder / "b_cls", folder / ".Trash-1000"):  # int: rmtree's
             raise PermissionError(13, "Permission denied", str(path))
         return scandir(path)
     monkeypatch.setattr(os, "scandir", denied)
     with pytest.raises(ShardError, match=f"cannot list folder '{folder / 'b_cls'}' \\(Permission denied\\)"):
         write_shards(folder, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+    # another user's trash, a disk's lost+found: no class, left out (unlabeled, a hidden folder's images count)
+    (folder / "b_cls").rename(folder / ".Trash-1000")
+    (folder / "lost+found").mkdir()
+    m = write_shards(folder, tmp_path / "out", progress=False)
+    assert m["classes"] == ["a_cls", "c_cls"] and "cannot list folder" in caplog.text
+    (folder / ".Trash-1000").rename(folder / "b_cls")
+    with pytest.raises(ShardError, match="cannot list folder"):
+        write_shards(folder, tmp_path / "out2", unlabeled=True, progress=False)
 
 
 def test_an_empty_class_folder_keeps_its_label_from_a_folder_and_a_tar(folder: Path, tmp_path: Path):

@@ -292,8 +292,8 @@ def _class_folder(name: str) -> str | None:
 
 
 def _junk(folder: str) -> bool:
-    """A folder that is no class: a zip's __MACOSX, a hidden one."""
-    return folder == "__MACOSX" or folder.startswith(".")
+    """A folder that is no class: a zip's __MACOSX, a hidden one, a disk's lost+found."""
+    return folder in ("__MACOSX", "lost+found") or folder.startswith(".")
 
 
 def _label_items(names: list[str], readers: list[Callable[[], bytes]], folders: set[str], unlabeled: bool,
@@ -321,14 +321,22 @@ def _image_name(name: str) -> bool:
     return Image.registered_extensions().get(os.path.splitext(name)[1].lower()) in FORMAT_EXT
 
 
-def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]], set[str]]:
+def _folder_entries(root: Path, unlabeled: bool) -> tuple[list[str], list[Callable[[], bytes]], set[str]]:
     """Every entry but folders (a dangling link, a FIFO too: their readers raise, so they are
     skipped and counted, not dropped unsaid), readers for them, and the top folders. Links to
     folders are followed, as links to files are (a subset's class folders are often links;
     Path.rglob skipped them and every later class's label moved down), but not back into a folder
-    they lie in (a loop). A folder that cannot be listed is an error: its images would be lost."""
+    they lie in (a loop). A folder that cannot be listed is an error, its images would be lost,
+    unless it lies in one that is no class (labeled: another user's .Trash-1000, a lost+found)."""
     names, above, tops = [], {str(root): {os.path.realpath(root)}}, set()
-    for folder, dirs, files in os.walk(root, onerror=_unlisted, followlinks=True):
+    def unlisted(e: OSError) -> None:
+        top = Path(e.filename).relative_to(root).parts[:1]
+        if unlabeled or not top or not _junk(top[0]):
+            raise ShardError(f"cannot list folder '{e.filename}' ({e.strerror}): its images would be left out "
+                             "and, were it a class, every later class's label would shift; make it readable "
+                             "(chmod -R a+rX) or move it out of the source")
+        log.warning("cannot list folder '%s' (%s), which is no class: left out", e.filename, e.strerror)
+    for folder, dirs, files in os.walk(root, onerror=unlisted, followlinks=True):
         chain = above.pop(folder)
         real = {d: os.path.realpath(os.path.join(folder, d)) for d in dirs if not d.startswith(STAGING)}
         dirs[:] = [d for d, r in real.items() if r not in chain]
@@ -340,11 +348,6 @@ def _folder_entries(root: Path) -> tuple[list[str], list[Callable[[], bytes]], s
     names.sort()
     return names, [functools.partial(_read_file, root / n) for n in names], tops
 
-
-def _unlisted(e: OSError) -> None:
-    raise ShardError(f"cannot list folder '{e.filename}' ({e.strerror}): its images would be left out and, "
-                     "were it a class, every later class's label would shift; make it readable "
-                     "(chmod -R a+rX) or move it out of the source")
 
 
 def _read_file(path: Path) -> bytes:
@@ -459,7 +462,7 @@ def write_shards(src: str | Path, out: str | Path, *, unlabeled: bool = False,
         if Path(out).resolve().is_relative_to(src.resolve()):  # its shards would be read as a class of images
             raise ShardError(f"output folder '{out}' lies inside the source folder '{src}', so a second run would "
                              "read its shards' folder as a class; write the shards outside the source")
-        items, classes = _label_items(*_folder_entries(src), unlabeled, src)
+        items, classes = _label_items(*_folder_entries(src, unlabeled), unlabeled, src)
         return write_samples(items, out, classes=classes, **kw)
     if src.is_file():
         _check_out(Path(out), overwrite)  # before any decompression
