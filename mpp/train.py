@@ -327,12 +327,14 @@ def loop(run: Run) -> None:
 
             # -- evaluators on the main process (e.g. few-shot; each restores every RNG it touches); a
             # SIGTERM's stop waits for them, the checkpoint saved: its resume starts past this step
-            for name, every, evaluator in run.periodic:
-                if main and done % every == 0:
-                    for k, v in evaluator.run(run.task.encoder).items():
-                        if v is not None:  # a std of one draw
-                            run.writer.add_scalar(f"{name}/{k}", v, done)
+            due = [(name, evaluator) for name, every, evaluator in run.periodic if done % every == 0]
+            for name, evaluator in due if main else ():
+                for k, v in evaluator.run(run.task.encoder).items():
+                    if v is not None:  # a std of one draw
+                        run.writer.add_scalar(f"{name}/{k}", v, done)
             if stop:
+                if due and accelerator.num_processes > 1:  # a rank that exits first has torchrun end the main one
+                    accelerator.wait_for_everyone()
                 terminated(run, done)
             profiler.step()
         # one that came during the last step's checkpoint or evaluators: that checkpoint is the run's last

@@ -189,10 +189,13 @@ def test_killing_a_rank_ends_the_run_and_it_resumes(tmp_path):
 def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_it_resumes(tmp_path):
     """SIGTERM to rank 1 alone (rank 0 never gets one): at the next log window the ranks agree to
     stop, save that step as a checkpoint together (none is due by train.ckpt_every) and exit 143,
-    saying so; the run resumes from it."""
+    saying so; the run resumes from it. The few-shot evaluation due at that step (every log window
+    here) runs before they stop: the resumed run starts past it."""
     manifest, _ = write_shards(tmp_path / "data", [16, 16, 16, 16], classes=None)
+    labeled, _ = write_shards(tmp_path / "labeled", [12], classes=2)
     out = tmp_path / "run"
-    small = ("data.num_workers=0", "img_size=16", "train.ckpt_every=1000")
+    small = ("data.num_workers=0", "img_size=16", "train.ckpt_every=1000", "fewshot.every=2",
+             f"fewshot.train={labeled}", f"fewshot.test={labeled}", "fewshot.shots=[1]", "fewshot.seeds=1")
     launcher = subprocess.Popen(torchrun(out, manifest, 10_000, *small), cwd=ROOT, env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ranks = []
@@ -211,6 +214,10 @@ def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_it_resumes(tmp_pat
     stopped = {int(m) for m in re.findall(r"error: SIGTERM: stopped after step (\d+) of 10000", err)}
     assert len(stopped) == 1 and _checkpoints(out) == list(stopped) and min(stopped) % 2 == 0, (stopped, err[-3000:])
     step = _checkpoints(out)[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("fewshot/token/1shot_mean")][-1] == step
     done = subprocess.run(torchrun(out, manifest, step + 2, *small), cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
