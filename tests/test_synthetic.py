@@ -94,6 +94,23 @@ def test_make_synthetic_reuses_same_settings_refuses_others(tmp_path: Path):
     assert shard.stat().st_mtime_ns == stamp  # reused
 
 
+def test_a_damaged_split_is_written_again_not_reused(tmp_path: Path, caplog):
+    """A rerun reused a split whose shard had been cut short or removed, or whose labels.json was
+    edited, and said it was done: the reader refused it later (and named make_shards). The same
+    images are written again, with a warning."""
+    from mpp.data.sources import resolve
+    first = make_synthetic(tmp_path, train=20, test=0, shards=2, progress=False)["train"]
+    shard, labels = tmp_path / "train" / "000001.tar", tmp_path / "train" / "labels.json"
+    whole = shard.read_bytes()
+    for damage in (lambda: shard.write_bytes(whole[: len(whole) // 2]), shard.unlink,
+                   lambda: labels.write_text("[]")):
+        damage()
+        again = make_synthetic(tmp_path, train=20, test=0, shards=2, progress=False)["train"]
+        assert "writing the same images again" in caplog.text and shard.read_bytes() == whole
+        assert again["labels_sha256"] == first["labels_sha256"] and resolve(str(tmp_path / "train/manifest.json"))
+        caplog.clear()
+
+
 @pytest.mark.parametrize("text, problem", [("[1, 2]", "is JSON but not an object"),
                                            ('{"made": ', "is not valid JSON"),
                                            ('{"made": [1]}', None)])  # an object, not one of ours: refused

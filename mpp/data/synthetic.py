@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import colorsys
 import functools
+import hashlib
 import io
 import json
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mpp.data.decode import DataError
+from mpp.data.sources import resolve
 from mpp.data.writer import MANIFEST, ShardError, write_samples
+
+log = logging.getLogger(__name__)
 
 CLASSES = ["circle", "square", "triangle", "star", "cross", "ring", "stripes", "checkerboard", "dots", "blob"]
 SPLITS = {"train": 0, "test": 1}
@@ -179,19 +185,35 @@ def make_synthetic(out: str | Path, *, train: int = 5000, test: int = 1000, size
                   "jpeg_quality": JPEG_QUALITY}
         per_shard = -(-n // shards)  # what `shards` changes; every manifest records it, older ones too
         path = Path(out) / split
-        if not overwrite and (path / MANIFEST).is_file():
+        again = overwrite or not (path / MANIFEST).is_file()  # a write cut off before its manifest: no set there
+        if not again:
             old = _manifest(path / MANIFEST)
             made = old.get("made") if isinstance(old.get("made"), dict) else {}
             wanted = {**params, "seed": seed, "samples_per_shard": per_shard}
             other = "; ".join(f"{k} {made.get(k)!r}, not {v!r}" for k, v in wanted.items() if made.get(k) != v)
             if not other:
-                manifests[split] = old
-                continue
-            if made.get("generator") == params["generator"]:  # else not ours: the writer's refusal below
+                if not (damage := _damage(path, old)):
+                    manifests[split] = old
+                    continue
+                log.warning("warning: %s (%s): writing the same images again", path, damage)
+                again = True
+            elif made.get("generator") == params["generator"]:  # else not ours: the writer's refusal below
                 raise OtherSettings(path, other)
         items = [(f"{i:06d}.jpg", functools.partial(_jpeg, i, seed, split, size), i % len(CLASSES)) for i in range(n)]
         manifests[split] = write_samples(items, path, classes=list(CLASSES), seed=seed,
                                          made={**params, "shards": shards}, samples_per_shard=per_shard,
-                                         progress=progress,
-                                         overwrite=overwrite or not (path / MANIFEST).is_file())  # a cut-off write
+                                         progress=progress, overwrite=again)
     return manifests
+
+
+def _damage(path: Path, manifest: dict) -> str | None:
+    """Why a split's shards or label index no longer match its manifest (a shard cut short or
+    removed, labels.json edited), as the reader would refuse them; None when they match."""
+    try:
+        resolve(str(path / MANIFEST))
+        labels = manifest.get("labels")
+        if labels and hashlib.sha256((path / labels).read_bytes()).hexdigest() != manifest.get("labels_sha256"):
+            return f"{labels} is not the one its manifest recorded"
+    except (DataError, OSError) as e:
+        return " ".join(str(e).split())
+    return None
