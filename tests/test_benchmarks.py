@@ -162,6 +162,33 @@ def test_probe_blocks_last_block_is_the_encoders_own_output(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_probe_memorised_splits_the_folds_at_the_development_split(tmp_path, capsys, monkeypatch):
+    """The folds' per-image outcomes are split into the training part and the development split by
+    the folds' own order: an encoder whose features give the label away on the training part only
+    scores nearly every one of those images in the folds and few of the others."""
+    b = load("probe_memorised")
+    make_synthetic(tmp_path, train=200, test=20, shards=2, progress=False)
+    train, test = (str(tmp_path / s / "manifest.json") for s in ("train", "test"))
+    real = b.extract_features
+
+    def memorised(encoder, data, *, subset=None, **kw):  # the training part's labels in its features
+        x, y, skipped = real(encoder, data, subset=subset, **kw)
+        if subset is not None and not subset[3]:
+            given = torch.nn.functional.one_hot(y, 10).float() * 100
+            x = {n: v + torch.nn.functional.pad(given, (0, v.shape[1] - 10)) for n, v in x.items()}
+        return x, y, skipped
+
+    monkeypatch.setattr(b, "extract_features", memorised)
+    b.main(["--train", train, "--test", test, "--encoder", "tiny=none:vit_micro4_32", "--label-fraction", "0.5",
+            "--dev-fraction", "0.2", "--folds", "4"])
+    out = capsys.readouterr().out
+    for n in ("token", "avg"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"tiny {n}: "))
+        fitted, withheld = map(float, line.split("(")[1].split(")")[0].split(" / "))
+        assert fitted > 90 and withheld < 50, line  # misaligned, both would read the mean, 79
+
+
+@pytest.mark.slow
 def test_epoch_starts_benchmark_times_both_ways(tmp_path, capsys):
     b = load("epoch_starts")
     make_synthetic(tmp_path, train=80, test=4, shards=4, progress=False)
