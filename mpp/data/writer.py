@@ -329,6 +329,7 @@ def _folder_entries(root: Path, unlabeled: bool) -> tuple[list[str], list[Callab
     they lie in (a loop). A folder that cannot be listed is an error, its images would be lost,
     unless it lies in one that is no class (labeled: another user's .Trash-1000, a lost+found)."""
     names, above, tops = [], {str(root): {os.path.realpath(root)}}, set()
+
     def unlisted(e: OSError) -> None:
         top = Path(e.filename).relative_to(root).parts[:1]
         if unlabeled or not top or not _junk(top[0]):
@@ -347,7 +348,6 @@ def _folder_entries(root: Path, unlabeled: bool) -> tuple[list[str], list[Callab
             tops = set(dirs)
     names.sort()
     return names, [functools.partial(_read_file, root / n) for n in names], tops
-
 
 
 def _read_file(path: Path) -> bytes:
