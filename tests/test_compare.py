@@ -839,16 +839,29 @@ def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeyp
         assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["comparison", "process-group"])
-def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path, group):
+LAUNCHER = """import signal, subprocess, sys
+stage = subprocess.Popen([sys.executable, *sys.argv[1:]])
+signal.signal(signal.SIGTERM, lambda *a: stage.send_signal(signal.SIGTERM))
+sys.exit(1 if stage.wait() else 0)  # as torchrun: 1 for a rank's 143
+"""
+
+
+@pytest.mark.parametrize("group, launcher", [(False, False), (True, False), (False, True)],
+                         ids=["comparison", "process-group", "launcher"])
+def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path, group, launcher):
     """SIGTERM to the comparison alone (`kill`) or to its whole process group (a scheduler's) mid
     pre-training: the stage's trainer saves its step as a checkpoint, and the comparison stops with
     one line naming the stage (exit 143); the stage's run directory is left unlocked for the
     resume. The group's SIGTERM also ended Python's forkserver: the comparison read the stage as
-    ended (exit 255) and took it down before its checkpoint."""
+    ended (exit 255) and took it down before its checkpoint. Under a launcher that exits 1 for it
+    (torchrun) the line said only that, as if the checkpoint were lost: it names the one saved."""
     import signal
     import time
-    path = _write_configs(tmp_path, tmp_path / "data", compare_extra="pretrain_overrides: [steps=100000]\n")
+    extra = "pretrain_overrides: [steps=100000]\n"
+    if launcher:
+        (tmp_path / "launcher.py").write_text(LAUNCHER)
+        extra += f"launcher: {sys.executable} {tmp_path / 'launcher.py'}\n"
+    path = _write_configs(tmp_path, tmp_path / "data", compare_extra=extra)
     proc = subprocess.Popen([sys.executable, "-m", "mpp.tools.compare", "--config", str(path)], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=group)
     deadline = time.time() + 120
@@ -860,8 +873,10 @@ def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path, gr
         proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("error: SIGTERM during stage 'pre-train mpp', which saved its")
-    assert list((tmp_path / "runs/pretrain_mpp/checkpoints").glob("step_*"))
+    saved = sorted((tmp_path / "runs/pretrain_mpp/checkpoints").glob("step_*"))
+    assert saved and err.strip().splitlines()[-1].startswith(
+        "error: SIGTERM during stage 'pre-train mpp', " + (f"which ended with exit 1 (its launcher's), having "
+                                                           f"saved {saved[-1].name};" if launcher else "which saved its"))
     assert not (tmp_path / "runs/pretrain_mpp/.lock").exists()
 
 

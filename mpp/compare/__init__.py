@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from mpp.compare.checks import (check_data, check_encoder, check_processes, check_unchanged, checkpointed,
-                                launcher_words, stated_processes, validate)
+                                launcher_words, saved_since, stated_processes, validate)
 from mpp.compare.planning import plan, repeat_dir
 from mpp.compare.prepare import prepare_data
 from mpp.compare.stages import StageTerminated, killed, run_stage, seconds, start_server, time_split
@@ -122,7 +122,9 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         except StageTerminated as e:
             code, passed = e.code, True
         if passed or code == 128 + signal.SIGTERM:  # 143: the stage's trainer saved a checkpoint (mpp.train)
-            ended = "which saved its checkpoint" if code == 128 + signal.SIGTERM else f"which ended with exit {code}"
+            ended = "which saved its checkpoint" if code == 128 + signal.SIGTERM else (
+                f"which ended with exit {code}" + (f" (its launcher's), having saved {name}"
+                                                   if (name := saved_since(s.out, t0)) else ""))
             print(f"error: SIGTERM during stage '{s.name}', {ended}; run the same command again to resume "
                   "(finished stages and checkpoints are kept)", file=sys.stderr, flush=True)
             raise SystemExit(128 + signal.SIGTERM)

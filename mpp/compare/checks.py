@@ -375,6 +375,14 @@ def checkpointed(out: Path) -> bool:
     return bool(list_checkpoints(out / "checkpoints"))
 
 
+def saved_since(out: Path, t0: float) -> str | None:
+    """The newest checkpoint of stage `out` written since `t0` (its start), if any: a launcher such
+    as torchrun exits 1 where its ranks saved one and exited 143 on a SIGTERM."""
+    from mpp.checkpoint import list_checkpoints
+    found = [p for p in list_checkpoints(out / "checkpoints") if p.stat().st_mtime >= t0]
+    return found[-1].name if found else None
+
+
 def check_encoder(stage: Stage, digests: dict[Path, str]) -> None:
     """A finished probe or fine-tune must have started from the encoder file there now, else
     resuming would report it as the result of an encoder trained again since (its stage deleted
