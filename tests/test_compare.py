@@ -87,6 +87,7 @@ def test_data_of_another_source_or_other_sizes_is_refused_not_read_as_the_old(tm
                                               ("torchrun --nnodes=2 --nproc-per-node 4", 8),
                                               ("accelerate launch --num_processes=4", 4),
                                               ("torchrun --nproc_per_node gpu", None),
+                                              ("torchrun --nnodes 1:4 --nproc_per_node auto", None),
                                               ("torchrun --nnodes $SLURM_NNODES --nproc_per_node 8", None),
                                               ("accelerate launch --multi_gpu", None), ("nice python", None)])
 def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher_states_it(tmp_path, launcher, stated,

@@ -434,6 +434,8 @@ CASES = [
     ("make_synthetic over a split whose manifest is not a JSON object", "make_synthetic",
      lambda t: [f"{t}/syn", "--train", "10", "--test", "0", "--shards", "1"], lambda t: _synthetic(t, "[1, 2]")),
     ("compare config that does not exist", "compare", lambda t: ["--config", f"{t}/nope.yaml"], None),
+    ("comparison launcher whose process count is no number", "compare",
+     lambda t: ["--config", f"{t}/c.yaml", "launcher=true --nproc_per_node two"], lambda t: _compare(t)),
     ("comparison launcher that is no command", "compare", lambda t: ["--config", f"{t}/c.yaml", "launcher=torchrn"],
      lambda t: _compare(t)),
     ("comparison whose scratch arm builds another model than the pre-trainings", "compare",

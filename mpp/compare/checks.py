@@ -184,7 +184,16 @@ def launcher_words(launcher: str, machine: bool = True) -> list[str]:
     if machine and words and shutil.which(words[0]) is None:
         raise ConfigError(f"compare config key 'launcher' names {words[0]!r}, which is no command on PATH; give one "
                           "such as 'torchrun --nproc_per_node 2', or '' for this Python")
+    for flag, value in _counts(words).items():  # else every stage would end in the launcher's own traceback
+        if "$" not in value and not re.fullmatch(COUNTS[flag], value):
+            raise ConfigError(f"compare config key 'launcher' gives --{flag} {value!r}: give a whole number"
+                              + (" (or auto, cpu, gpu, xpu)" if flag == "nproc_per_node" else
+                                 " (or MIN:MAX)" if flag == "nnodes" else ""))
     return words
+
+
+# what torchrun's --nproc_per_node and --nnodes and accelerate launch's --num_processes take
+COUNTS = {"nproc_per_node": r"\d+|auto|cpu|gpu|xpu", "nnodes": r"\d+(:\d+)?", "num_processes": r"\d+"}
 
 
 def _counts(words: list[str]) -> dict[str, str]:
