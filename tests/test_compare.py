@@ -1004,6 +1004,32 @@ def test_a_finished_stage_is_compared_through_the_schema_and_its_paths(tmp_path,
         check_unchanged(again)
 
 
+def test_a_changed_pool_folds_refuses_only_the_stages_it_reaches(tmp_path):
+    """finetune.pool_folds reaches only a fine-tune that probes to choose and whose encoder never
+    fitted labels; a comparison resumed with another count refused the supervised arm's finished
+    stages too, which never folded, and retrained them for nothing."""
+    import yaml
+    path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]", compare_extra="finetune_pool: auto\n")
+
+    def finetunes(folds: int) -> list:
+        return [s for s in plan(load_compare_config(path, [f"fraction_overrides={{0.5: [finetune.pool_folds={folds}]}}"]))
+                if s.tool == "finetune"]
+    for s in finetunes(5):
+        s.out.mkdir(parents=True)
+        (s.out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(s.config, s.args()))))
+    for arm in ("mpp", "supervised"):  # what `fitted_labels` reads of the pre-trainings
+        (tmp_path / "runs" / f"pretrain_{arm}").mkdir(parents=True)
+        (tmp_path / "runs" / f"pretrain_{arm}" / "config.yaml").write_text(f"objective: {arm}\n")
+    refused = set()
+    for s in finetunes(3):
+        try:
+            check_unchanged(s)
+        except ConfigError as e:
+            assert "finetune.pool_folds: 5 -> 3" in str(e)
+            refused.add(s.arm)
+    assert refused == {"mpp", "scratch"}
+
+
 def test_a_finished_stage_resumes_with_other_speed_and_logging_keys(tmp_path):
     """Workers' cache, their time-out, logging, checkpointing, profiling, the ranks' time-out and the feature cache's
     place change how a stage ran, not what it computed: a comparison resumed with other values

@@ -354,12 +354,16 @@ def check_unchanged(stage: Stage, finished: bool = True) -> None:
     finished stages before it); else resuming would report a result of other settings, or train on
     from weights trained with them (`mpp.config.changed_settings`: keys of speed and logging alone
     may differ)."""
+    from mpp.evaluators.linear_probe import folds_apply  # here: it imports torch, planning does not
     state = "finished" if finished else "was interrupted"
-    changed = changed_settings(stage.out / "config.yaml", stage.settings())
+    now = stage.settings()
+    changed = changed_settings(stage.out / "config.yaml", now)
     if changed is None:
         raise ConfigError(f"stage '{stage.name}': {stage.out} has a {'metrics.json' if finished else 'checkpoint'} "
                           f"but no config.yaml this mpp can read, so what it ran is unknown; delete {stage.out} "
                           "to run it again")
+    if changed and stage.tool == "finetune" and not folds_apply(now):  # a supervised init's, a final's
+        changed = [c for c in changed if not c.startswith("finetune.pool_folds:")]
     if changed:
         raise ConfigError(f"stage '{stage.name}' {state} earlier in {stage.out} with other settings ("
                           f"{said(changed)}): delete {stage.out} and "

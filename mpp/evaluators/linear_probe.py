@@ -290,6 +290,14 @@ def fitted_labels(init: str) -> bool:
     return not (isinstance(saved, dict) and saved.get("objective") == "mpp")
 
 
+def folds_apply(cfg: Config) -> bool:
+    """Whether finetune.pool_folds reaches a fine-tune's probe: it probes to choose its
+    representation (finetune.pool=auto) or its starting head's L2 (head_init=probe without
+    head_l2), and its encoder never fitted labels (`fitted_labels`)."""
+    f = cfg.finetune
+    return (f.pool == "auto" or (f.head_init == "probe" and not f.head_l2)) and not fitted_labels(f.init)
+
+
 def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: int, device: torch.device,
                precision: str, dev_subset: tuple | None = None) -> dict:
     """The linear probe of frozen `encoder` on its `pool` features (auto: each of POOLS, the best
@@ -313,8 +321,7 @@ def probe_head(encoder, cfg: Config, *, pool: str, subset: tuple, num_classes: i
                                  subset=subset)
     rule = "l2: one standard error of the validation loss, top-1 within it if no better than uniform; fit on all"
     grid = (cfg.finetune.head_l2,) if cfg.finetune.head_l2 else p.l2_grid
-    chooses = pool == "auto" or not cfg.finetune.head_l2  # the representation, or the L2, or both
-    folds = cfg.finetune.pool_folds if chooses and not fitted_labels(cfg.finetune.init) else 0
+    folds = cfg.finetune.pool_folds if folds_apply(cfg) else 0
     key = json.dumps([features, list(pools), sorted(grid), p.val_fraction, cfg.finetune.split_seed, num_classes,
                       rule, dev_subset and list(dev_subset)] + ([folds] if folds else []))  # old heads keep their key
     path = cache / f"head-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
