@@ -541,6 +541,20 @@ def test_a_representation_toss_ups_other_pool_gives_its_figures_a_range(tmp_path
     assert f"`{root / 'ft_mpp/token_seed1'}` (mpp finetune, another representation retrained)" in md
 
 
+def test_the_intro_names_the_arms_chosen_in_folds_also_where_a_pre_training_read_the_splits():
+    """Where a pre-training read the fine-tunes' development splits the intro said only that the
+    choices on those splits were made on images it trained on, and no longer named the arms whose
+    representation was chosen in folds instead (MPP's and scratch's 10% cells)."""
+    from mpp.report.render import _withheld_note
+    cv = {"0.1": {"pool_choice": {"on": "cv"}}, "1.0": {"pool_choice": {"on": "dev"}}}
+    recipes = {"supervised": {"0.1": {"pool_choice": {"on": "dev"}}}, "mpp": cv, "scratch": cv}
+    for read in (False, True):
+        t = {"supervised": {"pretrain": {}}, "mpp": {"pretrain": {"read_dev_splits": read}}, "scratch": {"pretrain": None}}
+        note = _withheld_note(t, recipes)
+        assert ("The MPP pre-training read fine-tunes' development splits" in note) is read
+        assert "for MPP pre-training and from scratch the representation was chosen by a probe scored in folds" in note
+
+
 def test_a_probes_representation_toss_up_marks_its_probe_and_few_shot_figures(tmp_path):
     """The linear-probe and few-shot rows read the representation each probe chose on its
     development images. Where that lead was within its noise (MPP's here: 1 point, the two

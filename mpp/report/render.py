@@ -81,18 +81,18 @@ def _withheld_note(t: dict, recipes: dict) -> str:
             if t[f]["pretrain"] and t[f]["pretrain"].get("read_dev_splits")]
     folded = [FAMILY_NAMES[f] for f in FAMILIES
               if any((r.get("pool_choice") or {}).get("on") == "cv" for r in (recipes.get(f) or {}).values())]
+    folds = (f"for {' and '.join(folded)} the representation was chosen by a probe scored in folds over all the "
+             "cell's labels, finetune.pool_folds, images that a pre-training may have read, never their labels"
+             if folded else "")
     if not kept or not any(recipes.get(f) for f in FAMILIES):
         return (" (the comparison leaves the fine-tunes' development splits out of a pre-training on their training "
                 "set, data.withhold, so that no fine-tune's learning rate or representation is chosen on images it "
-                "trained on" + (f"; but for {' and '.join(folded)} the representation was chosen by a probe scored "
-                                "in folds over all the cell's labels, finetune.pool_folds, images that a pre-training "
-                                "may have read, never their labels" if folded else "")
-                + ").") if not kept else "."
+                "trained on" + (f"; but {folds}" if folds else "") + ").") if not kept else "."
     many = len(kept) > 1
     return (f". The {' and '.join(kept)} pre-training{'s' if many else ''} read fine-tunes' development splits "
             f"(data.withhold empty or short of them): the learning rates and representations chosen on those splits for "
             f"{'their encoders' if many else 'its encoder'} were chosen on images {'they' if many else 'it'} "
-            "trained on.")
+            "trained on" + (f" ({folds}, not on those splits)" if folds else "") + ".")
 
 
 def render_markdown(rep: dict) -> str:
