@@ -297,8 +297,9 @@ def choice_lead(top1: float, other_top1: float, images, other_images) -> dict:
 
 
 def significant(gap: float, noise: float, t: float) -> bool:
-    """A gap (points) of at least t times its standard error; 0 ± 0 (the same predictions) is none."""
-    return abs(gap) >= max(t * noise, 1e-9)
+    """A gap (points) of at least t times its standard error; 0 ± 0 (the same predictions) is none.
+    A Python bool for numpy inputs too: the report's toss-up tests read `clear is False`."""
+    return bool(abs(gap) >= max(t * noise, 1e-9))
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:

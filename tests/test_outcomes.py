@@ -163,6 +163,7 @@ def test_a_gap_of_exactly_t_times_its_noise_is_significant():
     """'At least t times its noise', on either side of zero."""
     assert significant(3.0, 1.5, 2.0) and significant(-3.0, 1.5, 2.0)
     assert not significant(2.999, 1.5, 2.0) and not significant(-2.999, 1.5, 2.0)
+    assert significant(np.float64(2.0), np.float64(1.5), 2.0) is False  # numpy's False is not False
 
 
 def _probe(root, name, encoder, correct, labels):
