@@ -25,11 +25,10 @@ import torch
 from mpp.cli import ArgumentParser, one_line_errors
 from mpp.config import build_config
 from mpp.evaluators.features import extract_features
-from mpp.evaluators.linear_probe import choose_probe, fit_linear_head
+from mpp.evaluators.linear_probe import choose_probe, fit_linear_head, fold_parts
 from mpp.figures.inspection import load_inspected
+from mpp.models import POOLS
 from mpp.outcomes import read
-
-POOLS = ("token", "avg")
 
 
 def measure(encoder, data_cfg, train: str, test: str, *, label_fraction: float, dev_fraction: float,
@@ -44,10 +43,7 @@ def measure(encoder, data_cfg, train: str, test: str, *, label_fraction: float, 
     classes = int(max(ty.max(), dy.max())) + 1
     on_dev = choose_probe(tx, ty, num_classes=classes, dev=(dx, dy))
     in_folds = choose_probe(tx, ty, num_classes=classes, dev=(dx, dy), folds=folds, seed=split_seed)
-    # the folds' validation order (`linear_probe._splits`): the training part's rows, then the split's
-    order = torch.cat(torch.randperm(len(ty) + len(dy), generator=torch.Generator().manual_seed(split_seed))
-                      .tensor_split(folds))
-    withheld = (order >= len(ty)).numpy()
+    withheld = (torch.cat(fold_parts(len(ty) + len(dy), folds, split_seed)) >= len(ty)).numpy()  # the split's rows
     out = {}
     for n in POOLS:
         hit = read(in_folds.outcomes[n])[1]

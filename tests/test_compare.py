@@ -875,9 +875,9 @@ def test_sigterm_to_the_comparison_lets_its_stage_save_a_checkpoint(tmp_path, gr
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
     saved = sorted((tmp_path / "runs/pretrain_mpp/checkpoints").glob("step_*"))
-    assert saved and err.strip().splitlines()[-1].startswith(
-        "error: SIGTERM during stage 'pre-train mpp', " + (f"which ended with exit 1 (its launcher's), having "
-                                                           f"saved {saved[-1].name};" if launcher else "which saved its"))
+    said = (f"which ended with exit 1 (its launcher's), having saved {saved[-1].name};" if launcher
+            else "which saved its")
+    assert saved and err.strip().splitlines()[-1].startswith(f"error: SIGTERM during stage 'pre-train mpp', {said}")
     assert not (tmp_path / "runs/pretrain_mpp/.lock").exists()
 
 
@@ -1012,8 +1012,8 @@ def test_a_changed_pool_folds_refuses_only_the_stages_it_reaches(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]", compare_extra="finetune_pool: auto\n")
 
     def finetunes(folds: int) -> list:
-        return [s for s in plan(load_compare_config(path, [f"fraction_overrides={{0.5: [finetune.pool_folds={folds}]}}"]))
-                if s.tool == "finetune"]
+        cfg = load_compare_config(path, [f"fraction_overrides={{0.5: [finetune.pool_folds={folds}]}}"])
+        return [s for s in plan(cfg) if s.tool == "finetune"]
     for s in finetunes(5):
         s.out.mkdir(parents=True)
         (s.out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(s.config, s.args()))))

@@ -549,7 +549,8 @@ def test_the_intro_names_the_arms_chosen_in_folds_also_where_a_pre_training_read
     cv = {"0.1": {"pool_choice": {"on": "cv"}}, "1.0": {"pool_choice": {"on": "dev"}}}
     recipes = {"supervised": {"0.1": {"pool_choice": {"on": "dev"}}}, "mpp": cv, "scratch": cv}
     for read in (False, True):
-        t = {"supervised": {"pretrain": {}}, "mpp": {"pretrain": {"read_dev_splits": read}}, "scratch": {"pretrain": None}}
+        t = {"supervised": {"pretrain": {}}, "mpp": {"pretrain": {"read_dev_splits": read}},
+             "scratch": {"pretrain": None}}
         note = _withheld_note(t, recipes)
         assert ("The MPP pre-training read fine-tunes' development splits" in note) is read
         assert "for MPP pre-training and from scratch the representation was chosen by a probe scored in folds" in note

@@ -160,6 +160,10 @@ def _warn_own_label_choices(stages: list[Stage], resolved: dict[Path, Config]) -
             return
 
 
+# what torchrun's --nproc_per_node and --nnodes and accelerate launch's --num_processes take
+COUNTS = {"nproc_per_node": r"\d+|auto|cpu|gpu|xpu", "nnodes": r"\d+(:\d+)?", "num_processes": r"\d+"}
+
+
 def launcher_words(launcher: str, machine: bool = True) -> list[str]:
     """The command a stage runs under ([] for this Python): `launcher` split as a shell would, its
     variables ($NAME, ${NAME}, quoted or not) expanded from this environment (stages run without a
@@ -190,10 +194,6 @@ def launcher_words(launcher: str, machine: bool = True) -> list[str]:
                               + (" (or auto, cpu, gpu, xpu)" if flag == "nproc_per_node" else
                                  " (or MIN:MAX)" if flag == "nnodes" else ""))
     return words
-
-
-# what torchrun's --nproc_per_node and --nnodes and accelerate launch's --num_processes take
-COUNTS = {"nproc_per_node": r"\d+|auto|cpu|gpu|xpu", "nnodes": r"\d+(:\d+)?", "num_processes": r"\d+"}
 
 
 def _counts(words: list[str]) -> dict[str, str]:

@@ -24,5 +24,5 @@ __all__ = ["DICT_SHAPES", "ENCODER_KEYS", "MAX_BITS", "MAX_TOKENS", "OVERRIDDEN_
            "CompareConfig", "Config", "ConfigError", "DataConfig", "FewshotConfig", "FinetuneConfig", "MPPConfig",
            "OptimConfig", "PrepareConfig", "ProbeConfig", "SupervisedConfig", "TrainConfig", "YamlLoader", "as_list",
            "build_config", "changed_settings", "check_tool", "choices", "flatten", "load_compare_config",
-           "load_config", "load_yaml", "override_keys", "parse_overrides", "read_yaml", "said", "same_setting", "save_config",
-           "settings", "to_dict", "unread", "valid_keys", "validate"]
+           "load_config", "load_yaml", "override_keys", "parse_overrides", "read_yaml", "said", "same_setting",
+           "save_config", "settings", "to_dict", "unread", "valid_keys", "validate"]

@@ -122,6 +122,12 @@ class ProbeChoice(NamedTuple):
         return self.head_l2s[self.pool]
 
 
+def fold_parts(n: int, folds: int, seed: int) -> list[torch.Tensor]:
+    """The row indices of each of `folds` seeded folds of `n` rows, in the order `choose_probe`
+    validates them (its training features' rows, then its development split's)."""
+    return list(torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tensor_split(folds))
+
+
 def _splits(train_x: dict, train_y: torch.Tensor, val_fraction: float, seed: int, dev, folds: int):
     """The (fit features, fit labels, validation features, validation labels) that `choose_probe`
     scores, one at a time: one split (`dev`, else a held-out part of the training features), or
@@ -132,7 +138,7 @@ def _splits(train_x: dict, train_y: torch.Tensor, val_fraction: float, seed: int
         y = train_y if dev is None else torch.cat([train_y, dev[1].long()])
         if len(y) < folds:
             raise DataError(f"finetune.pool_folds={folds} needs at least {folds} labeled samples, got {len(y)}")
-        parts = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed)).tensor_split(folds)
+        parts = fold_parts(len(y), folds, seed)
         for i, p in enumerate(parts):
             r = torch.cat([q for j, q in enumerate(parts) if j != i])
             yield {n: v[r] for n, v in x.items()}, y[r], {n: v[p] for n, v in x.items()}, y[p]
