@@ -556,6 +556,22 @@ def test_the_intro_names_the_arms_chosen_in_folds_also_where_a_pre_training_read
         assert "for MPP pre-training and from scratch the representation was chosen by a probe scored in folds" in note
 
 
+def test_the_intro_names_folds_that_chose_a_final_without_a_sweep(tmp_path):
+    """A comparison without a sweep has no recipes: its finals choose their own representation
+    (finetune.pool=auto), in folds over the images MPP's pre-training read where pool_folds reaches
+    them. The intro named the folds only from a sweep's choice, so there it said nothing of them."""
+    root = tmp_path / "runs"
+    runs = _paper_runs(root)
+    m = root / "ft_mpp_0.1" / "metrics.json"
+    written = json.loads(m.read_text())
+    for on in ("dev", "cv"):
+        m.write_text(json.dumps({**written, "pool": "avg", f"pool_{on}_top1": {"avg": 0.5, "token": 0.4}}))
+        rep = write_report(runs, tmp_path / on)
+        assert rep["table"]["mpp"]["finetune_folds"] == (["0.1"] if on == "cv" else [])
+        md = (tmp_path / on / "report.md").read_text()
+        assert ("for MPP pre-training the representation was chosen by a probe scored in folds" in md) is (on == "cv")
+
+
 def test_a_probes_representation_toss_up_marks_its_probe_and_few_shot_figures(tmp_path):
     """The linear-probe and few-shot rows read the representation each probe chose on its
     development images. Where that lead was within its noise (MPP's here: 1 point, the two

@@ -81,7 +81,7 @@ def collect(runs: list[dict]) -> dict:
     seeds), linear top-1 with its representation, few-shot; the recipes chosen on development
     splits; the derived figures per column. Two runs in one cell with the same seed is an error."""
     table = {f: {"pretrain": None, "finetune": {}, "finetune_std": {}, "finetune_n": {}, "finetune_start": {},
-                 "finetune_added_noise": {}, "finetune_added_t": {},
+                 "finetune_added_noise": {}, "finetune_added_t": {}, "finetune_folds": [],
                  "linear_top1": None, "probe_pool": None, "probe_pool_choice": None,
                  "fewshot": {},
                  "fewshot_std": {}, "fewshot_seeds": None, "fewshot_draws": {}} for f in FAMILIES}
@@ -139,6 +139,8 @@ def collect(runs: list[dict]) -> dict:
         ends = [accuracy(r["metrics"], "top1", r["dir"]) for r in finals]
         mean, std = mean_std(ends)
         table[f]["finetune"][key], table[f]["finetune_std"][key], table[f]["finetune_n"][key] = mean, std, len(finals)
+        if any((pool_choice(r["metrics"]) or {}).get("on") == "cv" for r in finals):  # chose in folds, swept or not
+            table[f]["finetune_folds"].append(key)
         per_seed = [outcomes.read(r["metrics"].get("outcomes")) for r in finals]
         per_run[f, key] = runs_images(per_seed)
         if all("start_top1" in r["metrics"] for r in finals):  # LP-FT runs: where each started, on the same images

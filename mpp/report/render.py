@@ -76,11 +76,11 @@ def _withheld_note(t: dict, recipes: dict) -> str:
     """What the pre-trainings left out, for the table's intro: the fine-tunes' development splits
     (data.withhold), or, where `recipes` were chosen on such splits, the arms whose pre-training
     read them; and the arms whose representation was chosen in folds (finetune.pool_folds) over
-    images their pre-training read unlabeled."""
+    images their pre-training read unlabeled, by a sweep stage or, where none swept, a final."""
     kept = [{"mpp": "MPP"}.get(f, f) for f in FAMILIES
             if t[f]["pretrain"] and t[f]["pretrain"].get("read_dev_splits")]
-    folded = [FAMILY_NAMES[f] for f in FAMILIES
-              if any((r.get("pool_choice") or {}).get("on") == "cv" for r in (recipes.get(f) or {}).values())]
+    folded = [FAMILY_NAMES[f] for f in FAMILIES if t[f].get("finetune_folds")
+              or any((r.get("pool_choice") or {}).get("on") == "cv" for r in (recipes.get(f) or {}).values())]
     folds = (f"for {' and '.join(folded)} the representation was chosen by a probe scored in folds over all the "
              "cell's labels, finetune.pool_folds, images that a pre-training may have read, never their labels"
              if folded else "")
