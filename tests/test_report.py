@@ -91,6 +91,25 @@ def test_a_repeat_passed_twice_or_of_the_same_pre_trainings_is_refused(tmp_path)
         write_report(runs, tmp_path / "out")
 
 
+def test_a_repeat_scored_on_other_test_images_is_refused(tmp_path):
+    """The gaps over pre-training seeds take the test images as what the repeats share; a repeat
+    scored on another data.val was summed up with the report as if it were the same comparison.
+    The same test set spelled another way is a repeat."""
+    def scored_on(root, seed, val):
+        runs = _paper_runs(root, seed)
+        for r in runs[2:]:
+            cfg = yaml.safe_load((r / "config.yaml").read_text())
+            (r / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {"val": val}}))
+        return runs
+    test = tmp_path / "test"
+    runs = scored_on(tmp_path / "runs", 0, str(test))
+    write_report(scored_on(tmp_path / "runs1", 1, str(tmp_path / "other")), tmp_path / "other1", [])
+    write_report(scored_on(tmp_path / "runs2", 2, f"{tmp_path}/x/../test"), tmp_path / "same2", [])
+    with pytest.raises(ReportError, match=f"^--repeat {tmp_path / 'other1'} was scored on other test images"):
+        write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "other1")])
+    assert write_report(runs, tmp_path / "out", [read_repeat(tmp_path / "same2")])["pretrain_seeds"]["seeds"] == 2
+
+
 def test_runs_scored_on_different_test_sets_are_refused(tmp_path):
     """A gap between fine-tunes or probes scored on different data.val compares other images (it
     was printed as any other); the same set spelled another way, or dev-split runs, are fine."""

@@ -47,7 +47,7 @@ from pathlib import Path
 from mpp import outcomes
 from mpp.fileio import write_atomic
 from mpp.gaps import across_pretrain_seeds, added_noise, derive, mean_std, pool_choice, runs_images
-from mpp.specs import data_key, dev_split, two_test_sets
+from mpp.specs import data_key, dev_split, two_test_sets, val_key
 
 FAMILIES = ("supervised", "mpp", "scratch")
 FAMILY_NAMES = {"supervised": "supervised pre-training", "mpp": "MPP pre-training", "scratch": "from scratch"}
@@ -96,7 +96,7 @@ def collect(runs: list[dict]) -> dict:
             raise ReportError(f"two runs fill the same report cell {key}: {seen[key]} and {run['dir']}; pass one")
         seen[key] = run["dir"]
 
-    _check_one_test_set(runs)
+    test_set = _check_one_test_set(runs)
     for r in runs:
         row, m = table[r["family"]], r["metrics"]
         if r["kind"] == "pretrain":
@@ -189,7 +189,8 @@ def collect(runs: list[dict]) -> dict:
               if (((table[f].get("probe_pool_choice") or {}).get("lead") or {}).get("clear") is False)]
     for g in [derived["linear_top1"], *derived["fewshot"].values()]:
         g["probe_toss_ups"] = probed
-    return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots}
+    return {"table": table, "derived": derived, "recipes": recipes, "label_fractions": fractions, "shots": shots,
+            "test_set": test_set}
 
 
 def _draws(metrics: dict, shots: str) -> tuple[str, list[float]] | None:
@@ -201,15 +202,17 @@ def _draws(metrics: dict, shots: str) -> tuple[str, list[float]] | None:
     return d, [float(x) for x in v]
 
 
-def _check_one_test_set(runs: list[dict]) -> None:
+def _check_one_test_set(runs: list[dict]) -> list | None:
     """Every figure of the table is on one test set: refuse final fine-tunes and probes scored on
-    different ones (`mpp.specs.val_key`), whose gaps would compare different images."""
-    if two := two_test_sets((r["settings"].get("data.val"), r["settings"].get("data.val_num_samples"), r["dir"])
-                            for r in runs
-                            if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev")):
+    different ones (`mpp.specs.val_key`), whose gaps would compare different images. Returns that
+    set's key, as JSON keeps it (None where no run was scored), which a repeat must share."""
+    scored = [(r["settings"].get("data.val"), r["settings"].get("data.val_num_samples"), r["dir"]) for r in runs
+              if r["kind"] == "probe" or (r["kind"] == "finetune" and r["evaluated_on"] != "dev")]
+    if two := two_test_sets(scored):
         (a, where_a), (b, where_b) = two
         raise ReportError(f"{where_a} and {where_b} were scored on different test sets (data.val {a} and "
                           f"{b}), so their gaps would compare other images; report runs of one data.val")
+    return list(val_key(*scored[0][:2])) if scored else None
 
 
 def _read_dev_splits(pretrain: dict, runs: list[dict]) -> bool:

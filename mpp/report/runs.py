@@ -230,8 +230,9 @@ def previous_repeats(out: Path) -> list[dict]:
 def check_distinct(out: Path, rep: dict, repeats: list[dict], named: str) -> None:
     """Refuse a repeat that is this report's folder or another repeat's, or that read one of the
     same pre-training runs: those pre-trainings would count twice in the gaps over the seeds, their
-    spread shrunk by a copy of themselves. `named`: where the repeats were named ('--repeat', or a
-    report.json re-rendered), for the message."""
+    spread shrunk by a copy of themselves. Refuse one scored on other test images too: the gaps
+    over the seeds take the test images as what the repeats share. `named`: where the repeats were
+    named ('--repeat', or a report.json re-rendered), for the message."""
     def pretrainings(r: dict) -> set[Path]:  # as recorded (a relative one from where it was rendered)
         return {Path(x["dir"]).resolve() for x in r.get("runs") or [] if isinstance(x, dict)
                 and x.get("kind") == "pretrain" and isinstance(x.get("dir"), str)}
@@ -252,6 +253,10 @@ def check_distinct(out: Path, rep: dict, repeats: list[dict], named: str) -> Non
                               f"as {seeded[both[0]]} did: a copy, not another pre-training seed, which would "
                               "shrink the gaps' spread over the seeds; a repeat is the comparison run with another "
                               "pre-training seed (pretrain_seeds: N)")
+        if r.get("test_set") and rep.get("test_set") and r["test_set"] != rep["test_set"]:
+            raise ReportError(f"{named} {r['out_dir']} was scored on other test images (data.val "
+                              f"{r['test_set'][0]}, this report's {rep['test_set'][0]}), so its gaps are not "
+                              "this comparison's; a repeat is the same comparison with another pre-training seed")
         seen[where] = "a folder named already"
         read.update(dict.fromkeys(pretrainings(r), f"the repeat {r['out_dir']}"))
         seeded.update(dict.fromkeys(pretrain_seeds(r), f"the repeat {r['out_dir']}"))
