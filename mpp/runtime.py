@@ -84,7 +84,8 @@ def deterministic(on: bool):
     """`train.deterministic`: within a run or a probe, torch takes deterministic kernels only and
     raises at an op that has none (on CUDA, scatter-adds and some attention backwards are not by
     default); the process's own setting comes back afterwards. cuBLAS reads its workspace setting
-    when it starts, so it is set before the run touches the GPU (an existing value is kept)."""
+    when it starts, so it is set before the run touches the GPU (an existing value is kept) and
+    stays set."""
     if not on:
         yield
         return
