@@ -547,6 +547,24 @@ def test_choose_probe_chooses_the_l2_on_a_development_split():
     assert plain.scores["x"][plain.l2] > 0.9 > 0.5 > direct[plain.l2]  # the held-out part's L2 flatters it
 
 
+def test_linear_probe_refits_on_the_development_split_too():
+    """With a development split the probe chooses there, then refits on the training features and
+    the split's together: its labels are training labels, which the final head should not waste.
+    Here the split alone holds classes 2 and 3, which only a head fitted on it can predict."""
+    from mpp.evaluators.linear_probe import fit_linear_head, linear_probe
+    g = torch.Generator().manual_seed(4)
+    centers = torch.randn(4, 8, generator=g) * 4
+    x, y = _blobs(800, centers, g)
+    train, dev, test = y < 2, torch.arange(800) % 4 == 0, torch.arange(800) % 4 == 1
+    train &= ~(dev | test)
+    out = linear_probe({"x": x[train]}, y[train], {"x": x[test]}, y[test], num_classes=4, l2_grid=(1e-3, 1e-1),
+                       dev=({"x": x[dev]}, y[dev]))
+    weight, bias = fit_linear_head(torch.cat([x[train], x[dev]]), torch.cat([y[train], y[dev]]), 4, out["l2"])
+    assert out["top1"] == pytest.approx((x[test] @ weight.T + bias).argmax(1).eq(y[test]).float().mean().item(),
+                                        abs=2 / test.sum().item())
+    assert out["top1"] > 0.9 and (y[test] >= 2).float().mean() > 0.4  # classes 2 and 3 are half the test images
+
+
 def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
     """finetune.pool=auto chooses the representation as the probe does, but on the run's own
     labels (a probe of its training part, scored on its development split): the patch mean for an
