@@ -532,7 +532,8 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
     short = ["pretrain_overrides=[optim.warmup_steps=1]", "fraction_overrides.0.5=[optim.warmup_steps=1]"]
     for last, warned in (("1", ""), ("2", "warning: stage 'fine-tune scratch, 100% labels, seed 0': optim.warmup_steps"
                                           "=2 is not below the run's 2 steps: the learning rate rises to 0.015, not "
-                                          "optim.lr=0.03, and never decays")):
+                                          "optim.lr=0.03, and never decays; give fewer warmup steps (pretrain_overrides "
+                                          "or fraction_overrides reach only the stages that train")):
         cfg = load_compare_config(path, short + [f"fraction_overrides.1.0=[optim.warmup_steps={last}]"])
         validate(cfg, plan(cfg))  # a warmup as long as the run is warned about, not refused
         err = capsys.readouterr().err
@@ -1303,7 +1304,8 @@ def _fake_stages(monkeypatch, sweep_hits: dict) -> list[Path]:
 def test_a_stage_killed_by_a_signal_is_said_on_a_line_of_its_own(tmp_path, monkeypatch, capsys):
     """A stage killed by a signal (the out-of-memory killer's SIGKILL) printed no cause, and the
     comparison's error line ran on from the stage's cut-off progress bar; the line now starts
-    afresh and names the signal."""
+    afresh and names the signal. The comparison's folder keeps its mark of an unfinished one, which
+    a report of it reads (tests/test_report.py); a finished comparison leaves none."""
     import mpp.compare
     _fake_stages(monkeypatch, {})
 
@@ -1313,8 +1315,13 @@ def test_a_stage_killed_by_a_signal_is_said_on_a_line_of_its_own(tmp_path, monke
     monkeypatch.setattr(mpp.compare, "run_stage", killed)
     with pytest.raises(RuntimeError, match=r"stage 'pre-train mpp' failed \(killed by SIGKILL, as the out-of-memory "
                                            r"killer does\); fix the cause"):
-        run(_cfg(tmp_path, ""))
+        run(cfg := _cfg(tmp_path, ""))
     assert capsys.readouterr().err.endswith("4/10\n")
+    assert "has not finished" in (Path(cfg.output_dir) / "unfinished.txt").read_text()
+    monkeypatch.undo()
+    _fake_stages(monkeypatch, {})
+    run(cfg)
+    assert not (Path(cfg.output_dir) / "unfinished.txt").exists()
 
 
 def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_choice(tmp_path, monkeypatch, capsys):

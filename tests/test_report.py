@@ -91,6 +91,23 @@ def test_a_repeat_passed_twice_or_of_the_same_pre_trainings_is_refused(tmp_path)
         write_report(runs, tmp_path / "out")
 
 
+def test_a_report_of_an_unfinished_comparison_says_so_and_of_a_missing_folder_refuses(tmp_path, capsys):
+    """A report of a comparison's folder while its stages run (or after they stopped) was written
+    as any other, its missing cells '—', with nothing to say the comparison was unfinished; and a
+    folder that does not exist was called an unfinished run directory."""
+    runs = tmp_path / "runs"
+    _paper_runs(runs)
+    (runs / "unfinished.txt").write_text("tools/compare.py has not finished\n")
+    assert write_report([runs])["unfinished"] is True
+    assert f"warning: the comparison writing to {runs} has not finished its stages" in capsys.readouterr().err
+    assert "**Unfinished:** the comparison writing to this folder" in (runs / "report.md").read_text()
+    (runs / "unfinished.txt").unlink()
+    assert "unfinished" not in write_report([runs])
+    assert "Unfinished" not in (runs / "report.md").read_text() and not capsys.readouterr().err
+    with pytest.raises(ReportError, match=f"^{tmp_path / 'gone'} does not exist; name run directories, or the output"):
+        write_report([tmp_path / "gone"])
+
+
 def test_a_repeat_scored_on_other_test_images_is_refused(tmp_path):
     """The gaps over pre-training seeds take the test images as what the repeats share; a repeat
     scored on another data.val was summed up with the report as if it were the same comparison.

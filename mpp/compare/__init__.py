@@ -57,6 +57,7 @@ from mpp.compare.planning import plan, repeat_dir
 from mpp.compare.prepare import prepare_data
 from mpp.compare.stages import StageTerminated, killed, run_stage, seconds, start_server, time_split
 from mpp.config import CompareConfig, as_list
+from mpp.report.runs import UNFINISHED
 
 
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
@@ -88,6 +89,10 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             check_processes(s, stated_processes(words))
             if not s.choices:
                 check_unchanged(s)
+    unfinished = Path(cfg.output_dir) / UNFINISHED
+    unfinished.parent.mkdir(parents=True, exist_ok=True)
+    unfinished.write_text("tools/compare.py has not finished the stages of this comparison; a report of this "
+                          "folder holds those done so far. Run the comparison's command again to finish it.\n")
     digests: dict[Path, str] = {}
     spent: list[tuple[float, list[float]]] = []  # (took, split) of the stages trained now
     stale: set[Path] = set()  # conditional stages finished earlier whose condition no longer holds
@@ -136,6 +141,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if split is not None:
             spent.append((took, split))
         print(f"[{i}/{total}] {s.name}: finished in {seconds(took, split)}", flush=True)
+    unfinished.unlink()
     from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
     if spent:  # where this run's training time went, summed over its trained stages

@@ -265,7 +265,8 @@ def _check_training(cfg: CompareConfig, stages: list[Stage], resolved: dict[Path
                  and 1 <= (c := resolved[s.out]).steps <= c.optim.warmup_steps), None)
     if late is not None:
         from mpp.optim import warmup_note  # here: it imports torch
-        print(f"warning: stage '{late[0].name}': {warmup_note(late[1], late[1].steps)}", file=sys.stderr)
+        print(f"warning: stage '{late[0].name}': {warmup_note(late[1], late[1].steps)} (pretrain_overrides or "
+              "fraction_overrides reach only the stages that train; overrides reach the probes too)", file=sys.stderr)
 
 
 def check_data(stages: list[Stage], resolved: dict[Path, Config]) -> None:

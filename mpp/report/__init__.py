@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 from mpp import outcomes
@@ -61,7 +62,7 @@ class ReportError(ValueError):
 # the parts import the names above from here, so they come after them
 from mpp.report.recipes import ranges, recipe, runner_up, split_finals, swept_keys  # noqa: E402
 from mpp.report.render import figures_section, plot, render_markdown  # noqa: E402
-from mpp.report.runs import (accuracy, check_distinct, describe_run, find_runs, previous_repeats,  # noqa: E402
+from mpp.report.runs import (UNFINISHED, accuracy, check_distinct, describe_run, find_runs, previous_repeats,  # noqa: E402
                              reported, search)
 
 
@@ -275,6 +276,10 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     # are not every run below `out`, which a report without a plan stands for
     if (named and (before is None or before[1])) or mine != {d.resolve() for d in search(out)}:
         rep["plan"] = [os.path.relpath(Path(d).resolve(), out.resolve()) for d in run_dirs]
+    if (out / UNFINISHED).is_file():  # a comparison whose stages are running, or were stopped
+        rep["unfinished"] = True
+        print(f"warning: the comparison writing to {out} has not finished its stages ({out / UNFINISHED}): this "
+              f"report holds the {len(run_dirs)} runs done so far", file=sys.stderr)
     source = "--repeat"
     if repeats is None:
         repeats, source = previous_repeats(out), f"{out / 'report.json'} names the repeat"

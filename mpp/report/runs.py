@@ -18,6 +18,10 @@ import yaml
 from mpp.config import read_yaml, settings
 from mpp.report import FAMILIES, FAMILY_NAMES, ReportError
 
+# in a comparison's output_dir while its stages run (mpp.compare.run): a report written there holds
+# the stages done so far, and says so
+UNFINISHED = "unfinished.txt"
+
 
 def _read_json(path: Path) -> dict:
     try:
@@ -176,6 +180,9 @@ def find_runs(paths: list[str | Path]) -> tuple[list[Path], bool]:
     those a report records as its own plan, so a folder searched is searched again next time."""
     found, named = [], True
     for path in map(Path, paths):
+        if not path.exists():
+            raise ReportError(f"{path} does not exist; name run directories, or the output_dir of a comparison "
+                              "(tools/compare.py writes it)")
         below = search(path)
         planned = _plan(path)
         if planned is not None:

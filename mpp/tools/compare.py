@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", required=True, type=path, help="comparison config, e.g. configs/compare_synthetic.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the stages and their commands, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="comparison config overrides, e.g. output_dir=runs/x 'overrides=[steps=20]'")
+                   help="comparison config overrides, e.g. output_dir=runs/x 'pretrain_overrides=[steps=100]'")
     a = p.parse_args(argv)
     cfg = load_compare_config(a.config, a.overrides)
     from mpp.compare import run
