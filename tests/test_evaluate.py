@@ -565,6 +565,17 @@ def test_linear_probe_refits_on_the_development_split_too():
     assert out["top1"] > 0.9 and (y[test] >= 2).float().mean() > 0.4  # classes 2 and 3 are half the test images
 
 
+def test_choose_probe_shows_its_fits(capsys):
+    """The probe's fits, minutes on a CPU after the features' bar ended, showed nothing: a user could
+    not tell them from a hang. A bar counts them: every fold, representation and L2."""
+    from mpp.evaluators.linear_probe import choose_probe
+    g = torch.Generator().manual_seed(5)
+    x, y = _blobs(120, torch.randn(3, 6, generator=g) * 3, g)
+    choose_probe({"token": x, "avg": -x}, y, num_classes=3, l2_grid=(1e-3, 1e-1, 10.0), folds=4)
+    err = capsys.readouterr().err
+    assert "probe fits" in err and "/24 [" in err, err[-500:]  # 4 folds x 2 representations x 3 L2s
+
+
 def test_fine_tune_pool_auto_reads_patch_tokens_when_the_class_token_is_uninformative(shards, tmp_path):
     """finetune.pool=auto chooses the representation as the probe does, but on the run's own
     labels (a probe of its training part, scored on its development split): the patch mean for an

@@ -141,7 +141,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if split is not None:
             spent.append((took, split))
         print(f"[{i}/{total}] {s.name}: finished in {seconds(took, split)}", flush=True)
-    unfinished.unlink()
+    unfinished.unlink(missing_ok=True)  # a user may have removed it
     from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
     if spent:  # where this run's training time went, summed over its trained stages

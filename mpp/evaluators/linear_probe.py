@@ -23,6 +23,7 @@ from accelerate.utils import set_seed
 from safetensors import safe_open
 from safetensors.torch import save_file
 from timm.utils import accuracy
+from tqdm.auto import tqdm
 
 from mpp import outcomes, rundir
 from mpp.config import Config, ConfigError, ProbeConfig, read_yaml, save_config, to_dict
@@ -180,6 +181,8 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
     train_y, grid = train_y.long(), sorted(set(l2_grid), reverse=True)  # strong to weak: each fit warm-starts the next
     fits: dict[tuple[str, float], torch.Tensor] = {}
     stats, right, ces, val_ys = {}, {}, {}, []
+    # a fit takes seconds to minutes on a CPU (hundreds of L-BFGS iterations): shown, as the features are
+    bar = tqdm(total=max(folds, 1) * len(train_x) * len(grid), desc="probe fits", unit="fit", leave=False)
     for fit_x, fit_y, val_x, val_y in _splits(train_x, train_y, val_fraction, seed, dev, folds):
         val_ys.append(val_y)
         for name, x in fit_x.items():
@@ -188,9 +191,11 @@ def choose_probe(train_x: dict[str, torch.Tensor], train_y: torch.Tensor, *, num
             fx, vx, w = (fx - mean) / std, (vx - mean) / std, None
             for l2 in grid:
                 w = fits[name, l2] = _fit_logistic(fx, fit_y, num_classes, l2, init=w)
+                bar.update()
                 logits = vx @ w[:-1] + w[-1]
                 right.setdefault((name, l2), []).append(logits.topk(1, dim=1).indices[:, 0].eq(val_y))
                 ces.setdefault((name, l2), []).append(F.cross_entropy(logits, val_y, reduction="none"))
+    bar.close()
     val_y = torch.cat(val_ys)  # every validated image once, in the order of the hits and losses
     hits = {k: torch.cat(v) for k, v in right.items()}
     scores = {n: {l2: hits[n, l2].float().mean().item() for l2 in grid} for n in train_x}
