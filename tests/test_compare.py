@@ -1315,13 +1315,14 @@ def test_a_stage_killed_by_a_signal_is_said_on_a_line_of_its_own(tmp_path, monke
     monkeypatch.setattr(mpp.compare, "run_stage", killed)
     with pytest.raises(RuntimeError, match=r"stage 'pre-train mpp' failed \(killed by SIGKILL, as the out-of-memory "
                                            r"killer does\); fix the cause"):
-        run(cfg := _cfg(tmp_path, ""))
+        run(cfg := _cfg(tmp_path, "pretrain_seeds: 2\n"))
     assert capsys.readouterr().err.endswith("4/10\n")
-    assert "has not finished" in (Path(cfg.output_dir) / "unfinished.txt").read_text()
+    marks = [Path(cfg.output_dir) / "unfinished.txt", repeat_dir(cfg, 1) / "unfinished.txt"]  # each report's folder
+    assert all("has not finished" in m.read_text() for m in marks)
     monkeypatch.undo()
     _fake_stages(monkeypatch, {})
     run(cfg)
-    assert not (Path(cfg.output_dir) / "unfinished.txt").exists()
+    assert not any(m.exists() for m in marks)
 
 
 def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_choice(tmp_path, monkeypatch, capsys):

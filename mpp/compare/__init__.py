@@ -89,10 +89,13 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
             check_processes(s, stated_processes(words))
             if not s.choices:
                 check_unchanged(s)
-    unfinished = Path(cfg.output_dir) / UNFINISHED
-    unfinished.parent.mkdir(parents=True, exist_ok=True)
-    unfinished.write_text("tools/compare.py has not finished the stages of this comparison; a report of this "
-                          "folder holds those done so far. Run the comparison's command again to finish it.\n")
+    # in every folder it reports, each pre-training seed's too, until every stage is done
+    unfinished = [Path(cfg.output_dir) / UNFINISHED,
+                  *(repeat_dir(cfg, seed) / UNFINISHED for seed in range(1, cfg.pretrain_seeds))]
+    for f in unfinished:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("tools/compare.py has not finished the stages of this comparison; a report of this folder "
+                     "holds those done so far. Run the comparison's command again to finish it.\n")
     digests: dict[Path, str] = {}
     spent: list[tuple[float, list[float]]] = []  # (took, split) of the stages trained now
     stale: set[Path] = set()  # conditional stages finished earlier whose condition no longer holds
@@ -141,7 +144,8 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
         if split is not None:
             spent.append((took, split))
         print(f"[{i}/{total}] {s.name}: finished in {seconds(took, split)}", flush=True)
-    unfinished.unlink(missing_ok=True)  # a user may have removed it
+    for f in unfinished:
+        f.unlink(missing_ok=True)  # a user may have removed it
     from mpp.figures.inspection import write_compare_figures
     from mpp.report import write_report
     if spent:  # where this run's training time went, summed over its trained stages
