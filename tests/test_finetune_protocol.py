@@ -39,6 +39,41 @@ def test_dev_split_is_class_balanced_seeded_and_drawn_from_the_subset(colours):
     assert _labels(select_subset(shards, 0.5, seed=8, dev_fraction=0.2, dev=True))[0] != dev
     whole, _ = _labels(select_subset(shards, 1.0, seed=0, dev_fraction=0.1, dev=True))
     assert len(whole) == 30
+    # of all the labels too (the probes' and the 100% cells' split), where the subset cannot vary
+    assert _labels(select_subset(shards, 1.0, seed=1, dev_fraction=0.1, dev=True))[0] != whole
+
+
+def test_subset_and_dev_split_sizes_round_to_the_nearest_count(colours):
+    """0.127 of a class's 100 images is 12.7, so 13, not the 12 of a floor; 0.27 of those 13 is 3.51,
+    so 4 in the development split."""
+    shards = resolve(str(colours / "train/manifest.json"), 0)
+    assert _labels(select_subset(shards, 0.127, seed=2))[1] == {0: 13, 1: 13, 2: 13}
+    assert _labels(select_subset(shards, 0.127, seed=2, dev_fraction=0.27, dev=True))[1] == {0: 4, 1: 4, 2: 4}
+
+
+def test_the_fine_tunes_development_split_is_scored_on_its_split_seed(colours, monkeypatch):
+    """A fine-tune with finetune.split_seed=3 trains on the rest of seed 3's development split, so
+    its evaluator must score that split: with another seed's it scores images it trained on."""
+    import mpp.evaluators.classify as classify
+    from mpp.data import make_loader
+
+    class Built(Exception):
+        pass
+
+    def built(*args, **kwargs):  # the evaluator's loader: kept, and the run stopped there
+        raise Built(make_loader(*args, **kwargs))
+    monkeypatch.setattr(classify, "make_loader", built)
+    cfg = load_config(None, ["objective=classify", "model=vit_micro4_32", "batch_size=16", "steps=1",
+                             f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
+                             "finetune.label_fraction=0.5", "finetune.dev_fraction=0.2", "finetune.split_seed=3"])
+    from mpp.models import create_encoder
+    encoder = create_encoder("vit_micro4_32")
+    with pytest.raises(Built) as e:
+        classify.Evaluator(cfg, "cpu").run(type("Classifier", (), {"encoder": encoder})())
+    shards = resolve(str(colours / "train/manifest.json"), 0)
+    scored, _ = _labels(e.value.args[0].shards)
+    assert scored == _labels(select_subset(shards, 0.5, seed=3, dev_fraction=0.2, dev=True))[0]
+    assert not scored & _labels(select_subset(shards, 0.5, seed=3, dev_fraction=0.2, dev=False))[0]
 
 
 def test_a_label_fraction_that_rounds_to_no_sample_of_a_class_is_warned_about(colours, caplog):
