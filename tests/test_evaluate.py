@@ -964,22 +964,48 @@ def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them
 
 
 def test_the_feature_cache_key_changes_with_the_attention_kernel_the_device_and_the_label_index(tmp_path):
-    """Features computed with the other attention kernel or on another kind of device differ in
-    their last bits, and relabeled shards in their labels: each is its own cache entry."""
+    """Features computed with the other attention kernel, on another kind of device or at another
+    precision differ in their last bits (or more), and relabeled shards in their labels: each is its
+    own cache entry (a comparison's runs share one cache)."""
     from mpp.evaluators.features import feature_cache_key
     from shardutil import write_shards
     manifest, _ = write_shards(tmp_path / "d", [4, 4])
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
 
-    def key(attn: str = "math", device: str = "cpu") -> str:
+    def key(attn: str = "math", device: str = "cpu", precision: str = "no") -> str:
         cfg = build_config({"model": "vit_micro4_32", "img_size": 16, "train": {"attn": attn}})
         return feature_cache_key(encoder, manifest, cfg=cfg, pools=("token",), img_size=16, num_samples=0,
-                                 precision="no", device=torch.device(device))
+                                 precision=precision, device=torch.device(device))
     base = key()
     assert key() == base and key(attn="fused") != base and key(device="cuda") != base
+    assert key(precision="bf16") != base
     m = json.loads(Path(manifest).read_text())
     Path(manifest).write_text(json.dumps({**m, "labels": "labels.json", "labels_sha256": "0" * 64}))
     assert key() != base
+
+
+def test_features_are_the_eval_mode_encoder_on_images_normalised_as_in_training(shards, tmp_path):
+    """The probe's, few-shot's and a fine-tune's starting head's features: the encoder in eval mode
+    (a fine-tune's encoder has drop path, random in train mode; its mode is restored after) on
+    images normalised by the run's data.mean and data.std, as its pre-training saw them."""
+    from mpp.data import make_loader
+    from mpp.evaluators.features import extract_features
+    mean, std = (0.2, 0.4, 0.6), (0.1, 0.2, 0.3)
+    cfg = _cfg(shards, tmp_path / "run", data={"mean": list(mean), "std": list(std), "num_workers": 0})
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16, drop_path=0.5).train()
+    got = extract_features(encoder, shards["test"], cfg=cfg, pools=("token", "avg"), precision="no")
+    assert encoder.training
+    encoder.eval()
+    want = {"token": [], "avg": []}
+    with torch.no_grad():
+        for batch in make_loader(shards["test"], batch_size=16, img_size=16, train=False, labeled=True,
+                                 data_cfg=cfg.data).epoch(0):
+            x = (batch["image"].float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+            for pool in want:
+                want[pool].append(encoder.pool(encoder(x), pool))
+    for pool in want:
+        torch.testing.assert_close(got.x[pool], torch.cat(want[pool]), rtol=1e-4, atol=1e-4)
 
 
 def test_a_cache_entry_of_other_shapes_is_a_miss_not_a_crash(shards, tmp_path, caplog):
