@@ -457,6 +457,19 @@ def test_recipe_lead_says_when_the_development_split_could_not_choose(tmp_path):
         write_report(runs, tmp_path / "out2")
 
 
+def test_the_shares_range_needs_supervised_above_scratch_in_every_combination():
+    """The share recovered, (MPP - scratch) / (supervised - scratch), means nothing where a runner-up
+    puts scratch level with or above supervised (a division by zero, or a flipped sign): the gaps
+    get their ranges, the share none; where every combination keeps supervised above, it gets one."""
+    from mpp.report.recipes import ranges
+    for scratch in ([0.55, 0.60], [0.55, 0.65]):
+        got = ranges({"supervised": [0.60], "mpp": [0.58], "scratch": scratch})
+        assert got["mpp_minus_scratch"] == pytest.approx([100 * (0.58 - scratch[1]), 3.0])
+        assert "recovered_share" not in got
+    got = ranges({"supervised": [0.60], "mpp": [0.58], "scratch": [0.50, 0.55]})
+    assert got["recovered_share"] == pytest.approx([0.6, 0.8])
+
+
 def test_a_toss_ups_retrained_runner_up_gives_its_figures_a_range(tmp_path):
     """The comparison's runner-up stages: finals of the value the development split ranked second,
     beside the chosen value's. The report keeps the chosen value's runs as the cell whatever order
