@@ -36,6 +36,34 @@ def test_reads_like_tarfile(fmt):
     assert list(tar_files(zipped)) == MEMBERS
 
 
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_a_long_name_is_its_own_members_alone(fmt):
+    """A PAX or GNU long-name header names the next member only. With whole-second mtimes (as
+    webdataset's TarWriter writes) the short names after it have no header of their own: had the
+    long name stayed, they would take it, and a name seen twice ends the sample's shard."""
+    members = [("k" * 120 + ".jpg", b"a" * 10), ("k.cls", b"1"), ("k.jpg", b"b" * 3)]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1_500_000_000
+            tar.addfile(info, io.BytesIO(data))
+    assert list(tar_files(io.BytesIO(buf.getvalue()))) == members
+
+
+def test_an_old_style_regular_member_is_read():
+    """A pre-POSIX (V7) tar marks a regular file with a NUL type flag, not '0'."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("old.jpg")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"abcd"))
+    raw = bytearray(buf.getvalue())
+    raw[156:157], raw[148:156] = b"\0", b" " * 8  # the type flag, then its checksum again
+    raw[148:156] = b"%06o\0 " % sum(raw[:512])
+    assert list(tar_files(io.BytesIO(bytes(raw)))) == [("old.jpg", b"abcd")]
+
+
 def test_ustar_prefix_names():
     buf = io.BytesIO()
     name = "p" * 120 + "/file.jpg"  # too long for the name field: split into prefix + name
