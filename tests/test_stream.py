@@ -196,6 +196,50 @@ def test_resampled_fixed_epoch_length(tmp_path):
     assert sum(sizes) == 23 and len(sizes) == 6
 
 
+def test_resampled_ranks_and_workers_draw_their_own_shards(tmp_path):
+    """Resampled shards are drawn per rank and per worker: with one seed for all, every rank (and
+    every worker of a rank) would train on the same samples in the same order."""
+    import itertools
+    manifest, _ = write_shards(tmp_path, [2] * 16)
+
+    def drawn(rank: int, worker: int) -> list[str]:
+        loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True, seed=1, rank=rank,
+                             world_size=2, data_cfg=cfg(resampled=True, epoch_samples=64, shuffle_buffer=0))
+        return [s["__key__"] for s in itertools.islice(loader.stream._raw(0, worker, {}), 20)]
+    first = drawn(0, 0)
+    assert drawn(0, 0) == first and drawn(1, 0) != first and drawn(0, 1) != first
+
+
+def test_shards_go_to_ranks_by_their_sample_counts():
+    """Ranks and workers get shards by sample count (largest first, each to the emptiest bin), so
+    their shares stay even: by the number of shards, one large shard and nine small ones would
+    split 14 against 5."""
+    from mpp.data.sources import assign
+    counts = [10, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    bins = assign(counts, list(range(10)), 2)
+    assert sorted(sum(counts[i] for i in b) for b in bins) == [9, 10] and sorted(sum(bins, [])) == list(range(10))
+
+
+def test_the_shard_order_changes_with_the_epoch(tmp_path):
+    """Each epoch shuffles the shards (and their split over ranks) anew, not only the samples in the
+    shuffle buffer."""
+    manifest, _ = write_shards(tmp_path, [4] * 8)
+    loader = make_loader(manifest, batch_size=4, img_size=8, train=True, labeled=True, seed=0,
+                         data_cfg=cfg(num_workers=1, shuffle_buffer=0))
+    orders = [loader.stream.plan(e).bins[0] for e in (0, 1, 0)]
+    assert orders[0] == orders[2] != orders[1] and sorted(orders[1]) == list(range(8))
+
+
+def test_an_evaluation_reads_in_shard_order(tmp_path):
+    """An evaluation is not shuffled, whatever data.shuffle_buffer says: it reads each shard in turn
+    (no buffer held, the same order every time)."""
+    manifest, source = write_shards(tmp_path, [5, 7, 4])
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
+                         data_cfg=cfg(num_workers=0, shuffle_buffer=64), seed=3)
+    table = lookup(source)
+    assert [k for b in loader.epoch(0) for k in batch_keys(b, table)] == list(source)
+
+
 def test_subset_class_balanced_exact(tmp_path):
     manifest, source = write_shards(tmp_path, [15, 15, 15, 15], classes=3)  # 20 per class
     loader = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True,
@@ -342,6 +386,9 @@ def test_specs_brace_list_urls_pipe(tmp_path):
         loader = make_loader(spec, batch_size=4, img_size=16, train=False, labeled=True,
                              data_cfg=cfg(), num_samples=n)
         assert sum(len(b["image"]) for b in loader.epoch(0)) == n and loader.counters() == {}
+    loader = make_loader(specs[0], batch_size=4, img_size=16, train=True, labeled=True, data_cfg=cfg(),
+                         num_samples=n - 1)  # 17 over 3 shards: 6, 6 and 5 assumed, the remainder kept
+    assert loader.num_samples == n - 1 and sum(len(b["image"]) for b in loader.epoch(0)) == n - 1
     with pytest.raises(DataError, match="sample count"):
         make_loader(specs[0], batch_size=4, img_size=16, train=False, labeled=True, data_cfg=cfg())
     with pytest.raises(DataError, match="does not exist"):
@@ -746,11 +793,14 @@ def test_a_worker_with_fewer_batches_does_not_run_ahead_epoch_after_epoch(tmp_pa
     data, n = {"manifest": (manifest, None), "pattern, exact count": (f"{tmp_path}/{{000000..000002}}.tar", 48),
                "pattern, count too small": (f"{tmp_path}/{{000000..000002}}.tar", 36)}[spec]
     loader = make_loader(data, num_samples=n, batch_size=4, img_size=8, train=True, labeled=True,
-                         data_cfg=cfg(shuffle_buffer=0, cache_mb=0), seed=0)
+                         data_cfg=cfg(shuffle_buffer=0, cache_mb=0, crop_scale=(1.0, 1.0), hflip=0.0), seed=0)
     assert sorted(len(b) for b in loader.stream.plan(0).bins) == [1, 2]
     held = []
     for e in range(8):
-        assert sum(len(b["image"]) for b in loader.epoch(e)) == (n or 48)
+        images = torch.cat([b["image"] for b in loader.epoch(e)])
+        assert len(images) == (n or 48)
+        if n != 36:  # every sample once: none of the longer worker's dropped, none repeated to fill
+            assert len({img.numpy().tobytes() for img in images}) == 48
         held.append(sum(len(q) for q in loader._held.values()))
     loader.close()
     assert max(held) <= 2 * loader.workers, held

@@ -56,7 +56,7 @@ def test_bad_samples_skipped_and_counted(tmp_path, caplog):
     bad = {0: {"png": None, "jpg": os.urandom(300)},           # corrupt JPEG
            1: {"png": None, "jpg": jpeg[: len(jpeg) // 2]},    # truncated JPEG
            2: {"png": None, "txt": b"not an image"},           # non-image member only
-           3: {"cls": b"7"},                                   # label out of range (3 classes)
+           3: {"cls": b"3"},                                   # label out of range (3 classes: 0 to 2)
            4: {"cls": b"cat"},                                 # label not an integer
            7: {"cls": b"99999999999999999999"},                # no class index: damage (overflowed a long)
            5: {"png": big}}                                    # over data.max_pixels
