@@ -111,6 +111,20 @@ def test_libjpeg_turbo_refusal_falls_back_to_pil(monkeypatch):
     assert torch.equal(out, TrainTransform(16).batch([Image.open(io.BytesIO(data))], random.Random(0))[0])
 
 
+def test_the_evaluation_crop_is_the_images_centre():
+    """timm's evaluation transform: the shorter side resized, then the centre square (of a wide
+    image, the middle; at crop_pct < 1, the middle of that too), never a corner."""
+    pixels = np.zeros((16, 48, 3), dtype=np.uint8)
+    pixels[:, :16] = (0, 0, 255)
+    pixels[:, 16:32] = (255, 0, 0)
+    pixels[:, 32:] = (0, 255, 0)
+    pixels[2:14, 18:30] = (255, 255, 255)  # around the middle of the middle
+    for crop_pct, colour in ((1.0, (255, 143.4375, 143.4375)), (0.5, (255, 255, 255))):  # red, 144 of 256 white
+        (out,) = EvalTransform(16, crop_pct).batch([Image.fromarray(pixels)])
+        assert out.shape == (3, 16, 16)
+        assert (out.float().mean((1, 2)) - torch.tensor(colour, dtype=torch.float)).abs().max() < 1, crop_pct
+
+
 @pytest.mark.parametrize("size", [32, 224])
 def test_transforms_same_draws_and_pixels_on_both_decoders(size):
     """The libjpeg-turbo path draws the same crops and flips as the PIL path and gives the same

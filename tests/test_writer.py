@@ -480,6 +480,8 @@ def test_cli(folder: Path, tmp_path: Path, capsys):
     assert _read_shards(tmp_path / "out") == _read_shards(tmp_path / "ref")
     write_shards(folder, tmp_path / "seed0", samples_per_shard=10, progress=False)
     assert _read_shards(tmp_path / "out") != _read_shards(tmp_path / "seed0")
+    make_shards_main([str(folder), str(tmp_path / "unlabeled"), "--unlabeled"])  # reaches the writer too
+    assert not json.loads((tmp_path / "unlabeled" / "manifest.json").read_text())["classes"]
     make_shards_main([str(folder), str(tmp_path / "small"), "--bytes-per-shard", str(40 * 1024)])
     small = json.loads((tmp_path / "small" / "manifest.json").read_text())["shards"]
     assert len(small) > 1 and max((tmp_path / "small" / s["name"]).stat().st_size for s in small) <= 40 * 1024
