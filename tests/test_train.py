@@ -472,6 +472,11 @@ def test_an_fp16_overflow_is_the_scalers_skip_not_a_failed_step():
     for loss in (nan, one) * 3:
         bad.add(torch.isfinite(inf), scaler_overflow(fp16, torch.isfinite(inf), [loss]))
     assert (bad.overflows.item(), bad.total.item(), bad.max.item()) == (2, 4, 4)
+    # train.max_bad_steps counts failed steps in a row: a finite step ends the run
+    bad = BadSteps(torch.zeros(()), 0, limit=3)
+    for norm in (inf, one, inf, one, inf):
+        bad.add(torch.isfinite(norm))
+    assert (bad.run.item(), bad.max.item(), bad.total.item()) == (1, 1, 3)
 
 
 def test_a_log_windows_figures_weigh_each_sample_once_with_a_smaller_tail_step():
@@ -812,19 +817,24 @@ def test_resumed_run_counts_skipped_samples_once(tmp_path, capsys):
 
 
 def test_optimizer_groups_and_schedule():
+    """No weight decay on norms, biases, position embeddings and tokens, with layer-wise lr decay or
+    without (the default); each optimiser's settings reach it; the warmup and cosine schedule."""
     from mpp.models import create_encoder
     from mpp.objectives import build_task
     from mpp.optim import create_optimizer, create_scheduler
-    cfg = build_config({"model": "vit_micro4_32", "optim": {"layer_decay": 0.5, "warmup_steps": 2, "min_lr": 1e-5}})
-    task = build_task(cfg, create_encoder(cfg.model, attn="math"), None)
-    opt = create_optimizer(cfg, task)
-    names = {id(p): n for n, p in task.named_parameters()}
-    group = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}
-    assert len(group) == len(names)
-    for n in ("encoder.mask_token", "encoder.vit.pos_embed", "encoder.vit.cls_token", "encoder.vit.norm.weight",
-              "encoder.vit.blocks.0.attn.qkv.bias", "head.bias"):
-        assert group[n]["weight_decay"] == 0, n
-    assert group["encoder.vit.blocks.1.mlp.fc1.weight"]["weight_decay"] == 0.1
+    for layer_decay in (0.0, 0.5):
+        cfg = build_config({"model": "vit_micro4_32", "optim": {"layer_decay": layer_decay, "warmup_steps": 2,
+                                                                "min_lr": 1e-5, "beta2": 0.95}})
+        task = build_task(cfg, create_encoder(cfg.model, attn="math"), None)
+        opt = create_optimizer(cfg, task)
+        names = {id(p): n for n, p in task.named_parameters()}
+        group = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}
+        assert len(group) == len(names)
+        for n in ("encoder.mask_token", "encoder.vit.pos_embed", "encoder.vit.cls_token", "encoder.vit.norm.weight",
+                  "encoder.vit.blocks.0.norm1.bias", "encoder.vit.blocks.0.attn.qkv.bias", "head.bias"):
+            assert group[n]["weight_decay"] == 0, (layer_decay, n)
+        assert group["encoder.vit.blocks.1.mlp.fc1.weight"]["weight_decay"] == 0.1
+        assert group["head.weight"]["betas"] == (0.9, 0.95)
     # layer-wise lr decay through the wrappers: embeddings + [mask] 0.5^3, blocks 0.5^2, 0.5^1, head 1
     scale = {n: group[n]["lr_scale"] for n in group}
     assert scale["encoder.mask_token"] == scale["encoder.vit.patch_embed.proj.weight"] == 0.125
@@ -839,6 +849,26 @@ def test_optimizer_groups_and_schedule():
     assert all(a > b for a, b in zip(lrs[2:-1], lrs[3:])) and lrs[-1] == pytest.approx(1e-5)  # cosine to min_lr
     sgd = create_optimizer(build_config({"model": "vit_micro4_32", "optim": {"name": "sgd"}}), task)
     assert not sgd.param_groups[0]["nesterov"] and sgd.param_groups[0]["momentum"] == 0.9
+    sgd = create_optimizer(build_config({"model": "vit_micro4_32", "optim": {"name": "sgd", "momentum": 0.8}}), task)
+    assert {g["momentum"] for g in sgd.param_groups} == {0.8}
+
+
+def test_sgds_first_step_skipped_leaves_its_momentum_zero():
+    """Fused SGD allocates its momentum buffers on its first step, uninitialised, and keeps them
+    when that step is skipped (a non-finite gradient, an fp16 overflow): whatever memory held then
+    entered every later step. They start as zeros, so a skipped first step changes nothing."""
+    from mpp.nonfinite import skip_unless_finite
+    from mpp.optim import create_optimizer
+    model = torch.nn.Linear(64, 64)
+    opt = create_optimizer(build_config({"model": "vit_micro4_32", "optim": {"name": "sgd", "lr": 0.1}}), model)
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p)) for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    skip_unless_finite(None, opt, torch.tensor(False))
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p)) for p in model.parameters())
 
 
 def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
