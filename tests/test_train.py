@@ -898,6 +898,30 @@ def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
     assert scalars(tmp_path / "two", "train/loss") == pytest.approx(scalars(tmp_path / "one", "train/loss"), rel=1e-5)
 
 
+def test_a_step_is_clipped_at_optim_clip_grad_and_the_last_step_is_always_checkpointed(data, tmp_path, monkeypatch):
+    """The first SGD step moves the weights by lr x the gradient clipped to norm optim.clip_grad: two
+    runs from the same start with clip_grad 1e-3 and 2e-3 end at most lr x 1e-3 apart (the encoder's
+    share of the whole gradient), and apart. Their last step is checkpointed though train.ckpt_every
+    (500, or 0: only at the end) does not divide it: a crash in the export would lose it otherwise."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
+
+    def batches(loader, start):
+        while True:
+            yield {"image": images.contiguous(memory_format=torch.channels_last), "label": torch.arange(8) % 10}
+    monkeypatch.setattr(mpp.train, "_batches", batches)
+    encoders = []
+    for clip, every in ((1e-3, 500), (2e-3, 0)):
+        out = tmp_path / f"clip{clip:g}"
+        train(config(settings(data, out, objective="supervised", steps=1, batch_size=8, **{
+            "train.precision": "no", "optim.name": "sgd", "optim.lr": 0.5, "optim.warmup_steps": 0,
+            "optim.clip_grad": clip, "optim.weight_decay": 0, "train.ckpt_every": every})))
+        assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000001"]
+        encoders.append(load_file(str(out / "encoder.safetensors")))
+    apart = torch.cat([(encoders[0][k] - encoders[1][k]).flatten() for k in encoders[0]]).norm().item()
+    assert 0 < apart <= 0.5 * 1e-3 * (1 + 1e-4)
+
+
 def test_a_resume_warns_of_changed_settings_but_not_of_speed_and_logging(tmp_path, capsys):
     """A resumed run names the settings that differ from its config.yaml, not those of speed and
     logging alone (mpp.config.RESULT_NEUTRAL), which a run changes on resume as a matter of course,
