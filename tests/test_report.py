@@ -281,6 +281,9 @@ def test_tool_prints_table_and_fails_in_one_line(tmp_path):
     assert same[0]["table"] == same[1]["table"] and same[0]["derived"] == same[1]["derived"]
     assert sorted(r["dir"] for r in same[0]["runs"]) == sorted(map(str, runs))
     bad = run_tool("report", tmp_path / "nope")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope does not exist" in bad.stderr
+    (tmp_path / "empty").mkdir()
+    bad = run_tool("report", tmp_path / "empty")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "metrics.json" in bad.stderr
 
 
