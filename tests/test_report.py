@@ -287,6 +287,48 @@ def test_tool_prints_table_and_fails_in_one_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "metrics.json" in bad.stderr
 
 
+def _md_table(md: str, first_header: str) -> dict:
+    """The markdown table whose header row starts with `first_header`: {row name: {header: cell}}."""
+    lines = md.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    head = [c.strip() for c in lines[at].strip("|").split("|")]
+    rows = {}
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(head[1:], cells[1:]))
+    return rows
+
+
+def test_each_figure_sits_under_its_header_with_its_own_noise_and_verdict(tmp_path):
+    """The report's tables read cell by cell: each fine-tune fraction, the probe and the few-shot
+    figure under its own header (its ± in points); a gap within its noise marked not significant
+    and one beyond it not; the share's ± its own noise, not the share again."""
+    root = tmp_path / "runs"
+    runs = [*_paper_runs(root), _run(root, "probe_scratch", {"objective": "mpp", "probe": {"encoder": "none"}},
+                                     {"kind": "linear_probe", "top1": 0.395})]
+    labels = np.arange(1000) % 10
+    for r in runs[-3:]:  # the probes: per-image results, so their gaps have test noise (scratch right on others)
+        m = json.loads((r / "metrics.json").read_text())
+        order = (np.arange(1000) + (500 if r.name == "probe_scratch" else 0)) % 1000
+        (r / "metrics.json").write_text(json.dumps({**m, "outcomes": outcomes.record(
+            order < round(1000 * m["top1"]), labels)}))
+    rep = write_report(runs, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    table = _md_table(md, "")
+    assert table["supervised pre-training"] == {
+        "pre-training": f"`{root / 'sup'}` (100 steps)", "fine-tune top-1 @ 10% labels": "70.0 (n=1)",
+        "fine-tune top-1 @ 100% labels": "84.0 (n=1)", "linear top-1 (representation)": "65.0", "5-shot": "55.0 ± 2.0"}
+    assert table["from scratch"]["linear top-1 (representation)"] == "39.5"
+    probe = _md_table(md, "evaluation")["linear probe"]
+    g = rep["derived"]["linear_top1"]
+    assert probe["supervised - MPP"] == f"+25.0 ± {g['noise']['supervised_minus_mpp']:.1f}"  # far beyond its noise
+    assert probe["MPP - scratch"] == f"+0.5 ± {g['noise']['mpp_minus_scratch']:.1f} not significant"
+    assert probe["share recovered (paper: 0.33)"] == f"{g['recovered_share']:.2f} ± {g['share_noise']:.2f}"
+    assert g["share_noise"] > 0.01
+
+
 def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path):
     """Three seeds per cell plus the dev-split sweep stages of mpp.compare's layout: cells are
     mean ± sample std (n=3), a gap's noise is the standard error of the difference, a gap under
