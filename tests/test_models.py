@@ -245,3 +245,43 @@ def test_timms_grad_checkpointing_gives_the_plain_paths_outputs_and_gradients(ro
     torch.testing.assert_close(ckpt, plain, atol=0, rtol=0)
     for a, b in zip(plain_grads, ckpt_grads):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+# the paper's Table 1 (B, L, H) and DeiT's Ti, S: width, depth, heads
+PAPER_SIZES = {"ti": (192, 12, 3), "s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16), "h": (1280, 32, 16)}
+
+
+def test_each_preset_builds_the_model_its_name_and_geometry_say():
+    """A preset's name is a promise: vit_b16 is the paper's ViT-B/16 at 224 px (a wrong entry would
+    train another architecture without a word), and `preset_geometry`, which the config checks and
+    the figures read without building a model, agrees with the model built."""
+    from mpp.models import preset_geometry
+    for preset in PRESETS:
+        with torch.device("meta"):
+            encoder = create_encoder(preset)
+        vit = encoder.vit
+        size, patch = preset_geometry(preset)
+        assert (vit.patch_embed.img_size[0], vit.patch_embed.patch_size[0]) == (size, patch), preset
+        assert encoder.mask_token.shape[-1] == vit.embed_dim, preset
+        name = preset.removeprefix("vit_").split("_")[0]  # 'b16', 'mini8'
+        if name.rstrip("0123456789") in PAPER_SIZES and preset.count("_") == 1:
+            assert (size, patch) == (224, int(name.lstrip("tislbh"))), preset
+            assert (vit.embed_dim, len(vit.blocks), vit.blocks[0].attn.num_heads) == \
+                PAPER_SIZES[name.rstrip("0123456789")], preset
+
+
+def test_the_mask_embedding_starts_random_and_the_fine_tune_freezes_it():
+    """The [mask] embedding starts as a random draw, not zeros (a zero token would be the patch
+    embedding's bias alone); a fine-tune never corrupts, so it freezes it: DDP needs every trained
+    parameter to get a gradient, and every other one does."""
+    from mpp.config import build_config
+    from mpp.objectives import build_task
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", attn="math")
+    assert encoder.mask_token.std() > 0.005
+    task = build_task(build_config({"model": "vit_micro4_32", "objective": "classify"}), encoder, 10)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    loss, _ = task(images, torch.tensor([1, 2]))
+    loss.backward()
+    assert not encoder.mask_token.requires_grad
+    assert all(p.grad is not None for p in task.parameters() if p.requires_grad)
