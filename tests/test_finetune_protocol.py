@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from colours import write_colours
 
 from mpp import outcomes
@@ -177,7 +178,11 @@ def test_head_init_probe_starts_the_fine_tune_at_the_probe(colours, tmp_path):
     assert probe["start_top1"] == probe["top1"] and "start_top1" not in zero  # scored before the step too
     assert probe["begin_s"] > 0.05 > zero["begin_s"] >= 0  # the fit and the start's score: begin's, not set-up's
     assert list(tmp_path.glob("feature_cache/features-*.safetensors"))  # the sweep's other runs reuse them
-    assert list(tmp_path.glob("feature_cache/head-*.safetensors"))
+    (cached,) = tmp_path.glob("feature_cache/head-*.safetensors")
+    from safetensors.torch import load_file
+    head, model = load_file(str(cached)), load_file(str(tmp_path / "probe/checkpoints/step_0000001/model.safetensors"))
+    for k in ("weight", "bias"):  # the head is the probe's, bias too (its one step at lr 0 moved nothing)
+        assert torch.equal(model[f"head.{k}"], head[k].to(model[f"head.{k}"].dtype)) and head[k].abs().sum() > 0, k
     (tmp_path / "probe" / "metrics.json").unlink()  # as stopped at step 1: a finished run is refused more steps
     longer = train(load_config(None, items + [f"output_dir={tmp_path / 'probe'}", "finetune.head_init=probe",
                                               "steps=2", "optim.warmup_steps=2"]))  # resumes at step 1
