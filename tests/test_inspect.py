@@ -485,3 +485,16 @@ def test_a_report_over_a_damaged_figures_record_says_to_delete_it(tmp_path):
         (tmp_path / "figures/inspect.json").write_text(text)
         with pytest.raises(ReportError, match="inspect.json is no record of the figures .*; delete it"):
             figures_section(tmp_path)
+
+
+def test_the_chosen_colour_accuracy_counts_the_chosen_patches_alone():
+    """inspect.json's mpp_chosen_color_accuracy is over the patches the head predicts: the others
+    carry no prediction (zeros), which would count as misses and dilute it by the unchosen share."""
+    from mpp.figures.predictions import Prediction
+    true = torch.rand(2, 16, 3, generator=torch.Generator().manual_seed(0)) * 0.8 + 0.1
+    chosen = torch.arange(16).repeat(2, 1) % 2 == 0
+    predicted = torch.where(chosen[..., None], true, torch.zeros_like(true))
+    pred = Prediction(torch.zeros(2, 3, 16, 16), torch.zeros(2, 3, 16, 16), chosen, ~chosen, chosen, predicted, true)
+    assert pred.accuracy(3) == 1.0
+    predicted[0, 0] = (true[0, 0] + 0.5) % 1  # one of the 16 chosen patches wrong, by half the range
+    assert pred.accuracy(3) == 15 / 16
