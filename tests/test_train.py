@@ -612,6 +612,32 @@ def test_a_finished_run_resumes_to_nothing_and_keeps_its_figures(mpp_run, tmp_pa
     assert_same(weights(run / "encoder.safetensors"), encoder)
 
 
+class _Payload:
+    """Unpickled, it runs a shell command that writes a file: the proof a checkpoint file ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoints_rng_file_is_never_unpickled(mpp_run, tmp_path, capsys):
+    """Every file of a checkpoint is read without unpickling: a run folder from elsewhere whose newest
+    checkpoint's rng_0.pt is a pickle that would run a command is skipped and named (its code never
+    runs), and the run resumes from the checkpoint before it. Without digests.json (read unchecked,
+    as a checkpoint written before them), so no digest refuses the file first."""
+    run = shutil.copytree(mpp_run, tmp_path / "run")
+    (run / "metrics.json").unlink()  # as stopped at its last step
+    marker = tmp_path / "owned"
+    torch.save({"state": _Payload(marker)}, run / "checkpoints/step_0000024/rng_0.pt")
+    (run / "checkpoints/step_0000024/digests.json").unlink()
+    with cpu_only():
+        train(load_config(run / "config.yaml", [f"output_dir={run}"]))
+    assert not marker.exists()
+    assert "step_0000024" in capsys.readouterr().err
+
+
 def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tmp_path):
     """A run stopped before its first step (every image corrupt: the first batch fails) writes no
     config.yaml or TensorBoard events: a fresh one leaves no directory, and a resume keeps the
