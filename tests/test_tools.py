@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from toolrun import call
 
+from mpp.config import ConfigError, load_config
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package (the dev extra installs it there)
@@ -241,3 +243,24 @@ def test_a_launcher_as_init_is_known_by_each_of_its_forms(tmp_path, monkeypatch)
                         (["/bin/bash", "-c", "sleep 1"], False)):
         cmdline.write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
         assert launcher._init_is_launcher() is known, args
+
+
+# each setting at the edge of its range (accepted) and just past it (refused, naming the key)
+EDGES = [("optim.clip_grad", "0", "-1"), ("finetune.drop_path", "0.99", "1"), ("data.hflip", "1", "1.5"),
+         ("data.crop_scale", "[0.5,0.5]", "[0.9,0.5]"), ("optim.layer_decay", "1", "1.5"),
+         ("train.keep_ckpts", "1", "0"), ("mpp.ratio", "1", "1.5"), ("mpp.random", "0", "-0.1"),
+         ("finetune.label_fraction", "1", "1.5"), ("finetune.dev_fraction", "0.99", "1"),
+         ("probe.val_fraction", "0.99", "1"), ("train.grad_accum", "1", "0"), ("data.max_pixels", "1", "0"),
+         ("steps", "0", "-1"), ("data.num_workers", "0", "-1"), ("train.image_every", "0", "-1"),
+         ("data.resampled", "false", "no"), ("steps", "3", "2.5")]
+
+
+@pytest.mark.parametrize("key, edge, past", EDGES, ids=[f"{k}={p}" for k, _, p in EDGES])
+def test_a_setting_past_its_range_is_refused_before_any_work(key, edge, past):
+    """One line naming the key, at load: -1 for clip_grad trained uphill (a negative clip factor),
+    keep_ckpts=0 kept every checkpoint, 'no' for a boolean is YAML 1.1's False only by accident,
+    2.5 steps is no count; the edge itself is a setting."""
+    extra = {"mpp.random": ["mpp.mask=0.9", "mpp.keep=0.1"], "steps": ["epochs=0"]}.get(key, [])
+    load_config(None, [f"{key}={edge}", *extra])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [f"{key}={past}", *extra])

@@ -187,7 +187,8 @@ def validate(cfg: Config) -> None:
     check(0 <= f.dev_fraction < 1,
           f"config key 'finetune.dev_fraction' must be in [0, 1) (0: off), got {f.dev_fraction}")
     check(0 <= f.drop_path < 1 and 0 <= f.label_smoothing < 1 and 0 <= cfg.supervised.label_smoothing < 1,
-          "drop_path and label_smoothing must be in [0, 1)")
+          "config keys finetune.drop_path, finetune.label_smoothing and supervised.label_smoothing must be in [0, 1), "
+          f"got {f.drop_path}, {f.label_smoothing} and {cfg.supervised.label_smoothing}")
     check(f.pool_folds == 0 or 2 <= f.pool_folds <= 20,
           f"config key 'finetune.pool_folds' must be 0 (one split) or a number of folds in 2..20, got {f.pool_folds}")
     check(f.head_l2 >= 0 and (f.head_l2 == 0 or f.head_init == "probe"),
