@@ -644,6 +644,21 @@ def test_a_bad_launch_variable_is_one_line(data_root, tmp_path, monkeypatch, env
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name, edge, past", [("WORLD_SIZE", "1", "0"), ("RANK", "0", "-1"), ("LOCAL_RANK", "0", "-1"),
+                                              ("LOCAL_WORLD_SIZE", "1", "0"), ("MASTER_PORT", "1", "0"),
+                                              ("MASTER_PORT", "65535", "65536")])
+def test_a_launch_variable_at_its_range_edge_is_taken_and_past_it_refused(monkeypatch, name, edge, past):
+    from mpp.config import ConfigError
+    from mpp.launcher import launch_env
+    for other in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, edge)
+    launch_env()
+    monkeypatch.setenv(name, past)
+    with pytest.raises(ConfigError, match=f"environment variable {name}={past} is out of range"):
+        launch_env()
+
+
 class _Usage:
     def __init__(self, free: int):
         self.free = free
