@@ -264,3 +264,39 @@ def test_a_setting_past_its_range_is_refused_before_any_work(key, edge, past):
     load_config(None, [f"{key}={edge}", *extra])
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [f"{key}={past}", *extra])
+
+
+def test_a_setting_that_leaves_another_unread_is_warned_of_each_pair():
+    """Each pair of mpp.config.UNREAD_WITH, named one by one: the unread key set away from its
+    default is warned of (a recipe that sets it believes it does something), and not once the
+    setting that reads it is on."""
+    from mpp.config import check_tool
+    pairs = [("optim.name=adamw", "optim.momentum=0.5", "optim.name=sgd"),
+             ("optim.name=adam", "optim.momentum=0.5", "optim.name=sgd"),
+             ("optim.name=sgd", "optim.beta2=0.95", "optim.name=adamw"),
+             ("optim.schedule=constant", "optim.min_lr=0.0001", "optim.schedule=cosine"),
+             ("mpp.target=hog", "mpp.bits=2", "mpp.target=mean_color"),
+             ("train.compile=never", "train.compile_mode=max-autotune", "train.compile=always"),
+             ("data.resampled=false", "data.epoch_samples=64", "data.resampled=true"),
+             ("data.shuffle_buffer=0", "data.shuffle_mb=7", "data.shuffle_buffer=64")]
+    for leaves, unread, reads in pairs:
+        assert check_tool(load_config(None, [leaves, unread]), "pretrain") == [f"{leaves} never reads {unread}"]
+        assert check_tool(load_config(None, [reads, unread]), "pretrain") == []
+
+
+def test_the_data_withholds_and_probes_split_seed_is_one_whole_number_however_written():
+    """The development split's RNG is seeded with the seed's text: 0.0 and 0 would draw two splits,
+    so a pre-training written with [0.1, 0.0, 0.1] would withhold another split than the fine-tune
+    with split_seed 0 chooses on."""
+    cfg = load_config(None, ["data.withhold=[[0.1,0.0,0.1]]", "probe.dev_split=[2.0,0.1]"])
+    assert cfg.data.withhold == ((0.1, 0, 0.1),) and type(cfg.data.withhold[0][1]) is int
+    assert tuple(cfg.probe.dev_split) == (2, 0.1) and type(cfg.probe.dev_split[0]) is int
+
+
+def test_a_comparisons_shard_sources_and_outputs_pair_up(tmp_path):
+    """prepare.shards_src and prepare.shards_out are zipped: one source more would be dropped unsaid."""
+    from mpp.config import load_compare_config
+    path = tmp_path / "c.yaml"
+    path.write_text(f"base: {ROOT / 'configs/compare_synthetic.yaml'}\n")
+    with pytest.raises(ConfigError, match="prepare.shards_src and prepare.shards_out must have the same length"):
+        load_compare_config(path, ["prepare.shards_src=[a.tar,b.tar]", "prepare.shards_out=[data/a]"])
