@@ -385,6 +385,9 @@ def test_seeds_give_mean_std_noise_and_significance_and_the_sweep_shows(tmp_path
     assert [x["dev_top1"] for x in rep["recipes"]["mpp"]["0.1"]["dev"]] == [0.5, 0.55]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "62.0 ± 3.0 (n=3)" in md and "not significant" in md and "paper: 0.33" in md
+    # the seeds' part alone: marked so, and no verdict on it
+    assert _md_table(md, "evaluation")["fine-tune @ 10% labels"]["supervised - MPP"] == \
+        f"+0.0 ± {g['noise']['supervised_minus_mpp']:.1f} (seeds only)"
     assert "45.0 (avg)" in md and "lr 0.03: 55.0" in md
     probe_noise = 100 * outcomes.paired_sem(np.arange(100) < 46, np.arange(100) < 37)
     assert f"MPP pre-training: token 37.0, avg 46.0 (lead +9.0 ± {probe_noise:.1f} on 100 held-out images)" in md
