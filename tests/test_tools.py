@@ -300,3 +300,11 @@ def test_a_comparisons_shard_sources_and_outputs_pair_up(tmp_path):
     path.write_text(f"base: {ROOT / 'configs/compare_synthetic.yaml'}\n")
     with pytest.raises(ConfigError, match="prepare.shards_src and prepare.shards_out must have the same length"):
         load_compare_config(path, ["prepare.shards_src=[a.tar,b.tar]", "prepare.shards_out=[data/a]"])
+
+
+def test_a_fine_tune_given_data_withhold_is_refused_not_silently_ignored():
+    """data.withhold leaves development splits out of a pre-training; a fine-tune never reads it (its
+    own split is finetune.dev_fraction), so a fine-tune config that sets it is refused at load."""
+    load_config(None, ["objective=mpp", "data.withhold=[[0.1,0,0.1]]"])
+    with pytest.raises(ConfigError, match="'data.withhold' is for pre-training; a fine-tune holds out its own"):
+        load_config(None, ["objective=classify", "data.withhold=[[0.1,0,0.1]]"])
