@@ -532,8 +532,9 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
     short = ["pretrain_overrides=[optim.warmup_steps=1]", "fraction_overrides.0.5=[optim.warmup_steps=1]"]
     for last, warned in (("1", ""), ("2", "warning: stage 'fine-tune scratch, 100% labels, seed 0': optim.warmup_steps"
                                           "=2 is not below the run's 2 steps: the learning rate rises to 0.015, not "
-                                          "optim.lr=0.03, and never decays; give fewer warmup steps (pretrain_overrides "
-                                          "or fraction_overrides reach only the stages that train")):
+                                          "optim.lr=0.03, and never decays; give fewer warmup steps "
+                                          "(pretrain_overrides or fraction_overrides reach only the stages that "
+                                          "train")):
         cfg = load_compare_config(path, short + [f"fraction_overrides.1.0=[optim.warmup_steps={last}]"])
         validate(cfg, plan(cfg))  # a warmup as long as the run is warned about, not refused
         err = capsys.readouterr().err

@@ -65,8 +65,8 @@ def test_the_fine_tunes_development_split_is_scored_on_its_split_seed(colours, m
         raise Built(make_loader(*args, **kwargs))
     monkeypatch.setattr(classify, "make_loader", built)
     cfg = load_config(None, ["objective=classify", "model=vit_micro4_32", "batch_size=16", "steps=1",
-                             f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
-                             "finetune.label_fraction=0.5", "finetune.dev_fraction=0.2", "finetune.split_seed=3"])
+                             f"data.train={colours / 'train/manifest.json'}",
+                             f"data.val={colours / 'val/manifest.json'}", "finetune.label_fraction=0.5", "finetune.dev_fraction=0.2", "finetune.split_seed=3"])
     from mpp.models import create_encoder
     encoder = create_encoder("vit_micro4_32")
     with pytest.raises(Built) as e:

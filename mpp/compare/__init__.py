@@ -57,7 +57,7 @@ from mpp.compare.planning import plan, repeat_dir
 from mpp.compare.prepare import prepare_data
 from mpp.compare.stages import StageTerminated, killed, run_stage, seconds, start_server, time_split
 from mpp.config import CompareConfig, as_list
-from mpp.report.runs import UNFINISHED
+from mpp.report.runs import UNFINISHED, UNFINISHED_NOTE
 
 
 def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
@@ -94,8 +94,7 @@ def run(cfg: CompareConfig, dry_run: bool = False) -> Path:
                   *(repeat_dir(cfg, seed) / UNFINISHED for seed in range(1, cfg.pretrain_seeds))]
     for f in unfinished:
         f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text("tools/compare.py has not finished the stages of this comparison; a report of this folder "
-                     "holds those done so far. Run the comparison's command again to finish it.\n")
+        f.write_text(UNFINISHED_NOTE + "\n")
     digests: dict[Path, str] = {}
     spent: list[tuple[float, list[float]]] = []  # (took, split) of the stages trained now
     stale: set[Path] = set()  # conditional stages finished earlier whose condition no longer holds

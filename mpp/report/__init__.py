@@ -62,8 +62,8 @@ class ReportError(ValueError):
 # the parts import the names above from here, so they come after them
 from mpp.report.recipes import ranges, recipe, runner_up, split_finals, swept_keys  # noqa: E402
 from mpp.report.render import figures_section, plot, render_markdown  # noqa: E402
-from mpp.report.runs import (UNFINISHED, accuracy, check_distinct, describe_run, find_runs, previous_repeats,  # noqa: E402
-                             reported, search)
+from mpp.report.runs import (UNFINISHED, accuracy, check_distinct, describe_run, find_runs,  # noqa: E402
+                             previous_repeats, reported, search)
 
 
 def _draws_sem(row: dict, k: str) -> tuple[float | None, int]:

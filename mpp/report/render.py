@@ -12,7 +12,7 @@ from pathlib import Path
 from mpp.fileio import save_figure
 from mpp.gaps import GAPS, significant
 from mpp.report import FAMILIES, FAMILY_NAMES, PAPER_SHARE, ReportError
-from mpp.report.runs import pretrain_seeds
+from mpp.report.runs import UNFINISHED_NOTE, pretrain_seeds
 
 # the images a representation was chosen on (mpp.gaps.pool_choice's `on`), as the report names them
 SCORED_ON = {"dev": "development", "heldout": "held-out", "cv": "cross-validated"}
@@ -109,9 +109,7 @@ def _main_table(rep: dict) -> list[str]:
     head = (["", "pre-training"] + [f"fine-tune top-1 @ {100 * float(f):g}% labels" for f in fracs]
             + ["linear top-1 (representation)"] + [f"{k}-shot" for k in shots])
     lines = ["# Self-supervised (MPP) vs supervised pre-training", "",
-             *(["**Unfinished:** the comparison writing to this folder has not finished its stages; this report "
-                "holds those done so far. Run the comparison's command again to finish it.", ""]
-               if rep.get("unfinished") else []),
+             *([f"**Unfinished:** {UNFINISHED_NOTE}", ""] if rep.get("unfinished") else []),
              "Top-1 accuracy in percent on the held-out test set. Fine-tunes: mean ± sample std over seeds "
              "(n runs); few-shot: mean ± sample std over shot draws. Representation: the one the linear probe chose "
              "on training images its fit left out (below; token: [class] token, avg: mean of the patch tokens). Pre-training: its "

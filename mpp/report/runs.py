@@ -18,9 +18,11 @@ import yaml
 from mpp.config import read_yaml, settings
 from mpp.report import FAMILIES, FAMILY_NAMES, ReportError
 
-# in a comparison's output_dir while its stages run (mpp.compare.run): a report written there holds
-# the stages done so far, and says so
+# in a comparison's output_dir while its stages run (mpp.compare.run), holding UNFINISHED_NOTE: a
+# report written there holds the stages done so far, and says so in the same words
 UNFINISHED = "unfinished.txt"
+UNFINISHED_NOTE = ("the comparison writing to this folder has not finished its stages; a report of this folder holds "
+                   "those done so far. Run the comparison's command again to finish it.")
 
 
 def _read_json(path: Path) -> dict:
