@@ -749,14 +749,19 @@ def test_stage_runs_in_its_own_process_with_the_code_already_imported(tmp_path, 
     script, out = tmp_path / "stage_tool.py", tmp_path / "out.json"
     monkeypatch.syspath_prepend(str(tmp_path))  # the forked stage gets this process's sys.path
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")  # the launched one, its environment's
-    script.write_text("import json, os, sys\n"
+    script.write_text("import json, os, signal, sys\n"
                       "json.dump({'pid': os.getpid(), 'argv': sys.argv[1:], 'name': __name__,\n"
-                      "           'preloaded': 'mpp.train' in sys.modules}, open(sys.argv[1], 'w'))\n"
+                      "           'preloaded': 'mpp.train' in sys.modules,\n"
+                      "           'sigterm': signal.getsignal(signal.SIGTERM) == signal.SIG_DFL},\n"
+                      "          open(sys.argv[1], 'w'))\n"
                       "sys.exit(3)\n")
     for launcher, preloaded in (("", True), (sys.executable, False)):
         assert run_stage([sys.executable, "-m", "stage_tool", str(out), "x=1"], launcher) == 3
         got = json.loads(out.read_text())
-        assert got == {"pid": got["pid"], "argv": [str(out), "x=1"], "name": "__main__", "preloaded": preloaded}
+        # SIGTERM ends the stage: the server ignores it, and a stage that kept that ignored a SIGTERM
+        # outside its training loop (set-up, a probe stage) and the comparison waited on
+        assert got == {"pid": got["pid"], "argv": [str(out), "x=1"], "name": "__main__", "preloaded": preloaded,
+                       "sigterm": True}
         assert got["pid"] != os.getpid()
 
 
@@ -794,20 +799,23 @@ def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
 
 
 FAKE_LAUNCHER = """import signal, subprocess, sys, time
-rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # no death signal: a plain child
 if sys.argv[2] == "passes":
     signal.signal(signal.SIGTERM, lambda *_: (rank.terminate(), sys.exit(143)))
-open(sys.argv[1], "w").write(str(rank.pid))
+# no death signal: a plain child, which writes its pid once its own SIGTERM handling is set
+rank = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"
+                         "if sys.argv[2] == 'stubborn': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+                         "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)", *sys.argv[1:]])
 rank.wait()
 """
 
 
-@pytest.mark.parametrize("launcher", ["passes", "dies"])
+@pytest.mark.parametrize("launcher", ["passes", "dies", "stubborn"])
 def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeypatch, launcher):
     """Ctrl-C to the comparison alone (kill -INT) SIGKILLed a stage's launcher at once, and a rank
     that does not die with it (accelerate's one-process launch) trained on, orphaned. The launcher
     now gets SIGTERM, which it passes on to its ranks ('passes'); a rank it leaves behind (a
-    launcher that dies of it, as accelerate's before 1.x) gets it too."""
+    launcher that dies of it, as accelerate's before 1.x) gets it too, and SIGKILL STOP_GRACE_S
+    later where it ignores SIGTERM ('stubborn')."""
     import contextlib
     import signal
     import threading
@@ -819,8 +827,10 @@ def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeyp
     from mpp.compare import run_stage
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     pid_file = tmp_path / "rank.pid"
-    real = mpp.compare.stages._stop  # patched where run_stage calls it; no terminal's Ctrl-C to wait for
-    monkeypatch.setattr(mpp.compare.stages, "_stop", lambda proc: real(proc, first=0.5))
+    real, ended = mpp.compare.stages._stop, []  # patched where run_stage calls it; no terminal's Ctrl-C to wait for
+    monkeypatch.setattr(mpp.compare.stages, "_stop",
+                        lambda proc: (real(proc, first=0.5), ended.append(proc.returncode)))
+    monkeypatch.setattr(mpp.compare.stages, "STOP_GRACE_S", 2.0)
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -837,9 +847,17 @@ def test_a_stopped_comparison_lets_its_launcher_stop_its_ranks(tmp_path, monkeyp
             run_stage([sys.executable, str(tmp_path / "launcher.py"), str(pid_file), launcher], launcher="fake")
     finally:
         signal.signal(signal.SIGALRM, old)
-    rank = int(pid_file.read_text())
-    with contextlib.suppress(psutil.NoSuchProcess):
-        assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
+    rank, deadline = int(pid_file.read_text()), time.time() + 5  # a SIGKILL's end is not instant
+    try:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            while psutil.Process(rank).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+                time.sleep(0.05)
+            assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(rank).kill()
+    # the launcher ended on the SIGTERM it was sent (its own exit, or the signal's), not on the last SIGKILL
+    assert ended == [143 if launcher == "passes" else -signal.SIGTERM]
 
 
 LAUNCHER = """import signal, subprocess, sys
@@ -1324,6 +1342,8 @@ def test_a_stage_killed_by_a_signal_is_said_on_a_line_of_its_own(tmp_path, monke
     _fake_stages(monkeypatch, {})
     run(cfg)
     assert not any(m.exists() for m in marks)
+    from mpp.compare.stages import killed as said
+    assert [said(-signal.SIGTERM), said(-99), said(3)] == [" (killed by SIGTERM)", " (killed by signal 99)", ""]
 
 
 def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_choice(tmp_path, monkeypatch, capsys):
