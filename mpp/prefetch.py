@@ -124,7 +124,8 @@ class DevicePrefetcher:
     def close(self, timeout: float = 60.0) -> bool:
         """Stop the thread (it finishes the batch it is reading), so the source can be closed;
         False when it did not stop in time: it is still inside the source, which must then be
-        left alone (closing a generator another thread runs raises)."""
+        left alone (closing a generator another thread runs raises); so does every close after it while
+        the thread is still there."""
         self.reader.stop.set()
         self.done = True
         stopped = True
@@ -134,7 +135,6 @@ class DevicePrefetcher:
             if not stopped:
                 warnings.warn(f"the batch prefetch thread did not stop within {timeout:g} s (a data "
                               "worker that does not answer?); leaving the loader open under it")
-        self.thread = None
         while True:  # the batches read ahead and never handed out: device memory, loader slots
             try:
                 self.reader.ready.get_nowait()

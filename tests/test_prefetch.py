@@ -80,7 +80,8 @@ def test_close_stops_a_thread_waiting_to_queue_and_reads_no_more():
     thread = batches.thread
     t = time.monotonic()
     batches.close()
-    assert not thread.is_alive() and time.monotonic() - t < 5
+    assert not thread.is_alive() and time.monotonic() - t < 2  # it sees the stop within 0.1 s
+    assert thread.daemon  # a thread stuck in the loader would keep the interpreter from exiting
     read = len(pulled)
     time.sleep(0.2)
     assert len(pulled) == read < 100 and next(batches, None) is None
@@ -178,3 +179,71 @@ def test_a_prefetcher_dropped_unclosed_stops_its_thread_and_frees_its_source():
     gc.collect()
     thread.join(5)
     assert not thread.is_alive() and gone() is None
+
+
+def _blocking(gate: threading.Event, made: list, before: int = 2):
+    """A source of batches whose read of batch `before` waits for `gate` (a worker that does not answer)."""
+    import weakref
+
+    def make(i: int) -> dict:  # no local of the generator holds the batch it yielded
+        t = torch.full((2,), i)
+        made.append(weakref.ref(t))
+        return {"image": t}
+    for i in range(10):
+        if i == before:
+            gate.wait(30)
+        yield make(i)
+
+
+def test_batches_handed_out_are_not_held_while_the_next_is_read():
+    """The thread let go of a host batch only once it read the next: a loader slot held while the
+    workers are slow, which a worker without a free slot waits on."""
+    import gc
+    gate, made = threading.Event(), []
+    batches = DevicePrefetcher(_blocking(gate, made), "cpu", depth=2)
+    assert [int(next(batches)["image"][0]) for _ in range(2)] == [0, 1]  # handed out, then dropped
+    time.sleep(0.2)  # the thread waits in the source's read of batch 2
+    gc.collect()
+    try:
+        assert [r() is None for r in made] == [True, True]
+    finally:
+        gate.set()
+        batches.close()
+
+
+def test_a_thread_that_did_not_stop_is_reported_by_every_close_until_it_does():
+    """close() said False once, then True: a second close (a run's clean-up after an error) would
+    then close the loader under the thread still reading it."""
+    gate = threading.Event()
+    batches = DevicePrefetcher(_blocking(gate, [], before=0), "cpu")
+    consumer = threading.Thread(target=lambda: next(batches, None), daemon=True)
+    consumer.start()
+    time.sleep(0.2)
+    with pytest.warns(UserWarning, match="did not stop within 0.2 s"):
+        assert batches.close(timeout=0.2) is False
+    with pytest.warns(UserWarning, match="did not stop within 0.2 s"):
+        assert batches.close(timeout=0.2) is False
+    gate.set()  # the read returns: the thread sees the stop
+    assert batches.close(timeout=5) is True
+
+
+def test_an_interrupt_in_the_source_reaches_the_consumer():
+    """Not only an Exception: a KeyboardInterrupt or SystemExit raised in the thread's read ended
+    the thread with nothing queued, and next() waited forever."""
+    def source():
+        yield {"image": torch.zeros(2)}
+        raise KeyboardInterrupt
+    batches = DevicePrefetcher(source(), "cpu")
+    got: list = []
+
+    def consume():
+        try:
+            for _ in batches:
+                got.append("batch")
+        except BaseException as e:
+            got.append(type(e).__name__)
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(5)
+    assert not consumer.is_alive() and got == ["batch", "KeyboardInterrupt"]
+    batches.close()
