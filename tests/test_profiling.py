@@ -5,23 +5,28 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import record_function
 
 from mpp.config import ConfigError, load_config
 from mpp.profiling import PHASES, StepProfiler, phase
 
 
-def loop(out: Path, window, start: int, end: int, device: str = "cpu", fail_at: int = -1) -> None:
-    """A stand-in training loop with the trainer's phases; it raises at loop index `fail_at`."""
+def loop(out: Path, window, start: int, end: int, device: str = "cpu", fail_at: int = -1, wait: float = 0.0,
+         report=lambda line: None) -> None:
+    """A stand-in training loop with the trainer's phases, each step marked `step{index}`; it
+    raises at loop index `fail_at`, and waits `wait` seconds for each batch."""
     w = torch.randn(64, 64, device=device, requires_grad=True)
-    with StepProfiler(window, start, end, torch.device(device), out, rank=0, report=lambda line: None) as profiler:
+    with StepProfiler(window, start, end, torch.device(device), out, rank=0, report=report) as profiler:
         for step in range(start, end):
             if step == fail_at:
                 raise FloatingPointError("a failing step")
-            with phase("mpp/data"):
+            with phase("mpp/data"), record_function(f"step{step}"):
+                time.sleep(wait)
                 x = torch.randn(32, 64).to(device, non_blocking=True)
             with phase("mpp/forward"):
                 loss = (x @ w).square().mean()
@@ -36,6 +41,24 @@ def loop(out: Path, window, start: int, end: int, device: str = "cpu", fail_at: 
 def traced(out: Path, name: str) -> int:
     with gzip.open(out / "rank0.trace.json.gz", "rt") as f:
         return sum(e.get("name") == name for e in json.load(f)["traceEvents"])
+
+
+def test_the_window_holds_its_own_steps_in_milliseconds_a_step_and_says_so(tmp_path, monkeypatch):
+    """The steps recorded are the window's, after one warm-up step (not the warm-up itself); the
+    figures are per step, not the window's sums; a line says them, with no device time on a CPU;
+    Kineto is quieted on a CPU while the profiler starts."""
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    real, levels, lines = torch.profiler.profile, [], []
+    monkeypatch.setattr(torch.profiler, "profile", lambda **kw: levels.append(os.environ.get("KINETO_LOG_LEVEL"))
+                        or real(**kw))
+    loop(tmp_path, (4, 4), start=0, end=10, wait=0.02, report=lines.append)
+    assert levels == ["6"] and "KINETO_LOG_LEVEL" not in os.environ
+    assert [traced(tmp_path, f"step{i}") for i in range(10)] == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
+    figures = json.loads((tmp_path / "rank0.json").read_text())
+    assert 20 <= figures["data_ms"] < 60 and figures["step_ms"] >= figures["data_ms"]  # 20 ms of waiting a step
+    assert len(lines) == 1 and lines[0].startswith("profiled steps 5-8 on cpu, rank 0: a step took ")
+    assert "; the prefetch thread, per step: loader " in lines[0] and "device was busy" not in lines[0]
+    assert lines[0].endswith(f" ({tmp_path})")
 
 
 def test_the_window_records_its_steps_and_what_is_left_of_it_after_a_resume(tmp_path):
