@@ -61,7 +61,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; when the block ends without error, it becomes `path`
     (mode 0666 & ~umask); on error the temporary file is removed and `path` is untouched."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{_WHERE}")
+    tmp = path.with_name(_tmp_name(path.name))
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
@@ -75,6 +75,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _tmp_name(name: str, most: int = 255) -> str:
+    """`atomic_path`'s temporary name for `name`: .NAME.tmpPID.WHO.HOST, within the file system's
+    `most` bytes a name (a NAME near it is cut, with a hash of the whole so two such stay apart)."""
+    suffix = f".tmp{os.getpid()}.{_WHERE}"
+    if len(f".{name}{suffix}".encode()) > most:
+        keep = most - len(f".~12345678{suffix}".encode())
+        name = name.encode()[:keep].decode(errors="ignore") + "~" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f".{name}{suffix}"
 
 
 def sweep_orphans(directory: str | Path) -> None:
