@@ -1441,6 +1441,7 @@ def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
         _cfg(tmp_path, "pretrain_seeds: 0\n")
 
 
+@pytest.mark.slow  # a whole comparison twice over: the minutes of the end-to-end tests
 def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_path):
     path = _write_configs(tmp_path, tmp_path / "data", fractions="[1.0]", compare_extra="pretrain_seeds: 2\n")
     r = run_tool("compare", "--config", path, cwd=tmp_path)
