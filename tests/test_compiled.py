@@ -77,3 +77,17 @@ def test_the_first_compiled_step_takes_the_devices_attention_path(monkeypatch):
         task.encoder(torch.randn(2, 3, 32, 32))  # an eager forward, e.g. a periodic few-shot evaluation
     step(images)[0].backward()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
+@pytest.mark.parametrize("mode, refused", [("reduce-overhead", True), ("max-autotune", True), ("default", False),
+                                           ("max-autotune-no-cudagraphs", False)])
+def test_modes_that_record_cuda_graphs_are_refused_with_gradient_accumulation(mode, refused):
+    """A CUDA graph replays into the same gradient buffers: a micro-batch's gradients would be
+    overwritten before the next is added."""
+    from mpp.config import ConfigError, load_config
+    overrides = ["output_dir=x", "batch_size=4", "train.grad_accum=2", f"train.compile_mode={mode}"]
+    if refused:
+        with pytest.raises(ConfigError, match="CUDA graphs overwrite"):
+            load_config(None, overrides)
+    else:
+        assert load_config(None, overrides).train.compile_mode == mode

@@ -564,6 +564,26 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
     assert (tmp_path / "f").read_text() == "old" and os.listdir(tmp_path) == ["f"]
 
 
+def test_tensorboards_own_errors_keep_their_words(tmp_path, monkeypatch):
+    """An OSError of no errno is TensorBoard's own ("Writer is closed"): it is raised as it is, not
+    rewritten into "[Errno None] None: FOLDER"; one with an errno (the disk's) names the folder."""
+    import errno
+    from mpp.tensorboard import TensorBoard
+    tb = TensorBoard(tmp_path)
+    try:
+        for raised in (OSError("Writer is closed"), OSError(errno.ENOSPC, "No space left on device")):
+            def fail(*args, raised=raised):
+                raise raised
+            monkeypatch.setattr(tb._writer, "add_scalar", fail)
+            with pytest.raises(OSError) as e:
+                tb.add_scalar("x", 1.0, 0)
+            assert (e.value.errno, str(e.value)) == ((None, "Writer is closed") if raised.errno is None else
+                                                     (errno.ENOSPC, f"[Errno 28] No space left on device: '{tmp_path}'"))
+    finally:
+        monkeypatch.undo()
+        tb.close()
+
+
 def test_a_full_disk_under_tensorboard_is_one_line_naming_its_folder(data_root, tmp_path, monkeypatch):
     """TensorBoard's writer thread met the full disk: its traceback was printed before the error,
     which (the thread's, of no file) read "the disk is full (writing)", naming nothing. Now one

@@ -30,6 +30,25 @@ def test_native_bf16_is_avx512_bf16_or_amx_not_any_avx512(monkeypatch, avx512_bf
     assert runtime.cpu_has_bf16() is native
     monkeypatch.setattr(runtime.platform, "machine", lambda: "aarch64")  # ARM: oneDNN's check is its bf16
     assert runtime.cpu_has_bf16() is True
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert runtime.cpu_has_bf16() is False
+
+
+def test_a_torch_without_the_private_checks_gets_no_bf16(monkeypatch):
+    """torch's bf16 probes are private and may go: an absent one means no, so that auto never picks
+    the emulated bf16 (tens of times slower than fp32) on a CPU it cannot ask."""
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "x86_64")
+    assert runtime.cpu_has_bf16() is False
+    monkeypatch.delattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", raising=False)
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "aarch64")
+    assert runtime.cpu_has_bf16() is False
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_an_explicit_precision_autocasts_to_its_own_type(precision, dtype):
+    assert runtime.autocast(torch.device("cpu"), precision).fast_dtype == dtype
 
 
 def test_auto_on_cuda_and_other_devices(monkeypatch):
@@ -39,6 +58,7 @@ def test_auto_on_cuda_and_other_devices(monkeypatch):
     assert runtime.resolve_precision("auto", "cuda") == "fp16"  # emulated bf16 is far slower than fp16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported(True))
     assert runtime.resolve_precision("auto", "cuda") == "bf16"
+    monkeypatch.setattr(runtime, "cpu_has_bf16", lambda: True)  # the host's bf16 is not another device's
     assert runtime.resolve_precision("auto", "mps") == "no"
 
 
