@@ -126,7 +126,8 @@ def test_a_flipped_bit_or_a_non_finite_value_makes_a_checkpoint_damaged(run, tmp
     assert same_encoder(out, done)
 
 
-def test_a_read_error_of_the_machine_stops_the_resume_and_skips_nothing(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["EIO", "out of memory"])
+def test_a_read_error_of_the_machine_stops_the_resume_and_skips_nothing(run, tmp_path, monkeypatch, fault):
     """EIO (or a stale NFS handle, no memory) reading the newest checkpoint says nothing of it:
     taken for damage, the resume went back to an older one and its next save removed the newer.
     The run stops with one line instead, every checkpoint left where it was."""
@@ -139,11 +140,12 @@ def test_a_read_error_of_the_machine_stops_the_resume_and_skips_nothing(run, tmp
 
     def failing(f, *a, **k):
         if Path(f).name == "state.pt":
-            raise OSError(errno.EIO, "Input/output error", str(f))
+            raise OSError(errno.EIO, "Input/output error", str(f)) if fault == "EIO" else MemoryError()
         return load(f, *a, **k)
     monkeypatch.setattr(mpp.checkpoint.torch, "load", failing)
-    with cpu_only(), pytest.raises(OSError, match=r"reading checkpoint '.*step_0000004' failed \(OSError: \[Errno 5\] "
-                                                  r"Input/output error.*a fault of this machine .*nothing was skipped"):
+    said = r"OSError: \[Errno 5\] Input/output error.*" if fault == "EIO" else r"MemoryError: \)"
+    with cpu_only(), pytest.raises(OSError, match=rf"reading checkpoint '.*step_0000004' failed \({said}.*a fault of "
+                                                  r"this machine .*nothing was skipped"):
         train(load_config(None, items(data, out)))
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
@@ -234,6 +236,41 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(run, tmp_path, ca
                                                                "step_00000001 (not a checkpoint name"))
     a, b = load_file(str(out / "encoder.safetensors")), load_file(str(done / "encoder.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_missing_a_file_is_damaged_and_skipped(run, tmp_path, capfd):
+    """A checkpoint without its model.safetensors (FileNotFoundError) is damage, skipped and named,
+    not a fault of the machine that stops the run."""
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    (out / "checkpoints/step_0000004/model.safetensors").unlink()
+    with cpu_only():
+        train(load_config(None, items(data, out)))
+    err = capfd.readouterr().err
+    assert "resume skipped" in err and "step_0000004 (FileNotFoundError" in err and (out / "encoder.safetensors").exists()
+
+
+def test_a_given_checkpoint_that_does_not_load_is_named_and_nothing_deleted(run, tmp_path):
+    """train.resume=PATH of a damaged checkpoint: the message names it and asks for a good one, not
+    to delete the run's checkpoints (resume=auto's message where none loads)."""
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    given = out / "checkpoints/step_0000002"
+    (given / "state.pt").write_bytes(b"")
+    with cpu_only(), pytest.raises(ConfigError) as e:
+        train(load_config(None, items(data, out, **{"train.resume": given})))
+    assert f"train.resume='{given}' does not load" in str(e.value) and "delete" not in str(e.value)
+
+
+def test_a_run_stopped_early_is_finished_at_its_last_checkpoint(run, tmp_path):
+    """steps=N of the newest checkpoint exports and evaluates a run stopped before its steps (as the
+    refusal of more steps says): only the run length changed, which a finished run is allowed."""
+    data, done = run
+    out = unfinished(done, tmp_path / "run")
+    shutil.rmtree(out / "checkpoints/step_0000004")  # stopped after step 3 of 4
+    with cpu_only():
+        metrics = train(load_config(None, items(data, out, steps=3)))
+    assert metrics["steps"] == 3 and (out / "encoder.safetensors").exists()
 
 
 def test_a_crafted_state_is_skipped_and_newer_damaged_checkpoints_never_push_out_new_ones(run, tmp_path, capfd):
@@ -427,6 +464,31 @@ def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_ne
         rundir.unlock(tmp_path)
 
 
+def test_a_lock_holds_its_pid_alone_keeps_a_users_folder_and_is_taken_once(tmp_path):
+    """A stale .lock (a run killed -9) held the dead pid before ours ("4242\\n<pid>"), which the
+    next run's refusal named; a folder the user made is kept when the run fails before writing; a
+    second lock() of the same folder in one process opens no second handle, whose collection
+    would close the first and so drop the process's POSIX lock."""
+    import gc
+    from mpp import rundir
+    out = tmp_path / "made"
+    out.mkdir()
+    (out / ".lock").write_text("4242\n")
+    rundir.lock(out)
+    try:
+        rundir.lock(out)
+        gc.collect()
+        (tmp_path / "locker.py").write_text(LOCKER)
+        other = subprocess.run([sys.executable, str(tmp_path / "locker.py"), str(out / ".lock")], capture_output=True,
+                               text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert other.returncode != 0 and "held" not in other.stdout  # still ours
+        # read last: closing any handle of the file ends this process's POSIX lock on it
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        rundir.unlock(out)
+    assert out.is_dir() and not any(out.iterdir())  # the user's, though empty
+
+
 def test_a_lock_released_while_another_run_locks_has_one_holder(tmp_path, monkeypatch):
     """Run A releases (removes .lock) just after run B opened it and before B locks it, and run C
     then creates and locks a new .lock: B must not count the old, removed file as held."""
@@ -471,6 +533,12 @@ def test_resume_none_refuses_an_earlier_run(run, tmp_path, monkeypatch):
     monkeypatch.setattr(mpp.train, "make_loader", no_loader)
     with pytest.raises(ConfigError, match="holds an earlier run .*step_0000004"):
         train(load_config(None, items(data, done, **{"train.resume": "none"})))
+    kept = tmp_path / "kept"  # a finished run whose checkpoints were deleted to save space
+    shutil.copytree(done, kept, ignore=shutil.ignore_patterns("checkpoints"))
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(.*metrics.json"):
+        train(load_config(None, items(data, kept, **{"train.resume": "none"})))
+    with pytest.raises(ConfigError, match=r"holds a finished run \(.*\) but no checkpoint to resume it"):
+        train(load_config(None, items(data, kept)))  # resume=auto would train it anew and overwrite it
 
 
 def test_a_run_that_diverged_exports_nothing_and_fails(run, tmp_path):
