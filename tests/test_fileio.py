@@ -5,16 +5,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import types
 
 import pytest
 
 import mpp.fileio
 from mpp.fileio import _tmp_name, atomic_path, file_sha256, save_figure, sweep_orphans, write_atomic
-
-
-class _Usage:
-    def __init__(self, free: int):
-        self.free = free
 
 
 def test_a_failed_flush_of_the_content_fails_the_write_and_keeps_the_old_file(tmp_path, monkeypatch):
@@ -65,7 +61,7 @@ def test_a_write_error_is_called_a_full_disk_only_under_a_mebibyte_free(tmp_path
     def usage(p):
         if free is None:
             raise OSError(errno.ENOSYS, "no statvfs")
-        return _Usage(free)
+        return types.SimpleNamespace(free=free)  # shutil.disk_usage's field that is read
     monkeypatch.setattr(mpp.fileio.shutil, "disk_usage", usage)
     with pytest.raises(Exception) as e:
         with atomic_path(tmp_path / "f") as f:

@@ -135,18 +135,8 @@ def test_close_lets_go_of_the_batches_read_ahead():
     """Batches queued but never handed out are freed at close(): on CUDA device memory the run's
     final evaluation would otherwise share with them, off CUDA the loader's shared-memory slots."""
     import gc
-    import weakref
     made: list = []
-
-    def make(i: int) -> dict:
-        t = torch.full((2,), i)
-        made.append(weakref.ref(t))
-        return {"image": t}
-
-    def source():
-        for i in range(10):
-            yield make(i)
-    batches = DevicePrefetcher(source(), "cpu", depth=2)
+    batches = DevicePrefetcher(_weakly_made(made), "cpu", depth=2)
     kept = next(batches)
     _settle(made, 4)
     batches.close()
@@ -181,8 +171,9 @@ def test_a_prefetcher_dropped_unclosed_stops_its_thread_and_frees_its_source():
     assert not thread.is_alive() and gone() is None
 
 
-def _blocking(gate: threading.Event, made: list, before: int = 2):
-    """A source of batches whose read of batch `before` waits for `gate` (a worker that does not answer)."""
+def _weakly_made(made: list, gate: threading.Event | None = None, before: int = 2):
+    """A source of 10 batches, a weak reference to each in `made`; with `gate`, its read of batch
+    `before` waits for it (a worker that does not answer)."""
     import weakref
 
     def make(i: int) -> dict:  # no local of the generator holds the batch it yielded
@@ -190,7 +181,7 @@ def _blocking(gate: threading.Event, made: list, before: int = 2):
         made.append(weakref.ref(t))
         return {"image": t}
     for i in range(10):
-        if i == before:
+        if gate is not None and i == before:
             gate.wait(30)
         yield make(i)
 
@@ -200,7 +191,7 @@ def test_batches_handed_out_are_not_held_while_the_next_is_read():
     workers are slow, which a worker without a free slot waits on."""
     import gc
     gate, made = threading.Event(), []
-    batches = DevicePrefetcher(_blocking(gate, made), "cpu", depth=2)
+    batches = DevicePrefetcher(_weakly_made(made, gate), "cpu", depth=2)
     assert [int(next(batches)["image"][0]) for _ in range(2)] == [0, 1]  # handed out, then dropped
     time.sleep(0.2)  # the thread waits in the source's read of batch 2
     gc.collect()
@@ -215,7 +206,7 @@ def test_a_thread_that_did_not_stop_is_reported_by_every_close_until_it_does():
     """close() said False once, then True: a second close (a run's clean-up after an error) would
     then close the loader under the thread still reading it."""
     gate = threading.Event()
-    batches = DevicePrefetcher(_blocking(gate, [], before=0), "cpu")
+    batches = DevicePrefetcher(_weakly_made([], gate, before=0), "cpu")
     consumer = threading.Thread(target=lambda: next(batches, None), daemon=True)
     consumer.start()
     time.sleep(0.2)
