@@ -80,7 +80,8 @@ def lock(out: str | Path) -> None:
     f.write(f"{os.getpid()}\n")
     f.flush()
     _held[str(out)] = (f, created)
-    sweep_orphans(out)  # of a run of this directory killed as it wrote: no live one writes here now
+    for folder in [out, *(p for p in out.iterdir() if p.is_dir())]:  # profile/, figures/ too
+        sweep_orphans(folder)  # of a run of this directory killed as it wrote: no live one writes here now
 
 
 def _is_path_of(f, path: Path) -> bool:

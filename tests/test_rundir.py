@@ -447,7 +447,7 @@ time.sleep(120)
 def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_next_locked(tmp_path):
     """kill -9 as a run wrote its encoder (or a feature cache entry) left the whole temporary file,
     which nothing removed; the next run of the directory removes those of this machine's dead
-    processes, not a live writer's nor another machine's or container's (its own pids)."""
+    processes, in it and in its folders (profile/, figures/), not a live writer's nor another machine's or container's (its own pids)."""
     from mpp import fileio, rundir
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, who, host = int(gone.stdout), *fileio._WHERE.split(".", 1)  # who: the PID namespace and boot
@@ -457,9 +457,12 @@ def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_ne
              f".config.yaml.tmp{dead}.{who}1.{host}": True, "encoder.safetensors": True}
     for name in names:
         (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "profile").mkdir()  # a folder of the run's (train.profile's figures): its leftovers too
+    (tmp_path / "profile" / f".rank0.json.tmp{dead}.{who}.{host}").write_bytes(b"x")
     rundir.lock(tmp_path)
     try:
-        assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept} | {".lock"}
+        assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept} | {".lock", "profile"}
+        assert not any((tmp_path / "profile").iterdir())
     finally:
         rundir.unlock(tmp_path)
 
