@@ -158,11 +158,12 @@ def test_a_tool_s_defaults_lie_beneath_its_config_file(tmp_path):
 
 def test_values_are_read_as_written(tmp_path):
     """Overrides and config files keep the text of a string (YAML 1.1 reads 010 as 8, 12:30 as 750,
-    1_000 as 1000, off as false and 2026-12-04 as a date, a ' #' would start a comment, and an
-    override's runs/a: b, - a or #1 is YAML's mapping, list or comment) and read numbers in decimal."""
+    1_000 as 1000, off as false and 2026-12-04 as a date, YAML 1.2 0x10 as 16, a ' #' would start a
+    comment, and an override's runs/a: b, - a or #1 is YAML's mapping, list or comment) and read
+    numbers in decimal."""
     from mpp.config import load_compare_config, load_config
     for text in ("010", "12:30", "1_000", "off", "runs/a #1", "#1", "2026-12-04", "2026-12-04 10:00:00", "runs/a: b",
-                 "- a"):
+                 "- a", "0x10", "0o10", "+7"):
         assert load_config(None, [f"output_dir={text}"]).output_dir == text
     compare = load_compare_config(ROOT / "configs/compare_synthetic.yaml", ["output_dir=runs/a: b"])
     assert compare.output_dir == "runs/a: b"
@@ -171,6 +172,8 @@ def test_values_are_read_as_written(tmp_path):
     (tmp_path / "c.yaml").write_text("output_dir: 2026-12-04\nsteps: 2e3\ntrain:\n  precision: no\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert (cfg.output_dir, cfg.steps, cfg.train.precision) == ("2026-12-04", 2000, "no")
+    (tmp_path / "c.yaml").write_text("output_dir: 0x1F\nsteps: +7\n")  # a file's too: not '31'; +7 a number
+    assert (load_config(tmp_path / "c.yaml").output_dir, load_config(tmp_path / "c.yaml").steps) == ("0x1F", 7)
 
 
 
