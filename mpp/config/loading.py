@@ -22,9 +22,11 @@ from mpp.config.schema import RESULT_NEUTRAL, WHOLE, CompareConfig, Config, Conf
 
 class YamlLoader(yaml.SafeLoader):
     """YAML with YAML 1.2's core schema for plain scalars: true and false are the only booleans and
-    numbers are written in decimal (or 0x / 0o), so that no, off, 010, 12:30, 1_000 or 2026-12-04
-    stay the text written, where YAML 1.1 reads false, false, 8, 750, 1000 and a date (an
-    output_dir=010 went to '8'), and 1e-3 is a number. Configs, overrides and the config.yaml of
+    numbers are written in decimal, so that no, off, 010, 12:30, 1_000 or 2026-12-04 stay the text
+    written, where YAML 1.1 reads false, false, 8, 750, 1000 and a date (an output_dir=010 went to
+    '8'), and 1e-3 is a number. An integer is read as one only where its text is the number's own
+    (0x10, 0o10 and +7 stay text, which an integer key reads as a number), so a text key never
+    gets another spelling than the one written. Configs, overrides and the config.yaml of
     every run are read with it. An alias (*name) may stand for a scalar, not for a list or mapping:
     nested ones grow tenfold a level (a file of a few hundred bytes becomes a report of hundreds of
     megabytes), and a config needs none. A key given twice in one mapping is refused: the second
@@ -56,7 +58,7 @@ YamlLoader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers
                                       for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 for _tag, _rx, _first in (
         ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
-        ("int", r"^[-+]?(?:0|[1-9][0-9]*)$|^0o[0-7]+$|^0x[0-9a-fA-F]+$", "-+0123456789"),
+        ("int", r"^(?:0|-?[1-9][0-9]*)$", "-0123456789"),
         ("float", r"^[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?$|^[-+]?[0-9]+[eE][-+]?[0-9]+$"
                   r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$", "-+0123456789.")):
     YamlLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_rx), list(_first))
