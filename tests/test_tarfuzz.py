@@ -242,3 +242,74 @@ def test_a_member_decoding_never_reads_is_skipped_unread_whatever_its_size(tmp_p
     samples = list(read_shard(str(path), skips))
     assert skips == {} and [s["__key__"] for s in samples] == [f"{'long' * 30 if j == 2 else ''}k{j}" for j in range(6)]
     assert samples[0]["mp4"] == b"" and samples[0]["jpg"][:2] == b"\xff\xd8" and samples[0]["cls"] == b"0"
+
+
+def test_a_malformed_pax_record_is_a_corrupt_tar(tmp_path):
+    """A PAX record without its length, without its closing newline, or without '=' is corrupt
+    (counted as corrupt_tar), not read as a record (a name cut short by one byte, a key with an
+    empty value) nor ended by a bare ValueError that counts the shard as unreadable."""
+    from mpp.data.tarstream import CorruptTar, tar_files
+    raw = _shard(tarfile.PAX_FORMAT)
+    pax = [p for p in _headers(raw) if raw[p + 156:p + 157] == b"x"][0]
+    for record in (b"path=x\n", b"11 path=abc", b"10 pathxy\n"):
+        bad = _pax_record(raw, pax, record)
+        with pytest.raises(CorruptTar, match="PAX header record"):
+            list(tar_files(io.BytesIO(bad)))
+        skips: dict = {}
+        list(read_shard(_write(tmp_path / "p.tar", bad), skips))
+        assert skips == {"corrupt_tar": 1}, record
+
+
+def test_an_all_ones_base_256_size_is_a_corrupt_tar():
+    """A base-256 size field of all 0xff bytes is -1, which no member holds: corrupt, where it
+    read as an empty member and the stream went on from the wrong offset."""
+    from mpp.data.tarstream import CorruptTar, tar_files
+    raw = _shard(tarfile.GNU_FORMAT)
+    for field in (b"\xff" * 12, b"\xff" * 11 + b"\xfe"):
+        bad = _set_header(raw, _headers(raw)[1], lambda b: b.__setitem__(slice(124, 136), field))
+        with pytest.raises(CorruptTar, match="negative"):
+            list(tar_files(io.BytesIO(bad)))
+
+
+def test_a_header_damaged_by_a_multiple_of_256_fails_its_checksum():
+    """The checksum is compared modulo 65521, not 256: two name bytes each raised by 128 change the
+    byte sum by exactly 256, and such a damaged header must still be refused, not read as valid."""
+    from mpp.data.tarstream import CorruptTar, tar_files
+    raw = bytearray(_shard(tarfile.GNU_FORMAT))
+    pos = _headers(bytes(raw))[1]
+    raw[pos] += 128  # the name's first two bytes ('k', '0'): still a name, under the same stored checksum
+    raw[pos + 1] += 128
+    with pytest.raises(CorruptTar, match="checksum"):
+        list(tar_files(io.BytesIO(bytes(raw))))
+    raw[pos + 1] -= 128  # a change of 128 alone: refused as before
+    with pytest.raises(CorruptTar, match="checksum"):
+        list(tar_files(io.BytesIO(bytes(raw))))
+
+
+def test_an_extended_header_over_max_header_is_refused_and_one_at_it_read():
+    """PAX and GNU long-name headers are held in memory whole, so one past MAX_HEADER bytes is
+    corrupt (a shard could declare gigabytes of header); one of exactly MAX_HEADER bytes reads."""
+    from mpp.data.tarstream import MAX_HEADER, CorruptTar, tar_files
+    member = tarfile.TarInfo("k.cls")
+    member.size = 1
+    tail = member.tobuf(tarfile.USTAR_FORMAT) + b"1".ljust(512, b"\0") + bytes(1024)
+    path = _record("path", b"big.cls")
+
+    def extended(kind: bytes, body: bytes) -> bytes:
+        info = tarfile.TarInfo("././@LongLink")
+        info.type, info.size = kind, len(body)
+        return info.tobuf(tarfile.USTAR_FORMAT) + body + bytes(-len(body) % 512)
+
+    for size in (MAX_HEADER, MAX_HEADER + 1):
+        comment = next(r for v in range(size - len(path) - 20, size) if len(r := _record("comment", b"c" * v))
+                       == size - len(path))
+        pax = extended(tarfile.XHDTYPE, path + comment)
+        long = extended(tarfile.GNUTYPE_LONGNAME, b"n" * (size - 4) + b".cls")
+        assert len(path + comment) == size
+        if size == MAX_HEADER:
+            assert list(tar_files(io.BytesIO(pax + tail))) == [("big.cls", b"1")]
+            assert list(tar_files(io.BytesIO(long + tail))) == [("n" * (size - 4) + ".cls", b"1")]
+        else:
+            for bad in (pax, long):
+                with pytest.raises(CorruptTar, match=f"limit {MAX_HEADER}"):
+                    list(tar_files(io.BytesIO(bad + tail)))
