@@ -233,3 +233,80 @@ def test_a_bzip2_bomb_of_members_that_are_read_ends_at_a_bound(tmp_path, monkeyp
         list(tar_files(io.BytesIO(path.read_bytes())))
     assert len(list(read_shard(str(path), skips))) < 4 and skips == {"corrupt_tar": 1}
     assert time.perf_counter() - start < 5
+
+
+def _plain(members, fmt=tarfile.USTAR_FORMAT) -> bytes:
+    """A tar of (TarInfo, data) members, as tarfile writes it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def _info(name, size=0, kind=tarfile.REGTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    if kind == tarfile.SYMTYPE:
+        info.linkname = "a.jpg"
+    return info
+
+
+def test_a_tar_one_byte_short_of_its_end_block_is_truncated_not_corrupt(tmp_path):
+    """A read one byte short is a truncation: a shard cut one byte before the end of its
+    end-of-archive block, or inside a member, is counted as truncated_tar, not read on (as a
+    corrupt header of 511 bytes, or a member missing its last byte)."""
+    from mpp.data.sources import read_shard
+    from mpp.data.tarstream import TruncatedTar
+    raw = _plain([(_info("a.jpg", 512), b"j" * 512), (_info("a.cls", 1), b"1")])
+    end = 4 * 512  # two headers and two padded members, then the end-of-archive blocks
+    with pytest.raises(TruncatedTar):
+        list(tar_files(io.BytesIO(raw[:end + 511])))
+    got = []
+    with pytest.raises(TruncatedTar):
+        for member in tar_files(io.BytesIO(raw[:1023])):
+            got.append(member)
+    assert got == []  # the first member lacks its last byte: not yielded
+    skips: dict = {}
+    path = tmp_path / "cut.tar"
+    path.write_bytes(raw[:end + 511])
+    assert list(read_shard(str(path), skips)) == [] and skips == {"truncated_tar": 1}
+
+
+def test_a_plain_tar_whose_first_name_starts_like_bzip2_magic_is_read():
+    """bzip2 data start 'BZh' and a block-size digit; a plain tar's first member can be named so
+    ('BZh9_0001.jpg'). Only the first block's own magic that follows makes it bzip2: taken for it,
+    the whole shard was lost as corrupt."""
+    from mpp.data.tarstream import compression
+    raw = _plain([(_info("BZh9_0001.jpg", 3), b"abc"), (_info("BZh9_0001.cls", 1), b"1")])
+    assert compression(raw[:10]) is None and compression(bz2.compress(raw)[:10]) == "bzip2"
+    expected = [("BZh9_0001.jpg", b"abc"), ("BZh9_0001.cls", b"1")]
+    assert list(tar_files(io.BytesIO(raw))) == expected
+    assert list(tar_files(io.BufferedReader(io.BytesIO(raw)))) == expected
+
+
+def test_a_member_of_exactly_max_member_bytes_is_read_and_one_byte_more_refused():
+    """max_member is the largest member read, to the byte: a member one byte over it is corrupt
+    (it would be held in memory), one of exactly that size is read whole."""
+    from mpp.data.tarstream import CorruptTar
+    for size in (100, 101):
+        raw = _plain([(_info("a.jpg", size), b"p" * size)])
+        if size == 100:
+            assert list(tar_files(io.BytesIO(raw), max_member=100)) == [("a.jpg", b"p" * 100)]
+        else:
+            with pytest.raises(CorruptTar, match="declares 101 bytes"):
+                list(tar_files(io.BytesIO(raw), max_member=100))
+
+
+def test_only_file_members_are_yielded_and_a_contiguous_file_is_one():
+    """Regular, old-style and contiguous ('7') members are files: read, or with `unread` named as
+    (name, None) when not selected. Directories, links, FIFOs and devices are never yielded (they
+    would become empty sample fields), and a contiguous file was skipped silently."""
+    raw = _plain([(_info("d", kind=tarfile.DIRTYPE), None), (_info("a.jpg", 3), b"abc"),
+                  (_info("c.jpg", 2, tarfile.CONTTYPE), b"cc"), (_info("l.jpg", kind=tarfile.SYMTYPE), None),
+                  (_info("h.jpg", kind=tarfile.LNKTYPE), None), (_info("f", kind=tarfile.FIFOTYPE), None),
+                  (_info("dev", kind=tarfile.CHRTYPE), None)])
+    assert list(tar_files(io.BytesIO(raw))) == [("a.jpg", b"abc"), ("c.jpg", b"cc")]
+    assert list(tar_files(io.BytesIO(raw), select=lambda n: n == "c.jpg", unread=True)) == [
+        ("a.jpg", None), ("c.jpg", b"cc")]
+    assert list(tar_files(io.BytesIO(raw), select=lambda n: False, unread=True)) == [("a.jpg", None), ("c.jpg", None)]
