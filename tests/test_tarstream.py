@@ -215,8 +215,8 @@ def test_a_bzip2_bomb_of_members_that_are_read_ends_at_a_bound(tmp_path, monkeyp
     member, forever. Members read may come to READ_INFLATE bytes a compressed byte plus one largest
     member (READ_SLACK, made small here): 8 MiB of zeros in 157 bytes is past it after a few
     members, where the same members read in the test above, under the slack. (xz and gzip hold at most about 7,000 and
-    1,000 bytes a byte: under the bound.)"""
-    import time
+    1,000 bytes a byte: under the bound.) Bounded in members read, not in seconds, which a busy
+    machine stretches."""
     from mpp.data import tarstream
     from mpp.data.sources import read_shard
     monkeypatch.setattr(tarstream, "READ_SLACK", 2 << 20)
@@ -228,11 +228,10 @@ def test_a_bzip2_bomb_of_members_that_are_read_ends_at_a_bound(tmp_path, monkeyp
             tar.addfile(info, io.BytesIO(bytes(1 << 20)))
     path = tmp_path / "bomb.tar.bz2"
     path.write_bytes(bz2.compress(buf.getvalue()))
-    start, skips = time.perf_counter(), {}
+    skips = {}
     with pytest.raises(tarstream.CorruptTar, match="members decompress to more than 10000 times"):
         list(tar_files(io.BytesIO(path.read_bytes())))
     assert len(list(read_shard(str(path), skips))) < 4 and skips == {"corrupt_tar": 1}
-    assert time.perf_counter() - start < 5
 
 
 def _plain(members, fmt=tarfile.USTAR_FORMAT) -> bytes:
