@@ -362,8 +362,8 @@ def _read_file(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _past_limit(size: int, what: str = "") -> str:
-    return f"{size} bytes{what}, past the {MAX_MEMBER >> 20} MiB a shard member may hold"
+def _past_limit(size: int) -> str:
+    return f"{size} bytes, past the {MAX_MEMBER >> 20} MiB a shard member may hold"
 
 
 def _tar_entries(tar: tarfile.TarFile) -> tuple[list[str], list[Callable[[], bytes]], set[str]]:
@@ -408,7 +408,8 @@ def _reader(tar: tarfile.TarFile, m: tarfile.TarInfo, latest: tarfile.TarInfo) -
     elif latest is not m:
         why = "replaced by a later member of the same path"
     elif m.issparse() or m.size > MAX_MEMBER:
-        why = _past_limit(m.size, " (a sparse file)" if m.issparse() else "")
+        why = ("a sparse file, which make_shards does not read; store it without --sparse" if m.issparse()
+               else _past_limit(m.size))  # a sparse file's size is any it declares, not what was stored
     else:
         return lambda: tar.extractfile(m).read()
     return functools.partial(_unread, why)
