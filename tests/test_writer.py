@@ -5,6 +5,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -773,3 +774,142 @@ def test_a_cut_compressed_tar_and_a_pipe_source_are_refused_in_one_line(folder: 
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ShardError, match="fifo' is neither a folder nor a regular file"):
         write_shards(tmp_path / "fifo", tmp_path / "o2", progress=False)
+
+
+def test_the_pixel_limit_keeps_an_image_of_exactly_max_pixels_and_skips_one_pixel_more(tmp_path: Path):
+    """`max_pixels` is the most an image may have: one of exactly that many is written, one a pixel
+    larger is skipped and counted as too large (the loader would refuse it and count it corrupt)."""
+    from mpp.data.writer import write_samples
+    exact, over = _image_bytes(1, "PNG", size=(12, 10)), _image_bytes(2, "PNG", size=(11, 11))
+    items = [(name, lambda data=data: data, None) for name, data in (("exact.png", exact), ("over.png", over))]
+    m = write_samples(items, tmp_path / "out", classes=None, max_pixels=120, progress=False)
+    assert m["num_samples"] == 1 and m["skipped"]["examples"] == ["over.png: too large (11x11 pixels, limit 120)"]
+    assert [fields["png"] for shard in _read_shards(tmp_path / "out") for _, fields in shard] == [exact]
+
+
+def test_an_image_cut_inside_its_pixel_data_is_skipped_though_its_header_opens(tmp_path: Path):
+    """A PNG or JPEG cut short after an intact header (an interrupted copy) opens, and only decoding
+    finds it short: it is skipped and counted, never written for the loader to fail on."""
+    root = tmp_path / "src"
+    (root / "a_cls").mkdir(parents=True)
+    for fmt, ext in (("PNG", "png"), ("JPEG", "jpg")):
+        good = _image_bytes(3, fmt, size=(64, 64))
+        cut = good[: len(good) * 3 // 4]
+        with Image.open(io.BytesIO(cut)) as im:  # the header is intact: only the pixels are missing
+            assert im.size == (64, 64)
+        (root / "a_cls" / f"cut.{ext}").write_bytes(cut)
+        (root / "a_cls" / f"good.{ext}").write_bytes(good)
+    m = write_shards(root, tmp_path / "out", progress=False)
+    assert m["num_samples"] == 2 and m["skipped"]["count"] == 2
+    assert sorted(e.split(":")[0] for e in m["skipped"]["examples"]) == ["a_cls/cut.jpg", "a_cls/cut.png"]
+    assert sorted(k for shard in _read_shards(tmp_path / "out") for k, _ in shard) == ["a_cls/good", "a_cls/good_2"]
+
+
+def test_an_overwrite_never_leaves_a_manifest_beside_shards_it_does_not_describe(folder: Path, tmp_path: Path,
+                                                                                  monkeypatch):
+    """Replacing a data set, the old manifest is moved out before its shards and the new one in
+    after its shards: a writer killed at any move leaves no manifest naming shards (or sizes) that
+    are not there, which a reader would trust."""
+    out = tmp_path / "out"
+    write_shards(folder, out, samples_per_shard=4, progress=False)  # 6 shards, replaced by 2 of other sizes
+    wrong = []
+    real = os.rename
+
+    def rename(src, dst):
+        real(src, dst)
+        if (out / "manifest.json").exists():
+            shards = json.loads((out / "manifest.json").read_text())["shards"]
+            if any(not (out / s["name"]).is_file() or (out / s["name"]).stat().st_size != s["bytes"]
+                   for s in shards):
+                wrong.append(f"after moving {Path(src).name} to {dst}")
+    monkeypatch.setattr(os, "rename", rename)
+    m = write_shards(folder, out, samples_per_shard=15, overwrite=True, progress=False)
+    assert not wrong, wrong
+    assert len(m["shards"]) == 2 and sorted(p.name for p in out.iterdir() if p.suffix == ".tar") == [
+        "000000.tar", "000001.tar"]
+
+
+def test_with_unlabeled_a_hidden_or_lost_found_folder_that_cannot_be_listed_is_refused(folder: Path, tmp_path: Path,
+                                                                                        monkeypatch):
+    """Unlabeled, every image anywhere is a sample, a hidden folder's or lost+found's too: one that
+    cannot be listed is an error naming it, not a warning while its images are silently left out."""
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "x.jpg").write_bytes(_image_bytes(5))
+    (folder / "lost+found").mkdir()
+    scandir = os.scandir
+    for name in (".cache", "lost+found"):
+        def denied(path=".", name=name):
+            if not isinstance(path, int) and Path(path) == folder / name:  # int: rmtree's
+                raise PermissionError(13, "Permission denied", str(path))
+            return scandir(path)
+        monkeypatch.setattr(os, "scandir", denied)
+        with pytest.raises(ShardError, match=re.escape(f"cannot list folder '{folder / name}' (Permission denied)")):
+            write_shards(folder, tmp_path / "out", unlabeled=True, progress=False)
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_file_of_exactly_the_members_limit_is_written_and_one_byte_more_skipped(tmp_path: Path, monkeypatch):
+    """`MAX_MEMBER` is the most a shard member may hold (what the loader reads): a file of exactly
+    that size is written, one a byte larger skipped and counted (written, the loader would lose
+    the rest of its shard)."""
+    import mpp.data.writer
+    data = _image_bytes(4, size=(40, 40))
+    (tmp_path / "src" / "a_cls").mkdir(parents=True)
+    (tmp_path / "src" / "a_cls" / "x.jpg").write_bytes(data)
+    monkeypatch.setattr(mpp.data.writer, "MAX_MEMBER", len(data))
+    assert write_shards(tmp_path / "src", tmp_path / "out", progress=False)["num_samples"] == 1
+    monkeypatch.setattr(mpp.data.writer, "MAX_MEMBER", len(data) - 1)
+    with pytest.raises(ShardError, match=f"x.jpg: {len(data)} bytes, past the 0 MiB a shard member may hold"):
+        write_shards(tmp_path / "src", tmp_path / "out2", progress=False)
+
+
+def _tar_of(path: Path, members: dict[str, bytes], **pax: dict[str, str]) -> Path:
+    """A tar at `path` of name -> bytes (PAX headers per name from `pax`)."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.pax_headers = len(data), pax.get(name, {})
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_top_folder_with_images_beside_its_class_folders_is_the_class_not_the_root(tmp_path: Path):
+    """'train/CLASS/x.jpg' takes 'train/' as the root only when no image lies in 'train/' itself:
+    one that does would be dropped as outside any class folder, so 'train' is then the class."""
+    src = _tar_of(tmp_path / "src.tar", {n: _image_bytes(i) for i, n in enumerate(
+        ("train/cat/0.jpg", "train/dog/1.jpg", "train/2.jpg"))})
+    m = write_shards(src, tmp_path / "out", progress=False)
+    assert m["classes"] == ["train"] and (m["num_samples"], m["skipped"]["count"]) == (3, 0)
+
+
+def test_an_archive_of_absolute_paths_takes_classes_from_their_first_folder(tmp_path: Path):
+    """Members stored as '/a_cls/x.jpg' (tar -P) are the paths extracting would write, 'a_cls/x.jpg':
+    their class is 'a_cls' and their keys the same as from a folder; an image at '/' is outside any."""
+    src = _tar_of(tmp_path / "src.tar", {n: _image_bytes(i) for i, n in enumerate(
+        ("/a_cls/0.jpg", "/b_cls/1.jpg", "/b_cls/2.jpg", "/cover.jpg"))})
+    m = write_shards(src, tmp_path / "out", progress=False)
+    assert m["classes"] == ["a_cls", "b_cls"] and m["skipped"]["examples"] == ["cover.jpg: outside any class folder"]
+    assert sorted((k, int(f["cls"])) for shard in _read_shards(tmp_path / "out") for k, f in shard) == [
+        ("a_cls/0", 0), ("b_cls/1", 1), ("b_cls/2", 1)]
+
+
+def test_a_sparse_archive_member_is_skipped_and_counted_whatever_its_size(tmp_path: Path):
+    """A sparse member (GNU sparse map) is never read, however small it declares itself: a small
+    archive can declare huge sparse files. It is skipped and counted, the others are written."""
+    data = _image_bytes(6)
+    src = _tar_of(tmp_path / "src.tar", {"a_cls/sparse.jpg": data, "a_cls/plain.jpg": _image_bytes(7)},
+                  **{"a_cls/sparse.jpg": {"GNU.sparse.map": f"0,{len(data)}", "GNU.sparse.size": str(len(data))}})
+    with tarfile.open(src) as tar:
+        assert tar.getmember("a_cls/sparse.jpg").issparse()
+    m = write_shards(src, tmp_path / "out", progress=False)
+    assert m["num_samples"] == 1 and m["skipped"]["examples"] == [
+        "a_cls/sparse.jpg: a sparse file, which make_shards does not read; store it without --sparse"]
+
+
+def test_an_output_folder_inside_the_source_folder_is_refused(folder: Path):
+    """Shards written inside the source would be read as a class folder of images by the next run
+    on that source; refused before anything is written."""
+    for out in (folder / "shards", folder / "a_cls" / "shards"):
+        with pytest.raises(ShardError, match="lies inside the source folder"):
+            write_shards(folder, out, progress=False)
+        assert not out.exists()
