@@ -58,7 +58,10 @@ class DataError(ValueError):
 
 def read_label(raw: bytes, num_classes: int | None) -> int:
     """The integer in a `cls` member; ValueError when it is not one or is out of range."""
-    label = int(raw.decode("ascii").strip())
+    text = raw.decode("ascii").strip()
+    if "_" in text:  # int() reads '1_0' as 10 (PEP 515); the writer writes a label in plain digits
+        raise ValueError(f"label {text!r} is not a plain integer")
+    label = int(text)
     if label < 0 or label >= (num_classes if num_classes is not None else 2**31):  # a class index, not damage
         raise ValueError(f"label {label} out of range")
     return label
