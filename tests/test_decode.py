@@ -289,3 +289,52 @@ def test_a_flip_comes_with_its_configured_probability(p):
     t, img, rng = TrainTransform(16, hflip=p), Image.new("RGB", (24, 20)), random.Random(0)
     rate = sum(t.params(img, rng)[1] for _ in range(4000)) / 4000
     assert abs(rate - p) < 0.03, rate  # 4 standard errors at most
+
+
+def test_a_negative_or_underscored_label_is_a_counted_bad_label():
+    """A `cls` must be a class index in plain digits: '-1' (a 'no label' marker of some tools) and
+    '1_0' (which int() reads as 10) are skipped and counted as bad labels, not trained as classes
+    -1 and 10; surrounding whitespace is allowed."""
+    from mpp.config import DataConfig
+    from mpp.data.decode import decode_batch
+    from mpp.data.transforms import build_transform
+    image = jpeg(16, 16)
+    samples = [{"__key__": str(i), "jpg": image, "cls": cls} for i, cls in enumerate((b"-1", b"1_0", b"12", b" 3\n"))]
+    skips: dict = {}
+    images, labels = decode_batch(samples, build_transform(16, False, DataConfig()), random.Random(0), labeled=True,
+                                  num_classes=12, max_pixels=CAP, skips=skips)
+    assert labels == [3] and len(images) == 1 and skips == {"bad_label": 3}
+    for raw in (b"-1", b"1_0"):
+        with pytest.raises(ValueError):
+            decode.read_label(raw, None)
+
+
+def test_the_pixel_cap_of_a_non_jpeg_image_allows_exactly_max_pixels():
+    """A PNG of exactly max_pixels pixels opens; one pixel over the cap is refused before decoding
+    (as the writer skips it), so the cap means the same for every format."""
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((10, 12, 3), np.uint8)).save(buf, "PNG")
+    assert open_image(buf.getvalue(), 120).size == (12, 10)
+    with pytest.raises(ValueError, match="12x10 image exceeds data.max_pixels=119"):
+        open_image(buf.getvalue(), 119)
+
+
+def test_a_ycck_jpeg_is_decoded_by_pil_as_a_cmyk_one_is():
+    """An Adobe YCCK JPEG (CMYK stored as YCCK) goes to PIL like a CMYK one: libjpeg-turbo converts
+    it to RGB differently (+-1), so the same image would give other pixels depending on the decoder."""
+    data = bytearray(jpeg(mode="CMYK"))
+    adobe = data.index(b"Adobe")
+    data[adobe + 11] = 2  # the Adobe segment's transform flag: YCCK
+    data = bytes(data)
+    assert decode.simplejpeg.decode_jpeg_header(data)[2] == "YCCK"
+    transform = EvalTransform(16)
+    assert torch.equal(transform.batch([open_image(data, CAP)])[0], transform.batch([Image.open(io.BytesIO(data))])[0])
+
+
+@pytest.mark.parametrize("width,height", [(5, 5), (37, 23), (3, 7)])
+def test_a_jpeg_decoded_at_reduced_scale_rounds_its_sides_up(width, height):
+    """At 1/reduce scale a JPEG keeps ceil(side / reduce) pixels a side, as libjpeg's scaled decode
+    gives, never fewer (a small image came out at a smaller scale, or whole at 1/8)."""
+    img = open_image(jpeg(width, height), CAP)
+    for reduce in (1, 2, 4, 8):
+        assert img.pixels(reduce).shape == (3, -(-height // reduce), -(-width // reduce)), reduce
