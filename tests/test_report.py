@@ -669,6 +669,27 @@ def test_the_intro_names_folds_that_chose_a_final_without_a_sweep(tmp_path):
         assert ("for MPP pre-training the representation was chosen by a probe scored in folds" in md) is (on == "cv")
 
 
+def test_the_intro_names_folds_that_chose_a_final_without_a_sweep_where_a_pre_training_read_a_split(tmp_path):
+    """Without a sweep (no recipes), an MPP pre-training that read its probe's development split
+    (data.withhold emptied) made the intro drop its note on the final chosen in folds
+    (finetune.pool_folds): it ended in '.' alone, as if nothing were chosen over images it read."""
+    root = tmp_path / "runs"
+    runs = _paper_runs(root)
+    for name, extra in (("mpp", {}), ("probe_mpp", {"probe": {"encoder": str(root / "mpp"), "dev_split": [0, 0.1]}})):
+        cfg = yaml.safe_load((root / name / "config.yaml").read_text())
+        cfg = {**cfg, "data": {"train": str(tmp_path / "d")}, **extra}
+        (root / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+    m = root / "ft_mpp_0.1" / "metrics.json"
+    written = json.loads(m.read_text())
+    for on in ("dev", "cv"):
+        m.write_text(json.dumps({**written, "pool": "avg", f"pool_{on}_top1": {"avg": 0.5, "token": 0.4}}))
+        rep = write_report(runs, tmp_path / on)
+        assert rep["table"]["mpp"]["pretrain"]["read_dev_splits"] and rep["recipes"]["mpp"] in ({}, None)
+        md = (tmp_path / on / "report.md").read_text()
+        said = "the images it read (for MPP pre-training the representation was chosen by a probe scored in folds"
+        assert (said in md) is (on == "cv") and ("the images it read." in md) is (on == "dev")
+
+
 def test_a_probes_representation_toss_up_marks_its_probe_and_few_shot_figures(tmp_path):
     """The linear-probe and few-shot rows read the representation each probe chose on its
     development images. Where that lead was within its noise (MPP's here: 1 point, the two
