@@ -246,6 +246,46 @@ def test_a_launcher_as_init_is_known_by_each_of_its_forms(tmp_path, monkeypatch)
                         (["/bin/bash", "-c", "sleep 1"], False)):
         cmdline.write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
         assert launcher._init_is_launcher() is known, args
+    monkeypatch.setattr(launcher, "INIT_CMDLINE", str(tmp_path / "absent"))  # unreadable: a rank is not stopped
+    assert launcher._init_is_launcher() is True                               # on a guess
+
+
+def test_a_rank_orphaned_at_start_up_exits_but_not_one_whose_init_is_its_launcher(tmp_path, monkeypatch):
+    """A rank whose launcher died in its seconds of start-up belongs to init (parent pid 1): it
+    exits with one line instead of training on, orphaned, holding the run directory; under a
+    launcher that is itself pid 1 (a container's entrypoint), or with its launcher alive, it runs."""
+    from mpp import launcher
+    if sys.platform != "linux":
+        pytest.skip("a parent's death is asked of the kernel on Linux alone")
+    cmdline = tmp_path / "cmdline"
+    monkeypatch.setattr(launcher, "INIT_CMDLINE", str(cmdline))
+    monkeypatch.setattr(launcher, "follow_parent", lambda: None)  # not this pytest's own death signal
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    cmdline.write_bytes(b"/sbin/init\0")
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    with pytest.raises(SystemExit, match="this rank's launcher .* exited while it started; start the job again"):
+        launcher.die_with_launcher()
+    cmdline.write_bytes(b"\0".join([b"torchrun", b"--nproc_per_node", b"2", b"t.py"]))
+    launcher.die_with_launcher()
+    cmdline.write_bytes(b"/sbin/init\0")
+    monkeypatch.setattr(os, "getppid", lambda: 4242)
+    launcher.die_with_launcher()
+
+
+def test_a_launch_variable_set_empty_is_refused_and_a_rank_without_a_world_size_taken(monkeypatch):
+    """WORLD_SIZE= (set, empty: a script's unset variable) is not a whole number, said in one line,
+    not read as unset (one process where the script meant many). RANK is checked against
+    WORLD_SIZE only where that is set: without it the run is one process, which no stray RANK stops."""
+    from mpp.launcher import launch_env
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    assert launch_env() == {"WORLD_SIZE": 1, "RANK": 3, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_PORT": None}
+    for name in ("WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        with pytest.raises(ConfigError, match=f"^environment variable {name}='' is not a whole number; the launcher"):
+            launch_env()
+        monkeypatch.delenv(name)
 
 
 # each setting at the edge of its range (accepted) and just past it (refused, naming the key)
