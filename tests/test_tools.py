@@ -351,3 +351,23 @@ def test_a_fine_tune_given_data_withhold_is_refused_not_silently_ignored():
     load_config(None, ["objective=mpp", "data.withhold=[[0.1,0,0.1]]"])
     with pytest.raises(ConfigError, match="'data.withhold' is for pre-training; a fine-tune holds out its own"):
         load_config(None, ["objective=classify", "data.withhold=[[0.1,0,0.1]]"])
+
+
+def test_a_value_past_what_a_run_can_use_is_refused_at_load():
+    """Each config refused in one line naming its key before any work, beside the edge that is
+    taken: batch_size=0 trains on nothing, a floor above optim.lr makes the schedule rise, a
+    withheld split with dev_fraction 0 is empty, and few-shot on with one of its two sets stops the
+    run at its first evaluation, hours in."""
+    cases = [(["batch_size=1"], ["batch_size=0"], r"'batch_size' must be in 1\.\."),
+             (["optim.lr=0.001", "optim.min_lr=0.001"], ["optim.lr=0.001", "optim.min_lr=0.002"],
+              r"'optim\.min_lr' \(0\.002\) is above optim\.lr \(0\.001\)"),
+             (["data.withhold=[[0.1,0,0.01]]"], ["data.withhold=[[0.1,0,0]]"],
+              r"'data\.withhold' lists \[0\.1, 0, 0\]: each entry must be"),
+             (["fewshot.every=2", "fewshot.train=tr", "fewshot.test=te"], ["fewshot.every=2", "fewshot.train=tr"],
+              r"'fewshot\.every' > 0 needs labeled shards in fewshot\.train and fewshot\.test"),
+             (["fewshot.every=0", "fewshot.test=te"], ["fewshot.every=2", "fewshot.test=te"],
+              r"'fewshot\.every' > 0 needs labeled shards")]
+    for taken, refused, says in cases:
+        load_config(None, ["objective=mpp", *taken])
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, ["objective=mpp", *refused])
