@@ -126,7 +126,7 @@ def test_a_launchers_variables_are_expanded_as_a_shell_would_and_an_unset_one_re
             launcher_words(f"torchrun --rdzv_endpoint {other}", machine=False)
 
 
-@pytest.mark.parametrize("out", [".", "runs/..", "/"])
+@pytest.mark.parametrize("out", [".", "runs/..", "/", ".."])
 def test_repeats_need_an_output_dir_with_a_name_to_sit_beside(tmp_path, out):
     """pretrain_seeds > 1 puts the repeats beside output_dir (output_dir_pretrain_seed1): '.' ended
     in a traceback, and 'runs/..' put them inside runs/."""
@@ -1176,6 +1176,32 @@ def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):
         run(load_compare_config(path))
     assert not (stage.out / "metrics.json").exists()
 
+
+
+def test_an_interrupted_stage_without_a_readable_config_is_not_trained_on(tmp_path):
+    """A stage stopped after a checkpoint whose config.yaml is missing or unreadable ran with
+    settings no one knows: resuming would train on from those weights and report them as the
+    planned settings' result, so it is refused, naming the folder to delete."""
+    from mpp.checkpoint import checkpoint_name
+    stage = plan(load_compare_config(_write_configs(tmp_path, tmp_path / "data")))[0]
+    (stage.out / "checkpoints" / checkpoint_name(1)).mkdir(parents=True)
+    for written in (None, "steps: [unclosed\n"):
+        if written is not None:
+            (stage.out / "config.yaml").write_text(written)
+        with pytest.raises(ConfigError, match=f"stage '{re.escape(stage.name)}': .* has a checkpoint but no "
+                                              f"config.yaml this mpp can read, so what it ran is unknown"):
+            check_unchanged(stage, finished=False)
+
+
+def test_a_fine_tune_config_of_another_objective_is_refused_before_any_work(tmp_path):
+    """The compare config's 'finetune' given a pre-training's config (objective=mpp) would run its
+    fine-tunes as pre-trainings after hours of the arms' pre-training; refused at validation,
+    naming the fine-tune stage."""
+    path = _write_configs(tmp_path, tmp_path / "data")
+    cfg = load_compare_config(path, [f"finetune={ROOT / 'configs/synthetic_mpp.yaml'}"])
+    with pytest.raises(ConfigError, match=r"stage 'fine-tune .*' \(.*synthetic_mpp.yaml\) resolves to objective=mpp, "
+                                          r"not classify; give the compare config's 'finetune' a config of objective"):
+        validate(cfg, plan(cfg))
 
 def test_the_report_reads_the_representation_choice_of_the_best_sweep_stage(tmp_path):
     """Two sweep stages of one representation recorded different choices of it (a swept key that
