@@ -167,6 +167,7 @@ def test_paper_figures_give_a_third(tmp_path):
     assert ("- fine-tune @ 100% labels: share recovered no ±: the noise of supervised - scratch, the share's "
             "denominator, is unknown") in md  # one seed per arm: a bare share, said why
     assert "Neither counts the pre-training's own seed" in md and "pretrain_seeds: N repeats" in md  # its scope
+    assert "recovers; the paper's is 0.33 (ViT-B/16 ImageNet fine-tunes)" in md  # the intro's yardstick, to 2 digits
     assert json.loads((tmp_path / "out" / "report.json").read_text())["derived"] == rep["derived"]
     assert (tmp_path / "out" / "report.png").stat().st_size > 1000
 
@@ -191,6 +192,21 @@ def test_undefined_share_is_explained():
     assert "does not beat scratch" in derive(0.5, 0.6, 0.5)["note"]
     assert "does not beat scratch" in derive(0.4, 0.6, 0.5)["note"]
     assert derive(0.6, 0.45, 0.5)["recovered_share"] == pytest.approx(-0.5)  # MPP below scratch: negative
+
+
+def test_an_undefined_share_says_why_in_the_report(tmp_path):
+    """Supervised pre-training below scratch at 10% labels leaves the share without a denominator:
+    its cell reads 'undefined' and a note under the table says why, so that a reader does not take
+    a blank for a missing run."""
+    runs = _paper_runs(tmp_path / "runs")
+    (tmp_path / "runs" / "ft_sup_0.1" / "metrics.json").write_text(json.dumps({"top1": 0.45, "top5": 0.95}))
+    rep = write_report(runs, tmp_path / "out")
+    g = rep["derived"]["finetune"]["0.1"]
+    assert g["recovered_share"] is None and "does not beat scratch" in g["note"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| fine-tune @ 10% labels |"))
+    assert row.rstrip(" |").endswith("| undefined")
+    assert f"- fine-tune @ 10% labels: {g['note']}" in md.splitlines()
 
 
 def test_a_share_over_a_gain_within_its_noise_gets_no_plus_minus(tmp_path):
