@@ -32,6 +32,29 @@ def test_record_round_trips_and_rejects_malformed_entries():
         outcomes.record(correct[:-1], labels)
 
 
+def test_the_labels_digest_of_recorded_runs_never_changes():
+    """Runs recorded by an older version pair with new ones only while the digest of the same labels
+    is the same hex string: a change (another dtype, hash or length) would silently drop the test
+    noise from every report that mixes them. The value is pinned, whatever integer type the labels come in."""
+    labels = [3, 1, 4, 1, 5, 9, 2, 6]
+    for same in (labels, np.array(labels, np.int32), np.array(labels, np.uint8), np.array(labels, np.int64)):
+        assert outcomes.labels_digest(same) == "81236c01802732b2"
+
+
+def test_read_refuses_entries_whose_bits_do_not_fit_their_count():
+    """A damaged or hand-edited `correct` field must read as no per-image result (None), not as
+    other bits: characters outside base64 (which a lax decoder drops), more bytes than n images
+    need, or no image at all (n=0 with no bytes, an empty result the report cannot pair)."""
+    correct = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1], bool)
+    entry = outcomes.record(correct, np.arange(9))
+    assert np.array_equal(outcomes.read(entry)[1], correct)
+    text = entry["correct"]
+    for bad in ({**entry, "correct": text[:2] + "!" + text[2:]}, {**entry, "correct": text[:2] + " \n" + text[2:]},
+                {**entry, "n": 8}, {**entry, "n": 3},  # 16 bits where 8 fit
+                {**entry, "n": 0, "correct": ""}):
+        assert outcomes.read(bad) is None, bad
+
+
 def test_paired_sem_is_the_standard_error_of_the_per_image_difference():
     a = np.array([1, 1, 0, 1, 0, 1, 1, 0], bool)
     b = np.array([1, 0, 0, 1, 1, 1, 0, 0], bool)
@@ -107,6 +130,17 @@ def test_critical_is_students_t_and_combine_weighs_parts_by_their_degrees_of_fre
     assert se == pytest.approx(2 ** 0.5) and 3.9 < dof < 4.0
     assert outcomes.combine((0.0, 1), (0.5, 999)) == pytest.approx((0.5, 999))  # a zero part weighs nothing
     assert outcomes.combine((0.0, 1), (0.0, 5)) == (0.0, float("inf"))
+
+
+def test_critical_matches_students_t_to_six_digits_at_any_degrees_and_level():
+    """The gap report's significance rests on these quantiles: Student's t (scipy.stats.t.ppf's values)
+    to 1e-6 relative, for fractional and moderate degrees (50 is 2.0086, not the normal 1.96) and far
+    into the tail (99.9%), where a coarse integration is off in the fourth digit."""
+    table = {(1.5, 0.95): 6.016663, (1.5, 0.99): 17.820311, (2, 0.999): 31.599055, (3, 0.95): 3.182446,
+             (5, 0.95): 2.570582, (5, 0.999): 6.868827, (50, 0.95): 2.008559, (100, 0.999): 3.390491,
+             (1000, 0.99): 2.580755}
+    for (dof, level), t in table.items():
+        assert outcomes.critical(dof, level) == pytest.approx(t, rel=1e-6), (dof, level)
 
 
 def test_a_gap_resting_on_two_seeds_needs_students_t_not_twice_its_noise(tmp_path):
@@ -328,6 +362,14 @@ def test_seed_image_overlap_is_the_run_by_image_interactions_mean_square():
         x = (rng.random(shape) < 0.6).astype(float)
         assert outcomes.seed_image_overlap(x) == pytest.approx(_interaction(x), rel=1e-9)
         assert outcomes.seed_image_overlap(x[:1]) == 0.0 == outcomes.seed_image_overlap(x[:, :1])
+
+
+def test_seed_image_overlap_is_never_negative():
+    """Where every seed shifts every image alike there is no seed-by-image variance: the estimate is
+    0 (within - between is then 0 up to rounding, here -1e-17), never below, or the report would add
+    that much to a gap's noise when it takes the overlap out of the images' part."""
+    x = np.array([[0.7], [0.2]]) + np.array([0.0, 0.1, 0.2])  # seed means 0.8 and 0.3, no interaction
+    assert outcomes.seed_image_overlap(x) == 0.0
 
 
 @pytest.mark.parametrize("paired", [False, True], ids=["seeds", "shared-draws"])
