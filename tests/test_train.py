@@ -479,6 +479,42 @@ def test_an_fp16_overflow_is_the_scalers_skip_not_a_failed_step():
     assert (bad.run.item(), bad.max.item(), bad.total.item()) == (1, 1, 3)
 
 
+def test_isolated_fp16_overflows_never_add_up_and_another_ranks_nan_loss_is_no_overflow():
+    """A finite step ends the run of overflows: an fp16 run overflows now and then all along, and
+    those must never add up to train.max_bad_steps. On several processes the ranks' loss verdicts
+    are summed, so a NaN loss on another rank makes this rank's non-finite norm a failed step too."""
+    from mpp.nonfinite import BadSteps, scaler_overflow
+    fp16 = SimpleNamespace(scaler=object(), num_processes=1)
+    inf, one = torch.tensor(float("inf")), torch.tensor(1.0)
+    bad = BadSteps(torch.zeros(()), 0, limit=3)
+    for norm in (inf, one) * 10:
+        bad.add(torch.isfinite(norm), scaler_overflow(fp16, torch.isfinite(norm), [one]))
+    assert (bad.overflows.item(), bad.total.item(), bad.max.item()) == (10, 0, 0)
+    other_nan = SimpleNamespace(scaler=object(), num_processes=2, reduce=lambda t, op: t + 1)  # one rank's NaN
+    all_finite = SimpleNamespace(scaler=object(), num_processes=2, reduce=lambda t, op: t)
+    assert not scaler_overflow(other_nan, torch.isfinite(inf), [one])
+    assert scaler_overflow(all_finite, torch.isfinite(inf), [one])
+
+
+def test_max_bad_steps_failed_steps_in_a_row_stop_the_run_naming_the_newest_good_checkpoint(tmp_path):
+    """Exactly train.max_bad_steps failed steps in a row stop the run at its next check, even when a
+    finite step came between them and the check (the streak is kept, not only the open run); the
+    message names the newest checkpoint before the stop as the one to go back to."""
+    from mpp.nonfinite import BadSteps, check_finite
+    for name in ("step_0000002", "step_0000004", "step_0000010"):  # the last: after the stop, a damaged one
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    inf, one = torch.tensor(float("inf")), torch.tensor(1.0)
+    run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(max_bad_steps=3)), out=tmp_path,
+                          bad=BadSteps(torch.zeros(()), 0, limit=3))
+    for norm in (inf, inf, one):
+        run.bad.add(torch.isfinite(norm))
+    check_finite(run, 5)  # two in a row: goes on
+    for norm in (inf, inf, inf, one):
+        run.bad.add(torch.isfinite(norm))
+    with pytest.raises(NonFiniteError, match=r"near step 9: 3 steps .* last good checkpoint: \S*step_0000004\."):
+        check_finite(run, 9)
+
+
 def test_a_log_windows_figures_weigh_each_sample_once_with_a_smaller_tail_step():
     """The logged loss and metrics are means over the window's samples on all ranks: an epoch's
     tail step of 4 images weighs 4 samples, where it used to weigh as much as a step of 16."""
