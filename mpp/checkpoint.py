@@ -72,6 +72,8 @@ def _misstated(state: dict) -> list[str]:
     bad += [k for k in ("last", "skipped", "begun", "origin") if k not in bad and k in state and not _plain(state[k])]
     bad += [k for k in ("step", "bad_run", "overflow_run", "scaler_skips", "images")
             if k not in bad and state.get(k, 0) < 0]
+    if "world_size" not in bad and state["world_size"] < 1:  # else refused as another run's (ConfigError), no fallback
+        bad.append("world_size")
     if "skipped" not in bad and not all(fits(n, int) and n >= 0 for n in state.get("skipped", {}).values()):
         bad.append("skipped")
     if "last" not in bad and not all(fits(v, (int, float)) for v in state["last"].values()):

@@ -593,6 +593,7 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
     (lambda s: s.update(origin=["init_sha256"]), "origin"),
     (lambda s: s.update(bad_run="3"), "bad_run"),
     (lambda s: s.update(overflow_run=-1), "overflow_run"),
+    (lambda s: s.update(world_size=0), "world_size"),  # no run has 0 processes: damaged, not another run's
     (lambda s: s.update(last={1: 0.5}), "last"),
     (lambda s: s.update(last={"loss": "n/a"}), "last"),  # printed as a number when the run ends
     (lambda s: s.pop("elapsed"), "elapsed"),
