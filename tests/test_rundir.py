@@ -593,6 +593,9 @@ def test_a_checkpoint_and_its_folder_reach_the_disk(tmp_path, monkeypatch):
     (lambda s: s.update(origin=["init_sha256"]), "origin"),
     (lambda s: s.update(bad_run="3"), "bad_run"),
     (lambda s: s.update(overflow_run=-1), "overflow_run"),
+    # True is an int to Python (and == 1): a bool where a count is meant is damage, not a step or a run of 1
+    (lambda s: s.update(step=True), "step"),
+    (lambda s: s.update(bad_run=True), "bad_run"),
     (lambda s: s.update(world_size=0), "world_size"),  # no run has 0 processes: damaged, not another run's
     (lambda s: s.update(last={1: 0.5}), "last"),
     (lambda s: s.update(last={"loss": "n/a"}), "last"),  # printed as a number when the run ends
@@ -626,6 +629,27 @@ def test_a_crafted_state_is_refused_whole_before_the_run_reads_it(tmp_path, edit
     torch.save(saved, path / "state.pt")
     reseal(path)
     with pytest.raises(ValueError, match=f"state.pt lacks, mistypes or misstates {key}$"):
+        load_checkpoint(accelerator, path, model, optimizer)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.pt", "rng_0.pt"])
+def test_a_file_its_digests_json_leaves_out_makes_the_checkpoint_damaged(tmp_path, name):
+    """A checkpoint's files load only when digests.json vouches for each: one whose entry is gone (a
+    damaged or hand-edited digests.json) would load unverified, flipped bits and all, so the
+    checkpoint is refused as damaged (resume=auto goes on to an older one)."""
+    from accelerate import Accelerator
+    from mpp.checkpoint import DIGESTS, load_checkpoint, save_checkpoint
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = {"nonfinite_steps": 0, "elapsed": 1.0, "train_time": 1.0, "data_wait": 0.0, "last": {}}
+    accelerator = Accelerator(cpu=True)
+    path = save_checkpoint(accelerator, tmp_path, 1, model, optimizer, scheduler, state)
+    load_checkpoint(accelerator, path, model, optimizer)  # as written, it loads
+    digests = json.loads((path / DIGESTS).read_text())
+    del digests[name]
+    (path / DIGESTS).write_text(json.dumps(digests))
+    with pytest.raises(ValueError, match=f"records no digest of {name}$"):
         load_checkpoint(accelerator, path, model, optimizer)
 
 
