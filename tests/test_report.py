@@ -1194,3 +1194,29 @@ def test_runs_differ_in_their_data_only_when_the_shards_differ(tmp_path, monkeyp
     assert differ("data.train", "a/data", str(tmp_path / "b/a/data")) == ["data.train"]  # two data sets here
     assert differ("data.train", "a/data", str(tmp_path / "gone/a/data")) == []  # one moved: gone/a/data is a/data now
     assert differ("finetune.init", "run", str(tmp_path / "run/encoder.safetensors")) == []
+
+
+def test_a_recipes_pool_choice_is_the_best_dev_runs_whatever_order_the_runs_come_in():
+    """Several sweep stages chose finetune.pool=auto's representation, each on its own dev images: the
+    recipe reports the choice (its top-1s and lead) of the run that scored best on the development
+    split, whose choice the comparison's finals used, not of the first run it was given."""
+    from mpp.gaps import pool_choice
+    from mpp.report.recipes import recipe
+
+    images = np.arange(50) % 5
+
+    def dev_run(lr: float, top1: float, token: float, avg: float) -> dict:
+        chose = {"pool": "token", "pool_dev_top1": {"token": token, "avg": avg},
+                 "pool_dev_outcomes": {"token": outcomes.record(np.arange(50) < 50 * token, images),
+                                       "avg": outcomes.record(np.arange(50) < 50 * avg, images)}}
+        return {"dir": f"runs/sweep_lr{lr}", "evaluated_on": "dev", "metrics": {"top1": top1, **chose},
+                "settings": {"optim.lr": lr, "finetune.pool": "auto"}}
+
+    worse, best = dev_run(0.01, 0.5, token=0.52, avg=0.5), dev_run(0.03, 0.6, token=0.8, avg=0.4)
+    final = {"dir": "runs/seed0", "evaluated_on": "val", "settings": {"optim.lr": 0.03, "finetune.pool": "token"},
+             "config": {"optim": {"lr": 0.03}, "finetune": {"pool": "token"}},
+             "metrics": {"top1": 0.7, "pool": "token"}}
+    got = recipe([worse, best], ["optim.lr"], [final], [])
+    assert got["chosen"] == {"optim.lr": 0.03, "finetune.pool": "token"}
+    assert got["pool_choice"] == pool_choice(best["metrics"]) != pool_choice(worse["metrics"])
+    assert got["pool_choice"]["top1"] == {"token": 0.8, "avg": 0.4} and got["pool_choice"]["lead"]["points"] == 40.0
