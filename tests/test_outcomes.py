@@ -689,3 +689,27 @@ def test_arms_scored_on_other_test_sets_take_the_smaller_ones_degrees_whichever_
     two = derive(0.5, 0.6, None, sem=sem, per_run={"supervised": small, "mpp": big})
     assert one["dof"]["supervised_minus_mpp"] == two["dof"]["supervised_minus_mpp"] == pytest.approx(11)
     assert one["t"]["supervised_minus_mpp"] == pytest.approx(outcomes.critical(11), abs=1e-4)
+
+
+def test_share_noise_under_paired_draws_takes_no_overlap_across_arms_scored_on_other_images():
+    """The arms drew the same shots (paired draws) but scored other test images (other label digests):
+    the share's test part takes out each arm's own seed-by-image variance, never that of a sum over
+    images that do not match, so how one arm's unrelated images are ordered cannot move its ±."""
+    rng = np.random.default_rng(6)
+    hard, shift = rng.random(400), rng.normal(0, 0.25, (4, 400))  # 4 draws of shots x 400 images
+    runs = {f: (hard + shift + rng.normal(0, 0.05, (4, 1))) < p for f, p in zip(ARMS, (0.7, 0.5, 0.35))}
+    acc, sem = {f: runs[f].mean() for f in ARMS}, {f: outcomes.sem(runs[f].mean(1)) for f in ARMS}
+    draws = {f: ("shots", list(runs[f].mean(1))) for f in ARMS}
+
+    def share_noise(scratch: np.ndarray) -> float:
+        per_run = {"supervised": ("A", runs["supervised"]), "mpp": ("B", runs["mpp"]), "scratch": ("C", scratch)}
+        return derive(*acc.values(), sem=sem, per_run=per_run, draws=draws)["share_noise"]
+
+    u, m, s = acc.values()
+    r, gain = (m - s) / (u - s), u - s
+    w = {"supervised": -r / gain, "mpp": 1 / gain, "scratch": (r - 1) / gain}
+    seeds = outcomes.sem(sum(w[f] * runs[f].mean(1) for f in ARMS))  # the draws pair
+    test = sum((w[f] * outcomes.sem(runs[f].mean(0))) ** 2 for f in ARMS)  # the images do not
+    own = min(sum(w[f] ** 2 * min(outcomes.seed_image_overlap(runs[f]), sem[f] ** 2) for f in ARMS), seeds ** 2)
+    assert share_noise(runs["scratch"]) == pytest.approx(np.hypot(seeds, np.sqrt(test - own)), abs=2e-4)
+    assert share_noise(runs["scratch"][:, rng.permutation(400)]) == share_noise(runs["scratch"])
