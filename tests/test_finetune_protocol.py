@@ -3,6 +3,7 @@ the label-fraction subset, a fine-tune that trains on the rest and evaluates on 
 MAE/BEiT-style recipe (AdamW, layer-wise lr decay, drop path, label smoothing) as a shipped config."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from colours import write_colours
 
 from mpp import outcomes
 from mpp.config import load_config
-from mpp.data.sources import resolve
-from mpp.data.subset import select_subset
+from mpp.data.decode import DataError
+from mpp.data.sources import ShardSet, resolve
+from mpp.data.subset import select_subset, withhold_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,3 +229,22 @@ def test_a_subset_of_shards_without_a_label_index_reads_the_labels_the_stream_re
     whole, = select_subset(shards, 1.0, seed=0).keys
     dev, = select_subset(shards, 1.0, seed=0, dev_fraction=0.5, dev=True).keys
     assert set(whole) == streamed and len(dev) == 4 and {int(k[1:]) // 4 for k in dev} == {0, 1}  # 2 of each class
+
+
+def _indexed(tmp_path: Path, index: list) -> ShardSet:
+    """Shards of two classes known only through a hand-written label index (the shards are never read)."""
+    (tmp_path / "labels.json").write_text(json.dumps(index))
+    return ShardSet([str(tmp_path / f"{s:06d}.tar") for s in range(len(index))], [len(e) for e in index],
+                    ["a", "b"], labels=str(tmp_path / "labels.json"))
+
+
+def test_withholding_takes_out_the_development_split_and_refuses_a_split_of_dev_fraction_0(tmp_path):
+    """A pre-training withholds exactly the fine-tunes' development split; dev_fraction 0 draws none,
+    so the split would be the whole label subset, and withholding it silently lost half the data."""
+    shards = _indexed(tmp_path, [[[f"k{i}", i % 2] for i in range(20)]])
+    dev, = select_subset(shards, 0.5, seed=0, dev_fraction=0.2, dev=True).keys
+    left, = withhold_splits(shards, [(0.5, 0, 0.2)]).keys
+    assert len(dev) == 2 and left == {f"k{i}" for i in range(20)} - dev
+    with pytest.raises(DataError, match=r"withheld development split needs dev_fraction in \(0, 1\), got 0"):
+        withhold_splits(shards, [(0.5, 0, 0.0)])
+
