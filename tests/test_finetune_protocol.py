@@ -248,3 +248,13 @@ def test_withholding_takes_out_the_development_split_and_refuses_a_split_of_dev_
     with pytest.raises(DataError, match=r"withheld development split needs dev_fraction in \(0, 1\), got 0"):
         withhold_splits(shards, [(0.5, 0, 0.0)])
 
+
+def test_a_label_index_that_lists_a_key_twice_in_a_shard_is_refused(tmp_path):
+    """A subset keeps samples by key, so a key listed twice (a hand-written index, or a manifest
+    without its digest) could go to the development split and the training part alike: refused
+    by name, as read_labels refuses such a shard."""
+    index = [[["k0", 0], ["k1", 1]], [["k0", 0], ["k1", 0], ["k2", 1], ["k3", 1], ["k0", 1]]]
+    with pytest.raises(DataError, match=r"lists key 'k0' twice in shard 000001.tar.*development split"):
+        select_subset(_indexed(tmp_path, index), 1.0, seed=0, dev_fraction=0.5, dev=True)
+    index[1][-1] = ["k4", 1]  # the same key in two shards is two samples
+    assert select_subset(_indexed(tmp_path, index), 1.0, seed=0).num_samples == 7

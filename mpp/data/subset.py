@@ -62,7 +62,8 @@ def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
 def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
     """Per shard, the (key, label) pairs of the manifest's label index. DataError when it is
     unreadable, is not the index the manifest recorded (its SHA-256), or disagrees with the
-    manifest: another number of shards or of samples in a shard, a label outside its classes."""
+    manifest: another number of shards or of samples in a shard, a label outside its classes; or
+    lists a key twice in a shard (as `read_labels` refuses)."""
     fix = "rewrite the shards with tools/make_shards.py"
     path = local_path(shards.labels)
     if path is not None and not os.path.isfile(path):
@@ -93,6 +94,11 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
         if (bad := next((label for _, label in entry if not 0 <= label < n), None)) is not None:
             raise DataError(f"label index '{shards.labels}' gives label {bad} in shard {shard} but the manifest "
                             f"lists {n} classes; {fix}")
+        seen: set = set()  # a key twice in a shard, as read_labels refuses it (set.add returns None)
+        if (twice := next((key for key, _ in entry if key in seen or seen.add(key)), None)) is not None:
+            raise DataError(f"label index '{shards.labels}' lists key {twice!r} twice in shard {shard}, which a label "
+                            "subset cannot tell apart (both would go to the development split and the training "
+                            f"part); {fix}")
     return index
 
 
