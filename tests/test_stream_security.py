@@ -321,3 +321,29 @@ def test_a_restart_of_the_workers_waits_the_whole_timeout(tmp_path, monkeypatch)
         assert [sum(len(b["image"]) for b in loader.epoch(e)) for e in range(3)] == [8, 8, 8]
     finally:
         loader.close()
+
+
+def test_every_shell_metacharacter_in_a_piped_manifests_shard_name_is_refused_and_runs_nothing(tmp_path):
+    """A manifest read through the user's pipe: command has its relative shard names appended to that
+    command: each shell metacharacter alone (`;`, `|`, `&`, `$`, backticks, quotes, redirections, spaces,
+    newlines...) in front of a script's path would run it, so each is refused and the script never runs."""
+    import json
+
+    from mpp.data.decode import DataError
+    manifest, _ = write_shards(tmp_path / "shards", [3, 3])
+    marker = tmp_path / "ran.txt"
+    script = tmp_path / "payload.sh"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    good = json.loads(open(manifest).read())
+    bad = tmp_path / "shards" / "bad.json"
+    for c in ";|&$`<>()'\"\\*?!#~{} \t\n":
+        m = json.loads(json.dumps(good))
+        m["shards"][0]["name"] = f"000000.tar{c}{script}"
+        bad.write_text(json.dumps(m))
+        message = "never a command" if c in "\t\n" else "part of its pipe: command"
+        with pytest.raises(DataError, match=message):
+            loader = make_loader(f"pipe:cat {bad}", batch_size=3, img_size=8, train=False, labeled=True,
+                                 data_cfg=DataConfig(num_workers=0))
+            list(loader.epoch(0))  # (only where the name got through: its command runs here)
+        assert not marker.exists(), repr(c)
