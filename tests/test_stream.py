@@ -917,3 +917,16 @@ def test_a_negative_label_in_the_index_is_refused(tmp_path):
     (tmp_path / "labels.json").write_text(json.dumps(index))
     with pytest.raises(DataError, match="gives label -1"):
         select_subset(shards, 0.5, seed=0)
+
+
+def test_each_worker_item_carries_the_skip_counts_as_of_that_item(tmp_path):
+    """The loader counts a skip as the difference between two items' counts: an item whose counts went
+    on changing after it was sent (shared with the stream, not a copy) would hide every skip made after
+    it; torch's default_convert happens to copy them now, so the stream's own items are checked too."""
+    manifest, _ = write_shards(tmp_path, [8], extra=lambda s, j: {"png": b"not a png"} if j in (5, 6) else {})
+    loader = make_loader(manifest, batch_size=3, img_size=8, train=False, labeled=True, data_cfg=cfg(num_workers=0))
+    assert sum(len(b["image"]) for b in loader.epoch(0)) == 6
+    assert loader.counters() == {"corrupt_image": 2}
+    items = list(loader.stream)
+    assert [(len(i.get("image", ())), i["skips"]) for i in items] == [(3, {}), (3, {"corrupt_image": 2}),
+                                                                       (0, {"corrupt_image": 2})]
