@@ -930,3 +930,15 @@ def test_each_worker_item_carries_the_skip_counts_as_of_that_item(tmp_path):
     items = list(loader.stream)
     assert [(len(i.get("image", ())), i["skips"]) for i in items] == [(3, {}), (3, {"corrupt_image": 2}),
                                                                        (0, {"corrupt_image": 2})]
+
+
+def test_a_long_healthy_resampled_run_never_counts_as_shards_that_give_no_sample(tmp_path):
+    """Resampled mode raises after too many shard draws in a row without a decoded sample; the count
+    restarts at every draw that gives one, so a healthy run drawing one-sample shards far more often
+    than that limit goes on."""
+    write_shards(tmp_path, [1, 1])
+    data = cfg(num_workers=0, resampled=True, epoch_samples=160, shuffle_buffer=0)
+    loader = make_loader(str(tmp_path / "{000000..000001}.tar"), batch_size=8, img_size=8, train=True,
+                         labeled=True, data_cfg=data, num_samples=2)
+    assert 160 > loader.stream.dry_limit
+    assert [len(b["image"]) for b in loader.epoch(0)] == [8] * 20 and loader.counters() == {}
