@@ -942,3 +942,17 @@ def test_a_long_healthy_resampled_run_never_counts_as_shards_that_give_no_sample
                          labeled=True, data_cfg=data, num_samples=2)
     assert 160 > loader.stream.dry_limit
     assert [len(b["image"]) for b in loader.epoch(0)] == [8] * 20 and loader.counters() == {}
+
+
+def test_shards_with_estimated_counts_give_every_sample_in_training(tmp_path):
+    """Without a manifest the counts are estimates (even shares): a worker whose shard holds more than
+    its estimate still sends all of it, so real samples fill the epoch instead of being dropped for
+    padded repeats."""
+    _, source = write_shards(tmp_path, [10, 2])
+    loader = make_loader(str(tmp_path / "{000000..000001}.tar"), batch_size=3, img_size=8, train=True,
+                         labeled=True, data_cfg=cfg(num_workers=2, shuffle_buffer=0), num_samples=12)
+    for epoch in (0, 1):
+        labels = [int(x) for b in loader.epoch(epoch) for x in b["label"]]
+        assert sorted(labels) == sorted(label for label, _ in source.values())
+    loader.close()
+    assert loader.counters() == {}
