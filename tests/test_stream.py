@@ -956,3 +956,14 @@ def test_shards_with_estimated_counts_give_every_sample_in_training(tmp_path):
         assert sorted(labels) == sorted(label for label, _ in source.values())
     loader.close()
     assert loader.counters() == {}
+
+
+def test_augmentation_draws_other_crops_every_epoch(tmp_path):
+    """The same images in the same order in two epochs (one shard, no shuffle buffer) are cropped and
+    flipped anew each epoch: a run that saw the same augmentation every epoch would lose its benefit."""
+    write_shards(tmp_path, [4], size=32)
+    loader = make_loader(str(tmp_path / "manifest.json"), batch_size=4, img_size=16, train=True, labeled=True,
+                         data_cfg=cfg(num_workers=0, shuffle_buffer=0))
+    a, b, again = (next(iter(loader.epoch(e))) for e in (0, 1, 0))
+    assert torch.equal(a["label"], b["label"]) and torch.equal(a["image"], again["image"])
+    assert all(not torch.equal(x, y) for x, y in zip(a["image"], b["image"]))
