@@ -967,3 +967,13 @@ def test_augmentation_draws_other_crops_every_epoch(tmp_path):
     a, b, again = (next(iter(loader.epoch(e))) for e in (0, 1, 0))
     assert torch.equal(a["label"], b["label"]) and torch.equal(a["image"], again["image"])
     assert all(not torch.equal(x, y) for x, y in zip(a["image"], b["image"]))
+
+
+def test_as_many_samples_left_as_batches_give_one_sample_a_batch(tmp_path):
+    """A training stream that runs short of an estimated count with exactly as many samples left as
+    batches to make gives each batch one of them, rather than one batch all and repeats after it."""
+    write_shards(tmp_path, [4, 3])
+    loader = make_loader(str(tmp_path / "{000000..000001}.tar"), batch_size=4, img_size=8, train=True,
+                         labeled=True, data_cfg=cfg(num_workers=0, shuffle_buffer=0), num_samples=16)
+    assert [len(b["image"]) for b in loader.epoch(0)] == [4, 1, 1, 1]
+    assert "padded" not in loader.counters()
