@@ -977,3 +977,14 @@ def test_as_many_samples_left_as_batches_give_one_sample_a_batch(tmp_path):
                          labeled=True, data_cfg=cfg(num_workers=0, shuffle_buffer=0), num_samples=16)
     assert [len(b["image"]) for b in loader.epoch(0)] == [4, 1, 1, 1]
     assert "padded" not in loader.counters()
+
+
+def test_an_evaluation_over_an_underestimated_count_keeps_its_batches_to_batch_size(tmp_path):
+    """An evaluation scores every image past an estimated count that was too low, but still in batches
+    of batch_size at most: one batch of the whole surplus could exhaust the evaluator's memory."""
+    _, source = write_shards(tmp_path, [10, 10])
+    loader = make_loader(str(tmp_path / "{000000..000001}.tar"), batch_size=3, img_size=16, train=False,
+                         labeled=True, data_cfg=cfg(num_workers=0), num_samples=4)
+    batches = list(loader.epoch(0))
+    keys = [k for b in batches for k in batch_keys(b, lookup(source))]
+    assert sorted(keys) == sorted(source) and max(len(b["image"]) for b in batches) == 3
