@@ -988,3 +988,14 @@ def test_an_evaluation_over_an_underestimated_count_keeps_its_batches_to_batch_s
     batches = list(loader.epoch(0))
     keys = [k for b in batches for k in batch_keys(b, lookup(source))]
     assert sorted(keys) == sorted(source) and max(len(b["image"]) for b in batches) == 3
+
+
+def test_an_evaluation_reads_its_shards_afresh_every_time(tmp_path):
+    """Evaluation workers keep no cache of the raw validation set (each would hold all of it in memory):
+    shards rewritten between two evaluations are read as they are now."""
+    manifest, old = write_shards(tmp_path, [4, 4])
+    loader = make_loader(manifest, batch_size=4, img_size=16, train=False, labeled=True, data_cfg=cfg())
+    assert sorted(k for b in loader.epoch(0) for k in batch_keys(b, lookup(old))) == sorted(old)
+    _, new = write_shards(tmp_path, [4, 4], seed=1)
+    assert sorted(k for b in loader.epoch(1) for k in batch_keys(b, lookup(new))) == sorted(new)
+    loader.close()
