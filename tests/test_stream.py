@@ -999,3 +999,17 @@ def test_an_evaluation_reads_its_shards_afresh_every_time(tmp_path):
     _, new = write_shards(tmp_path, [4, 4], seed=1)
     assert sorted(k for b in loader.epoch(1) for k in batch_keys(b, lookup(new))) == sorted(new)
     loader.close()
+
+
+def test_a_training_stream_runs_on_into_the_next_epochs_without_a_restart(tmp_path, monkeypatch):
+    """A training stream over exact counts is started once and runs on from epoch to epoch: a restart
+    at every epoch would drop what the workers read ahead and wait for them to start over."""
+    from torch.utils.data import DataLoader
+    manifest, _ = write_shards(tmp_path, [5, 7])
+    starts = []
+    start = DataLoader.__iter__
+    monkeypatch.setattr(DataLoader, "__iter__", lambda self: starts.append(1) or start(self))
+    loader = make_loader(manifest, batch_size=3, img_size=8, train=True, labeled=True, data_cfg=cfg(num_workers=0))
+    for epoch in range(3):
+        assert sum(len(b["image"]) for b in loader.epoch(epoch)) == 12
+    assert len(starts) == 1
