@@ -1013,3 +1013,14 @@ def test_a_training_stream_runs_on_into_the_next_epochs_without_a_restart(tmp_pa
     for epoch in range(3):
         assert sum(len(b["image"]) for b in loader.epoch(epoch)) == 12
     assert len(starts) == 1
+
+
+def test_a_manifest_whose_total_disagrees_with_its_shards_is_refused(tmp_path):
+    """A manifest whose num_samples is not the sum of its shards' counts does not describe its shards
+    (edited, or a mixed-up copy): refused in one line before any work."""
+    manifest, _ = write_shards(tmp_path, [5, 7])
+    m = json.loads(Path(manifest).read_text())
+    m["num_samples"] = 13
+    Path(manifest).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="num_samples is 13 but its shards hold 12"):
+        make_loader(manifest, batch_size=3, img_size=8, train=True, labeled=True, data_cfg=cfg(num_workers=0))
