@@ -1024,3 +1024,16 @@ def test_a_manifest_whose_total_disagrees_with_its_shards_is_refused(tmp_path):
     Path(manifest).write_text(json.dumps(m))
     with pytest.raises(DataError, match="num_samples is 13 but its shards hold 12"):
         make_loader(manifest, batch_size=3, img_size=8, train=True, labeled=True, data_cfg=cfg(num_workers=0))
+
+
+def test_a_manifest_that_counts_more_samples_than_two_blocks_each_fit_is_refused(tmp_path):
+    """A plain tar sample takes a header and a data block (1024 bytes) at the least: a manifest that
+    says a shard holds one sample more than its size allows so does not describe it (every epoch
+    would pad with missing samples), refused in one line."""
+    manifest, _ = write_shards(tmp_path, [5, 7])
+    m = json.loads(Path(manifest).read_text())
+    m["shards"][0]["num_samples"] = (tmp_path / "000000.tar").stat().st_size // 1024 + 1
+    m["num_samples"] = m["shards"][0]["num_samples"] + 7
+    Path(manifest).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="more than its .* bytes can"):
+        make_loader(manifest, batch_size=3, img_size=8, train=True, labeled=True, data_cfg=cfg(num_workers=0))
