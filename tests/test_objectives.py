@@ -520,3 +520,42 @@ def test_inputs_are_normalised_by_the_data_statistics_which_no_checkpoint_holds(
     x01, x = task.inputs(images)
     torch.testing.assert_close(x, normalize(to_float01(images), (0.1, 0.2, 0.3), (0.5, 0.25, 0.125)))
     assert x[:, 2].mean() > x[:, 0].mean()  # the statistics of the config, not the defaults
+
+
+def test_the_regression_accuracy_scores_the_predicted_colour_not_the_true_one():
+    """mean_color_regression's `acc` compares the prediction's colour class with the truth's: a
+    prediction far from the colours scores below 1 (logging 1.0 whatever the head says hides a dead head)."""
+    torch.manual_seed(0)
+    pix = torch.rand(2, 3, 3, 4, 4, dtype=torch.float64)
+    colors = pix.mean((-1, -2))
+    _, guess, true = TARGETS["mean_color_regression"].loss((1 - colors).float(), pix, 3)
+    assert torch.equal(true, quantize(colors, 3)) and torch.equal(guess, quantize(1 - colors, 3))
+    assert (guess == true).float().mean().item() < 1
+    _, guess, true = TARGETS["mean_color_regression"].loss(colors.float(), pix, 3)
+    assert torch.equal(guess, true)
+
+
+def boundary_images(n, seed=0):
+    """uint8 grey images of 4x4 patches whose mean is exactly k/8: a level boundary at 3 bits."""
+    rng = np.random.default_rng(seed)
+    patches = []
+    while len(patches) < 64 * n:
+        k = int(rng.integers(1, 8))
+        px = rng.integers(0, 256, 16)
+        px[-1] = 255 * 2 * k - px[:-1].sum()
+        if 0 <= px[-1] <= 255:
+            patches.append(px)
+    grid = np.stack(patches).reshape(n, 8, 8, 4, 4).transpose(0, 1, 3, 2, 4).reshape(n, 1, 32, 32)
+    return torch.from_numpy(np.repeat(grid, 3, 1).astype(np.uint8))
+
+
+def test_training_classes_of_patches_on_a_level_boundary_are_those_of_mean_color_targets():
+    """The training path averages each chosen patch in float64 as mean_color_targets does: in float32
+    some means of exactly k/8 round below the boundary and train on the class under it."""
+    task = task_for()
+    seen, plan = spy_target(task), spy_plan(task)
+    images = boundary_images(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        task(images)
+    want = mean_color_targets(images.float() / 255, 4).gather(1, plan["plan"].index)
+    assert torch.equal(seen["classes"], want)
