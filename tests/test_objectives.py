@@ -559,3 +559,53 @@ def test_training_classes_of_patches_on_a_level_boundary_are_those_of_mean_color
         task(images)
     want = mean_color_targets(images.float() / 255, 4).gather(1, plan["plan"].index)
     assert torch.equal(seen["classes"], want)
+
+
+def test_the_trained_heads_start_at_timm_init_and_the_fine_tune_head_at_zero():
+    """The MPP and supervised heads start as ViT's (trunc-normal weights of std 0.02, zero bias);
+    a wider init changes what the first steps learn. The fine-tune head starts at zero, as the paper."""
+    layers = [task_for().head, *task_for("supervised", num_classes=300, supervised={"hidden_dim": 512}).head[::2]]
+    for layer in layers:
+        assert layer.weight.std().item() == pytest.approx(0.02, rel=0.1) and (layer.bias == 0).all()
+    head = task_for("classify", num_classes=7).head
+    assert (head.weight == 0).all() and (head.bias == 0).all()
+
+
+def test_a_random_other_patch_needs_two_patches_an_image():
+    """With one patch an image the 'random other patch' would be the patch itself: refused, unless
+    mpp.random is 0."""
+    with pytest.raises(ValueError, match="at least 2 patches"):
+        sample_corruption(2, 1, ratio=1.0, mask=0.8, random=0.1, keep=0.1)
+    c = sample_corruption(2, 1, ratio=1.0, mask=0.8, random=0.0, keep=0.2)
+    assert c.chosen.all() and (c.src == 0).all()
+
+
+def test_a_resumed_fine_tune_refuses_a_damaged_pool_choice():
+    """finetune.pool=auto takes up the pool its checkpoint recorded; one that is not a pool means a
+    damaged checkpoint, refused rather than run (it would fail later, or pool some other way)."""
+    from mpp.config import ConfigError
+    task = task_for("classify", num_classes=3, finetune={"pool": "auto"})
+    with pytest.raises(ConfigError, match="damaged; start afresh"):
+        task.restore({"pool": "max"})
+    task.restore({"pool": "avg"})
+    assert task.pool == "avg"
+
+
+@pytest.mark.parametrize("objective", ["supervised", "classify"])
+def test_a_labeled_objective_refuses_data_of_one_class(objective):
+    """A classifier of one class learns nothing (its loss is 0 from the start): refused when built."""
+    with pytest.raises(ValueError, match=">= 2 classes"):
+        task_for(objective, num_classes=1)
+    assert task_for(objective, num_classes=2).head is not None
+
+
+def test_the_label_task_refuses_an_unknown_pool():
+    """A pool that is neither one of mpp.models.POOLS nor auto is refused when the task is made,
+    not at its first forward."""
+    from mpp.objectives import ClassifyTask, _linear
+    cfg = build_config({"model": PRESET, "objective": "classify"})
+    encoder = create_encoder(PRESET, attn="math")
+    for pool in ("max", "cls"):
+        with pytest.raises(ValueError, match="choose one of token, avg or auto"):
+            ClassifyTask(encoder, cfg.data, _linear(64, 3, zero=True), pool, 0.0)
+    assert ClassifyTask(encoder, cfg.data, _linear(64, 3, zero=True), "auto", 0.0).pool == "auto"
