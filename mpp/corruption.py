@@ -39,7 +39,7 @@ def sample_corruption(B: int, N: int, ratio: float = 0.5, mask: float = 0.8, ran
     base = [math.floor(s) for s in shares]
     cum = [0.0]
     for s, b in zip(shares, base):
-        cum.append(cum[-1] + max(s - b, 0.0))
+        cum.append(cum[-1] + s - b)  # each share's fraction over its floor
     # generator only when given: torch.compile fails on generator=None with a symbolic batch size
     rng = {"device": device} | ({"generator": generator} if generator is not None else {})
     # systematic sampling: leftover units at u, u+1, ... land in share j with probability frac_j
