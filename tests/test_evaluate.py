@@ -1195,3 +1195,88 @@ def test_the_few_shot_watch_names_its_own_count_keys_and_refuses_a_stray_label(t
                                         "data": {"num_workers": 0}}), "cpu")
     with pytest.raises(DataError, match="its largest label, 999999, would make 1000000 classes for 16 labeled images"):
         evaluator.run(create_encoder("vit_micro4_32", img_size=16))
+
+
+def test_a_held_out_probe_split_fits_on_rows_apart_from_those_it_scores_and_uses_every_row_once():
+    """Without a development split the probe's L2 and representation are chosen on a held-out part of
+    the training features: a fit that also saw those rows would choose on memorised images. The fit
+    part and the held-out part are disjoint and together every training row, for every representation."""
+    from mpp.evaluators.linear_probe import _splits
+    n = 50
+    rows = torch.arange(n, dtype=torch.float32)[:, None]  # each row's features name the row
+    (fit_x, fit_y, val_x, val_y), = _splits({"token": rows, "avg": rows + 100}, torch.arange(n), 0.2, 0, None, 0)
+    fit, val = fit_y.tolist(), val_y.tolist()
+    assert len(val) == 10 and not set(fit) & set(val) and sorted(fit + val) == list(range(n))
+    for name, shift in (("token", 0), ("avg", 100)):  # the features travel with their labels
+        assert fit_x[name][:, 0].tolist() == [r + shift for r in fit]
+        assert val_x[name][:, 0].tolist() == [r + shift for r in val]
+
+
+def test_a_probes_top5_counts_a_true_class_ranked_below_first_but_within_five(monkeypatch):
+    """Top-5 is its own figure: a test image whose true class has the third-largest logit counts for
+    top-5 and not for top-1, so the reported top-5 is 1 where top-1 is 0 (not a copy of top-1)."""
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "fit_linear_head",
+                        lambda x, y, c, l2, init=None: (torch.eye(c), torch.zeros(c)))  # logits = features
+    y = torch.arange(40) % 10
+    test_y = torch.arange(10)
+    test_x = torch.zeros(10, 10)
+    test_x[torch.arange(10), test_y] = 0.5  # the true class: third, behind two others
+    test_x[torch.arange(10), (test_y + 1) % 10] = 1.0
+    test_x[torch.arange(10), (test_y + 2) % 10] = 0.9
+    out = linear_probe(torch.randn(40, 10), y, test_x, test_y, num_classes=10, l2_grid=(1.0,))
+    assert out["top1"] == 0.0 and out["top5"] == pytest.approx(1.0)
+
+
+def test_each_representations_reported_held_out_top1_is_its_best_l2s_the_score_the_choice_used():
+    """`heldout_top1` is each candidate's held-out top-1 at its best L2, the figure the choice of
+    representation compared: for the chosen one it is its top-1 at the chosen L2 (`val_top1`), and
+    for every one the largest of its scores over the grid, never a weaker L2's."""
+    from mpp.evaluators.linear_probe import choose_probe
+    g = torch.Generator().manual_seed(3)
+    centers = torch.randn(5, 200, generator=g) * 0.15  # weak dense signal: top-1 differs over the grid
+    x, y = _blobs(400, centers, g)
+    xt, yt = _blobs(50, centers, g)
+    other, other_t = x + torch.randn(x.shape, generator=g) * 2, xt + torch.randn(xt.shape, generator=g) * 2
+    grid = (1e-4, 1.0, 100.0)
+    out = linear_probe({"token": x, "avg": other}, y, {"token": xt, "avg": other_t}, yt, val_fraction=0.3,
+                       l2_grid=grid)
+    scores = choose_probe({"token": x, "avg": other}, y, num_classes=5, val_fraction=0.3, l2_grid=grid).scores
+    assert any(len(set(s.values())) > 1 for s in scores.values())  # a worst L2 that is not the best
+    assert out["heldout_top1"] == {n: max(s.values()) for n, s in scores.items()}
+    assert out["heldout_top1"][out["representation"]] == out["val_top1"][f"{out['l2']:g}"]
+
+
+def test_the_feature_cache_key_tells_apart_subsets_of_the_same_shards(tmp_path):
+    """A development split, the rest of the training images and a label fraction read the same shards:
+    each is its own cache entry, or the second extraction would load the first's features (the
+    development split scored as if it were the training features)."""
+    from mpp.evaluators.features import feature_cache_key
+    from shardutil import write_shards
+    manifest, _ = write_shards(tmp_path / "d", [4, 4])
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    cfg = build_config({"model": "vit_micro4_32", "img_size": 16})
+
+    def key(subset):
+        return feature_cache_key(encoder, manifest, cfg=cfg, pools=("token",), img_size=16, num_samples=0,
+                                 precision="no", device=torch.device("cpu"), subset=subset)
+    keys = [key(s) for s in (None, (1.0, 0.1, 0, False), (1.0, 0.1, 0, True), (0.5, 0, 0.0, False))]
+    assert len(set(keys)) == 4 and key((1.0, 0.1, 0, True)) == keys[2]
+
+
+def test_a_rewritten_shard_of_the_same_size_misses_the_feature_cache(tmp_path):
+    """A shard written again (same name, same size, new images) must not reuse the features of the
+    old one: its modification time is part of the cache key."""
+    from mpp.evaluators.features import feature_cache_key
+    from shardutil import write_shards
+    manifest, _ = write_shards(tmp_path / "d", [4, 4])
+    encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+    cfg = build_config({"model": "vit_micro4_32", "img_size": 16})
+
+    def key():
+        return feature_cache_key(encoder, manifest, cfg=cfg, pools=("token",), img_size=16, num_samples=0,
+                                 precision="no", device=torch.device("cpu"))
+    before = key()
+    shard = sorted((tmp_path / "d").glob("*.tar"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert key() != before
