@@ -1280,3 +1280,21 @@ def test_a_rewritten_shard_of_the_same_size_misses_the_feature_cache(tmp_path):
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert key() != before
+
+
+def test_a_starting_head_chosen_on_another_split_seeds_held_out_part_is_fitted_again(shards, tmp_path, monkeypatch):
+    """finetune.split_seed picks the held-out images a starting head's L2 is chosen on: a fine-tune of
+    another seed gets its own head (its own fit, its own cache entry), never the cached head of the
+    first seed's split; the same seed again loads it without a fit."""
+    from mpp.evaluators.linear_probe import probe_head
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_micro4_32", img_size=16)
+    kw = dict(pool="avg", subset=(0.5, 0, 0.0, False), num_classes=4, device=torch.device("cpu"), precision="no")
+    seeds = []
+    real_choose = mpp.evaluators.linear_probe.choose_probe
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "choose_probe",  # records the seed of each fit's split
+                        lambda *a, **k: seeds.append(k["seed"]) or real_choose(*a, **k))
+    for seed in (0, 1, 0):
+        probe_head(encoder, _cfg(shards, tmp_path / "run", probe={"l2_grid": [1e-1]}, finetune={"split_seed": seed}),
+                   **kw)
+    assert seeds == [0, 1] and len(list((tmp_path / "feature_cache").glob("head-*.safetensors"))) == 2
