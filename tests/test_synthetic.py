@@ -1,8 +1,10 @@
 """The embedded synthetic data set: deterministic, balanced, distinct classes, reusable output."""
 from __future__ import annotations
 
+import colorsys
 import io
 import json
+import math
 import re
 import tarfile
 from collections import Counter
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mpp.data.synthetic import CLASSES, _object_mask, make_synthetic, render
+from mpp.data.synthetic import CLASSES, JPEG_QUALITY, _colours, _object_mask, make_synthetic, render
 from mpp.data.writer import ShardError
 
 
@@ -135,3 +137,58 @@ def test_the_tool_gives_its_settings_to_the_generator(tmp_path: Path):
     for shard in ("000000.tar", "000001.tar"):
         tool = (tmp_path / "tool/train" / shard).read_bytes()
         assert tool == (tmp_path / "lib/train" / shard).read_bytes() != (tmp_path / "seed0/train" / shard).read_bytes()
+
+
+def test_each_written_label_is_the_class_its_image_draws(tmp_path: Path):
+    """The writer labels sample i with i % 10 apart from render's own label: were the two to part,
+    every image would be trained on another class's label and nothing could be learnt. Each
+    member's label is render's for its index, and its image is render's image, as JPEG."""
+    make_synthetic(tmp_path, train=12, test=0, shards=2, progress=False)
+    seen = {}
+    for shard in ("000000.tar", "000001.tar"):
+        with tarfile.open(tmp_path / "train" / shard) as tar:
+            for m in tar.getmembers():
+                key, ext = m.name.split(".", 1)
+                seen.setdefault(int(key), {})[ext] = tar.extractfile(m).read()
+    assert sorted(seen) == list(range(12))
+    for i, sample in seen.items():
+        drawn, label = render(i)
+        assert int(sample["cls"]) == label == i % len(CLASSES)
+        jpeg = io.BytesIO()
+        drawn.save(jpeg, "JPEG", quality=JPEG_QUALITY)
+        assert sample["jpg"] == jpeg.getvalue(), i
+
+
+@pytest.mark.parametrize("other, what", [(dict(seed=1), "seed 0, not 1"), (dict(size=16), "size 8, not 16")])
+def test_a_set_of_another_seed_or_image_size_is_refused_not_reused(tmp_path: Path, other: dict, what: str):
+    """A folder made with seed 0 at 8 px, asked for another seed or size, was reused as if it held
+    the images asked for (other images, or images of the wrong size for the model's patches)."""
+    make_synthetic(tmp_path, train=10, test=0, shards=1, size=8, progress=False)
+    with pytest.raises(ShardError, match=f"other settings \\({what}\\)"):
+        make_synthetic(tmp_path, train=10, test=0, shards=1, **{"size": 8, **other}, progress=False)
+
+
+@pytest.mark.parametrize("label, area", [(0, math.pi), (1, 2.0), (2, 3 * math.sqrt(3) / 4)])
+def test_circles_squares_and_triangles_keep_their_form_at_every_size_and_turn(label: int, area: float):
+    """Area over squared circumradius is the form alone (pi, 2 and 1.30): a triangle drawn with a
+    fourth corner would be a square under another name, two classes nothing can tell apart."""
+    for i in range(10):
+        mask = _object_mask(label, np.random.default_rng(i), 64) > 0.5
+        ys, xs = np.nonzero(mask)
+        r2 = ((xs - xs.mean()) ** 2 + (ys - ys.mean()) ** 2).max()
+        assert abs(mask.sum() / r2 - area) < 0.2, (CLASSES[label], i)
+
+
+def test_the_foreground_hue_is_far_from_the_backgrounds():
+    """Shapes stand out by hue as well as lightness (a quarter turn of the colour wheel at least),
+    so that the class is visible in the colours a masked patch predicts."""
+    for i in range(100):
+        bg, _, fg = _colours(np.random.default_rng(i))
+        turn = abs(colorsys.rgb_to_hsv(*bg / 255)[0] - colorsys.rgb_to_hsv(*fg / 255)[0])
+        assert min(turn, 1 - turn) > 0.24, i
+
+
+def test_no_shards_is_refused_as_a_value_error(tmp_path: Path):
+    """--shards 0 is a bad setting, said as such, not a ZeroDivisionError from the split's sizing."""
+    with pytest.raises(ValueError, match="shards >= 1"):
+        make_synthetic(tmp_path, train=10, test=0, shards=0, progress=False)
