@@ -789,3 +789,45 @@ def test_a_folder_another_run_locks_as_this_one_lets_go_stays_and_hides_no_error
         finally:
             rundir.unlock(out)
     assert (out / ".lock").read_text() == "4242"
+
+
+def test_a_run_moved_to_another_folder_has_changed_no_setting(tmp_path):
+    """A run's folder moved, copied or spelled otherwise is the same run: a resume from there
+    compares every setting but output_dir, and a changed one is named as 'key: then -> now'."""
+    from mpp.config import changed_settings, save_config
+    base = ["model=vit_micro4_32", "data.train=synthetic/train", "steps=4"]
+    save_config(load_config(None, [*base, f"output_dir={tmp_path / 'first'}"]), tmp_path / "config.yaml")
+    saved = tmp_path / "config.yaml"
+    assert changed_settings(saved, load_config(None, [*base, f"output_dir={tmp_path / 'moved'}"])) == []
+    assert changed_settings(saved, load_config(None, [*base[:-1], "steps=5", "output_dir=x"])) == ["steps: 4 -> 5"]
+
+
+def test_a_one_line_message_names_four_changed_settings_then_says_there_are_more():
+    from mpp.config import said
+    assert said(["a: 1 -> 2", "b", "c", "d"]) == "a: 1 -> 2; b; c; d"
+    assert said(["a", "b", "c", "d", "e", "f"]) == "a; b; c; d; ..."
+
+
+def test_two_spellings_of_one_data_set_or_encoder_are_one_setting(tmp_path, monkeypatch):
+    """A resume given its data relative where the run had it absolute, a shard folder where it had
+    its manifest.json, or a run folder where it had its encoder.safetensors ran on the same files:
+    refusing it as a changed recipe would make the user retrain for nothing. Other files differ."""
+    from mpp.config import same_setting
+    for name in ("data/manifest.json", "run/encoder.safetensors", "other/encoder.safetensors"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert same_setting("data.train", "data", str(tmp_path / "data"))
+    assert same_setting("data.train", "data", "data/manifest.json")
+    assert same_setting("finetune.init", "run", str(tmp_path / "run/encoder.safetensors"))
+    assert not same_setting("finetune.init", "run", "other")
+    assert not same_setting("steps", "run", "run/encoder.safetensors")
+
+
+@pytest.mark.parametrize("text", ["steps: -1\n", "no_such_key: 1\n"])
+def test_a_saved_config_this_mpp_cannot_build_is_unreadable_not_a_crash(tmp_path, text):
+    """A config.yaml of a bad value or a key of another mpp is no config this mpp can read: None,
+    which the resume and the comparison turn into their own one-line refusal, not a raised error."""
+    from mpp.config import changed_settings
+    (tmp_path / "config.yaml").write_text(text)
+    assert changed_settings(tmp_path / "config.yaml", load_config(None, ["model=vit_micro4_32"])) is None
