@@ -1430,6 +1430,21 @@ def test_conditional_stages_run_exactly_after_a_toss_up_and_resume_checks_the_ch
     assert not ran
 
 
+def test_a_resumed_comparison_refuses_a_finished_probe_of_an_encoder_trained_again(tmp_path, monkeypatch):
+    """The comparison itself, not check_encoder alone: resumed after the MPP encoder's file changed
+    (its pre-training deleted and run again), it reported the old probe as the new encoder's."""
+    ran = _fake_stages(monkeypatch, {})
+    run(cfg := _cfg(tmp_path))
+    (tmp_path / "runs/pretrain_mpp/encoder.safetensors").write_bytes(b"trained again")
+    probe = tmp_path / "runs/probe_mpp/metrics.json"
+    old = hashlib.sha256(b"the encoder the probe started from").hexdigest()
+    probe.write_text(json.dumps({**json.loads(probe.read_text()), "encoder_sha256": old}))
+    ran.clear()
+    with pytest.raises(ConfigError, match="stage 'linear probe mpp' finished earlier .* from another encoder"):
+        run(cfg)
+    assert not ran
+
+
 def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
     """`pretrain_seeds: 2`: seed 0's comparison as before, then MPP's and supervised's stages again
     with pre-training seed 1 in OUTPUT_DIR_pretrain_seed1, their probes and fine-tunes starting
