@@ -777,6 +777,36 @@ def test_data_cut_off_mid_write_is_written_again(tmp_path):
         assert json.loads((tmp_path / "data" / split / "manifest.json").read_text())["num_samples"] == n
 
 
+@pytest.mark.parametrize("text", ["[1]", '"made"', '{"made": [1]}', '{"made": "src"}', "{", "\\xff"])
+def test_shards_out_of_a_manifest_not_ours_are_left_to_the_stages_check_not_a_crash(tmp_path, text):
+    """A shards_out manifest that is not an object with a `made` object (a list, a string, not JSON)
+    keeps no source: prepare_data leaves it to check_data's one-line refusal, not a traceback."""
+    from mpp.compare.prepare import _made
+    (tmp_path / "manifest.json").write_text(text)
+    assert _made(tmp_path / "manifest.json") == {}
+    path = _write_configs(tmp_path, tmp_path / "d")
+    prepare_data(load_compare_config(path, [f"prepare.shards_out=[{tmp_path}]", f"prepare.shards_src=[{tmp_path}]",
+                                            "prepare.synthetic=''"]))
+
+
+def test_shards_cut_off_mid_write_are_written_again_and_made_ones_kept_whatever_src_names(tmp_path):
+    """Shards stopped before their manifest are written again, not refused as a non-empty folder;
+    once made, a shards_src that names no folder here (a config of another machine) reuses them."""
+    from PIL import Image
+    (tmp_path / "src/cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 9, 9)).save(tmp_path / "src/cat/0.png")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/000000.tar").write_bytes(b"\0" * 1024)  # the first shard, cut off
+    path = _write_configs(tmp_path, tmp_path / "d")
+    shards = [f"prepare.shards_out=[{tmp_path / 'out'}]", "prepare.synthetic=''"]
+    prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'src'}]"]))
+    manifest = tmp_path / "out/manifest.json"
+    assert json.loads(manifest.read_text())["num_samples"] == 1
+    made = manifest.read_bytes()
+    prepare_data(load_compare_config(path, [*shards, f"prepare.shards_src=[{tmp_path / 'elsewhere'}]"]))
+    assert manifest.read_bytes() == made
+
+
 def test_ctrl_c_says_which_stage_it_stopped_in_one_line(tmp_path):
     """Ctrl-C reaches the comparison and its stage (the terminal's process group): one line that
     names the stage and how to resume, no tracebacks."""
