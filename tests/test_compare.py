@@ -1475,6 +1475,34 @@ def test_a_resumed_comparison_refuses_a_finished_probe_of_an_encoder_trained_aga
     assert not ran
 
 
+def test_each_pretraining_seeds_report_reads_its_own_stages_and_the_shared_scratch_ones(tmp_path, monkeypatch):
+    """Scratch runs once for every pre-training seed: the seed-1 report must read its stages too,
+    else its gaps over scratch are empty; the main report reads seed 0's and scratch's alone."""
+    import mpp.report
+    _fake_stages(monkeypatch, {})
+    reports = {}
+    monkeypatch.setattr(mpp.report, "write_report", lambda runs, out, *a, **k: reports.setdefault(Path(out), runs))
+    run(cfg := _cfg(tmp_path, "pretrain_seeds: 2\n"))
+    stages = plan(cfg)
+    for seed in (0, 1):
+        want = {s.out for s in stages if s.pretrain_seed == seed or s.arm == "scratch"}
+        assert set(reports[repeat_dir(cfg, seed)]) == want and any("scratch" in p.name for p in want)
+
+
+def test_the_comparison_checks_the_data_it_made_before_any_stage_starts(tmp_path, monkeypatch):
+    """check_data is what refuses a data set the stages cannot read: run must call it before the
+    first stage, not leave the refusal to a stage hours in."""
+    import mpp.compare
+    ran = _fake_stages(monkeypatch, {})
+
+    def refused(*a):
+        raise ConfigError("the data are unreadable")
+    monkeypatch.setattr(mpp.compare, "check_data", refused)
+    with pytest.raises(ConfigError, match="the data are unreadable"):
+        run(_cfg(tmp_path))
+    assert not ran
+
+
 def test_pretrain_seeds_repeat_the_pretrained_arms_and_share_scratch(tmp_path):
     """`pretrain_seeds: 2`: seed 0's comparison as before, then MPP's and supervised's stages again
     with pre-training seed 1 in OUTPUT_DIR_pretrain_seed1, their probes and fine-tunes starting
