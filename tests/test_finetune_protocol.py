@@ -258,3 +258,57 @@ def test_a_label_index_that_lists_a_key_twice_in_a_shard_is_refused(tmp_path):
         select_subset(_indexed(tmp_path, index), 1.0, seed=0, dev_fraction=0.5, dev=True)
     index[1][-1] = ["k4", 1]  # the same key in two shards is two samples
     assert select_subset(_indexed(tmp_path, index), 1.0, seed=0).num_samples == 7
+
+
+def _lrs(optim: dict, total_steps: int, model: torch.nn.Module | None = None) -> list[float]:
+    """The learning rate of each step 0..total_steps (the last: the step after the run) of a plain
+    model under `optim`, as the trainer steps the scheduler."""
+    from mpp.config import build_config
+    from mpp.optim import create_optimizer, create_scheduler
+    model = model or torch.nn.Linear(4, 4)
+    opt = create_optimizer(build_config({"model": "vit_micro4_32", "optim": optim}), model)
+    sched = create_scheduler(build_config({"model": "vit_micro4_32", "optim": optim}), opt, total_steps)
+    lrs = []
+    for step in range(total_steps + 1):
+        sched.step_update(step)
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+def test_the_linear_schedule_falls_in_a_straight_line_from_the_peak_to_min_lr():
+    """optim.schedule=linear: after the warmup the rate falls by equal steps to optim.min_lr, which
+    the step after the run reaches; not a curve (a power above 1) nor towards 0."""
+    lrs = _lrs({"schedule": "linear", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2}, total_steps=12)
+    assert lrs[:3] == pytest.approx([0.0, 5e-4, 1e-3])
+    assert lrs[2:] == pytest.approx([1e-3 - 9e-4 * t / 10 for t in range(11)])
+
+
+def test_the_warmup_note_names_the_peak_the_runs_last_step_reaches():
+    """A warmup longer than the run: the note's peak is the rate of its last step (step n - 1),
+    which the scheduler really gives, not one step further up the ramp."""
+    from mpp.config import build_config
+    from mpp.optim import warmup_note
+    optim = {"lr": 1e-3, "warmup_steps": 10}
+    lrs = _lrs(optim, total_steps=5)
+    assert f"rises to {lrs[4]:.3g}," in warmup_note(build_config({"model": "vit_micro4_32", "optim": optim}), 5)
+    assert lrs[4] == pytest.approx(4e-4)
+
+
+def test_adam_is_adams_coupled_weight_decay_and_adamw_the_decoupled_one():
+    """optim.name=adam builds torch's Adam (weight decay added to the gradient), adamw builds AdamW
+    (decay applied to the weights apart from the adaptive step): two recipes, not one name for both;
+    each takes optim.beta1 and optim.beta2."""
+    from mpp.config import build_config
+    from mpp.optim import create_optimizer
+    for name, kind, decoupled in (("adam", torch.optim.Adam, False), ("adamw", torch.optim.AdamW, True)):
+        cfg = build_config({"model": "vit_micro4_32", "optim": {"name": name, "beta1": 0.8, "beta2": 0.95}})
+        opt = create_optimizer(cfg, torch.nn.Linear(4, 4))
+        assert type(opt) is kind and {g["betas"] for g in opt.param_groups} == {(0.8, 0.95)}, name
+        assert {g.get("decoupled_weight_decay", decoupled) for g in opt.param_groups} == {decoupled}, name
+
+
+def test_the_constant_schedule_holds_optim_lr_after_the_warmup_to_the_end():
+    """optim.schedule=constant: the warmup ramp, then optim.lr at every step of the run and the one
+    after it; no step decay anywhere in between."""
+    lrs = _lrs({"schedule": "constant", "lr": 1e-3, "warmup_steps": 2}, total_steps=12)
+    assert lrs == pytest.approx([0.0, 5e-4] + [1e-3] * 11)
