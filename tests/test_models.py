@@ -285,3 +285,41 @@ def test_the_mask_embedding_starts_random_and_the_fine_tune_freezes_it():
     loss.backward()
     assert not encoder.mask_token.requires_grad
     assert all(p.grad is not None for p in task.parameters() if p.requires_grad)
+
+
+def test_the_avg_pool_is_the_mean_of_the_patch_tokens_and_the_token_pool_the_class_token(encoder):
+    """finetune.pool / probe pools: `avg` averages the patch tokens alone (not the [class] token),
+    `token` takes the [class] token; each must reach timm's pooling as asked."""
+    tokens = torch.randn(2, 1 + 64, 64)
+    torch.testing.assert_close(encoder.pool(tokens, "avg"), tokens[:, 1:].mean(1))
+    assert torch.equal(encoder.pool(tokens, "token"), tokens[:, 0])
+
+
+def test_a_grid_needs_at_least_two_whole_patches_a_side_and_a_preset_takes_the_size_asked():
+    """An image of one patch a side (32 px at patch 32) is no grid to mask: `grid_fix` names a size
+    to give instead; `preset_geometry` takes an asked img_size over the preset's own."""
+    from mpp.models import grid_fix, preset_geometry
+    assert grid_fix(64, 32) == "" and "64" in grid_fix(32, 32) and grid_fix(30, 4) != ""
+    assert preset_geometry("vit_micro4_32", 64) == (64, 4) and preset_geometry("vit_micro4_32") == (32, 4)
+
+
+def test_an_infinite_weight_counts_as_nonfinite_as_a_nan_does():
+    """A diverged encoder may hold inf without NaN: `nonfinite` names both, never integer tensors."""
+    from mpp.models import nonfinite
+    state = {"a": torch.tensor([1.0, float("inf")]), "b": torch.tensor([float("nan")]), "c": torch.ones(2),
+             "d": torch.tensor([-float("inf")]), "n": torch.tensor([3])}
+    assert nonfinite(state) == ["a", "b", "d"]
+
+
+def test_an_encoder_without_a_class_token_is_refused():
+    """The pools and probes read the [class] token: a timm ViT built without one is refused at once."""
+    kwargs = dict(img_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2, class_token=False, global_pool="avg")
+    with pytest.raises(ValueError, match=r"needs a \[class\] token"):
+        MaskedEncoder("vit_tiny_patch16_224", kwargs)
+
+
+def test_an_encoder_is_built_at_the_img_size_asked_not_its_presets():
+    """create_encoder(img_size=64) of a 32 px preset builds a 16x16 grid with position embeddings to
+    match (the run's data.img_size), not the preset's 8x8."""
+    encoder = create_encoder(PRESET, img_size=64, attn="math")
+    assert encoder.grid_size == (16, 16) and encoder.vit.pos_embed.shape == (1, 1 + 256, 64)
