@@ -287,12 +287,86 @@ def test_the_mask_embedding_starts_random_and_the_fine_tune_freezes_it():
     assert all(p.grad is not None for p in task.parameters() if p.requires_grad)
 
 
+def test_the_evaluation_crop_is_the_centre_of_a_tall_image_unmirrored():
+    """Evaluation sees the image as it is: the centre square of a tall image (its middle rows, not
+    nearer the top) with left and right in place, never the training flip."""
+    import numpy as np
+    from PIL import Image
+
+    from mpp.data.transforms import EvalTransform
+    y, x = np.mgrid[0:48, 0:16]
+    pixels = np.stack([x * 15, y * 5, np.zeros_like(x)], -1).astype(np.uint8)  # 16 wide, 48 tall
+    (out,) = EvalTransform(16, crop_pct=1.0).batch([Image.fromarray(pixels)])
+    assert torch.equal(out.permute(1, 2, 0), torch.from_numpy(pixels[16:32]))
+
+
+def test_the_evaluation_crop_side_is_timms_floor_of_img_size_over_crop_pct():
+    """data.eval_crop_pct reaches the evaluation transform, which resizes the shorter side to
+    floor(img_size / crop_pct) as timm does: of a 350 px image at 32 px and 0.9, the middle 320 px."""
+    from PIL import Image
+
+    from mpp.data.transforms import build_transform
+    transform = build_transform(32, False, DataConfig(eval_crop_pct=0.9))
+    assert transform.params(Image.new("RGB", (350, 350))) == ((15.0, 15.0, 320.0, 320.0), False)
+    assert build_transform(32, False, DataConfig(eval_crop_pct=1.0)).params(Image.new("RGB", (350, 350)))[0][2] == 350
+
+
+def test_an_inception_crop_covers_the_area_fraction_the_crop_scale_allows():
+    """data.crop_scale bounds the crop's share of the image at both ends: at [0.25, 0.25] every
+    crop covers a quarter of it (to rounding), with an aspect ratio within 3/4..4/3."""
+    import random
+
+    from mpp.data.transforms import crop_box
+    rng = random.Random(0)
+    for _ in range(50):
+        left, top, w, h = crop_box(rng, 100, 80, (0.25, 0.25))
+        assert abs(w * h / 8000 - 0.25) < 0.01 and 3 / 4 - 0.05 < w / h < 4 / 3 + 0.05
+        assert 0 <= left <= 100 - w and 0 <= top <= 80 - h
+
+
+def test_an_image_too_narrow_or_too_wide_for_the_crop_falls_back_to_its_centre_at_the_ratio_limit():
+    """When no drawn crop fits (a 10:1 panorama at crop_scale 1), the crop is the image's centre cut
+    to the nearest allowed aspect ratio: 4:3 of a wide image's full height, 3:4 of a tall one's width."""
+    import random
+
+    from mpp.data.transforms import crop_box
+    assert crop_box(random.Random(0), 400, 40, (1.0, 1.0)) == (173, 0, 53, 40)
+    assert crop_box(random.Random(0), 40, 400, (1.0, 1.0)) == (0, 173, 40, 53)
+
+
 def test_the_avg_pool_is_the_mean_of_the_patch_tokens_and_the_token_pool_the_class_token(encoder):
     """finetune.pool / probe pools: `avg` averages the patch tokens alone (not the [class] token),
     `token` takes the [class] token; each must reach timm's pooling as asked."""
     tokens = torch.randn(2, 1 + 64, 64)
     torch.testing.assert_close(encoder.pool(tokens, "avg"), tokens[:, 1:].mean(1))
     assert torch.equal(encoder.pool(tokens, "token"), tokens[:, 0])
+
+
+def test_a_reduced_scale_jpeg_decode_keeps_the_crops_size_across_its_narrower_side():
+    """A JPEG decodes at 1/2^k scale only while both sides of the crop keep `size` pixels: a crop
+    100 px wide and 400 tall for 64 px decodes at full scale (at 1/2 its width would be upsampled)."""
+    import io
+
+    from PIL import Image
+
+    from mpp.data.decode import open_image
+    from mpp.data.transforms import _load
+    data = io.BytesIO()
+    Image.new("RGB", (512, 512), (200, 100, 50)).save(data, "JPEG")
+    for box in ((0, 0, 100, 400), (0, 0, 400, 100)):
+        pixels, scaled = _load(open_image(data.getvalue(), 10**8), box, 64)
+        assert tuple(pixels.shape) == (3, 512, 512) and scaled == box, box
+    pixels, scaled = _load(open_image(data.getvalue(), 10**8), (0, 0, 300, 200), 64)
+    assert tuple(pixels.shape) == (3, 256, 256) and scaled == (0, 0, 150, 100)  # 1/2: both sides >= 128
+
+
+def test_a_crop_box_maps_to_a_reduced_decode_by_rounding_each_edge_to_the_nearest_pixel():
+    """A crop (7, 7, 16, 16) of an image decoded at 1/4 scale is pixels 2..6 there (edges 1.75 and
+    5.75 rounded), not shifted half a pixel up-left by truncation; a box is never empty."""
+    from mpp.data.transforms import _scaled
+    assert _scaled((7, 7, 16, 16), 4.0, 10, 10) == (2, 2, 4, 4)
+    assert _scaled((5.4, 0.6, 10, 10), 1.0, 20, 20) == (5, 1, 10, 10)
+    assert _scaled((39, 39, 1, 1), 4.0, 10, 10) == (9, 9, 1, 1)
 
 
 def test_a_grid_needs_at_least_two_whole_patches_a_side_and_a_preset_takes_the_size_asked():
@@ -323,3 +397,20 @@ def test_an_encoder_is_built_at_the_img_size_asked_not_its_presets():
     match (the run's data.img_size), not the preset's 8x8."""
     encoder = create_encoder(PRESET, img_size=64, attn="math")
     assert encoder.grid_size == (16, 16) and encoder.vit.pos_embed.shape == (1, 1 + 256, 64)
+
+
+def test_randaugment_applies_the_configured_magnitude_with_either_sign():
+    """data.randaugment=[2, 9]: a rotation is by torchvision's bin 9 of 0..30 degrees (9, not bin
+    8's 8), and signed ops turn either way, about as often each (torchvision's coin)."""
+    import random
+
+    from mpp.data.transforms import TrainTransform
+    t = TrainTransform(32, randaugment=(2, 9))
+    assert {name: (m, signed) for name, m, signed in t.ops}["Rotate"] == (9.0, True)
+    seen = []
+    t.augment._apply_image_or_video_transform = lambda image, name, m, **kw: seen.append((name, m)) or image
+    rng = random.Random(0)
+    for _ in range(200):
+        t._randaugment(torch.zeros(3, 32, 32, dtype=torch.uint8), rng)
+    rotations = [m for name, m in seen if name == "Rotate"]
+    assert set(rotations) == {9.0, -9.0} and 0.2 < rotations.count(9.0) / len(rotations) < 0.8
