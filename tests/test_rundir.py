@@ -447,7 +447,8 @@ time.sleep(120)
 def test_a_writes_leftover_from_a_killed_run_is_removed_when_the_directory_is_next_locked(tmp_path):
     """kill -9 as a run wrote its encoder (or a feature cache entry) left the whole temporary file,
     which nothing removed; the next run of the directory removes those of this machine's dead
-    processes, in it and in its folders (profile/, figures/), not a live writer's nor another machine's or container's (its own pids)."""
+    processes, in it and in its folders (profile/, figures/), not a live writer's nor another
+    machine's or container's (its own pids)."""
     from mpp import fileio, rundir
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, who, host = int(gone.stdout), *fileio._WHERE.split(".", 1)  # who: the PID namespace and boot
