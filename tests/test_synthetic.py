@@ -45,6 +45,29 @@ def test_classes_differ():
             assert np.abs(masks[a] - masks[b]).mean() > 0.01, (CLASSES[a], CLASSES[b])
 
 
+
+def _second_direction(mask: np.ndarray) -> float:
+    """The strongest frequency of `mask` at more than 30 degrees from its strongest one, as a share
+    of it (power of the Hann-windowed 2-D FFT, the lowest frequencies left out): near 0 for a
+    pattern that varies one way (stripes), near 1 for one that varies two ways."""
+    w = mask.shape[0]
+    window = np.outer(np.hanning(w), np.hanning(w))
+    power = np.abs(np.fft.fftshift(np.fft.fft2((mask - mask.mean()) * window))) ** 2
+    ky, kx = np.meshgrid(np.arange(w) - w // 2, np.arange(w) - w // 2, indexing="ij")
+    power[(np.abs(kx) <= 1) & (np.abs(ky) <= 1)] = 0
+    peak = np.unravel_index(power.argmax(), power.shape)
+    cos = np.abs(kx * kx[peak] + ky * ky[peak]) / (np.hypot(kx, ky) * np.hypot(kx[peak], ky[peak]) + 1e-9)
+    return float(power[cos < math.cos(math.radians(30))].max() / power.max())
+
+
+def test_stripes_vary_one_way_and_a_checkerboard_and_dots_two():
+    """Three texture classes must stay three: a checkerboard drawn as floor(u/p) % 2 alone is a
+    second stripes class, which `test_classes_differ` lets pass (its periods differ)."""
+    for seed in range(20):
+        second = {name: _second_direction(_object_mask(CLASSES.index(name), np.random.default_rng(seed), 64))
+                  for name in ("stripes", "checkerboard", "dots")}
+        assert second["stripes"] < 0.2 < 0.5 < min(second["checkerboard"], second["dots"]), (seed, second)
+
 def _labels_and_images(split_dir: Path) -> tuple[list[int], list[bytes]]:
     labels, images = [], []
     manifest = json.loads((split_dir / "manifest.json").read_text())
