@@ -16,17 +16,24 @@ MEMBERS = [("a/short.jpg", b"x" * 700), ("d" * 60 + "/" + "n" * 80 + ".cls", b"3
            ("long" * 40 + ".png", b"y" * 1024), ("empty.txt", b""), ("ünï/cödé.jpg", b"z" * 5)]
 
 
-def make_tar(fmt) -> bytes:
+def _plain(members, fmt=tarfile.USTAR_FORMAT) -> bytes:
+    """A tar of (TarInfo, data) members, as tarfile writes it."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
-        dirinfo = tarfile.TarInfo("a")
-        dirinfo.type = tarfile.DIRTYPE
-        tar.addfile(dirinfo)
-        for name, data in MEMBERS:
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime = len(data), 1.5e9 + 0.25  # float mtime: a PAX record
-            tar.addfile(info, io.BytesIO(data))
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
     return buf.getvalue()
+
+
+def make_tar(fmt) -> bytes:
+    dirinfo = tarfile.TarInfo("a")
+    dirinfo.type = tarfile.DIRTYPE
+    files = []
+    for name, data in MEMBERS:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime = len(data), 1.5e9 + 0.25  # float mtime: a PAX record
+        files.append((info, data))
+    return _plain([(dirinfo, None), *files], fmt)
 
 
 @pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
@@ -232,15 +239,6 @@ def test_a_bzip2_bomb_of_members_that_are_read_ends_at_a_bound(tmp_path, monkeyp
     with pytest.raises(tarstream.CorruptTar, match="members decompress to more than 10000 times"):
         list(tar_files(io.BytesIO(path.read_bytes())))
     assert len(list(read_shard(str(path), skips))) < 4 and skips == {"corrupt_tar": 1}
-
-
-def _plain(members, fmt=tarfile.USTAR_FORMAT) -> bytes:
-    """A tar of (TarInfo, data) members, as tarfile writes it."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
-        for info, data in members:
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
 
 
 def _info(name, size=0, kind=tarfile.REGTYPE) -> tarfile.TarInfo:

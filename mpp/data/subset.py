@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _warned: set[tuple] = set()  # fractions that rounded to no sample of a class, warned about once per process
 
 LABEL_BYTES_PER_SAMPLE = 4096  # a [key, label] pair of the label index: a long key path at most
+_TWICE = "which a label subset cannot tell apart (both would go to the development split and the training part)"
 
 
 def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
@@ -44,8 +45,7 @@ def read_labels(url: str, num_classes: int | None) -> list[tuple[str, int]]:
         if key is None:  # a name the stream ignores ('.cls' at the top)
             continue
         if key in seen:
-            raise DataError(f"shard '{url}' holds two samples of key {key!r}, which a label subset cannot tell apart "
-                            "(both would go to the development split and the training part); rewrite the shards "
+            raise DataError(f"shard '{url}' holds two samples of key {key!r}, {_TWICE}; rewrite the shards "
                             "with unique keys (tools/make_shards.py)")
         seen.add(key)
         try:
@@ -94,11 +94,9 @@ def read_label_index(shards: ShardSet) -> list[list[tuple[str, int]]]:
         if (bad := next((label for _, label in entry if not 0 <= label < n), None)) is not None:
             raise DataError(f"label index '{shards.labels}' gives label {bad} in shard {shard} but the manifest "
                             f"lists {n} classes; {fix}")
-        seen: set = set()  # a key twice in a shard, as read_labels refuses it (set.add returns None)
-        if (twice := next((key for key, _ in entry if key in seen or seen.add(key)), None)) is not None:
-            raise DataError(f"label index '{shards.labels}' lists key {twice!r} twice in shard {shard}, which a label "
-                            "subset cannot tell apart (both would go to the development split and the training "
-                            f"part); {fix}")
+        if twice := [key for key, count in Counter(key for key, _ in entry).items() if count > 1]:
+            raise DataError(f"label index '{shards.labels}' lists key {twice[0]!r} twice in shard {shard}, {_TWICE}; "
+                            f"{fix}")
     return index
 
 

@@ -84,12 +84,12 @@ def _withheld_note(t: dict, recipes: dict) -> str:
     folds = (f"for {' and '.join(folded)} the representation was chosen by a probe scored in folds over all the "
              "cell's labels, finetune.pool_folds, images that a pre-training may have read, never their labels"
              if folded else "")
-    if kept and not any(recipes.get(f) for f in FAMILIES):  # no recipe chosen on the splits read: the folds alone
-        return f" ({folds})." if folds else "."
     if not kept:
         return (" (the comparison leaves the fine-tunes' development splits out of a pre-training on their training "
                 "set, data.withhold, so that no fine-tune's learning rate or representation is chosen on images it "
                 "trained on" + (f"; but {folds}" if folds else "") + ").")
+    if not any(recipes.get(f) for f in FAMILIES):  # no recipe chosen on the splits read: the folds alone
+        return f" ({folds})." if folds else "."
     many = len(kept) > 1
     return (f". The {' and '.join(kept)} pre-training{'s' if many else ''} read fine-tunes' development splits "
             f"(data.withhold empty or short of them): the learning rates and representations chosen on those splits for "
