@@ -523,11 +523,9 @@ def _checkpoint_due(run: Run, done: int) -> bool:
 
 def _checkpoint(run: Run, done: int) -> None:
     check_finite(run, done)
-    epoch, batch_pos = divmod(done * run.cfg.train.grad_accum, run.loader.batches_per_epoch)
     save_checkpoint(run.accelerator, run.out / "checkpoints", done, run.task, run.optimizer, run.scheduler,
                     keep=run.cfg.train.keep_ckpts, superseded=run.damaged,
-                    state={"epoch": epoch, "batch": batch_pos, "skipped": _skipped(run), "begun": run.state["begun"],
-                           "origin": run.state["origin"],
+                    state={"skipped": _skipped(run), "begun": run.state["begun"], "origin": run.state["origin"],
                            "bad_run": int(run.bad.run.item()), "overflow_run": int(run.bad.overflow_run.item()),
                            **_totals(run)})
     # removed, or (this step's) replaced by the checkpoint just written: a good one, never to be removed
