@@ -106,6 +106,8 @@ def test_a_finished_stage_of_another_process_count_is_refused_where_the_launcher
     else:
         with pytest.raises(ConfigError, match=rf"on 2 process\(es\); the launcher now starts {stated}"):
             check_processes(stage, stated)
+    (stage.out / "metrics.json").write_text(json.dumps({"top1": 0.5}))  # an older mpp's: no count recorded, reused
+    check_processes(stage, stated)
 
 
 def test_a_launchers_variables_are_expanded_as_a_shell_would_and_an_unset_one_refused(monkeypatch):
@@ -225,9 +227,11 @@ def test_sweep_on_dev_split_then_best_value_over_seeds(tmp_path, capsys):
     (sweeps[2].out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "outcomes":
                                                            outcomes.record((idx < 100), labels)}))
     assert not runner_ups[0].when.holds()  # they disagree on 20: a clear lead, no runner-up run
-    (sweeps[0].out / "metrics.json").write_text(json.dumps({"top1": 0.9, "evaluated_on": "val"}))
-    with pytest.raises(RuntimeError, match="development split"):
-        finals[0].args()
+    for m in ({"evaluated_on": "val"}, {}):  # scored on test images, or saying nothing of where
+        m.update(top1=0.9, pool="avg")
+        (sweeps[0].out / "metrics.json").write_text(json.dumps(m))
+        with pytest.raises(RuntimeError, match="development split"):
+            finals[0].args()
     run(cfg, dry_run=True)
     out = capsys.readouterr().out
     assert ("optim.lr: best dev top-1 of 3 sweep stages" in out and "finetune.pool: the best sweep stage's" in out
@@ -247,11 +251,14 @@ def test_bad_sweep_fails_before_any_work(tmp_path, capsys):
     with pytest.raises(ConfigError, match="sweep optim.lr=0.01' and .*sweep optim.lr=0.010' resolve to the same"):
         validate(cfg, plan(cfg), machine=False)
     # a key that a setting of the fine-tunes leaves unread (SGD's momentum under AdamW): its points train one recipe
-    cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
-                              ["sweep={optim.momentum: [0.8, 0.9]}", "overrides=[optim.name=adamw]"])
-    with pytest.raises(ConfigError, match=r"the sweep names optim.momentum, which no sweep stage reads \(optim.name="
-                                          r"adamw, e.g. stage 'fine-tune .*'\): its points would train the same recipe"):
-        validate(cfg, plan(cfg), machine=False)
+    # (alone, or beside a key that every stage reads)
+    for grid in ("{optim.momentum: [0.8, 0.9]}", "{optim.lr: [0.01, 0.1], optim.momentum: [0.8, 0.9]}"):
+        cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP),
+                                  [f"sweep={grid}", "overrides=[optim.name=adamw]"])
+        with pytest.raises(ConfigError, match=r"the sweep names optim.momentum, which no sweep stage reads \(optim.name="
+                                              r"adamw, e.g. stage 'fine-tune .*'\): its points would train the same "
+                                              "recipe"):
+            validate(cfg, plan(cfg), machine=False)
     # ... where some stages read it (a grid over the optimiser too, or another one for one label fraction): warned
     for mixed in (["sweep={optim.name: [sgd, adamw], optim.momentum: [0.8, 0.9]}"],
                   ["sweep={optim.momentum: [0.8, 0.9]}", "fraction_overrides={1.0: [optim.name=adamw]}"]):
@@ -273,8 +280,9 @@ def test_bad_sweep_fails_before_any_work(tmp_path, capsys):
             load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=compare_extra), overrides)
     load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=SWEEP + "finetune_pool: config\n"),
                         ["overrides=[finetune.pool=avg]"])  # there the overrides' pool is every fine-tune's
-    with pytest.raises(ConfigError, match="non-empty lists"):
-        load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lr: 0.1}\n"))
+    for grid in ("{optim.lr: 0.1}", "{optim.lr: []}"):  # a value, not a list; an empty grid, which plans no sweep
+        with pytest.raises(ConfigError, match="non-empty lists"):
+            load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra=f"sweep: {grid}\n"))
     cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "d", compare_extra="sweep: {optim.lrr: [1]}\n"))
     with pytest.raises(ConfigError, match="sweep optim.lrr=1.*unknown config key 'optim.lrr'"):
         validate(cfg, plan(cfg))
@@ -508,6 +516,8 @@ def test_what_would_stop_a_stage_hours_in_fails_before_any_work(tmp_path, capsys
     refused("prepare.synthetic_train and prepare.synthetic_test must be >= 0", "prepare.synthetic_train=-5",
             compare=True)
     refused("'overrides' did not read as a YAML list .*quote each item", "overrides=[data.val=d/{0..1}.tar]")
+    refused("'pretrain_overrides' did not read as a YAML list .*quote each item",
+            "pretrain_overrides=[data.val=d/{0..1}.tar]")
     refused("fine-tune scratch, 50% labels.*: set the run length", "fraction_overrides={0.5: [steps=0]}")
     refused("fine-tune scratch, 50% labels.*batch_size=32 is not divisible by processes x train.grad_accum = 1 x 3",
             "fraction_overrides={0.5: [train.grad_accum=3]}")
@@ -993,6 +1003,10 @@ def test_a_chosen_head_l2_reaches_the_finals_to_the_last_digit(tmp_path):
     assert load_config(None, head_l2([out]) + ["finetune.head_init=probe"]).finetune.head_l2 == 1 / 30000
     (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg"}))
     assert head_l2([out]) == [] and head_l2([out], pool="token") == []
+    # a fixed pool's record (head_probe_l2) is that pool's L2: none for the other representation
+    (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg",
+                                                  "head_probe_l2": 1e-4}))
+    assert head_l2([out]) == ["finetune.head_l2=0.0001"] and head_l2([out], pool="token") == []
     # a zero head with finetune.pool=auto: the probe chose the representation only, and the finals,
     # whose config refuses a head L2 without head_init=probe, get none
     (out / "metrics.json").write_text(json.dumps({"top1": 0.5, "evaluated_on": "dev", "pool": "avg",
@@ -1177,6 +1191,12 @@ def test_pretrainings_withhold_the_development_splits_of_their_own_training_set(
                         (", 'probe={dev_split: [3, 0.3]}'", ",[1.0,3,0.3]")):
         alone = _write_configs(tmp_path, tmp_path / "data", fractions="[0.5]", compare_extra=SWEEP, stage_extra=told)
         assert withheld(plan(load_compare_config(alone))) == [[f"data.withhold=[[0.5,0,0.2]{split}]"]] * 2, told
+    # the fine-tunes' own split seed draws the splits, and so the ones withheld and the probes'
+    seeded = load_compare_config(_write_configs(tmp_path, tmp_path / "data", compare_extra=SWEEP,
+                                                stage_extra=", finetune.split_seed=3"))
+    assert withheld(plan(seeded)) == [["data.withhold=[[0.5,3,0.2],[1.0,3,0.2]]"]] * 2
+    assert [o for s in plan(seeded) if s.tool == "linear_probe" for o in s.overrides
+            if o.startswith("probe.dev_split=")] == ["probe.dev_split=[3,0.2]"] * 3
 
 
 def test_a_withheld_list_short_of_the_splits_chosen_on_is_warned_of(tmp_path, capsys):
@@ -1189,6 +1209,11 @@ def test_a_withheld_list_short_of_the_splits_chosen_on_is_warned_of(tmp_path, ca
         err = capsys.readouterr().err
         assert ("withholds data.withhold=[[0.5, 0, 0.2]] but not the development split(s) [[1.0, 0, 0.2]]"
                 in err) is warned, (given, err)
+    # a pre-training on other data withholds what it likes: the fine-tunes' splits are not drawn from it
+    cfg = load_compare_config(path, [f'pretrain_overrides=[data.train={tmp_path / "other"},'
+                                     '"data.withhold=[[0.5,0,0.2]]"]'])
+    validate(cfg, plan(cfg), machine=False)
+    assert "but not the development split" not in capsys.readouterr().err
 
 
 def test_an_interrupted_stage_of_other_settings_is_not_trained_on(tmp_path):
@@ -1319,7 +1344,8 @@ def test_finals_that_choose_on_their_training_labels_without_a_sweep_are_warned_
     not where a sweep (of one value) or the configs leave them nothing to choose."""
     grep = "fine-tune supervised.*chooses its representation .*give a sweep, of one value"
     for compare_extra, stage_extra, warned in (("", "", True), ("sweep: {optim.lr: [0.1]}\n", "", False),
-                                               ("finetune_pool: config\n", ", finetune.head_init=zero", False)):
+                                               ("finetune_pool: config\n", ", finetune.head_init=zero", False),
+                                               ("finetune_pool: config\n", ", finetune.head_init=probe", True)):
         cfg = load_compare_config(_write_configs(tmp_path, tmp_path / "data", stage_extra, "[0.5]", compare_extra))
         validate(cfg, plan(cfg), machine=False)
         assert bool(re.search(grep, capsys.readouterr().err)) == warned, compare_extra
