@@ -156,6 +156,8 @@ def test_mpp_head_round_trip_and_prediction_grid(tmp_path):
     for b, n in a.chosen.nonzero().tolist():
         y, x = b * 98 + n // 8 * 12, n % 8 * 12
         assert torch.equal(grid[y, 98 + x], rgb(torch.tensor(KEPT_RGB))) == kept[b, n].item(), (b, n)
+        for side in (x, x + 11):  # the outline's left and right edges too, mid-cell
+            assert torch.equal(grid[y + 6, 98 + side], rgb(torch.tensor(KEPT_RGB))) == kept[b, n].item(), (b, n, side)
         for panel, colour in ((2, a.predicted[b, n]), (3, a.true[b, n])):
             assert torch.equal(grid[y + 6, panel * 98 + x + 6], rgb(class_colors(quantize(colour, 3), 3))), (b, n)
     b, n = a.chosen.nonzero()[0].tolist()  # predicted in its true class, as the mean_color head paints it
@@ -385,7 +387,11 @@ def test_runs_without_a_head_file_read_the_newest_checkpoint(tmp_path):
     (tmp_path / HEAD_FILE).unlink()
     (tmp_path / "checkpoints/step_0000002").mkdir(parents=True)
     save_model(task, str(tmp_path / "checkpoints/step_0000002/model.safetensors"))
+    older = saved_mpp_run(tmp_path / "older", seed=1)  # an older checkpoint with another head: not the one read
+    (tmp_path / "checkpoints/step_0000001").mkdir(parents=True)
+    save_model(older, str(tmp_path / "checkpoints/step_0000001/model.safetensors"))
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    assert not torch.equal(predict(task, images).predicted, predict(older, images).predicted)
     assert torch.equal(predict(task, images).predicted, predict(load_mpp_task(tmp_path), images).predicted)
 
 
@@ -498,3 +504,144 @@ def test_the_chosen_colour_accuracy_counts_the_chosen_patches_alone():
     assert pred.accuracy(3) == 1.0
     predicted[0, 0] = (true[0, 0] + 0.5) % 1  # one of the 16 chosen patches wrong, by half the range
     assert pred.accuracy(3) == 15 / 16
+
+
+def _tiny_images(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_mean_attention_distance_sums_every_batch():
+    """Over 5 images in batches of 2 the distance is that of one batch of 5: every batch counts, not the last."""
+    from mpp.config import DataConfig
+    from mpp.figures.inspection import mean_attention_distance
+    torch.manual_seed(0)
+    enc, images = create_encoder("vit_micro4_32", attn="math"), _tiny_images(5)
+    whole = mean_attention_distance(enc, images, DataConfig(), batch_size=5)
+    torch.testing.assert_close(mean_attention_distance(enc, images, DataConfig(), batch_size=2), whole)
+
+
+def test_mean_attention_distance_reads_the_images_normalised_as_the_run_did():
+    """The encoder sees (x/255 - data.mean) / data.std, by hand through the hooks."""
+    from mpp.config import DataConfig
+    from mpp.data.transforms import normalize, to_float01
+    from mpp.figures.inspection import mean_attention_distance
+    torch.manual_seed(0)
+    enc, images = create_encoder("vit_micro4_32", attn="math").eval(), _tiny_images(3)
+    cfg = DataConfig(mean=(0.1, 0.2, 0.3), std=(0.05, 0.1, 0.2))
+    dist = patch_distances(enc.grid_size, enc.patch_size)
+    with torch.no_grad(), record_attention(enc.vit, lambda a: attention_distance_sum(a, dist, 1)) as sums:
+        enc(normalize(to_float01(images), cfg.mean, cfg.std))
+    by_hand = torch.stack(sums) / (3 * enc.num_patches)
+    got = mean_attention_distance(enc, images, cfg, batch_size=2)
+    torch.testing.assert_close(got, by_hand)
+    other = mean_attention_distance(enc, images, DataConfig(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)))
+    assert not torch.allclose(got, other)
+
+
+def test_the_recorded_attention_distance_is_over_the_images_asked_for(data, tmp_path):
+    """With more grid images than --images, the distance averages the first --images alone."""
+    from mpp.figures.inspection import inspect_encoders, load_inspected, mean_attention_distance, read_images
+    numbers = inspect_encoders(["none:vit_micro4_32"], data, tmp_path / "o", images=2, grid_images=3, batch_size=4)
+    m = load_inspected("none:vit_micro4_32")  # the same seeded random init
+    images = read_images(str(data), 32, 3, m.data)
+    want = mean_attention_distance(m.encoder, images[:2], m.data, 4)
+    assert not torch.allclose(want, mean_attention_distance(m.encoder, images, m.data, 4))
+    got = numbers["encoders"]["random vit_micro4_32"]["mean_attention_distance_px"]
+    torch.testing.assert_close(torch.tensor(got), want)
+
+
+def test_the_corrupted_panel_shows_each_patch_as_the_encoder_saw_it(tmp_path):
+    """A swapped patch shows the input patch it took (corruption.src); one neither masked nor swapped, its own."""
+    from mpp.targets import patches
+    task = saved_mpp_run(tmp_path / "run")
+    images = _tiny_images(4)
+    c = task.corrupt(4, images.device, torch.Generator().manual_seed(3))
+    a = predict(task, images, corruption=c)
+    own = torch.arange(64)
+    swapped, plain = c.src != own, ~c.masked & (c.src == own)
+    assert swapped.any() and plain.any() and torch.equal(a.swapped, swapped)
+    shown, pix = patches(a.corrupted, 4), patches(a.images01, 4)  # (B, N, 3, p, p)
+    for b, n in swapped.nonzero().tolist():
+        assert torch.equal(shown[b, n], pix[b, c.src[b, n]]), (b, n)
+        assert not torch.equal(shown[b, n], pix[b, n]), (b, n)
+    assert torch.equal(shown[plain], pix[plain])
+
+
+def test_filter_variance_shares_are_of_all_the_variance():
+    """With full-rank filters the first k components explain less than all of it: s**2 / sum(s**2) of all."""
+    torch.manual_seed(0)
+    vit = create_encoder("vit_micro4_32").vit
+    w = torch.randn(64, 3, 4, 4)
+    with torch.no_grad():
+        vit.patch_embed.proj.weight.copy_(w)
+    _, share = filter_components(vit, k=5)
+    flat = w.flatten(1)
+    s = torch.linalg.svdvals(flat - flat.mean(0, keepdim=True))
+    assert share.sum().item() < 0.9
+    torch.testing.assert_close(share, (s ** 2 / (s ** 2).sum())[:5])
+
+
+def test_filter_components_are_of_the_centred_filters():
+    """A constant offset shared by every filter is no direction of their variance."""
+    torch.manual_seed(0)
+    vit = create_encoder("vit_micro4_32").vit
+    pattern, offset = torch.randn(3, 4, 4), 50 * torch.randn(3, 4, 4)
+    with torch.no_grad():
+        vit.patch_embed.proj.weight.copy_(offset + torch.randn(64, 1, 1, 1) * pattern)
+    comps, share = filter_components(vit, k=3)
+    assert abs(torch.nn.functional.cosine_similarity(comps[0].flatten(), pattern.flatten(), 0).item()) > 0.9999
+    assert share[0].item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_filters_are_drawn_on_the_runs_std(data, tmp_path, monkeypatch):
+    """filter_components gets the data.std the encoder trained with (raw-RGB filters), not the default."""
+    from mpp.config import DataConfig
+    from mpp.figures import inspection
+    save_encoder(create_encoder("vit_micro4_32"), tmp_path / "export", data=DataConfig(std=(0.2, 0.3, 0.4)))
+    got, real = [], inspection.filter_components
+
+    def record(vit, *a, **k):
+        got.append((a, k))
+        return real(vit, *a, **k)
+    monkeypatch.setattr(inspection, "filter_components", record)
+    inspection.inspect_encoders([str(tmp_path / "export")], data, tmp_path / "o", images=2, grid_images=0)
+    assert len(got) == 1
+    a, k = got[0]
+    std = k.get("std", a[0] if a else None)
+    assert std is not None and tuple(std) == pytest.approx((0.2, 0.3, 0.4))
+
+
+def test_record_attention_refuses_a_model_without_attention():
+    with pytest.raises(ValueError, match="Linear has no timm Attention modules"):
+        with record_attention(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_similarity_and_filter_mosaics_are_drawn_unflipped(tmp_path, monkeypatch):
+    """On a 2x3 grid, position (r, c)'s map sits at tile (r, c) and peaks at its pixel (r, c); a filter
+    tile is drawn (y, x) as it is, not transposed."""
+    import numpy as np
+    from matplotlib.axes import Axes
+
+    from mpp.figures import plots
+    shown, real = [], Axes.imshow
+
+    def record(self, X, *a, **k):
+        shown.append(np.asarray(X))
+        return real(self, X, *a, **k)
+    monkeypatch.setattr(Axes, "imshow", record)
+    gh, gw = 2, 3
+    plots.position_similarity({"e": torch.eye(gh * gw) * 2 - 1}, {"e": (gh, gw)}, tmp_path / "p.png")
+    arr = shown.pop()
+    assert arr.shape == (gh * (gh + 1) - 1, gw * (gw + 1) - 1)
+    for r in range(gh):
+        for c in range(gw):
+            tile = arr[r * (gh + 1):r * (gh + 1) + gh, c * (gw + 1):c * (gw + 1) + gw]
+            assert tile[r, c] == 1 and (tile == 1).sum() == 1, (r, c)
+    comps = torch.zeros(2, 3, 4, 4)
+    comps[0, 0, 0, 3] = 1.0  # red at y=0, x=3
+    comps[1, 1, 2, 0] = 1.0  # green at y=2, x=0
+    plots.filters({"e": comps}, tmp_path / "f.png")
+    arr = shown.pop()
+    for i in range(2):
+        assert np.array_equal(arr[:4, i * 5:i * 5 + 4], comps[i].permute(1, 2, 0).numpy()), i
