@@ -630,6 +630,26 @@ def test_ctrl_c_is_one_line_and_exit_130():
         assert e.value.code == 130 and err.getvalue() == ""
 
 
+def test_a_message_of_several_lines_is_printed_as_one(capsys):
+    """A config error's message that spans lines (a YAML parser's, a wrapped hint) is printed as one
+    `error:` line, its line breaks and indentation each made one space."""
+    from mpp.cli import one_line_errors
+    from mpp.config import ConfigError
+    with pytest.raises(SystemExit) as e, one_line_errors():
+        raise ConfigError("a\n  b")
+    assert e.value.code == 2 and capsys.readouterr().err == "error: a b\n"
+
+
+def test_a_read_only_file_system_gets_the_advice_of_a_missing_permission():
+    """EROFS (a read-only mount), EACCES and EPERM all say to choose a writable output_dir."""
+    import errno
+    from mpp.cli import os_message
+    for code, words in ((errno.EACCES, "Permission denied"), (errno.EPERM, "Operation not permitted"),
+                        (errno.EROFS, "Read-only file system")):
+        assert os_message(OSError(code, words, "/x")) == \
+            f"no permission to write '/x' ({words}); choose a writable output_dir", code
+
+
 def test_out_of_memory_is_one_line_saying_what_to_lower():
     """A failed allocation (the CPU allocator's RuntimeError, the GPU's OutOfMemoryError, Python's
     MemoryError) ended in a traceback; a bug's RuntimeError still keeps its own."""

@@ -939,6 +939,61 @@ def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it
     assert "padded" not in m["val_skipped_samples"]
 
 
+def _ranking_classifier(source: dict, rank_of: dict, classes: int, *, train_rank: int | None = None):
+    """A stub classify model on a write_shards test set: for the image of key k it puts the true
+    class at rank `rank_of[k]` (1 = first) of `classes` logits; in train mode, where `train_rank`
+    is given, at that rank for every image instead."""
+    truth = {px.tobytes(): (label, rank_of[key]) for key, (label, px) in source.items()}
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
+
+        def logits(self, images):
+            rows = []
+            for img in images.permute(0, 2, 3, 1).numpy():
+                label, rank = truth[img.tobytes()]
+                if self.training and train_rank is not None:
+                    rank = train_rank
+                others = [c for c in range(classes) if c != label]
+                order = others[:rank - 1] + [label] + others[rank - 1:]  # highest score first
+                row = torch.zeros(classes)
+                row[order] = torch.arange(classes, 0, -1, dtype=torch.float32)
+                rows.append(row)
+            return torch.stack(rows)
+    return Classifier()
+
+
+def _classify_cfg(manifest: str):
+    return build_config({"model": "vit_micro4_32", "objective": "classify", "batch_size": 4,
+                         "data": {"train": manifest, "val": manifest, "num_workers": 0, "eval_crop_pct": 1.0}})
+
+
+def test_a_fine_tunes_top5_counts_the_images_whose_class_is_among_the_five_highest_logits(tmp_path):
+    """7 test images of 6 classes in batches of 4 and 3: the true class ranked 1st for two images,
+    2nd to 5th for four and 6th (last) for one. top1 is 2/7 and top5 6/7 exactly: top5 is not
+    top1, and each batch's hits count its own images (not a percentage per batch)."""
+    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
+    from shardutil import write_shards
+    manifest, source = write_shards(tmp_path / "test", [7], classes=6)
+    rank_of = dict(zip(sorted(source), [1, 2, 3, 6, 4, 5, 1]))
+    m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(_ranking_classifier(source, rank_of, 6))
+    assert m["val_samples"] == 7
+    assert (m["top1"], m["top5"]) == (2 / 7, 6 / 7)
+
+
+def test_a_fine_tunes_evaluation_scores_in_eval_mode_a_model_left_in_train_mode(tmp_path):
+    """The training loop hands over its model in train mode (dropout, drop path on): the evaluation
+    scores the eval-mode model. Here train mode would rank every true class last (top1 = top5 = 0)."""
+    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
+    from shardutil import write_shards
+    manifest, source = write_shards(tmp_path / "test", [5], classes=6)
+    classifier = _ranking_classifier(source, dict.fromkeys(source, 1), 6, train_rank=6).train()
+    m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(classifier)
+    assert (m["top1"], m["top5"], m["val_samples"]) == (1.0, 1.0, 5)
+
+
 def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them(tmp_path):
     """Corrupt training images (some in the development split) and a corrupt test image and shard:
     the probe's metrics count them by kind, training and test apart, as the fine-tune's do, and

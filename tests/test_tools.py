@@ -3,6 +3,7 @@ runs the same `main` as its `mpp-*` script, usage errors are one line, and the c
 and docs cite exist."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from toolrun import call
 
+from mpp import cli
 from mpp.config import ConfigError, load_config
 
 try:
@@ -50,6 +52,38 @@ def test_usage_errors_are_one_line():
     r = call(entry(SCRIPTS["mpp-make-shards"]), ["only-one-argument"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: ") and "the following arguments are required: out" in r.stderr
+
+
+@pytest.mark.parametrize("parse, least", [(cli.count, 1), (cli.whole, 0), (cli.seed, 0)])
+def test_a_count_or_seed_that_is_not_a_whole_number_is_a_usage_error(parse, least):
+    """A word, a float or an empty argument is refused as one past the lower bound, not read as
+    that bound."""
+    assert parse(str(least)) == least and parse(f" {least + 7} ") == least + 7
+    for text in ("abc", "1e3", "1.5", "", str(least - 1)):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number"):
+            parse(text)
+
+
+def test_a_seed_that_is_not_a_whole_number_ends_the_tool_with_one_line():
+    r = call(entry(SCRIPTS["mpp-make-shards"]), ["no-such-folder", "out", "--seed", "abc"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: ") and "argument --seed: expected a whole number >= 0, got 'abc'" in r.stderr
+
+
+def test_a_seed_is_taken_up_to_2_to_the_32_minus_1_and_refused_past_it():
+    """numpy's seeds are 0..2**32 - 1: the last one is taken, the next refused before any work."""
+    assert cli.seed("4294967295") == 2**32 - 1
+    for text in ("4294967296", "4294967297"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a seed in 0..4294967295"):
+            cli.seed(text)
+
+
+def test_an_empty_or_blank_path_is_refused():
+    """An empty path meant this folder; one of only spaces or a tab is as empty."""
+    assert cli.path("runs/a") == "runs/a"
+    for text in ("", " ", "  ", "\t"):
+        with pytest.raises(argparse.ArgumentTypeError, match="empty path"):
+            cli.path(text)
 
 
 def test_a_bad_key_or_path_answers_at_once_without_importing_torch():
