@@ -135,12 +135,24 @@ def test_adamw_recipe_gives_layer_decayed_lrs():
 
 @pytest.mark.slow
 def test_adamw_recipe_trains(colours, tmp_path):
+    """The recipe learns; under its layer-wise lr decay the logged train/lr is the largest group's
+    (the head's, at optim.lr's schedule) rate of the logged step, not an embedding's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from mpp.train import train
-    m = train(load_config(ROOT / "configs/cifar10_finetune_adamw.yaml", [
+    cfg = load_config(ROOT / "configs/cifar10_finetune_adamw.yaml", [
         f"output_dir={tmp_path}", "model=vit_micro4_32", "batch_size=16", "steps=30", "optim.warmup_steps=3",
         f"data.train={colours / 'train/manifest.json'}", f"data.val={colours / 'val/manifest.json'}",
-        "data.num_workers=0", "train.attn=math"]))
+        "data.num_workers=0", "train.attn=math"])
+    m = train(cfg)
     assert m["top1"] > 0.6, m  # chance: 1/3
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/lr")}
+    o = cfg.optim
+    head = _lrs({"name": o.name, "lr": o.lr, "warmup_steps": o.warmup_steps, "schedule": o.schedule,
+                 "min_lr": o.min_lr}, total_steps=30)  # no layer decay: the one group at the head's rate
+    assert o.layer_decay < 1 and sorted(logged) == [20, 30]
+    assert [logged[done] for done in (20, 30)] == pytest.approx([head[19], head[29]], rel=1e-5)  # step done-1's rate
 
 
 def test_folded_probe_head_predicts_like_the_probe_on_standardised_features():

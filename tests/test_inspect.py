@@ -270,6 +270,12 @@ def test_tool_rejects_a_missing_encoder(data, tmp_path):
 
 
 def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path, capsys):
+    """The grid of train.image_every shows the same input images at every logging step (the
+    segment's first batch), so its predictions can be followed as the run trains."""
+    import io
+
+    import numpy as np
+    from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from mpp.train import train
@@ -284,6 +290,10 @@ def test_training_logs_the_prediction_grid_and_saves_the_head(data, tmp_path, ca
     assert "warning: train.profile=[5, 1] (steps 6..6) past the run's 2 steps" in err  # its images: reached
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [e.step for e in events.Images("mpp/predictions")] == [1, 2]
+    grids = [np.asarray(Image.open(io.BytesIO(e.encoded_image_string))) for e in events.Images("mpp/predictions")]
+    inputs = [g[:, :96] for g in grids]  # the first panel: the 32-pixel inputs upscaled to 96
+    assert grids[0].shape == grids[1].shape == (8 * 98, 4 * 98, 3) and inputs[0].std() > 0
+    assert np.array_equal(*inputs), "the grid's input images changed between steps 1 and 2"
     assert load_mpp_task(tmp_path) is not None and (tmp_path / HEAD_FILE).is_file()
 
 

@@ -82,6 +82,12 @@ def scalars(run: Path, tag: str) -> list[float]:
     return [e.value for e in events.Scalars(tag)]
 
 
+def scalar_steps(run: Path, tag: str = "train/loss") -> list[int]:
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
@@ -213,7 +219,8 @@ def test_ctrl_c_ends_a_run_in_one_line_and_it_resumes(data, tmp_path):
 def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_weights(data, mpp_run, tmp_path):
     """SIGTERM to the run and its data workers (a scheduler's preemption) after its first step:
     the run saves the step it is in as a checkpoint (none is due before step 8), says so in one
-    line and exits 143; the same command resumes there and ends bit-identical to `mpp_run`."""
+    line and exits 143; the same command resumes there and ends bit-identical to `mpp_run`, and
+    TensorBoard keeps what the stopped segment logged beside the uninterrupted run's later logs."""
     out = tmp_path / "stopped"
     proc = subprocess.Popen([sys.executable, "tools/pretrain.py", *settings(data, out)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -227,9 +234,13 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_wei
     step = int(re.search(r"stopped after step (\d+) of 24", err.splitlines()[-1]).group(1))
     assert step < 24 and [p.name for p in list_checkpoints(out / "checkpoints")][-1] == checkpoint_name(step)
     assert not (out / ".lock").exists() and not (out / "metrics.json").exists()
+    before = scalar_steps(out)
     done = run_script(["tools/pretrain.py", *settings(data, out)], env=cpu_env())
     assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
+    # TensorBoard: the stopped segment's logs (a stop in the loop logs its step; one in a wait for
+    # data does not), then the uninterrupted run's past the step resumed from
+    assert scalar_steps(out) == [s for s in before if s <= step] + [s for s in scalar_steps(mpp_run) if s > step]
 
 
 def test_a_sigterm_during_the_last_checkpoint_stops_before_the_export(data, tmp_path, monkeypatch):
@@ -251,6 +262,28 @@ def test_a_sigterm_during_the_last_checkpoint_stops_before_the_export(data, tmp_
     assert not (out / "metrics.json").exists() and not (out / "encoder.safetensors").exists()
     monkeypatch.undo()
     assert train(config(settings(data, out, steps=4)))["steps"] == 4
+
+
+def test_a_sigterm_between_log_steps_logs_its_step_and_the_resume_keeps_that_log(data, tmp_path, monkeypatch):
+    """A SIGTERM acted on in the loop at step 3 (log_every 4) closes the log window there; the
+    resumed run (TensorBoard's purge_step) hides only the events past step 3 of the stopped
+    attempt, so train/loss holds step 3 and then the uninterrupted run's steps 4 and 8."""
+    real, calls = mpp.train._sample_weights, []
+
+    def sigterm_in_step_3(accelerator, micro):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(accelerator, micro)
+
+    monkeypatch.setattr(mpp.train, "_sample_weights", sigterm_in_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(Terminated, match="stopped after step 3 of 8"):
+        train(config(settings(data, out, steps=8)))
+    assert scalar_steps(out) == [3]
+    monkeypatch.undo()
+    train(config(settings(data, out, steps=8)))
+    assert scalar_steps(out) == [3, 4, 8]
 
 
 def test_a_sigterm_at_an_evaluators_step_keeps_its_evaluation(data, tmp_path, monkeypatch):
@@ -529,6 +562,35 @@ def test_a_log_windows_figures_weigh_each_sample_once_with_a_smaller_tail_step()
     assert (figures["grad_norm"], figures["images"]) == (3.0, 40)
 
 
+def test_a_log_windows_grad_norm_is_the_mean_over_its_finite_steps_only():
+    """A skipped non-finite step adds nothing to the logged gradient norm: a window of an infinite
+    norm (skipped) and a finite one of 3.0 logs 3.0, not inf."""
+    from mpp.train import _Window
+    win = _Window(torch.zeros(()))
+    for norm in (float("inf"), 3.0):
+        win.add_micro(torch.tensor(1.0), {}, 4)
+        win.add_step(torch.tensor(norm), torch.isfinite(torch.tensor(norm)))
+    figures = win.read(SimpleNamespace(gather=lambda t: t))
+    assert figures["grad_norm"] == 3.0
+
+
+def test_a_checkpoints_totals_add_this_segment_to_the_earlier_segments():
+    """The totals a checkpoint saves (and metrics.json's wall_time_s, images_per_s and
+    data_wait_frac read) are the earlier, checkpointed segments' plus this one's: a run resumed
+    twice reports its whole wall time, not the last two segments'."""
+    from mpp.nonfinite import BadSteps
+    from mpp.train import _totals
+    earlier = {"step": 8, "nonfinite_steps": 1, "scaler_skips": 2, "elapsed": 100.0, "train_time": 80.0,
+               "data_wait": 5.0, "images": 128}
+    run = SimpleNamespace(state=earlier, bad=BadSteps(torch.zeros(()), 0, limit=3), t_begin=time.time() - 2.0,
+                          t_loop=time.perf_counter() - 1.0, wait_all=0.25, wait_win=0.25, last={}, images=64,
+                          cfg=SimpleNamespace(batch_size=16))
+    run.bad.add(torch.tensor(False))
+    totals = _totals(run)
+    assert 102.0 <= totals["elapsed"] < 110.0 and 81.0 <= totals["train_time"] < 89.0
+    assert (totals["data_wait"], totals["images"], totals["nonfinite_steps"], totals["scaler_skips"]) == (5.5, 192, 2, 2)
+
+
 def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path, monkeypatch):
     """An fp16 run whose last step was the scaler's overflow (weights untouched, finite) exports its
     encoder and counts the step in scaler_skips, not in nonfinite_steps: about 1 fp16 run in 2,000
@@ -566,6 +628,30 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
         with pytest.raises(Terminated, match="before the next batch: stopped after step 2 of 8"):
             train(config(settings(data, tmp_path / "resumed", **items)))
     with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
+        train(config(settings(data, tmp_path / "resumed", **items)))
+
+
+def test_a_resume_continues_the_streak_of_nonfinite_steps_the_checkpoint_left_open(data, tmp_path, monkeypatch):
+    """Every loss NaN, train.max_bad_steps=3: the run stops at its check of step 4 (steps 1-3 failed
+    in a row). Stopped by a SIGTERM during its checkpoint of step 2, two failed steps into the
+    streak, the resumed run counts on from 2 and stops at the same step, not at step 6 as a run
+    that counted afresh would."""
+    monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
+    items = dict(steps=8, **{"train.log_every": 2, "train.ckpt_every": 2, "train.max_bad_steps": 3})
+    with pytest.raises(NonFiniteError, match=r"near step 4: 3 steps .*step_0000002"):
+        train(config(settings(data, tmp_path / "whole", **items)))
+    real = mpp.train._checkpoint
+
+    def checkpoint_then_sigterm(run, done):
+        real(run, done)
+        if done == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
+        with pytest.raises(Terminated, match="before the next batch: stopped after step 2 of 8"):
+            train(config(settings(data, tmp_path / "resumed", **items)))
+    with pytest.raises(NonFiniteError, match=r"near step 4: 3 steps .*step_0000002"):
         train(config(settings(data, tmp_path / "resumed", **items)))
 
 
@@ -676,14 +762,16 @@ def test_a_checkpoints_rng_file_is_never_unpickled(mpp_run, tmp_path, capsys):
 
 def test_a_run_that_fails_before_its_first_step_leaves_nothing(data, mpp_run, tmp_path):
     """A run stopped before its first step (every image corrupt: the first batch fails) writes no
-    config.yaml or TensorBoard events: a fresh one leaves no directory, and a resume keeps the
+    config.yaml or TensorBoard events: a fresh one leaves no directory (nor a checkpoint of step 0,
+    also when train.ckpt_every=0 makes no periodic checkpoint due there), and a resume keeps the
     config.yaml of the steps its checkpoints trained, which the next resume compares against (it
     was overwritten, and that resume warned of 'changes' from settings that never trained)."""
     from shardutil import write_shards
     bad, _ = write_shards(tmp_path / "bad", [8, 8], extra=lambda s, j: {"png": b"not an image"})
-    with pytest.raises(DataError, match="decoded no samples"):
-        train(config(settings(data, tmp_path / "fresh", **{"data.train": bad})))
-    assert not (tmp_path / "fresh").exists()
+    for every in (8, 0):
+        with pytest.raises(DataError, match="decoded no samples"):
+            train(config(settings(data, tmp_path / "fresh", **{"data.train": bad, "train.ckpt_every": every})))
+        assert not (tmp_path / "fresh").exists(), every
     run = shutil.copytree(mpp_run, tmp_path / "run")  # finished at step 24
     (run / "metrics.json").unlink()  # as stopped there: a finished run is refused more steps
     before = {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tensorboard").iterdir()]}
@@ -958,6 +1046,38 @@ def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
     for k in encoders[0]:
         torch.testing.assert_close(encoders[1][k], encoders[0][k], rtol=1e-5, atol=1e-6)
     assert scalars(tmp_path / "two", "train/loss") == pytest.approx(scalars(tmp_path / "one", "train/loss"), rel=1e-5)
+
+
+def test_each_step_uses_its_own_gradient_only(data, tmp_path, monkeypatch):
+    """Plain SGD over batches X then Y: the second step moves the weights of the first step's
+    checkpoint by exactly lr x the gradient of Y there, recomputed by hand; the first step's
+    gradient (of X) was cleared, not added to it."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    labels = torch.arange(16) % 10
+
+    def batches(loader, start):
+        for k in range(start, 2):
+            part = slice(8 * k, 8 * k + 8)
+            yield {"image": images[part].contiguous(memory_format=torch.channels_last), "label": labels[part]}
+    monkeypatch.setattr(mpp.train, "_batches", batches)
+    out, lr = tmp_path / "run", 0.5
+    cfg = config(settings(data, out, objective="supervised", steps=2, batch_size=8, **{
+        "train.precision": "no", "optim.name": "sgd", "optim.momentum": 0, "optim.lr": lr, "optim.warmup_steps": 0,
+        "optim.schedule": "constant", "optim.clip_grad": 0, "optim.weight_decay": 0, "train.ckpt_every": 1,
+        "train.keep_ckpts": 2, "data.num_workers": 0}))
+    train(cfg)
+    first, second = (load_file(str(out / f"checkpoints/{checkpoint_name(k)}/model.safetensors")) for k in (1, 2))
+    task = mpp.objectives.build_task(cfg, mpp.objectives.OBJECTIVES["supervised"].encoder_for(cfg), 10)
+    task.load_state_dict(first)
+    task.train()
+    task(images[8:].contiguous(memory_format=torch.channels_last), labels[8:])[0].backward()
+    moved = 0
+    for name, p in task.named_parameters():
+        expected = first[name] - lr * p.grad if p.requires_grad else first[name]
+        torch.testing.assert_close(second[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        moved += p.requires_grad and not torch.equal(second[name], first[name])
+    assert moved
 
 
 def test_a_step_is_clipped_at_optim_clip_grad_and_the_last_step_is_always_checkpointed(data, tmp_path, monkeypatch):
