@@ -125,6 +125,7 @@ class Run:
     wait_all: float = 0.0
     images: int = 0            # trained on in this segment's closed log windows, all ranks
     last: dict = field(default_factory=dict)  # the latest log window's figures
+    lr: float = 0.0            # the (largest group's) learning rate the latest step used
     win: _Window = None
     bad: BadSteps = None
 
@@ -303,7 +304,7 @@ def loop(run: Run) -> None:
             log_now = done % cfg.train.log_every == 0 or checkpoint_now
             stop = sigterm.now(accelerator, log_now)
             checkpoint_now, log_now = checkpoint_now or stop, log_now or stop
-            lr = max(g["lr"] for g in run.optimizer.param_groups) if log_now else 0.0  # the rate this step used
+            run.lr = max(g["lr"] for g in run.optimizer.param_groups)  # the rate this step used
             run.scheduler.step_update(done)
             run.win.add_step(grad_norm, finite)
             run.bad.add(finite, overflow)
@@ -312,7 +313,7 @@ def loop(run: Run) -> None:
 
             # -- log: the window's sums gathered every log_every steps
             if log_now:
-                _log(run, done, lr)
+                _log(run, done)
 
             # -- MPP prediction grid of a fixed set of images to TensorBoard: this segment's first batch (a
             # resumed run shows others from its resume on)
@@ -450,14 +451,14 @@ def _sample_weights(accelerator, micro: list[dict]) -> list:
 _TAGS = {"images_per_s": "perf/images_per_s", "data_wait_frac": "perf/data_wait_frac"}  # others: train/...
 
 
-def _log(run: Run, done: int, lr: float) -> None:
+def _log(run: Run, done: int) -> None:
     """Gather the window's figures (all ranks), write them to TensorBoard and the progress bar;
-    `lr`: the (largest group's) learning rate of the window's last step."""
+    train/lr: the (largest group's) learning rate of the window's last step."""
     check_finite(run, done)
     now = time.perf_counter()
     figures = run.win.read(run.accelerator)
     figures.update({"skipped_" + k: n for k, n in _skipped(run).items()})
-    figures["lr"] = lr
+    figures["lr"] = run.lr
     images = figures.pop("images")
     run.images += images
     figures["images_per_s"] = images / (now - run.t_win)
@@ -508,10 +509,12 @@ def _next_batch(run: Run, step: int, counted: dict, sigterm: Sigterm) -> dict:
 
 
 def _save_reached(run: Run, step: int, counted: dict) -> None:
-    """Checkpoint the `step` steps done when a micro-batch of the next never came: the skips as
-    they stood before it (`counted`) and the images of the unlogged window."""
+    """Checkpoint the `step` steps done when a micro-batch of the next never came, with the skips as
+    they stood before it (`counted`). The steps since the last log are logged first, as a stop in
+    the loop logs them: their figures are not lost."""
     run.batches.counted = counted
-    run.images += run.win.images  # the steps since the last log: a log closes the window before a checkpoint
+    if run.win.images:
+        _log(run, step)
     _checkpoint(run, step)
 
 

@@ -238,8 +238,8 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_wei
     done = run_script(["tools/pretrain.py", *settings(data, out)], env=cpu_env())
     assert done.returncode == 0 and f"(step {step})" in done.stdout, done.stderr[-3000:]
     assert_same(weights(out / "encoder.safetensors"), weights(mpp_run / "encoder.safetensors"))
-    # TensorBoard: the stopped segment's logs (a stop in the loop logs its step; one in a wait for
-    # data does not), then the uninterrupted run's past the step resumed from
+    # TensorBoard: the stopped segment's logs (its last at the step it stopped after), then the
+    # uninterrupted run's past the step resumed from
     assert scalar_steps(out) == [s for s in before if s <= step] + [s for s in scalar_steps(mpp_run) if s > step]
 
 
@@ -824,7 +824,8 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
                                                                                  resume):
     """A data error mid-run (a stalled read, a shard changed since it was listed) lost the steps
     since the last checkpoint: one process saves the step it reached first, between two periodic
-    checkpoints and mid-step under grad_accum, and the same command resumes there to the weights,
+    checkpoints and mid-step under grad_accum, logging the steps since the last log (their figures
+    were lost), and the same command resumes there to the weights,
     images and skip counts of a run never stopped (the micro-batch read before the error, whose
     corrupt samples were counted, is read again); the wait for the batch that never came (a stall's
     data.timeout) is data wait in its checkpoint (read in this process, no worker start-up to wait
@@ -846,8 +847,12 @@ def test_a_run_stopped_by_its_data_saves_the_step_it_reached_and_resumes_there(t
         saved = list_checkpoints(tmp_path / "run/checkpoints")[-1]
         assert saved.name == checkpoint_name(step)
         assert torch.load(saved / "state.pt", weights_only=True)["data_wait"] >= 1.5
+        # the steps since the last log were logged at the step saved (under accum 1: step 5 of log_every 2)
+        logged = scalar_steps(tmp_path / "run")
+        assert logged == [s for s in scalar_steps(tmp_path / "whole") if s < step] + [step]
         monkeypatch.setattr(mpp.train, "_batches", real)
         again = train(items(tmp_path / "run"))
+        assert scalar_steps(tmp_path / "run") == logged + [s for s in scalar_steps(tmp_path / "whole") if s > step]
     assert again["skipped_samples"] == whole["skipped_samples"] and whole["skipped_samples"]
     assert again["epochs"] == whole["epochs"]
     assert_same(weights(tmp_path / "run/encoder.safetensors"), weights(tmp_path / "whole/encoder.safetensors"))
@@ -899,8 +904,8 @@ def test_a_sigterm_after_a_steps_check_does_not_wait_out_the_next_stalled_read(t
     items, stall = stopped_run_items(tmp_path, 1), threading.Event()
     real_log = mpp.train._log
 
-    def log(run, done, lr):
-        real_log(run, done, lr)
+    def log(run, done):
+        real_log(run, done)
         if done == 2:  # no checkpoint due (ckpt_every 4)
             os.kill(os.getpid(), signal.SIGTERM)
     monkeypatch.setattr(mpp.train, "_log", log)
