@@ -604,17 +604,21 @@ def test_a_run_whose_last_step_overflowed_ends_well_and_counts_it(data, tmp_path
     assert scalars(tmp_path, "train/scaler_skips") == [0, 1]
 
 
-def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data, tmp_path, monkeypatch):
-    """From the train.max_bad_steps-th fp16 overflow in a row on, an overflow is a failed step. A
-    checkpoint did not keep how many overflows were in a row, so a run resumed there counted
-    afresh, took more overflows as the scaler's and stopped later than the run it resumed (near
-    step 8, not 6). Simulated as in the test above: every gradient non-finite, reported as the
-    scaler's overflow; the run is stopped by a SIGTERM during its checkpoint of step 2, two
-    overflows into the run."""
+@pytest.mark.parametrize("overflows, stops", [(False, r"near step 4: 3 steps .*step_0000002"),
+                                               (True, r"near step 6: .*step_0000004")])
+def test_a_resume_keeps_the_run_of_failed_steps_the_checkpoint_left_open(data, tmp_path, monkeypatch, overflows,
+                                                                         stops):
+    """Every gradient non-finite, train.max_bad_steps=3; the run is stopped by a SIGTERM during its
+    checkpoint of step 2, two failed steps into the run, and the resumed run stops where the whole
+    run does, not later as one that counted afresh would. Plain failed steps: at the check of step
+    4 (steps 1-3 failed in a row), not 6. fp16 overflows (reported as the scaler's): from the
+    max_bad_steps-th in a row on an overflow is a failed step, so near step 6, not 8; a checkpoint
+    once did not keep how many overflows were in a row."""
     monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
-    monkeypatch.setattr(mpp.train, "scaler_overflow", lambda accelerator, finite, losses: ~finite)
+    if overflows:
+        monkeypatch.setattr(mpp.train, "scaler_overflow", lambda accelerator, finite, losses: ~finite)
     items = dict(steps=8, **{"train.log_every": 2, "train.ckpt_every": 2, "train.max_bad_steps": 3})
-    with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
+    with pytest.raises(NonFiniteError, match=stops):
         train(config(settings(data, tmp_path / "whole", **items)))
     real = mpp.train._checkpoint
 
@@ -627,31 +631,7 @@ def test_a_resume_keeps_the_run_of_fp16_overflows_the_checkpoint_left_open(data,
         m.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
         with pytest.raises(Terminated, match="before the next batch: stopped after step 2 of 8"):
             train(config(settings(data, tmp_path / "resumed", **items)))
-    with pytest.raises(NonFiniteError, match=r"near step 6: .*step_0000004"):
-        train(config(settings(data, tmp_path / "resumed", **items)))
-
-
-def test_a_resume_continues_the_streak_of_nonfinite_steps_the_checkpoint_left_open(data, tmp_path, monkeypatch):
-    """Every loss NaN, train.max_bad_steps=3: the run stops at its check of step 4 (steps 1-3 failed
-    in a row). Stopped by a SIGTERM during its checkpoint of step 2, two failed steps into the
-    streak, the resumed run counts on from 2 and stops at the same step, not at step 6 as a run
-    that counted afresh would."""
-    monkeypatch.setattr(mpp.train, "build_task", nan_after(0))
-    items = dict(steps=8, **{"train.log_every": 2, "train.ckpt_every": 2, "train.max_bad_steps": 3})
-    with pytest.raises(NonFiniteError, match=r"near step 4: 3 steps .*step_0000002"):
-        train(config(settings(data, tmp_path / "whole", **items)))
-    real = mpp.train._checkpoint
-
-    def checkpoint_then_sigterm(run, done):
-        real(run, done)
-        if done == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    with monkeypatch.context() as m:
-        m.setattr(mpp.train, "_checkpoint", checkpoint_then_sigterm)
-        with pytest.raises(Terminated, match="before the next batch: stopped after step 2 of 8"):
-            train(config(settings(data, tmp_path / "resumed", **items)))
-    with pytest.raises(NonFiniteError, match=r"near step 4: 3 steps .*step_0000002"):
+    with pytest.raises(NonFiniteError, match=stops):
         train(config(settings(data, tmp_path / "resumed", **items)))
 
 
