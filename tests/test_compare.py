@@ -1603,3 +1603,18 @@ def test_a_comparison_over_two_pretraining_seeds_reports_each_gap_over_them(tmp_
     assert json.loads((tmp_path / "re" / "report.json").read_text())["pretrain_seeds"] == across
     bad = run_tool("report", runs, "--out", tmp_path / "re", "--repeat", tmp_path / "nope")
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "pretrain_seedN" in bad.stderr, bad.stderr
+
+
+def test_the_tool_passes_dry_run_and_the_later_of_two_overrides(tmp_path, monkeypatch):
+    """--dry-run reaches the comparison (which then runs nothing), and of two overrides of one key
+    the later wins, as on every tool's command line."""
+    import mpp.compare
+    seen = []
+    monkeypatch.setattr(mpp.compare, "run", lambda cfg, dry_run: seen.append((cfg, dry_run)) or tmp_path / "report")
+    r = run_tool("compare", "--config", ROOT / "configs/compare_synthetic.yaml", "--dry-run",
+                 f"output_dir={tmp_path / 'A'}", f"output_dir={tmp_path / 'B'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    [(cfg, dry_run)] = seen
+    assert dry_run is True and cfg.output_dir == str(tmp_path / "B")
+    assert r.stdout.startswith("report (when it has run): ")
+    assert not (tmp_path / "A").exists() and not (tmp_path / "B").exists()

@@ -630,6 +630,21 @@ def test_ctrl_c_is_one_line_and_exit_130():
         assert e.value.code == 130 and err.getvalue() == ""
 
 
+def test_ctrl_c_in_a_fine_tune_says_how_to_resume(monkeypatch):
+    """The fine-tune tool's Ctrl-C line is the training tools' (run the same command to resume)."""
+    import mpp.train
+    from mpp.cli import QUIET_INTERRUPT, RESUMABLE
+    from mpp.tools.finetune import main
+    from toolrun import call
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mpp.train, "train", interrupted)
+    monkeypatch.delenv(QUIET_INTERRUPT, raising=False)
+    r = call(main, ["--config", str(ROOT / "configs/synthetic_finetune.yaml")])
+    assert r.returncode == 130 and r.stderr.splitlines()[-1] == f"error: {' '.join(RESUMABLE.split())}"
+
+
 def test_a_message_of_several_lines_is_printed_as_one(capsys):
     """A config error's message that spans lines (a YAML parser's, a wrapped hint) is printed as one
     `error:` line, its line breaks and indentation each made one space."""

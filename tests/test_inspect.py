@@ -655,3 +655,15 @@ def test_similarity_and_filter_mosaics_are_drawn_unflipped(tmp_path, monkeypatch
     arr = shown.pop()
     for i in range(2):
         assert np.array_equal(arr[:4, i * 5:i * 5 + 4], comps[i].permute(1, 2, 0).numpy()), i
+
+
+def test_the_tool_gives_its_options_to_the_inspection(tmp_path, monkeypatch):
+    """--seed, --images, --batch-size, --grid-images and --num-samples reach inspect_encoders."""
+    from mpp.figures import inspection
+    seen = []
+    monkeypatch.setattr(inspection, "inspect_encoders", lambda encoders, data, out, **kw: seen.append((encoders, kw)))
+    r = run_tool("inspect_encoders", "--encoder", "none:vit_micro4_32", "--data", tmp_path / "x-{0..1}.tar",
+                 "--num-samples", "9", "--out", tmp_path / "figs", "--seed", "3", "--images", "5",
+                 "--batch-size", "2", "--grid-images", "1")
+    assert r.returncode == 0, r.stderr
+    assert seen == [(["none:vit_micro4_32"], dict(images=5, grid_images=1, batch_size=2, seed=3, num_samples=9))]

@@ -65,6 +65,20 @@ def test_a_rerender_keeps_the_repeats_its_report_names_and_says_when_it_cannot(t
     assert "2 pre-training seeds" in err and "--repeat" in err and err.count("\n") == 1
 
 
+def test_the_tool_reads_every_repeat_it_is_given(tmp_path, monkeypatch):
+    """Two --repeat folders: both are read and both reach the report."""
+    import mpp.report
+    import mpp.report.runs
+    seen = []
+    monkeypatch.setattr(mpp.report.runs, "read_repeat", lambda d: ("repeat", d))
+    (tmp_path / "report.md").write_text("# the report")
+    monkeypatch.setattr(mpp.report, "write_report", lambda runs, out, repeats: seen.append(repeats) or {
+        "out_dir": str(tmp_path)})
+    r = run_tool("report", tmp_path / "runs", "--repeat", tmp_path / "seed1", "--repeat", tmp_path / "seed2")
+    assert r.returncode == 0, r.stderr
+    assert seen == [[("repeat", str(tmp_path / "seed1")), ("repeat", str(tmp_path / "seed2"))]]
+
+
 def test_a_repeat_passed_twice_or_of_the_same_pre_trainings_is_refused(tmp_path):
     """A repeat named twice, the report's own folder, a report of the same pre-training runs, or
     one of other runs pre-trained with the same seed (a copy of the comparison) would count one

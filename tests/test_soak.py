@@ -74,6 +74,17 @@ def test_overrides_follow_the_options_and_are_checked_before_anything_is_written
         assert not (tmp_path / "b").exists()
 
 
+def test_the_tool_gives_the_soak_seconds_kill_times_and_seed(tmp_path, monkeypatch):
+    """--minutes becomes seconds, --kill-after (default 15 60; a MIN of 0 is taken) and --seed reach
+    the soak."""
+    seen = []
+    monkeypatch.setattr(mpp.soak, "soak", lambda out, seconds, kill_after, settings, seed: seen.append(
+        (seconds, kill_after, seed)) or {"failed_runs": 0, "runs": []})
+    main([str(tmp_path), "--minutes", "0.01"])
+    main([str(tmp_path), "--minutes", "0.01", "--seed", "7", "--kill-after", "0", "5"])
+    assert seen == [(pytest.approx(0.6), (15.0, 60.0), 0), (pytest.approx(0.6), (0.0, 5.0), 7)]
+
+
 def test_a_failed_run_fails_the_soak(tmp_path, monkeypatch):
     """A run that ended in an error makes the soak exit 1 with one line naming it and its log."""
     runs = [{"problems": []}, {"problems": ["error: the disk is full"]}, {"problems": ["error: later"]}]

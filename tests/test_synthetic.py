@@ -162,6 +162,22 @@ def test_the_tool_gives_its_settings_to_the_generator(tmp_path: Path):
         assert tool == (tmp_path / "lib/train" / shard).read_bytes() != (tmp_path / "seed0/train" / shard).read_bytes()
 
 
+def test_the_tools_defaults_and_overwrite_reach_the_generator(tmp_path: Path, monkeypatch, capsys):
+    """A bare make_synthetic writes with the defaults its --help names; --overwrite reaches it."""
+    from mpp.tools import make_synthetic as tool
+    seen = []
+    monkeypatch.setattr(tool, "make_synthetic", lambda out, **kw: seen.append(kw) or {})
+    tool.main([str(tmp_path / "a")])
+    tool.main([str(tmp_path / "b"), "--overwrite"])
+    defaults = dict(train=5000, test=1000, size=32, seed=0, shards=8)
+    assert seen == [dict(defaults, overwrite=False), dict(defaults, overwrite=True)]
+    with pytest.raises(SystemExit):
+        tool.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{what} (default {n})" in text for what, n in (("training images", 5000), ("test images", 1000),
+                                                               ("pixels", 32), ("per split", 8)))
+
+
 def test_each_written_label_is_the_class_its_image_draws(tmp_path: Path):
     """The writer labels sample i with i % 10 apart from render's own label: were the two to part,
     every image would be trained on another class's label and nothing could be learnt. Each

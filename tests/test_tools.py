@@ -54,6 +54,12 @@ def test_usage_errors_are_one_line():
     assert r.stderr.startswith("error: ") and "the following arguments are required: out" in r.stderr
 
 
+def test_the_compare_tool_without_its_config_is_a_one_line_usage_error():
+    r = call(entry(SCRIPTS["mpp-compare"]), ["--dry-run"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: ") and "the following arguments are required: --config" in r.stderr
+
+
 @pytest.mark.parametrize("parse, least", [(cli.count, 1), (cli.whole, 0), (cli.seed, 0)])
 def test_a_count_or_seed_that_is_not_a_whole_number_is_a_usage_error(parse, least):
     """A word, a float or an empty argument is refused as one past the lower bound, not read as
@@ -146,6 +152,26 @@ def test_a_setting_the_tool_never_reads_is_warned_of(capsys):
         assert capsys.readouterr().err == f"warning: {said}: those settings do nothing here\n"
     parse_config_args("", ["optim.lr=0.1", "fewshot.seeds=2"], tool="pretrain")
     assert capsys.readouterr().err == ""
+
+
+def test_the_probe_tool_warns_of_an_optim_setting_it_never_reads(monkeypatch):
+    """The probe tool names itself to the config parser, which warns that optim.* does nothing."""
+    import mpp.evaluators.linear_probe
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "run_linear_probe", lambda cfg: {})
+    r = call(entry(SCRIPTS["mpp-probe"]), ["--config", str(ROOT / "configs/synthetic_probe.yaml"), "optim.lr=0.5"])
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "warning: this tool never reads optim.lr=0.5: those settings do nothing here\n"
+
+
+def test_a_value_error_of_the_probe_is_one_line_and_exit_1(monkeypatch):
+    """The probe's own checks raise ValueError: the user gets its message, not a traceback."""
+    import mpp.evaluators.linear_probe
+
+    def refuse(cfg):
+        raise ValueError("probe.encoder x: no such run\n  (a second line)")
+    monkeypatch.setattr(mpp.evaluators.linear_probe, "run_linear_probe", refuse)
+    r = call(entry(SCRIPTS["mpp-probe"]), ["--config", str(ROOT / "configs/synthetic_probe.yaml")])
+    assert r.returncode == 1 and r.stderr == "error: probe.encoder x: no such run (a second line)\n"
 
 
 def test_a_key_the_chosen_option_never_reads_is_warned_of(capsys):

@@ -486,6 +486,23 @@ def test_cli(folder: Path, tmp_path: Path, capsys):
     make_shards_main([str(folder), str(tmp_path / "small"), "--bytes-per-shard", str(40 * 1024)])
     small = json.loads((tmp_path / "small" / "manifest.json").read_text())["shards"]
     assert len(small) > 1 and max((tmp_path / "small" / s["name"]).stat().st_size for s in small) <= 40 * 1024
+    make_shards_main([str(folder), str(tmp_path / "small"), "--overwrite"])  # a non-empty OUT replaced
+    assert len(json.loads((tmp_path / "small" / "manifest.json").read_text())["shards"]) == 1
+
+
+def test_the_tools_defaults_reach_the_writer(tmp_path: Path, monkeypatch, capsys):
+    """A bare make_shards writes with the defaults its --help names (seed 0, no overwrite)."""
+    from mpp.data.writer import BYTES_PER_SHARD, SAMPLES_PER_SHARD
+    from mpp.tools import make_shards
+    seen = []
+    monkeypatch.setattr(make_shards, "write_shards", lambda src, out, **kw: seen.append(kw) or dict(
+        classes=[], num_samples=0, shards=[], skipped=dict(count=0)))
+    make_shards.main([str(tmp_path / "src"), str(tmp_path / "out")])
+    assert seen == [dict(unlabeled=False, samples_per_shard=SAMPLES_PER_SHARD, bytes_per_shard=BYTES_PER_SHARD,
+                         seed=0, overwrite=False)]
+    with pytest.raises(SystemExit):
+        make_shards.main(["--help"])
+    assert "across shards (default 0)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_every_written_format_is_one_the_loader_decodes():
