@@ -1,7 +1,8 @@
 """Run by tests/test_dist_faults.py under `torchrun --nproc_per_node N`: each gloo rank pre-trains
 with the settings given (mpp.train.train, as tools/pretrain.py would) and writes to
-OUTPUT_DIR/rank{r}.json the pixel hashes of the samples its loader gave, the steps it took and a
-digest of its final weights (encoder and head). With MPP_TEST_SLOW_BEGIN=S the main rank's
+OUTPUT_DIR/rank{r}.json the pixel hashes of the samples its loader gave, the steps it took, a
+digest of its final weights (encoder and head) and its own skipped samples by kind (the counters
+it hands to the run's final gather of them). With MPP_TEST_SLOW_BEGIN=S the main rank's
 start-up work (Task.begin, which the other ranks wait for) takes S seconds longer; with
 MPP_TEST_STALE_LISTING=1 the other ranks' listing of checkpoints misses the newest (as another
 node's view of a network file system can for a while); with MPP_TEST_FULL_DISK=1 the main rank's
@@ -35,6 +36,8 @@ def main(*overrides: str) -> None:
 
     ShardLoader.epoch = recorded
     mpp.train.build_task = lambda *a: tasks.append(build(*a)) or tasks[-1]
+    skipped, gather_skips = [], mpp.train._skipped
+    mpp.train._skipped = lambda run: skipped.append(dict(run.batches.counted)) or gather_skips(run)
     slow = float(os.environ.get("MPP_TEST_SLOW_BEGIN", 0))
     if slow:
         begin = mpp.train.Task.begin
@@ -50,7 +53,8 @@ def main(*overrides: str) -> None:
     weights = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in tasks[0].state_dict().values()))
     rank = torch.distributed.get_rank()
     with open(f"{cfg.output_dir}/rank{rank}.json", "w") as f:
-        json.dump({"steps": metrics["steps"], "batches": hashes[:metrics["steps"]], "weights": weights.hexdigest()}, f)
+        json.dump({"steps": metrics["steps"], "batches": hashes[:metrics["steps"]], "weights": weights.hexdigest(),
+                   "skipped": skipped[-1]}, f)
     leave_process_group()  # as the tools do: a group alive at exit can abort a rank after its work
 
 

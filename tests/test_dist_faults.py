@@ -39,13 +39,20 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_D
 
 
 def test_uneven_shards_and_a_corrupt_one_finish_on_two_ranks_and_refuse_other_settings_once_finished(tmp_path):
-    manifest, _ = write_shards(tmp_path / "data", [20, 3, 13, 6], classes=None)
-    (tmp_path / "data/000002.tar").write_bytes(os.urandom(20_000))  # random bytes where 13 samples were
-    done = subprocess.run(torchrun(tmp_path / "run", manifest, 6), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    # a corrupt image in the shard of 20 and random bytes where 13 samples were: the two ranks' bins
+    # ({20} and {3, 13, 6}) each skip some
+    manifest, _ = write_shards(tmp_path / "data", [20, 3, 13, 6], classes=None,
+                               extra=lambda s, j: {"png": b"junk"} if (s, j) == (0, 5) else {})
+    (tmp_path / "data/000002.tar").write_bytes(os.urandom(20_000))
+    done = subprocess.run(torchrun(tmp_path / "run", manifest, 6, script="tests/dist_train_worker.py"), cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "run/metrics.json").read_text())
     assert metrics["steps"] == 6 and sum(metrics["skipped_samples"].values()) > 0, metrics
+    # the figures are every rank's skips summed (the ranks' own counters, as the worker recorded them)
+    ranks = [json.loads((tmp_path / f"run/rank{r}.json").read_text())["skipped"] for r in range(2)]
+    assert all(ranks) and metrics["skipped_samples"] == {k: ranks[0].get(k, 0) + ranks[1].get(k, 0)
+                                                         for k in {*ranks[0], *ranks[1]}}, (metrics, ranks)
     # started again with another rate: every rank stops with the refusal's line (rank 1 went on into
     # a collective and died with a traceback while rank 0 refused)
     again = subprocess.run(torchrun(tmp_path / "run", manifest, 6, "optim.lr=0.01"), cwd=ROOT, env=ENV,
@@ -274,13 +281,25 @@ def test_a_checkpoint_the_main_rank_cannot_write_stops_every_rank_at_once(tmp_pa
     assert not list((tmp_path / "run/checkpoints").glob("step_*"))
 
 
-def worker_run(tmp_path: Path, steps: int, dist_timeout: int, **env: str) -> tuple[subprocess.CompletedProcess, float]:
-    """tests/dist_train_worker.py on two gloo ranks over 16 small images, with the worker's test
-    hooks in `env`: the finished process and its seconds."""
+def test_two_ranks_accumulating_gradients_end_with_identical_weights(tmp_path):
+    """train.grad_accum=2 on two ranks: every micro-batch but a step's last skips DDP's gradient
+    all-reduce (no_sync), the last one averages the sums over the ranks, so both ranks take the
+    same steps. Skipping it on the last micro-batch instead left each rank its own gradient."""
+    done, _ = worker_run(tmp_path, 2, 120, "train.grad_accum=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"run/rank{r}.json").read_text()) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [2, 2]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+def worker_run(tmp_path: Path, steps: int, dist_timeout: int, *extra: str,
+               **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    """tests/dist_train_worker.py on two gloo ranks over 16 small images, with the settings `extra`
+    and the worker's test hooks in `env`: the finished process and its seconds."""
     manifest, _ = write_shards(tmp_path / "data", [8, 8], classes=None)
     started = time.monotonic()
     done = subprocess.run(torchrun(tmp_path / "run", manifest, steps, "data.num_workers=0", "img_size=16",
-                                   f"train.dist_timeout={dist_timeout}", script="tests/dist_train_worker.py"),
+                                   f"train.dist_timeout={dist_timeout}", *extra, script="tests/dist_train_worker.py"),
                           cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=300)
     return done, time.monotonic() - started
 

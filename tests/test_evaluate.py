@@ -983,6 +983,41 @@ def test_a_fine_tunes_top5_counts_the_images_whose_class_is_among_the_five_highe
     assert (m["top1"], m["top5"]) == (2 / 7, 6 / 7)
 
 
+def _second_rank(monkeypatch, hits: list[bool], labels: list[int], counts: dict, top5_hits: float = 0.0):
+    """Makes the classify evaluation on one process see a second rank too: its gather returns that
+    rank's (per-image hits and labels, skip counters) after this rank's, its all-reduce adds that
+    rank's top-5 hits ("sum") or averages the two ("mean")."""
+    import mpp.evaluators.classify as classify
+    other = ([np.array(hits, dtype=bool), np.array(labels, dtype=np.int64)], counts)
+    monkeypatch.setattr(classify, "gather_object", lambda objs: list(objs) + [other])
+    monkeypatch.setattr(classify, "reduce", lambda t, op: {"sum": t + top5_hits, "mean": (t + top5_hits) / 2}[op])
+
+
+def test_a_fine_tunes_evaluation_counts_the_images_every_rank_skipped(tmp_path, monkeypatch):
+    """val_skipped_samples sums the skip counters gathered from all ranks: a corrupt image that only
+    another rank met is counted, though this rank read all of its own."""
+    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
+    from shardutil import write_shards
+    manifest, source = write_shards(tmp_path / "test", [4], classes=6)
+    _second_rank(monkeypatch, [], [], {"corrupt_image": 1})
+    m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(_ranking_classifier(source, dict.fromkeys(source, 1), 6))
+    assert m["val_samples"] == 4
+    assert m["val_skipped_samples"] == {"corrupt_image": 1}
+
+
+def test_a_fine_tunes_top5_sums_the_hits_of_every_rank(tmp_path, monkeypatch):
+    """top5 adds up the top-5 hits of all ranks (an all-reduce "sum") over all ranks' images: 6 of
+    this rank's 7 and all 3 of another rank's are 9/10 (their mean, 4.5, would give 0.45)."""
+    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
+    from shardutil import write_shards
+    manifest, source = write_shards(tmp_path / "test", [7], classes=6)
+    rank_of = dict(zip(sorted(source), [1, 2, 3, 6, 4, 5, 1]))
+    _second_rank(monkeypatch, [True, False, False], [0, 1, 2], {}, top5_hits=3.0)
+    m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(_ranking_classifier(source, rank_of, 6))
+    assert m["val_samples"] == 10
+    assert (m["top1"], m["top5"]) == (3 / 10, 9 / 10)
+
+
 def test_a_fine_tunes_evaluation_scores_in_eval_mode_a_model_left_in_train_mode(tmp_path):
     """The training loop hands over its model in train mode (dropout, drop path on): the evaluation
     scores the eval-mode model. Here train mode would rank every true class last (top1 = top5 = 0)."""

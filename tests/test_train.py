@@ -1033,6 +1033,25 @@ def test_every_sample_of_a_step_weighs_the_same(data, tmp_path, monkeypatch):
     assert scalars(tmp_path / "two", "train/loss") == pytest.approx(scalars(tmp_path / "one", "train/loss"), rel=1e-5)
 
 
+def test_sample_weights_sum_the_step_over_all_ranks():
+    """On several ranks each micro-batch's weight divides by the step's samples summed over the
+    ranks (an all-reduce "sum"), not their mean: micro-batches of 4 and 4 beside another rank's 8
+    weigh 1.0 each; a lone 2 beside another rank's 4 weighs 2 x 1 x 2 / 6."""
+    class Fake:
+        num_processes, device = 2, "cpu"
+
+        def __init__(self, other):
+            self.other = other
+
+        def reduce(self, t, op):
+            return {"sum": t + self.other, "mean": (t + self.other) / 2}[op]
+
+    def micro(*sizes):
+        return [{"image": torch.zeros(n, 3, 4, 4)} for n in sizes]
+    assert [float(w) for w in mpp.train._sample_weights(Fake(8.0), micro(4, 4))] == pytest.approx([1.0, 1.0])
+    assert [float(w) for w in mpp.train._sample_weights(Fake(4.0), micro(2))] == pytest.approx([2 * 1 * 2 / 6])
+
+
 def test_each_step_uses_its_own_gradient_only(data, tmp_path, monkeypatch):
     """Plain SGD over batches X then Y: the second step moves the weights of the first step's
     checkpoint by exactly lr x the gradient of Y there, recomputed by hand; the first step's
