@@ -6,7 +6,8 @@ it hands to the run's final gather of them). With MPP_TEST_SLOW_BEGIN=S the main
 start-up work (Task.begin, which the other ranks wait for) takes S seconds longer; with
 MPP_TEST_STALE_LISTING=1 the other ranks' listing of checkpoints misses the newest (as another
 node's view of a network file system can for a while); with MPP_TEST_FULL_DISK=1 the main rank's
-writes of the model's weights fail as on a full disk."""
+writes of the model's weights fail as on a full disk; with MPP_TEST_DATA_ERROR_AT=K rank 1's
+loader raises a DataError in place of its K-th batch."""
 import errno
 import hashlib
 import json
@@ -20,6 +21,7 @@ import mpp.checkpoint
 import mpp.rundir
 import mpp.train
 from mpp.config import load_config
+from mpp.data import DataError
 from mpp.data.loader import ShardLoader
 from mpp.runtime import leave_process_group
 
@@ -35,6 +37,14 @@ def main(*overrides: str) -> None:
             yield batch
 
     ShardLoader.epoch = recorded
+    fail_at = int(os.environ.get("MPP_TEST_DATA_ERROR_AT", 0))
+    if fail_at and os.environ.get("RANK") == "1":
+        def failing(self, *args, **kwargs):
+            for batch in recorded(self, *args, **kwargs):
+                if len(hashes) == fail_at:
+                    raise DataError("shard 000001.tar changed since it was listed")
+                yield batch
+        ShardLoader.epoch = failing
     mpp.train.build_task = lambda *a: tasks.append(build(*a)) or tasks[-1]
     skipped, gather_skips = [], mpp.train._skipped
     mpp.train._skipped = lambda run: skipped.append(dict(run.batches.counted)) or gather_skips(run)

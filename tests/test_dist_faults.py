@@ -292,6 +292,22 @@ def test_two_ranks_accumulating_gradients_end_with_identical_weights(tmp_path):
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
+def test_a_data_error_on_one_rank_stops_both_and_the_run_resumes_from_its_newest_checkpoint(tmp_path):
+    """A rank's data error (a shard changed since it was listed) at its fourth batch: it cannot save
+    step 3, which it reached, alone as one process does (the other rank waits in the step's all-reduce),
+    so it stops with the error; the other rank stops within seconds (the launcher ends it, or the
+    collective fails), no checkpoint is written past the newest periodic one (step 2), and the same
+    command, the data mended, resumes there and finishes."""
+    done, took = worker_run(tmp_path, 8, 120, MPP_TEST_DATA_ERROR_AT="4")
+    assert done.returncode != 0 and "shard 000001.tar changed since it was listed" in done.stderr, \
+        done.stderr[-3000:]
+    assert took < 100
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step_*")) == ["step_0000002"]
+    done, _ = worker_run(tmp_path, 8, 120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads((tmp_path / f"run/rank{r}.json").read_text())["steps"] for r in range(2)] == [8, 8]
+
+
 def worker_run(tmp_path: Path, steps: int, dist_timeout: int, *extra: str,
                **env: str) -> tuple[subprocess.CompletedProcess, float]:
     """tests/dist_train_worker.py on two gloo ranks over 16 small images, with the settings `extra`
