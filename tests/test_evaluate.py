@@ -28,11 +28,13 @@ from mpp import outcomes
 from mpp.config import ConfigError, build_config
 from mpp.data import DataError, make_loader
 from mpp.evaluators import create
+from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
 from mpp.evaluators.features import extract_features
 from mpp.evaluators.fewshot import BIAS_CONSTANT, Evaluator, fewshot_correct, fewshot_eval, fewshot_lstsq
 from mpp.evaluators.linear_probe import linear_probe
 from mpp.models import create_encoder, save_encoder
 from mpp.nonfinite import NonFiniteError
+from shardutil import write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +109,6 @@ def test_the_class_count_is_the_manifests_and_never_the_test_labels(tmp_path):
     manifest, one past the largest training label (the test labels never decide it), unless that
     makes more classes than labels."""
     from mpp.data.sources import class_count
-    from shardutil import write_shards
     manifest, _ = write_shards(tmp_path / "a", [4, 4], classes=5)
     assert class_count(manifest, 0, torch.tensor([0, 1])) == 5
     pattern = str(tmp_path / "a" / "{000000..000001}.tar")
@@ -414,7 +415,6 @@ def test_fewshot_evaluator_leaves_rng_and_mode_alone(shards, tmp_path):
 def test_fewshot_evaluator_reports_the_samples_it_skipped(shards, tmp_path):
     """Unreadable images of the few-shot sets were skipped and only logged once, never recorded:
     each call returns them by kind (TensorBoard's fewshot/skipped_*), with its scores."""
-    from shardutil import write_shards
     bad, _ = write_shards(tmp_path / "bad", [20, 20], classes=4, seed=3,
                           extra=lambda s, j: {"png": b"not a png"} if j < 3 else {})
     cfg = _cfg(shards, tmp_path / "run", probe={"pool": "token"}, fewshot={"test": bad})
@@ -889,7 +889,6 @@ def test_a_test_set_sharing_shards_with_the_training_set_is_warned_of(tmp_path, 
     """A lone fine-tune or probe whose data.val shares shards with data.train reported the figures
     of images it trained on as held-out ones without a word (a comparison refuses it outright)."""
     from mpp.data.sources import check_same_classes
-    from shardutil import write_shards
     train, _ = write_shards(tmp_path / "train", [4, 4])
     check_same_classes(train, str(tmp_path / "train" / "." / "000001.tar"), 4)  # one of its shards, spelled otherwise
     assert "data.val shares 1 shard(s) with data.train" in caplog.text and "not held-out ones" in caplog.text
@@ -907,20 +906,22 @@ def test_a_test_set_sharing_shards_with_the_training_set_is_warned_of(tmp_path, 
     assert "shares" not in caplog.text
 
 
+def _classify_cfg(manifest: str):
+    """A classify config that scores `manifest` whole (no crop) in batches of 4."""
+    return build_config({"model": "vit_micro4_32", "objective": "classify", "batch_size": 4,
+                         "data": {"train": manifest, "val": manifest, "num_workers": 0, "eval_crop_pct": 1.0}})
+
+
 def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it_skipped(tmp_path):
     """A test set with a corrupt image and a corrupt shard: the classify evaluation scores every
     readable image exactly once (no repeated batch filling the rank's short tail) and records the
     images it could not score by kind."""
-    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
-    from shardutil import write_shards
     manifest, source = write_shards(tmp_path / "test", [6, 6],
                                     extra=lambda s, j: {"png": b"junk"} if (s, j) == (0, 2) else {})
     tar = tmp_path / "test" / "000001.tar"  # a malformed header: that whole shard is lost
     data = bytearray(tar.read_bytes())
     data[100] ^= 0xFF  # its first header
     tar.write_bytes(bytes(data))
-    cfg = build_config({"model": "vit_micro4_32", "objective": "classify", "batch_size": 4,
-                        "data": {"train": manifest, "val": manifest, "num_workers": 0, "eval_crop_pct": 1.0}})
     seen = []
 
     class Classifier(torch.nn.Module):  # remembers the images it was given
@@ -932,7 +933,7 @@ def test_a_fine_tunes_evaluation_scores_each_test_image_once_and_records_what_it
             seen.extend(img.tobytes() for img in images.permute(0, 2, 3, 1).numpy())
             return torch.zeros(len(images), 3)
 
-    m = ClassifyEvaluator(cfg, "cpu").run(Classifier())
+    m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(Classifier())
     readable = {px.tobytes() for key, (_, px) in source.items() if key.startswith("s0_") and key != "s0_2"}
     assert len(seen) == len(set(seen)) == m["val_samples"] < 12 and readable <= set(seen)
     assert m["val_skipped_samples"] == {"corrupt_image": 1, "corrupt_tar": 1, "lost_samples": 6}  # the broken shard's
@@ -965,17 +966,10 @@ def _ranking_classifier(source: dict, rank_of: dict, classes: int, *, train_rank
     return Classifier()
 
 
-def _classify_cfg(manifest: str):
-    return build_config({"model": "vit_micro4_32", "objective": "classify", "batch_size": 4,
-                         "data": {"train": manifest, "val": manifest, "num_workers": 0, "eval_crop_pct": 1.0}})
-
-
 def test_a_fine_tunes_top5_counts_the_images_whose_class_is_among_the_five_highest_logits(tmp_path):
     """7 test images of 6 classes in batches of 4 and 3: the true class ranked 1st for two images,
     2nd to 5th for four and 6th (last) for one. top1 is 2/7 and top5 6/7 exactly: top5 is not
     top1, and each batch's hits count its own images (not a percentage per batch)."""
-    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
-    from shardutil import write_shards
     manifest, source = write_shards(tmp_path / "test", [7], classes=6)
     rank_of = dict(zip(sorted(source), [1, 2, 3, 6, 4, 5, 1]))
     m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(_ranking_classifier(source, rank_of, 6))
@@ -996,8 +990,6 @@ def _second_rank(monkeypatch, hits: list[bool], labels: list[int], counts: dict,
 def test_a_fine_tunes_evaluation_counts_the_images_every_rank_skipped(tmp_path, monkeypatch):
     """val_skipped_samples sums the skip counters gathered from all ranks: a corrupt image that only
     another rank met is counted, though this rank read all of its own."""
-    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
-    from shardutil import write_shards
     manifest, source = write_shards(tmp_path / "test", [4], classes=6)
     _second_rank(monkeypatch, [], [], {"corrupt_image": 1})
     m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(_ranking_classifier(source, dict.fromkeys(source, 1), 6))
@@ -1008,8 +1000,6 @@ def test_a_fine_tunes_evaluation_counts_the_images_every_rank_skipped(tmp_path, 
 def test_a_fine_tunes_top5_sums_the_hits_of_every_rank(tmp_path, monkeypatch):
     """top5 adds up the top-5 hits of all ranks (an all-reduce "sum") over all ranks' images: 6 of
     this rank's 7 and all 3 of another rank's are 9/10 (their mean, 4.5, would give 0.45)."""
-    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
-    from shardutil import write_shards
     manifest, source = write_shards(tmp_path / "test", [7], classes=6)
     rank_of = dict(zip(sorted(source), [1, 2, 3, 6, 4, 5, 1]))
     _second_rank(monkeypatch, [True, False, False], [0, 1, 2], {}, top5_hits=3.0)
@@ -1021,8 +1011,6 @@ def test_a_fine_tunes_top5_sums_the_hits_of_every_rank(tmp_path, monkeypatch):
 def test_a_fine_tunes_evaluation_scores_in_eval_mode_a_model_left_in_train_mode(tmp_path):
     """The training loop hands over its model in train mode (dropout, drop path on): the evaluation
     scores the eval-mode model. Here train mode would rank every true class last (top1 = top5 = 0)."""
-    from mpp.evaluators.classify import Evaluator as ClassifyEvaluator
-    from shardutil import write_shards
     manifest, source = write_shards(tmp_path / "test", [5], classes=6)
     classifier = _ranking_classifier(source, dict.fromkeys(source, 1), 6, train_rank=6).train()
     m = ClassifyEvaluator(_classify_cfg(manifest), "cpu").run(classifier)
@@ -1034,7 +1022,6 @@ def test_a_probe_records_the_images_it_could_not_read_and_a_cache_hit_keeps_them
     the probe's metrics count them by kind, training and test apart, as the fine-tune's do, and
     the same figures come back when the features are read from the cache."""
     from mpp.evaluators.linear_probe import Evaluator as ProbeEvaluator
-    from shardutil import write_shards
     train, _ = write_shards(tmp_path / "train", [12, 12], extra=lambda s, j: {"png": b"junk"} if j % 4 == 1 else {})
     test, _ = write_shards(tmp_path / "test", [6, 6], extra=lambda s, j: {"png": b"junk"} if (s, j) == (0, 2) else {})
     tar = tmp_path / "test" / "000001.tar"  # a malformed header: that whole shard is lost
@@ -1058,7 +1045,6 @@ def test_the_feature_cache_key_changes_with_the_attention_kernel_the_device_and_
     precision differ in their last bits (or more), and relabeled shards in their labels: each is its
     own cache entry (a comparison's runs share one cache)."""
     from mpp.evaluators.features import feature_cache_key
-    from shardutil import write_shards
     manifest, _ = write_shards(tmp_path / "d", [4, 4])
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
 
@@ -1275,7 +1261,6 @@ def test_the_few_shot_watch_names_its_own_count_keys_and_refuses_a_stray_label(t
     as the probe refuses it, where it asked for a head of a million classes."""
     from mpp.data.decode import DataError
     from mpp.data.sources import CountNeeded
-    from shardutil import write_shards
     write_shards(tmp_path / "d", [8, 8], classes=4, extra=lambda s, j: {"cls": b"999999"} if (s, j) == (1, 7) else {})
     pattern = str(tmp_path / "d" / "{000000..000001}.tar")
     fs = {"train": pattern, "test": pattern, "shots": [1], "seeds": 1}
@@ -1343,7 +1328,6 @@ def test_the_feature_cache_key_tells_apart_subsets_of_the_same_shards(tmp_path):
     each is its own cache entry, or the second extraction would load the first's features (the
     development split scored as if it were the training features)."""
     from mpp.evaluators.features import feature_cache_key
-    from shardutil import write_shards
     manifest, _ = write_shards(tmp_path / "d", [4, 4])
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
     cfg = build_config({"model": "vit_micro4_32", "img_size": 16})
@@ -1359,7 +1343,6 @@ def test_a_rewritten_shard_of_the_same_size_misses_the_feature_cache(tmp_path):
     """A shard written again (same name, same size, new images) must not reuse the features of the
     old one: its modification time is part of the cache key."""
     from mpp.evaluators.features import feature_cache_key
-    from shardutil import write_shards
     manifest, _ = write_shards(tmp_path / "d", [4, 4])
     encoder = create_encoder("vit_micro4_32", img_size=16, attn="math")
     cfg = build_config({"model": "vit_micro4_32", "img_size": 16})
