@@ -28,10 +28,12 @@ def eager_random():
         yield
 
 
-@pytest.mark.parametrize("objective,mode", [("mpp", "default"), ("classify", "default"), ("mpp", "reduce-overhead")])
+@pytest.mark.parametrize("objective,mode", [
+    ("mpp", "default"), ("classify", "default"),
+    pytest.param("mpp", "reduce-overhead", marks=pytest.mark.skipif(  # on CPU the same compile as default
+        not torch.cuda.is_available(), reason="reduce-overhead replays CUDA graphs; on CPU it compiles as default"))])
 def test_compiled_step_equals_eager_without_recompiles(objective, mode, eager_random):
-    """On CUDA where there is one (reduce-overhead then replays CUDA graphs), else on CPU (where the
-    mode checks its step marking and that it compiles the same single graph)."""
+    """On CUDA where there is one (reduce-overhead then replays CUDA graphs), else on CPU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.reset()
     counters.clear()
