@@ -30,7 +30,7 @@ def eager_random():
 
 @pytest.mark.parametrize("objective,mode", [
     ("mpp", "default"), ("classify", "default"),
-    pytest.param("mpp", "reduce-overhead", marks=pytest.mark.skipif(  # on CPU the same compile as default
+    pytest.param("mpp", "reduce-overhead", marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="reduce-overhead replays CUDA graphs; on CPU it compiles as default"))])
 def test_compiled_step_equals_eager_without_recompiles(objective, mode, eager_random):
     """On CUDA where there is one (reduce-overhead then replays CUDA graphs), else on CPU."""
